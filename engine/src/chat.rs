@@ -1,0 +1,1 @@
+//! Chat template (placeholder until implemented).

@@ -1,0 +1,1 @@
+//! Sandbox: isolated execution for agent tool calls and grading (to come).

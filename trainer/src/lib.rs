@@ -1,0 +1,1 @@
+//! Trainer: backward of the model, losses, optimizer, checkpoints, rollout harness (to come).
