@@ -1,0 +1,95 @@
+//! Log-softmax over the vocabulary and the log-prob gather that scoring and
+//! the policy-gradient loss need: `lp[t] = logits[t, y_t] - logsumexp(logits[t])`.
+//! The sum is accumulated in f64: the vocabulary is 248k wide in real models
+//! and an f32 sum loses digits that log-prob comparisons care about.
+
+use crate::{Error, Result};
+use rayon::prelude::*;
+
+fn logsumexp(row: &[f32]) -> f32 {
+    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return max;
+    }
+    let s: f64 = row.iter().map(|&x| ((x - max) as f64).exp()).sum();
+    max + s.ln() as f32
+}
+
+/// `out[n, v] = logits - logsumexp(logits)` per row.
+pub fn log_softmax_forward(out: &mut [f32], logits: &[f32], n: usize, v: usize) -> Result<()> {
+    if out.len() != n * v || logits.len() != n * v {
+        return Err(Error::Shape(format!(
+            "log_softmax: out {} logits {} for {n} x {v}",
+            out.len(),
+            logits.len()
+        )));
+    }
+    if v == 0 {
+        return Ok(());
+    }
+    out.par_chunks_mut(v)
+        .zip(logits.par_chunks(v))
+        .for_each(|(o, x)| {
+            let lse = logsumexp(x);
+            for (a, b) in o.iter_mut().zip(x) {
+                *a = b - lse;
+            }
+        });
+    Ok(())
+}
+
+/// `out[n] = log_softmax(logits[n, v])[targets[n]]`. Also returns nothing else:
+/// the backward recomputes softmax from the logits.
+pub fn logprob_gather_forward(
+    out: &mut [f32],
+    logits: &[f32],
+    targets: &[u32],
+    n: usize,
+    v: usize,
+) -> Result<()> {
+    if out.len() != n || targets.len() != n || logits.len() != n * v {
+        return Err(Error::Shape(format!(
+            "logprob_gather: out {} targets {} logits {} for {n} x {v}",
+            out.len(),
+            targets.len(),
+            logits.len()
+        )));
+    }
+    if let Some((t, &y)) = targets.iter().enumerate().find(|(_, &y)| y as usize >= v) {
+        return Err(Error::Index(format!(
+            "target id {y} at row {t} is not below the vocabulary size {v}"
+        )));
+    }
+    if v == 0 {
+        return Ok(());
+    }
+    out.par_iter_mut()
+        .zip(logits.par_chunks(v))
+        .zip(targets.par_iter())
+        .for_each(|((o, x), &y)| {
+            *o = x[y as usize] - logsumexp(x);
+        });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gather_matches_log_softmax() {
+        let logits = [1.0, 2.0, 3.0, -1.0, 0.0, 1000.0];
+        let mut ls = [0.0; 6];
+        log_softmax_forward(&mut ls, &logits, 2, 3).unwrap();
+        let z: f64 = (1.0f64.exp() + 2.0f64.exp() + 3.0f64.exp()).ln();
+        assert!((ls[0] as f64 - (1.0 - z)).abs() < 1e-6);
+        let s: f32 = ls[..3].iter().map(|x| x.exp()).sum();
+        assert!((s - 1.0).abs() < 1e-6);
+        let mut lp = [0.0; 2];
+        logprob_gather_forward(&mut lp, &logits, &[2, 1], 2, 3).unwrap();
+        assert_eq!(lp[0], ls[2]);
+        assert_eq!(lp[1], ls[4]);
+        assert!(lp[1] < -900.0);
+        assert!(logprob_gather_forward(&mut lp, &logits, &[3, 1], 2, 3).is_err());
+    }
+}
