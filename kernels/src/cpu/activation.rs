@@ -30,24 +30,24 @@ pub fn silu_forward(x: &mut [f32]) {
     }
 }
 
-/// `out[n, h] = silu(inp[n, 0..h]) * inp[n, h..2h]`: the input is the fused
-/// gate|up projection of the MLP.
-pub fn silu_mul_forward(out: &mut [f32], inp: &[f32], n: usize, h: usize) -> Result<()> {
-    if out.len() != n * h || inp.len() != n * 2 * h {
+/// `out[n, h] = silu(gate[n, h]) * up[n, h]`: the MLP's activation.
+pub fn silu_mul_forward(
+    out: &mut [f32],
+    gate: &[f32],
+    up: &[f32],
+    n: usize,
+    h: usize,
+) -> Result<()> {
+    if out.len() != n * h || gate.len() != n * h || up.len() != n * h {
         return Err(Error::Shape(format!(
-            "silu_mul: out {} / inp {} for {n} rows of {h}",
+            "silu_mul: out {} / gate {} / up {} for {n} rows of {h}",
             out.len(),
-            inp.len()
+            gate.len(),
+            up.len()
         )));
     }
-    if h == 0 {
-        return Ok(());
-    }
-    for (o, x) in out.chunks_exact_mut(h).zip(inp.chunks_exact(2 * h)) {
-        let (gate, up) = x.split_at(h);
-        for i in 0..h {
-            o[i] = silu(gate[i]) * up[i];
-        }
+    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+        *o = silu(*g) * u;
     }
     Ok(())
 }
@@ -73,9 +73,8 @@ mod tests {
 
     #[test]
     fn silu_mul_and_gate() {
-        let inp = [1.0, -2.0, 3.0, 4.0];
         let mut out = [0.0; 2];
-        silu_mul_forward(&mut out, &inp, 1, 2).unwrap();
+        silu_mul_forward(&mut out, &[1.0, -2.0], &[3.0, 4.0], 1, 2).unwrap();
         assert!((out[0] - 3.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-6);
         assert!((out[1] - 4.0 * -2.0 / (1.0 + 2.0f32.exp())).abs() < 1e-6);
         let mut x = [2.0, 2.0];

@@ -1,0 +1,6 @@
+//! Model architectures. One file per architecture (candle style); Qwen3.5 is
+//! the one arcticd trains and serves.
+
+pub mod qwen3_5;
+
+pub use qwen3_5::{Qwen3_5, SeqCache, SeqInput};

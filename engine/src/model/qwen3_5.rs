@@ -1,0 +1,586 @@
+//! Qwen3.5 text model (dense): a hybrid of Gated DeltaNet ("linear
+//! attention") layers and gated full-attention layers, as in transformers'
+//! `models/qwen3_5` (see DESIGN.md, "The model").
+//!
+//! `Qwen3_5::load` reads a Hugging Face checkpoint directory; `forward` runs
+//! a batch of variable-length sequences packed without padding, each with its
+//! own `SeqCache` (conv state and fp32 recurrent state per linear layer, K/V
+//! per attention layer), so the same code does full-sequence scoring, prefill
+//! and decode. Sequences never see each other: attention, conv and recurrent
+//! state are all per sequence.
+//!
+//! Not for: paging, scheduling or sampling (the engine's cache and scheduler
+//! sit above this), nor the backward (trainer).
+
+use crate::config::{LayerType, ModelConfig};
+use crate::weights::Checkpoint;
+use crate::{Error, Result};
+use arcticd_kernels::cpu::{
+    activation::{sigmoid, sigmoid_gate_forward, silu_forward, silu_mul_forward, softplus},
+    attention::{attention_forward, AttnDims},
+    conv1d::conv1d_forward,
+    embedding::embedding_forward,
+    gated_delta::{
+        gated_delta_chunked_forward, gated_delta_recurrent_forward, GatedDeltaDims, CHUNK,
+    },
+    l2norm::l2norm_forward,
+    logsoftmax::logprob_gather_forward,
+    matmul::matmul_forward,
+    rmsnorm::{gated_rmsnorm_forward, rmsnorm_forward},
+    rope::rope_forward,
+};
+use arcticd_kernels::Tensor;
+use std::path::Path;
+
+/// A linear layer's weight `[out, in]` and optional bias.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+    pub in_features: usize,
+    pub out_features: usize,
+}
+
+impl Linear {
+    fn load(ck: &Checkpoint, name: &str, in_f: usize, out_f: usize, bias: bool) -> Result<Self> {
+        let weight = ck.get_f32(&format!("{name}.weight"), &[out_f, in_f])?;
+        let bias = if bias {
+            Some(ck.get_f32(&format!("{name}.bias"), &[out_f])?)
+        } else {
+            None
+        };
+        Ok(Linear {
+            weight,
+            bias,
+            in_features: in_f,
+            out_features: out_f,
+        })
+    }
+
+    /// `out[n, out] = inp[n, in] @ W^T + b`.
+    pub fn forward(&self, inp: &[f32], n: usize) -> Result<Vec<f32>> {
+        let mut out = vec![0.0f32; n * self.out_features];
+        let bias = match &self.bias {
+            Some(b) => Some(b.as_f32()?),
+            None => None,
+        };
+        matmul_forward(
+            &mut out,
+            inp,
+            self.weight.as_f32()?,
+            bias,
+            n,
+            self.in_features,
+            self.out_features,
+        )?;
+        Ok(out)
+    }
+}
+
+fn rmsnorm(inp: &[f32], weight: &Tensor, c: usize, eps: f32) -> Result<Vec<f32>> {
+    let n = inp.len() / c;
+    let mut out = vec![0.0f32; inp.len()];
+    let mut rstd = vec![0.0f32; n];
+    rmsnorm_forward(&mut out, &mut rstd, inp, weight.as_f32()?, n, c, eps)?;
+    Ok(out)
+}
+
+/// Gated DeltaNet mixer weights.
+#[derive(Debug, Clone)]
+pub struct LinearAttention {
+    pub in_proj_qkv: Linear,
+    pub in_proj_z: Linear,
+    pub in_proj_b: Linear,
+    pub in_proj_a: Linear,
+    /// Depthwise conv weight `[conv_dim, kernel]` (the checkpoint's `[C, 1, K]`).
+    pub conv1d: Tensor,
+    pub a_log: Tensor,
+    pub dt_bias: Tensor,
+    /// Gated RMSNorm weight `[dv]` (plain w).
+    pub norm: Tensor,
+    pub out_proj: Linear,
+}
+
+/// Gated full-attention mixer weights.
+#[derive(Debug, Clone)]
+pub struct FullAttention {
+    /// `[n_heads * head_dim * 2, hidden]`: per head, query then gate.
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    pub q_norm: Tensor,
+    pub k_norm: Tensor,
+}
+
+#[derive(Debug, Clone)]
+pub enum Mixer {
+    Linear(Box<LinearAttention>),
+    Full(Box<FullAttention>),
+}
+
+#[derive(Debug, Clone)]
+pub struct Layer {
+    pub input_layernorm: Tensor,
+    pub mixer: Mixer,
+    pub post_attention_layernorm: Tensor,
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+/// Qwen3.5 text model with f32 parameters on the CPU.
+#[derive(Debug, Clone)]
+pub struct Qwen3_5 {
+    pub config: ModelConfig,
+    pub embed_tokens: Tensor,
+    pub layers: Vec<Layer>,
+    pub norm: Tensor,
+    /// `None` when tied to `embed_tokens`.
+    pub lm_head: Option<Tensor>,
+}
+
+/// Per-sequence decode state. Linear layers: conv history `[K-1, conv_dim]`
+/// and recurrent state `[nv, dk, dv]` (fp32, always). Attention layers: the
+/// post-norm, post-RoPE keys and the values of every position so far.
+#[derive(Debug, Clone)]
+pub struct SeqCache {
+    pub conv_state: Vec<Vec<f32>>,
+    pub recurrent_state: Vec<Vec<f32>>,
+    pub k: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+    /// Tokens already absorbed into this cache.
+    pub len: usize,
+}
+
+/// One sequence of a packed batch: new tokens, appended to what `cache` holds.
+pub struct SeqInput<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut SeqCache,
+}
+
+impl Qwen3_5 {
+    /// Load from a Hugging Face checkpoint directory (config.json + safetensors).
+    pub fn load(dir: &Path) -> Result<Self> {
+        let config = ModelConfig::from_dir(dir)?;
+        let ck = Checkpoint::open(dir)?;
+        Self::from_checkpoint(config, &ck)
+    }
+
+    pub fn from_checkpoint(config: ModelConfig, ck: &Checkpoint) -> Result<Self> {
+        let c = &config;
+        let p = c.weight_prefix.clone();
+        let h = c.hidden_size;
+        let embed_tokens = ck.get_f32(&format!("{p}embed_tokens.weight"), &[c.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(c.num_layers());
+        for (i, lt) in c.layer_types.iter().enumerate() {
+            let lp = format!("{p}layers.{i}.");
+            let mixer = match lt {
+                LayerType::LinearAttention => {
+                    let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
+                    let a = format!("{lp}linear_attn.");
+                    let conv_dim = c.linear_conv_dim();
+                    let conv = ck
+                        .get_f32(&format!("{a}conv1d.weight"), &[conv_dim, 1, c.conv_kernel])?
+                        .reshape(&[conv_dim, c.conv_kernel])?;
+                    if ck.contains(&format!("{a}conv1d.bias")) {
+                        return Err(Error::Weights(format!(
+                            "{a}conv1d.bias: a conv bias is not part of Qwen3.5"
+                        )));
+                    }
+                    Mixer::Linear(Box::new(LinearAttention {
+                        in_proj_qkv: Linear::load(
+                            ck,
+                            &format!("{a}in_proj_qkv"),
+                            h,
+                            conv_dim,
+                            false,
+                        )?,
+                        in_proj_z: Linear::load(ck, &format!("{a}in_proj_z"), h, nv * dv, false)?,
+                        in_proj_b: Linear::load(ck, &format!("{a}in_proj_b"), h, nv, false)?,
+                        in_proj_a: Linear::load(ck, &format!("{a}in_proj_a"), h, nv, false)?,
+                        conv1d: conv,
+                        a_log: ck.get_f32(&format!("{a}A_log"), &[nv])?,
+                        dt_bias: ck.get_f32(&format!("{a}dt_bias"), &[nv])?,
+                        norm: ck.get_f32(&format!("{a}norm.weight"), &[dv])?,
+                        out_proj: Linear::load(ck, &format!("{a}out_proj"), nv * dv, h, false)?,
+                    }))
+                }
+                LayerType::FullAttention => {
+                    let a = format!("{lp}self_attn.");
+                    let (nh, nkv, hd, bias) =
+                        (c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias);
+                    Mixer::Full(Box::new(FullAttention {
+                        q_proj: Linear::load(ck, &format!("{a}q_proj"), h, nh * hd * 2, bias)?,
+                        k_proj: Linear::load(ck, &format!("{a}k_proj"), h, nkv * hd, bias)?,
+                        v_proj: Linear::load(ck, &format!("{a}v_proj"), h, nkv * hd, bias)?,
+                        o_proj: Linear::load(ck, &format!("{a}o_proj"), nh * hd, h, bias)?,
+                        q_norm: ck.get_f32(&format!("{a}q_norm.weight"), &[hd])?,
+                        k_norm: ck.get_f32(&format!("{a}k_norm.weight"), &[hd])?,
+                    }))
+                }
+            };
+            let m = format!("{lp}mlp.");
+            let im = c.intermediate_size;
+            layers.push(Layer {
+                input_layernorm: ck.get_f32(&format!("{lp}input_layernorm.weight"), &[h])?,
+                mixer,
+                post_attention_layernorm: ck
+                    .get_f32(&format!("{lp}post_attention_layernorm.weight"), &[h])?,
+                gate_proj: Linear::load(ck, &format!("{m}gate_proj"), h, im, false)?,
+                up_proj: Linear::load(ck, &format!("{m}up_proj"), h, im, false)?,
+                down_proj: Linear::load(ck, &format!("{m}down_proj"), im, h, false)?,
+            });
+        }
+        let norm = ck.get_f32(&format!("{p}norm.weight"), &[h])?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else if ck.contains("lm_head.weight") {
+            Some(ck.get_f32("lm_head.weight", &[c.vocab_size, h])?)
+        } else {
+            return Err(Error::Weights(
+                "missing tensor lm_head.weight (and tie_word_embeddings is false)".into(),
+            ));
+        };
+        Ok(Qwen3_5 {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
+
+    /// An empty decode state for one sequence.
+    pub fn new_cache(&self) -> SeqCache {
+        let c = &self.config;
+        let n = c.num_layers();
+        let mut cache = SeqCache {
+            conv_state: vec![Vec::new(); n],
+            recurrent_state: vec![Vec::new(); n],
+            k: vec![Vec::new(); n],
+            v: vec![Vec::new(); n],
+            len: 0,
+        };
+        for (i, lt) in c.layer_types.iter().enumerate() {
+            if *lt == LayerType::LinearAttention {
+                cache.conv_state[i] = vec![0.0; (c.conv_kernel - 1) * c.linear_conv_dim()];
+                cache.recurrent_state[i] =
+                    vec![
+                        0.0;
+                        c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+                    ];
+            }
+        }
+        cache
+    }
+
+    /// The output projection `[vocab, hidden]` (tied or not).
+    pub fn lm_head_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// Run the packed batch; returns the final hidden states (after the final
+    /// norm) `[sum of new tokens, hidden]`, sequences in order. Caches advance.
+    pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        let mut ids = Vec::new();
+        let mut spans = Vec::with_capacity(batch.len());
+        for (s, seq) in batch.iter().enumerate() {
+            if seq.tokens.is_empty() {
+                return Err(Error::Input(format!("sequence {s} is empty")));
+            }
+            spans.push((ids.len(), seq.tokens.len(), seq.cache.len));
+            ids.extend_from_slice(seq.tokens);
+        }
+        let t = ids.len();
+        let mut x = vec![0.0f32; t * h];
+        embedding_forward(&mut x, &ids, self.embed_tokens.as_f32()?, c.vocab_size, h)
+            .map_err(|e| Error::Input(e.to_string()))?;
+        let positions: Vec<u32> = spans
+            .iter()
+            .flat_map(|&(_, n, past)| (past..past + n).map(|p| p as u32))
+            .collect();
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            let xn = rmsnorm(&x, &layer.input_layernorm, h, c.rms_norm_eps)?;
+            let mixed = match &layer.mixer {
+                Mixer::Linear(la) => self.linear_attention(la, li, &xn, &spans, batch)?,
+                Mixer::Full(fa) => self.full_attention(fa, li, &xn, &spans, &positions, batch)?,
+            };
+            for (a, b) in x.iter_mut().zip(&mixed) {
+                *a += b;
+            }
+            let xn = rmsnorm(&x, &layer.post_attention_layernorm, h, c.rms_norm_eps)?;
+            let gate = layer.gate_proj.forward(&xn, t)?;
+            let up = layer.up_proj.forward(&xn, t)?;
+            let mut act = vec![0.0f32; gate.len()];
+            silu_mul_forward(&mut act, &gate, &up, t, c.intermediate_size)?;
+            let mlp = layer.down_proj.forward(&act, t)?;
+            for (a, b) in x.iter_mut().zip(&mlp) {
+                *a += b;
+            }
+        }
+        for seq in batch.iter_mut() {
+            seq.cache.len += seq.tokens.len();
+        }
+        rmsnorm(&x, &self.norm, h, c.rms_norm_eps)
+    }
+
+    fn linear_attention(
+        &self,
+        la: &LinearAttention,
+        li: usize,
+        xn: &[f32],
+        spans: &[(usize, usize, usize)],
+        batch: &mut [SeqInput<'_>],
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let t = xn.len() / c.hidden_size;
+        let (nk, nv, dk, dv) = (
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            c.linear_key_head_dim,
+            c.linear_value_head_dim,
+        );
+        let conv_dim = c.linear_conv_dim();
+        let kc = c.conv_kernel;
+        let qkv = la.in_proj_qkv.forward(xn, t)?;
+        let z = la.in_proj_z.forward(xn, t)?;
+        let b = la.in_proj_b.forward(xn, t)?;
+        let a = la.in_proj_a.forward(xn, t)?;
+
+        // Causal conv per sequence, continuing from each sequence's conv state.
+        let mut conv = vec![0.0f32; t * conv_dim];
+        for (&(start, n, _), seq) in spans.iter().zip(batch.iter_mut()) {
+            conv1d_forward(
+                &mut conv[start * conv_dim..(start + n) * conv_dim],
+                &mut seq.cache.conv_state[li],
+                &qkv[start * conv_dim..(start + n) * conv_dim],
+                la.conv1d.as_f32()?,
+                n,
+                conv_dim,
+                kc,
+            )?;
+        }
+        silu_forward(&mut conv);
+
+        // Split channels [q | k | v] and normalise q, k per head.
+        let (qd, vd) = (nk * dk, nv * dv);
+        let mut q_raw = Vec::with_capacity(t * qd);
+        let mut k_raw = Vec::with_capacity(t * qd);
+        let mut v = Vec::with_capacity(t * vd);
+        for row in conv.chunks_exact(conv_dim) {
+            q_raw.extend_from_slice(&row[..qd]);
+            k_raw.extend_from_slice(&row[qd..2 * qd]);
+            v.extend_from_slice(&row[2 * qd..]);
+        }
+        let mut q = vec![0.0f32; t * qd];
+        let mut k = vec![0.0f32; t * qd];
+        let mut rn = vec![0.0f32; t * nk];
+        l2norm_forward(&mut q, &mut rn, &q_raw, t * nk, dk, 1e-6)?;
+        l2norm_forward(&mut k, &mut rn, &k_raw, t * nk, dk, 1e-6)?;
+        let scale = 1.0 / (dk as f32).sqrt();
+        for x in q.iter_mut() {
+            *x *= scale;
+        }
+        // beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias).
+        let a_log = la.a_log.as_f32()?;
+        let dt_bias = la.dt_bias.as_f32()?;
+        let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
+        let g: Vec<f32> = a
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| {
+                let hh = i % nv;
+                -a_log[hh].exp() * softplus(x + dt_bias[hh])
+            })
+            .collect();
+
+        let mut core = vec![0.0f32; t * vd];
+        for (&(start, n, _), seq) in spans.iter().zip(batch.iter_mut()) {
+            let dims = GatedDeltaDims {
+                t: n,
+                nk,
+                nv,
+                dk,
+                dv,
+            };
+            let args = (
+                &q[start * qd..(start + n) * qd],
+                &k[start * qd..(start + n) * qd],
+                &v[start * vd..(start + n) * vd],
+                &g[start * nv..(start + n) * nv],
+                &beta[start * nv..(start + n) * nv],
+            );
+            let out = &mut core[start * vd..(start + n) * vd];
+            let state = &mut seq.cache.recurrent_state[li];
+            // One token: the recurrent step; longer: the chunked form. Both
+            // are the same function (kernels tests hold them to 1e-5).
+            if n == 1 {
+                gated_delta_recurrent_forward(
+                    out, state, args.0, args.1, args.2, args.3, args.4, dims,
+                )?;
+            } else {
+                gated_delta_chunked_forward(
+                    out, state, args.0, args.1, args.2, args.3, args.4, dims, CHUNK,
+                )?;
+            }
+        }
+        let mut normed = vec![0.0f32; t * vd];
+        let mut rstd = vec![0.0f32; t * nv];
+        gated_rmsnorm_forward(
+            &mut normed,
+            &mut rstd,
+            &core,
+            &z,
+            la.norm.as_f32()?,
+            t * nv,
+            dv,
+            c.rms_norm_eps,
+        )?;
+        la.out_proj.forward(&normed, t)
+    }
+
+    fn full_attention(
+        &self,
+        fa: &FullAttention,
+        li: usize,
+        xn: &[f32],
+        spans: &[(usize, usize, usize)],
+        positions: &[u32],
+        batch: &mut [SeqInput<'_>],
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let t = xn.len() / c.hidden_size;
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let qg = fa.q_proj.forward(xn, t)?;
+        // Per head: head_dim query values, then head_dim gate values.
+        let mut q_raw = Vec::with_capacity(t * nh * hd);
+        let mut gate = Vec::with_capacity(t * nh * hd);
+        for head in qg.chunks_exact(2 * hd) {
+            q_raw.extend_from_slice(&head[..hd]);
+            gate.extend_from_slice(&head[hd..]);
+        }
+        let k_raw = fa.k_proj.forward(xn, t)?;
+        let v = fa.v_proj.forward(xn, t)?;
+        let mut q = rmsnorm(&q_raw, &fa.q_norm, hd, c.rms_norm_eps)?;
+        let mut k = rmsnorm(&k_raw, &fa.k_norm, hd, c.rms_norm_eps)?;
+        rope_forward(&mut q, positions, nh, hd, c.rotary_dim, c.rope_theta)?;
+        rope_forward(&mut k, positions, nkv, hd, c.rotary_dim, c.rope_theta)?;
+
+        let (qrow, kvrow) = (nh * hd, nkv * hd);
+        let mut out = vec![0.0f32; t * qrow];
+        let scale = 1.0 / (hd as f32).sqrt();
+        for (&(start, n, past), seq) in spans.iter().zip(batch.iter_mut()) {
+            let kc = &mut seq.cache.k[li];
+            let vc = &mut seq.cache.v[li];
+            if kc.len() != past * kvrow {
+                return Err(Error::Input(format!(
+                    "cache of layer {li} holds {} positions, the sequence says {past}",
+                    kc.len() / kvrow.max(1)
+                )));
+            }
+            kc.extend_from_slice(&k[start * kvrow..(start + n) * kvrow]);
+            vc.extend_from_slice(&v[start * kvrow..(start + n) * kvrow]);
+            attention_forward(
+                &mut out[start * qrow..(start + n) * qrow],
+                &q[start * qrow..(start + n) * qrow],
+                kc,
+                vc,
+                AttnDims {
+                    nq: n,
+                    nk: past + n,
+                    n_heads: nh,
+                    n_kv_heads: nkv,
+                    head_dim: hd,
+                },
+                scale,
+            )?;
+        }
+        sigmoid_gate_forward(&mut out, &gate)?;
+        fa.o_proj.forward(&out, t)
+    }
+
+    /// Logits `[n, vocab]` for hidden rows `[n, hidden]`.
+    pub fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
+        let (h, vsz) = (self.config.hidden_size, self.config.vocab_size);
+        let n = hidden.len() / h;
+        let mut out = vec![0.0f32; n * vsz];
+        matmul_forward(
+            &mut out,
+            hidden,
+            self.lm_head_weight().as_f32()?,
+            None,
+            n,
+            h,
+            vsz,
+        )?;
+        Ok(out)
+    }
+
+    /// `lp[s][t] = log p(tok_t | tok_<t)` for t >= 1 (index 0 is `None`).
+    /// Logits are made a bounded number of rows at a time, so a real
+    /// 248k-token vocabulary does not need `tokens x vocab` floats at once.
+    pub fn score(&self, sequences: &[Vec<u32>]) -> Result<Vec<Vec<Option<f32>>>> {
+        let vsz = self.config.vocab_size;
+        for (s, seq) in sequences.iter().enumerate() {
+            if seq.is_empty() {
+                return Err(Error::Input(format!("sequence {s} is empty")));
+            }
+            if let Some((i, &id)) = seq.iter().enumerate().find(|(_, &id)| id as usize >= vsz) {
+                return Err(Error::Input(format!(
+                    "sequence {s}, position {i}: token id {id} is not below the vocabulary size {vsz}"
+                )));
+            }
+        }
+        let mut caches: Vec<SeqCache> = sequences.iter().map(|_| self.new_cache()).collect();
+        let mut batch: Vec<SeqInput<'_>> = sequences
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(s, c)| SeqInput {
+                tokens: s,
+                cache: c,
+            })
+            .collect();
+        let hidden = self.forward(&mut batch)?;
+        let h = self.config.hidden_size;
+        // Rows whose next token is scored: all but the last of each sequence.
+        let mut rows = Vec::new();
+        let mut targets = Vec::new();
+        let mut start = 0;
+        for seq in sequences {
+            for i in 0..seq.len() - 1 {
+                rows.push(start + i);
+                targets.push(seq[i + 1]);
+            }
+            start += seq.len();
+        }
+        let rows_per_chunk = (1 << 24) / vsz.max(1) + 1;
+        let mut lps = Vec::with_capacity(rows.len());
+        for (rchunk, tchunk) in rows
+            .chunks(rows_per_chunk)
+            .zip(targets.chunks(rows_per_chunk))
+        {
+            let mut hsel = Vec::with_capacity(rchunk.len() * h);
+            for &r in rchunk {
+                hsel.extend_from_slice(&hidden[r * h..(r + 1) * h]);
+            }
+            let logits = self.logits(&hsel)?;
+            let mut lp = vec![0.0f32; rchunk.len()];
+            logprob_gather_forward(&mut lp, &logits, tchunk, rchunk.len(), vsz)?;
+            lps.extend(lp);
+        }
+        let mut out = Vec::with_capacity(sequences.len());
+        let mut it = lps.into_iter();
+        for seq in sequences {
+            let mut row = vec![None];
+            for _ in 1..seq.len() {
+                row.push(it.next());
+            }
+            out.push(row);
+        }
+        Ok(out)
+    }
+}

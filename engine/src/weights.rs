@@ -1,0 +1,133 @@
+//! Checkpoint weights: safetensors files, single (`model.safetensors`) or
+//! sharded (`model.safetensors.index.json`), memory-mapped. Tensors are read
+//! by name, their shape checked against what the model expects, and widened
+//! to f32 (bf16/f16/f32 on disk; the CPU engine computes in f32).
+
+use crate::{Error, Result};
+use arcticd_kernels::Tensor;
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// The memory-mapped safetensors files of one checkpoint.
+pub struct Checkpoint {
+    files: Vec<(PathBuf, Mmap)>,
+    /// Tensor name -> index into `files`.
+    index: HashMap<String, usize>,
+}
+
+fn werr(msg: impl Into<String>) -> Error {
+    Error::Weights(msg.into())
+}
+
+impl Checkpoint {
+    /// Open the safetensors of a checkpoint directory.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let single = dir.join("model.safetensors");
+        let index_path = dir.join("model.safetensors.index.json");
+        let shard_names: Vec<String> = if index_path.exists() {
+            let text =
+                std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| werr(format!("{}: {e}", index_path.display())))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| werr(format!("{} has no weight_map", index_path.display())))?;
+            let mut names: Vec<String> = map
+                .values()
+                .filter_map(|s| s.as_str().map(str::to_string))
+                .collect();
+            names.sort();
+            names.dedup();
+            names
+        } else if single.exists() {
+            vec!["model.safetensors".to_string()]
+        } else {
+            return Err(werr(format!(
+                "{} has neither model.safetensors nor model.safetensors.index.json",
+                dir.display()
+            )));
+        };
+        let mut files = Vec::new();
+        let mut index = HashMap::new();
+        for name in shard_names {
+            if name.contains('/') || name.contains("..") {
+                return Err(werr(format!(
+                    "shard name {name:?} escapes the checkpoint directory"
+                )));
+            }
+            let path = dir.join(&name);
+            let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+            // SAFETY: the map is read-only; a checkpoint rewritten underneath a
+            // running process is outside what we can guard against, as in every
+            // mmap-based loader.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
+            let st = SafeTensors::deserialize(&mmap)
+                .map_err(|e| werr(format!("{}: {e}", path.display())))?;
+            for n in st.names() {
+                index.insert(n.to_string(), files.len());
+            }
+            files.push((path, mmap));
+        }
+        Ok(Checkpoint { files, index })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    /// Storage dtype of a tensor, for reporting.
+    pub fn dtype_of(&self, name: &str) -> Option<Dtype> {
+        let &i = self.index.get(name)?;
+        let st = SafeTensors::deserialize(&self.files[i].1).ok()?;
+        st.tensor(name).ok().map(|t| t.dtype())
+    }
+
+    /// Read `name` as f32 with exactly `shape`.
+    pub fn get_f32(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let &i = self
+            .index
+            .get(name)
+            .ok_or_else(|| werr(format!("missing tensor {name}")))?;
+        let (path, mmap) = &self.files[i];
+        let st =
+            SafeTensors::deserialize(mmap).map_err(|e| werr(format!("{}: {e}", path.display())))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| werr(format!("{name} in {}: {e}", path.display())))?;
+        if view.shape() != shape {
+            return Err(werr(format!(
+                "tensor {name} has shape {:?}, the config implies {shape:?}",
+                view.shape()
+            )));
+        }
+        let bytes = view.data();
+        let data: Vec<f32> = match view.dtype() {
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(werr(format!(
+                    "tensor {name} has dtype {other:?}; supported: F32, BF16, F16"
+                )))
+            }
+        };
+        Ok(Tensor::from_f32(data, shape)?)
+    }
+}
