@@ -2,6 +2,9 @@
 
 use clap::{Parser, Subcommand};
 
+mod cli_model;
+mod cli_sandbox;
+
 #[derive(Parser)]
 #[command(name = "arcticd", version, about = "Async RL for software-engineering agents, on its own engine")]
 struct Cli {
@@ -10,12 +13,31 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Command {}
+enum Command {
+    /// Log-probabilities of token sequences: prints {"logprobs": [[null, lp1, ...], ...]}.
+    Score(cli_model::ScoreArgs),
+    /// Greedy generation from a prompt, through the chat template when the model has one.
+    Generate(cli_model::GenerateArgs),
+    /// Write a randomly initialised Qwen3.5-architecture model in Hugging Face layout.
+    InitModel(cli_model::InitModelArgs),
+    /// Run commands in an isolated sandbox, or build its base image.
+    Sandbox(cli_sandbox::SandboxArgs),
+}
 
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
-    let _cli = Cli::parse();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Score(args) => cli_model::score(args),
+        Command::Generate(args) => cli_model::generate(args),
+        Command::InitModel(args) => cli_model::init_model(args),
+        Command::Sandbox(args) => cli_sandbox::main(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
 }

@@ -1,0 +1,696 @@
+//! Local backend: bubblewrap namespaces and cgroup limits, for machines
+//! without Docker.
+//!
+//! Why bubblewrap rather than raw `unshare`/`clone` calls: it is a small,
+//! audited, widely packaged tool that sets up user, mount, pid, network, IPC
+//! and UTS namespaces, drops capabilities and applies `--die-with-parent` in
+//! the right order; doing that by hand from a multi-threaded tokio process
+//! (fork + unsafe pre-exec code) is where sandbox bugs live.
+//!
+//! Layout of one sandbox: an empty tmpfs root, remounted read-only, with the
+//! image's top-level folders bound read-only into it; the sandbox's own copy
+//! of the repository bound read-write at the workdir and a private folder at
+//! `/tmp`; a fresh `/proc` and a minimal `/dev`; a new network namespace with
+//! only loopback. Each command is one bubblewrap run (its pid namespace dies
+//! with it, so nothing outlives a command) entered into the sandbox's cgroups
+//! (memory without swap, pids, CPU) by a tiny host shell before it execs
+//! bubblewrap. Needs `bwrap` on PATH and a writable cgroup (v1 controllers
+//! or a v2 subtree with memory and pids delegated; root has both).
+//! Not for Docker images: the image is a root file system folder, as made by
+//! [`crate::image`].
+
+use crate::output::CappedOutput;
+use crate::procs;
+use crate::sandbox::{next_token, resolve_path};
+use crate::snapshot::copy_staged;
+use crate::{
+    with_timeout, Backend, Error, ExecRequest, ExecResult, Policy, Result, Sandbox, Snapshot,
+};
+use async_trait::async_trait;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+
+const PREFIX: &str = "arcticd-";
+
+/// Where a sandbox's limits live.
+#[derive(Debug, Clone)]
+enum Cgroups {
+    /// cgroup v1: one folder per controller.
+    V1 {
+        memory: PathBuf,
+        pids: PathBuf,
+        cpu: Option<PathBuf>,
+    },
+    /// cgroup v2: one folder in a subtree with memory and pids enabled.
+    V2 { base: PathBuf },
+}
+
+/// Starts local sandboxes.
+#[derive(Debug, Clone)]
+pub struct LocalBackend {
+    state_dir: PathBuf,
+    cgroups: Cgroups,
+}
+
+impl LocalBackend {
+    /// Checks bubblewrap and cgroups are usable and, once per process, reaps
+    /// sandbox folders and cgroups of dead owners. Sandbox folders live under
+    /// `$ARCTICD_LOCAL_DIR`, default `arcticd-local` in the temp folder.
+    pub async fn new() -> Result<Self> {
+        let out = tokio::process::Command::new("bwrap")
+            .arg("--version")
+            .output()
+            .await
+            .map_err(|e| {
+                Error::Unavailable(format!("bwrap not found ({e}); install bubblewrap"))
+            })?;
+        if !out.status.success() {
+            return Err(Error::Unavailable("bwrap --version failed".into()));
+        }
+        let state_dir = std::env::var_os("ARCTICD_LOCAL_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| std::env::temp_dir().join("arcticd-local"));
+        std::fs::create_dir_all(&state_dir)
+            .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
+        let cgroups = find_cgroups()?;
+        let backend = LocalBackend { state_dir, cgroups };
+        static REAPED: std::sync::Once = std::sync::Once::new();
+        REAPED.call_once(|| {
+            backend.reap_orphans();
+        });
+        Ok(backend)
+    }
+
+    /// Removes sandbox folders and cgroups whose owner process is gone.
+    pub fn reap_orphans(&self) -> usize {
+        let mut n = 0;
+        let dead = |name: &str| -> bool {
+            let name = name.strip_prefix(PREFIX).unwrap_or(name);
+            let mut parts = name.splitn(3, '-');
+            match (parts.next(), parts.next()) {
+                (Some(pid), Some(start)) => !procs::owner_alive(&format!("{pid}-{start}")),
+                _ => false,
+            }
+        };
+        if let Ok(rd) = std::fs::read_dir(&self.state_dir) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with(PREFIX) && dead(&name) {
+                    let _ = std::fs::remove_dir_all(e.path());
+                    n += 1;
+                }
+            }
+        }
+        for base in self.cgroup_bases() {
+            if let Ok(rd) = std::fs::read_dir(&base) {
+                for e in rd.flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if name.starts_with(PREFIX) && dead(&name) {
+                        kill_cgroup(&e.path());
+                        let _ = std::fs::remove_dir(e.path());
+                    }
+                }
+            }
+        }
+        n
+    }
+
+    fn cgroup_bases(&self) -> Vec<PathBuf> {
+        match &self.cgroups {
+            Cgroups::V1 { memory, pids, cpu } => {
+                let mut v = vec![memory.clone(), pids.clone()];
+                v.extend(cpu.clone());
+                v
+            }
+            Cgroups::V2 { base } => vec![base.clone()],
+        }
+    }
+}
+
+/// Our own cgroup path for `controller` (v1) or the unified one (`""`).
+fn own_cgroup(controller: &str) -> Option<String> {
+    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    text.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let hit = if controller.is_empty() {
+            ctrls.is_empty()
+        } else {
+            ctrls.split(',').any(|c| c == controller)
+        };
+        hit.then(|| path.trim_start_matches('/').to_string())
+    })
+}
+
+fn writable_dir(p: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
+    p.is_dir() && unsafe { libc::access(c.as_ptr(), libc::W_OK) } == 0
+}
+
+fn find_cgroups() -> Result<Cgroups> {
+    let root = Path::new("/sys/fs/cgroup");
+    if root.join("cgroup.controllers").exists() {
+        // v2. Our own cgroup holds processes, so it can only host children
+        // when its controllers were delegated (systemd Delegate=yes);
+        // otherwise use a dedicated subtree below the root (needs root).
+        let has = |dir: &Path| {
+            std::fs::read_to_string(dir.join("cgroup.subtree_control"))
+                .map(|s| s.contains("memory") && s.contains("pids"))
+                .unwrap_or(false)
+        };
+        if let Some(own) = own_cgroup("") {
+            let base = root.join(own);
+            if has(&base) && writable_dir(&base) {
+                return Ok(Cgroups::V2 { base });
+            }
+        }
+        let base = root.join("arcticd");
+        if writable_dir(root) {
+            std::fs::create_dir_all(&base)
+                .map_err(|e| Error::io("creating the arcticd cgroup", e))?;
+            let _ = std::fs::write(base.join("cgroup.subtree_control"), "+memory +pids +cpu");
+            if has(&base) {
+                return Ok(Cgroups::V2 { base });
+            }
+        }
+        return Err(Error::Unavailable(
+            "cgroup v2 without a writable subtree with memory and pids controllers \
+             (run as root, or in a systemd scope with Delegate=yes)"
+                .into(),
+        ));
+    }
+    let v1 = |ctrl: &str| -> Option<PathBuf> {
+        let base = root.join(ctrl).join(own_cgroup(ctrl)?);
+        writable_dir(&base).then_some(base)
+    };
+    match (v1("memory"), v1("pids")) {
+        (Some(memory), Some(pids)) => Ok(Cgroups::V1 {
+            memory,
+            pids,
+            cpu: v1("cpu"),
+        }),
+        _ => Err(Error::Unavailable(
+            "no writable memory and pids cgroups (cgroup v1); run as root".into(),
+        )),
+    }
+}
+
+/// Kills every process in a cgroup folder (best effort; used for orphans).
+fn kill_cgroup(dir: &Path) {
+    if std::fs::write(dir.join("cgroup.kill"), "1").is_ok() {
+        return;
+    }
+    for _ in 0..10 {
+        let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) else {
+            return;
+        };
+        if procs.trim().is_empty() {
+            return;
+        }
+        for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+            // SAFETY: plain kill(2) on a pid read from the cgroup.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The sandbox's own cgroup folders.
+#[derive(Debug)]
+struct SandboxCgroups {
+    dirs: Vec<PathBuf>,
+    memory: PathBuf,
+    v2: bool,
+}
+
+impl SandboxCgroups {
+    fn create(cg: &Cgroups, name: &str, policy: &Policy) -> Result<Self> {
+        let write = |dir: &Path, file: &str, value: String| -> Result<()> {
+            std::fs::write(dir.join(file), &value)
+                .map_err(|e| Error::io(format!("setting {file}={value}"), e))
+        };
+        let mkdir = |p: PathBuf| -> Result<PathBuf> {
+            std::fs::create_dir(&p)
+                .map_err(|e| Error::io(format!("creating cgroup {}", p.display()), e))?;
+            Ok(p)
+        };
+        match cg {
+            Cgroups::V1 { memory, pids, cpu } => {
+                let mut me = SandboxCgroups {
+                    dirs: vec![],
+                    memory: memory.join(name),
+                    v2: false,
+                };
+                let m = mkdir(memory.join(name))?;
+                me.dirs.push(m.clone());
+                write(&m, "memory.limit_in_bytes", policy.memory_bytes.to_string())?;
+                // Without swap accounting this file is absent; then there is
+                // no swap to escape into either.
+                if m.join("memory.memsw.limit_in_bytes").exists() {
+                    write(
+                        &m,
+                        "memory.memsw.limit_in_bytes",
+                        policy.memory_bytes.to_string(),
+                    )?;
+                }
+                let p = mkdir(pids.join(name))?;
+                me.dirs.push(p.clone());
+                write(&p, "pids.max", policy.pids_limit.to_string())?;
+                if let Some(cpu) = cpu {
+                    let c = mkdir(cpu.join(name))?;
+                    me.dirs.push(c.clone());
+                    write(&c, "cpu.cfs_period_us", "100000".into())?;
+                    write(
+                        &c,
+                        "cpu.cfs_quota_us",
+                        ((policy.cpus * 100_000.0) as i64).to_string(),
+                    )?;
+                }
+                Ok(me)
+            }
+            Cgroups::V2 { base } => {
+                let d = mkdir(base.join(name))?;
+                let me = SandboxCgroups {
+                    dirs: vec![d.clone()],
+                    memory: d.clone(),
+                    v2: true,
+                };
+                write(&d, "memory.max", policy.memory_bytes.to_string())?;
+                if d.join("memory.swap.max").exists() {
+                    write(&d, "memory.swap.max", "0".into())?;
+                }
+                write(&d, "pids.max", policy.pids_limit.to_string())?;
+                if d.join("cpu.max").exists() {
+                    write(
+                        &d,
+                        "cpu.max",
+                        format!("{} 100000", (policy.cpus * 100_000.0) as i64),
+                    )?;
+                }
+                Ok(me)
+            }
+        }
+    }
+
+    fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    fn oom_kills(&self) -> u64 {
+        let file = if self.v2 {
+            "memory.events"
+        } else {
+            "memory.oom_control"
+        };
+        std::fs::read_to_string(self.memory.join(file))
+            .map(|t| crate::docker::parse_oom_kill_count(&t))
+            .unwrap_or(0)
+    }
+
+    fn remove(&self) {
+        for d in &self.dirs {
+            kill_cgroup(d);
+            for _ in 0..50 {
+                if std::fs::remove_dir(d).is_ok() || !d.exists() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for LocalBackend {
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    async fn start(
+        &self,
+        snapshot: &Arc<Snapshot>,
+        image: &str,
+        policy: &Policy,
+    ) -> Result<Box<dyn Sandbox>> {
+        policy.validate()?;
+        let (uid, gid) = policy.uid_gid()?;
+        let rootfs = crate::image::resolve_rootfs(image)?;
+        let name = format!(
+            "{PREFIX}{}-{}",
+            procs::self_owner(),
+            next_token().replace('-', "_")
+        );
+        let dir = self.state_dir.join(&name);
+        let cgroups = self.cgroups.clone();
+        let snap = snapshot.clone();
+        let policy = policy.clone();
+        let op_timeout = policy.op_timeout_secs;
+        let setup = tokio::task::spawn_blocking(move || -> Result<LocalSandbox> {
+            std::fs::create_dir(&dir)
+                .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+            // The value owns the folder from here: an error below removes it.
+            let mut sb = LocalSandbox {
+                name,
+                dir: dir.clone(),
+                rootfs,
+                policy,
+                uid,
+                gid,
+                commit: snap.commit().to_string(),
+                cgroups: None,
+                closed: AtomicBool::new(false),
+                oom_kills_seen: AtomicU64::new(0),
+            };
+            let work = dir.join("work");
+            let tmp = dir.join("tmp");
+            for d in [&work, &tmp] {
+                std::fs::create_dir(d)
+                    .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+            }
+            copy_staged(snap.path(), &work)?;
+            sb.cgroups = Some(SandboxCgroups::create(&cgroups, &sb.name, &sb.policy)?);
+            Ok(sb)
+        });
+        let sb = with_timeout("starting a local sandbox", op_timeout, async {
+            setup
+                .await
+                .map_err(|e| Error::Sandbox(format!("sandbox setup failed: {e}")))?
+        })
+        .await?;
+        Ok(Box::new(sb))
+    }
+}
+
+/// One local sandbox: a folder with the working copy and `/tmp`, and its
+/// cgroups.
+#[derive(Debug)]
+pub struct LocalSandbox {
+    name: String,
+    dir: PathBuf,
+    rootfs: PathBuf,
+    policy: Policy,
+    uid: u32,
+    gid: u32,
+    commit: String,
+    cgroups: Option<SandboxCgroups>,
+    closed: AtomicBool,
+    oom_kills_seen: AtomicU64,
+}
+
+impl LocalSandbox {
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            Err(Error::Closed)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn bwrap_args(&self, workdir: &str) -> Result<Vec<String>> {
+        let s = |p: &Path| p.to_string_lossy().into_owned();
+        let top_of_workdir = self
+            .policy
+            .workdir
+            .trim_start_matches('/')
+            .split('/')
+            .next()
+            .unwrap_or("")
+            .to_string();
+        let mut a: Vec<String> = [
+            "--unshare-all",
+            "--unshare-user",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
+            "--uid",
+            &self.uid.to_string(),
+            "--gid",
+            &self.gid.to_string(),
+            "--hostname",
+            "sandbox",
+            "--tmpfs",
+            "/",
+        ]
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+        let rd = std::fs::read_dir(&self.rootfs)
+            .map_err(|e| Error::io(format!("reading {}", self.rootfs.display()), e))?;
+        let mut entries: Vec<_> = rd.flatten().collect();
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if matches!(name.as_str(), "proc" | "dev" | "sys" | "tmp") || name == top_of_workdir {
+                continue;
+            }
+            let Ok(ft) = e.file_type() else { continue };
+            if ft.is_symlink() {
+                if let Ok(target) = std::fs::read_link(e.path()) {
+                    a.extend(["--symlink".into(), s(&target), format!("/{name}")]);
+                }
+            } else if ft.is_dir() {
+                a.extend(["--ro-bind".into(), s(&e.path()), format!("/{name}")]);
+            }
+        }
+        a.extend([
+            "--bind".into(),
+            s(&self.dir.join("work")),
+            self.policy.workdir.clone(),
+            "--bind".into(),
+            s(&self.dir.join("tmp")),
+            "/tmp".into(),
+            "--proc".into(),
+            "/proc".into(),
+            "--dev".into(),
+            "/dev".into(),
+            "--remount-ro".into(),
+            "/".into(),
+            "--clearenv".into(),
+            "--setenv".into(),
+            "PATH".into(),
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            "--setenv".into(),
+            "HOME".into(),
+            "/tmp".into(),
+            "--setenv".into(),
+            "LANG".into(),
+            "C.UTF-8".into(),
+            "--chdir".into(),
+            workdir.to_string(),
+        ]);
+        Ok(a)
+    }
+}
+
+async fn drain(mut r: impl AsyncRead + Unpin, mut out: CappedOutput) -> CappedOutput {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match r.read(&mut buf).await {
+            Ok(0) | Err(_) => return out,
+            Ok(n) => out.push(&buf[..n]),
+        }
+    }
+}
+
+#[async_trait]
+impl Sandbox for LocalSandbox {
+    fn id(&self) -> &str {
+        &self.name
+    }
+
+    fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    fn snapshot_commit(&self) -> &str {
+        &self.commit
+    }
+
+    async fn exec(&self, req: ExecRequest) -> Result<ExecResult> {
+        self.check_open()?;
+        crate::docker::validate_request(&req)?;
+        let cgroups = self.cgroups.as_ref().ok_or(Error::Closed)?;
+        let timeout = req.timeout_secs.unwrap_or(self.policy.exec_timeout_secs);
+        let cap = req.output_cap_bytes.unwrap_or(self.policy.output_cap_bytes);
+        let workdir = match &req.workdir {
+            Some(w) => resolve_path(&self.policy, w)?,
+            None => self.policy.workdir.clone(),
+        };
+        // The host shell joins the sandbox's cgroups, then becomes bwrap, so
+        // every sandbox process is born inside the limits.
+        let mut cmd = tokio::process::Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg(r#"while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@""#)
+            .arg("arcticd-enter")
+            .args(cgroups.procs_files())
+            .arg("--")
+            .arg("bwrap")
+            .args(self.bwrap_args(&workdir)?)
+            .arg("--")
+            .args(&req.argv)
+            .stdin(if req.stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let t0 = Instant::now();
+        let mut child = cmd.spawn().map_err(|e| Error::io("starting bwrap", e))?;
+        if let (Some(data), Some(mut stdin)) = (req.stdin, child.stdin.take()) {
+            tokio::spawn(async move {
+                // A command that ignores its input closes the pipe early.
+                let _ = stdin.write_all(&data).await;
+                let _ = stdin.shutdown().await;
+            });
+        }
+        let out_task = child
+            .stdout
+            .take()
+            .map(|r| tokio::spawn(drain(r, CappedOutput::new(cap))));
+        let err_task = child
+            .stderr
+            .take()
+            .map(|r| tokio::spawn(drain(r, CappedOutput::new(cap))));
+        let (exit_code, timed_out) =
+            match tokio::time::timeout(Duration::from_secs_f64(timeout), child.wait()).await {
+                Ok(status) => {
+                    let status = status.map_err(|e| Error::io("waiting for bwrap", e))?;
+                    let code = status.code().map(i64::from).or_else(|| {
+                        std::os::unix::process::ExitStatusExt::signal(&status)
+                            .map(|s| 128 + i64::from(s))
+                    });
+                    (code, false)
+                }
+                Err(_) => {
+                    // Killing bwrap kills its pid-1 child (die-with-parent),
+                    // and the kernel then kills the whole pid namespace.
+                    let _ = child.start_kill();
+                    let _ = child.wait().await;
+                    (None, true)
+                }
+            };
+        // The pipes close once the namespace is gone; bound the wait anyway.
+        let collect = |t: Option<tokio::task::JoinHandle<CappedOutput>>| async move {
+            match t {
+                Some(t) => tokio::time::timeout(Duration::from_secs(10), t)
+                    .await
+                    .ok()
+                    .and_then(|r| r.ok())
+                    .unwrap_or_else(|| CappedOutput::new(cap)),
+                None => CappedOutput::new(cap),
+            }
+        };
+        let stdout = collect(out_task).await;
+        let stderr = collect(err_task).await;
+        // A failure of bwrap itself shows as exit 1 with its message on
+        // stderr; it is not told apart from the command's own exit 1, so a
+        // command cannot turn its failure into an infrastructure error.
+        let count = cgroups.oom_kills();
+        let before = self.oom_kills_seen.fetch_max(count, Ordering::SeqCst);
+        Ok(ExecResult::new(
+            exit_code,
+            stdout,
+            stderr,
+            timed_out,
+            count > before,
+            t0.elapsed(),
+        ))
+    }
+
+    async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
+        let path = resolve_path(&self.policy, path)?;
+        let limit = self.policy.max_file_bytes;
+        let r = self
+            .exec(
+                ExecRequest::argv(["sh", "-c", r#"[ -f "$1" ] || { echo "$1 is not a regular file" >&2; exit 66; }; exec cat -- "$1""#, "sh", &path])
+                    .output_cap(limit as usize + 1)
+                    .timeout(self.policy.op_timeout_secs),
+            )
+            .await?;
+        if r.stdout.truncated() || r.stdout_bytes > limit {
+            return Err(Error::TooLarge { what: path, limit });
+        }
+        if !r.success() {
+            return Err(Error::Sandbox(format!(
+                "{path}: {}",
+                r.stderr.text().trim()
+            )));
+        }
+        Ok(r.stdout.bytes())
+    }
+
+    async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {
+        let path = resolve_path(&self.policy, path)?;
+        if data.len() as u64 > self.policy.max_file_bytes {
+            return Err(Error::TooLarge {
+                what: path,
+                limit: self.policy.max_file_bytes,
+            });
+        }
+        let r = self
+            .exec(
+                ExecRequest::argv(["sh", "-c", r#"cat > "$1""#, "sh", &path])
+                    .stdin(data.to_vec())
+                    .timeout(self.policy.op_timeout_secs),
+            )
+            .await?;
+        if !r.success() {
+            return Err(Error::Sandbox(format!(
+                "{path}: {}",
+                r.stderr.text().trim()
+            )));
+        }
+        Ok(())
+    }
+
+    async fn close(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let dir = self.dir.clone();
+        let cgroups_dirs: Vec<PathBuf> = self
+            .cgroups
+            .as_ref()
+            .map(|c| c.dirs.clone())
+            .unwrap_or_default();
+        let removal = tokio::task::spawn_blocking(move || {
+            for d in &cgroups_dirs {
+                kill_cgroup(d);
+                let _ = std::fs::remove_dir(d);
+            }
+            std::fs::remove_dir_all(&dir)
+                .map_err(|e| Error::io(format!("removing {}", dir.display()), e))
+        });
+        with_timeout(
+            "removing a local sandbox",
+            self.policy.op_timeout_secs,
+            async {
+                removal
+                    .await
+                    .map_err(|e| Error::Sandbox(format!("removal failed: {e}")))?
+            },
+        )
+        .await
+    }
+}
+
+impl Drop for LocalSandbox {
+    fn drop(&mut self) {
+        if let Some(c) = &self.cgroups {
+            if !self.closed.load(Ordering::SeqCst) {
+                c.remove();
+            }
+        }
+        if !self.closed.swap(true, Ordering::SeqCst) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! The sandbox policy: limits and identity every sandbox starts with.
+//!
+//! Defaults are the safe choice (no network is not even a field: it is always
+//! off). Not for per-task settings such as the test command (see
+//! [`crate::grading::TestSpec`]).
+
+use serde::{Deserialize, Serialize};
+
+/// Limits applied to one sandbox and to every call on it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct Policy {
+    /// Wall-clock limit of one command, seconds; the whole process group is
+    /// killed when it fires. Default 60.
+    pub exec_timeout_secs: f64,
+    /// Limit of one file operation, sandbox start or close, seconds. Default 60.
+    pub op_timeout_secs: f64,
+    /// Bytes kept of each of stdout and stderr per command: the first and last
+    /// halves; the rest is counted and dropped. Default 64 KiB.
+    pub output_cap_bytes: usize,
+    /// Largest file `read_file` returns, bytes. Default 16 MiB.
+    pub max_file_bytes: u64,
+    /// Memory limit, bytes; swap is disabled. Default 2 GiB.
+    pub memory_bytes: u64,
+    /// CPU limit in cores. Default 1.0.
+    pub cpus: f64,
+    /// Maximum number of processes and threads. Default 256.
+    pub pids_limit: i64,
+    /// Numeric `uid:gid` that commands run as; files of the snapshot are owned
+    /// by it. Default `1000:1000` (non-root).
+    pub user: String,
+    /// Where the repository lives inside the sandbox. Default `/testbed`.
+    pub workdir: String,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            exec_timeout_secs: 60.0,
+            op_timeout_secs: 60.0,
+            output_cap_bytes: 64 * 1024,
+            max_file_bytes: 16 * 1024 * 1024,
+            memory_bytes: 2 * 1024 * 1024 * 1024,
+            cpus: 1.0,
+            pids_limit: 256,
+            user: "1000:1000".to_string(),
+            workdir: "/testbed".to_string(),
+        }
+    }
+}
+
+impl Policy {
+    /// The numeric uid and gid of [`Policy::user`].
+    pub fn uid_gid(&self) -> crate::Result<(u32, u32)> {
+        let bad = || crate::Error::InvalidInput(format!("user {:?} is not uid:gid", self.user));
+        let (u, g) = self.user.split_once(':').ok_or_else(bad)?;
+        Ok((u.parse().map_err(|_| bad())?, g.parse().map_err(|_| bad())?))
+    }
+
+    /// Checks the values are usable before any sandbox starts.
+    pub fn validate(&self) -> crate::Result<()> {
+        self.uid_gid()?;
+        let bad = |what: &str| Err(crate::Error::InvalidInput(what.to_string()));
+        if !(self.exec_timeout_secs > 0.0 && self.exec_timeout_secs.is_finite()) {
+            return bad("exec_timeout_secs must be positive");
+        }
+        if !(self.op_timeout_secs > 0.0 && self.op_timeout_secs.is_finite()) {
+            return bad("op_timeout_secs must be positive");
+        }
+        if !(self.cpus > 0.0 && self.cpus.is_finite()) {
+            return bad("cpus must be positive");
+        }
+        if self.memory_bytes < 16 * 1024 * 1024 {
+            return bad("memory_bytes must be at least 16 MiB");
+        }
+        if self.pids_limit < 8 {
+            return bad("pids_limit must be at least 8");
+        }
+        if self.output_cap_bytes < 2 {
+            return bad("output_cap_bytes must be at least 2");
+        }
+        if !self.workdir.starts_with('/') || self.workdir.contains("..") || self.workdir == "/" {
+            return bad("workdir must be an absolute path below /");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_non_root() {
+        let p = Policy::default();
+        p.validate().unwrap();
+        assert_eq!(p.uid_gid().unwrap(), (1000, 1000));
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        let p = Policy {
+            user: "root".into(),
+            ..Policy::default()
+        };
+        assert!(p.validate().is_err());
+        let p = Policy {
+            exec_timeout_secs: f64::NAN,
+            ..Policy::default()
+        };
+        assert!(p.validate().is_err());
+        let p = Policy {
+            workdir: "/".into(),
+            ..Policy::default()
+        };
+        assert!(p.validate().is_err());
+    }
+
+    #[test]
+    fn deserializes_partial_config_with_defaults() {
+        let p: Policy = serde_json::from_str(r#"{"cpus": 2.0}"#).unwrap();
+        assert_eq!(p.cpus, 2.0);
+        assert_eq!(p.pids_limit, 256);
+    }
+}

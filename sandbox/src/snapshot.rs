@@ -1,0 +1,264 @@
+//! Repository snapshots: a task's tree as a single root commit and nothing
+//! else, the hygiene rule of the design (no history to read the fix from).
+//!
+//! A snapshot is built once on the host in a private temporary folder and
+//! copied into every sandbox. The source's own `.git` folders (at any depth)
+//! are never copied; `git init` + one commit with fixed identity and date
+//! makes the only history, and the reflog is deleted. Not a task loader.
+
+use crate::{Error, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A staged repository: the working tree plus a `.git` holding exactly one
+/// commit. Deleted from disk when dropped.
+#[derive(Debug)]
+pub struct Snapshot {
+    dir: tempfile::TempDir,
+    commit: String,
+}
+
+impl Snapshot {
+    /// Snapshots the files of `src` (a folder, a git checkout or not).
+    /// Symlinks are copied as links, never followed.
+    pub fn from_dir(src: &Path) -> Result<Snapshot> {
+        let meta = std::fs::metadata(src)
+            .map_err(|e| Error::io(format!("reading {}", src.display()), e))?;
+        if !meta.is_dir() {
+            return Err(Error::InvalidInput(format!(
+                "{} is not a folder",
+                src.display()
+            )));
+        }
+        let dir = tempfile::Builder::new()
+            .prefix("arcticd-snapshot-")
+            .tempdir()
+            .map_err(|e| Error::io("creating the snapshot folder", e))?;
+        copy_tree(src, dir.path())?;
+        let commit = commit_root(dir.path())?;
+        Ok(Snapshot { dir, commit })
+    }
+
+    /// The staged folder (working tree and `.git`).
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The one commit's id.
+    pub fn commit(&self) -> &str {
+        &self.commit
+    }
+
+    /// A tar of the staged folder with every entry under `prefix` (e.g.
+    /// `testbed`) and owned by `uid:gid`.
+    pub fn to_tar(&self, prefix: &str, uid: u32, gid: u32) -> Result<Vec<u8>> {
+        let mut b = tar::Builder::new(Vec::new());
+        b.follow_symlinks(false);
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(tar::EntryType::Directory);
+        header.set_mode(0o755);
+        header.set_uid(uid as u64);
+        header.set_gid(gid as u64);
+        header.set_size(0);
+        header.set_mtime(0);
+        b.append_data(&mut header, prefix, std::io::empty())
+            .map_err(|e| Error::io("writing the snapshot tar", e))?;
+        append_tree(&mut b, self.path(), Path::new(prefix), uid, gid)?;
+        b.into_inner()
+            .map_err(|e| Error::io("writing the snapshot tar", e))
+    }
+}
+
+fn append_tree(
+    b: &mut tar::Builder<Vec<u8>>,
+    dir: &Path,
+    prefix: &Path,
+    uid: u32,
+    gid: u32,
+) -> Result<()> {
+    let io = |e| Error::io(format!("archiving {}", dir.display()), e);
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .map_err(io)?
+        .collect::<std::io::Result<_>>()
+        .map_err(io)?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let path = entry.path();
+        let name = prefix.join(entry.file_name());
+        let meta = std::fs::symlink_metadata(&path).map_err(io)?;
+        let mut header = tar::Header::new_gnu();
+        header.set_metadata(&meta);
+        header.set_uid(uid as u64);
+        header.set_gid(gid as u64);
+        header.set_mtime(0);
+        let ft = meta.file_type();
+        if ft.is_symlink() {
+            let target = std::fs::read_link(&path).map_err(io)?;
+            header.set_size(0);
+            b.append_link(&mut header, &name, &target).map_err(io)?;
+        } else if ft.is_dir() {
+            header.set_size(0);
+            b.append_data(&mut header, &name, std::io::empty())
+                .map_err(io)?;
+            append_tree(b, &path, &name, uid, gid)?;
+        } else if ft.is_file() {
+            let f = std::fs::File::open(&path).map_err(io)?;
+            b.append_data(&mut header, &name, f).map_err(io)?;
+        }
+        // Sockets, fifos and devices are not part of a repository.
+    }
+    Ok(())
+}
+
+/// Copies `src` into `dst` (which exists), skipping `.git` entries at every
+/// depth and anything that is not a file, folder or symlink.
+pub(crate) fn copy_tree(src: &Path, dst: &Path) -> Result<()> {
+    let io = |e| Error::io(format!("copying {}", src.display()), e);
+    for entry in std::fs::read_dir(src).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        if entry.file_name() == ".git" {
+            continue;
+        }
+        let from = entry.path();
+        let to = dst.join(entry.file_name());
+        let ft = entry.file_type().map_err(io)?;
+        if ft.is_symlink() {
+            let target = std::fs::read_link(&from).map_err(io)?;
+            std::os::unix::fs::symlink(target, &to).map_err(io)?;
+        } else if ft.is_dir() {
+            std::fs::create_dir(&to).map_err(io)?;
+            copy_tree(&from, &to)?;
+        } else if ft.is_file() {
+            std::fs::copy(&from, &to).map_err(io)?;
+        }
+    }
+    Ok(())
+}
+
+/// Copies a staged snapshot (with its `.git`) into `dst`.
+pub(crate) fn copy_staged(src: &Path, dst: &Path) -> Result<()> {
+    let io = |e| Error::io(format!("copying {}", src.display()), e);
+    for entry in std::fs::read_dir(src).map_err(io)? {
+        let entry = entry.map_err(io)?;
+        let from = entry.path();
+        let to = dst.join(entry.file_name());
+        let ft = entry.file_type().map_err(io)?;
+        if ft.is_symlink() {
+            let target = std::fs::read_link(&from).map_err(io)?;
+            std::os::unix::fs::symlink(target, &to).map_err(io)?;
+        } else if ft.is_dir() {
+            std::fs::create_dir(&to).map_err(io)?;
+            copy_staged(&from, &to)?;
+        } else if ft.is_file() {
+            std::fs::copy(&from, &to).map_err(io)?;
+        }
+    }
+    Ok(())
+}
+
+fn git(dir: &Path, args: &[&str]) -> Result<String> {
+    let out = Command::new("git")
+        .args(args)
+        .current_dir(dir)
+        // Ignore the host's git configuration: it could add hooks, templates
+        // or signing that leak into or break the snapshot.
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("HOME", dir)
+        .env("GIT_AUTHOR_NAME", "arcticd")
+        .env("GIT_AUTHOR_EMAIL", "snapshot@arcticd.invalid")
+        .env("GIT_COMMITTER_NAME", "arcticd")
+        .env("GIT_COMMITTER_EMAIL", "snapshot@arcticd.invalid")
+        .env("GIT_AUTHOR_DATE", "2000-01-01T00:00:00Z")
+        .env("GIT_COMMITTER_DATE", "2000-01-01T00:00:00Z")
+        .output()
+        .map_err(|e| Error::io("running git on the host (is git installed?)", e))?;
+    if !out.status.success() {
+        return Err(Error::Snapshot(format!(
+            "git {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn commit_root(dir: &Path) -> Result<String> {
+    git(
+        dir,
+        &["init", "--quiet", "--initial-branch=main", "--template="],
+    )?;
+    git(dir, &["add", "--all"])?;
+    git(
+        dir,
+        &[
+            "commit",
+            "--quiet",
+            "--no-verify",
+            "--no-gpg-sign",
+            "--allow-empty",
+            "-m",
+            "snapshot",
+        ],
+    )?;
+    let commit = git(dir, &["rev-parse", "HEAD"])?;
+    let git_dir: PathBuf = dir.join(".git");
+    // The commit's reflog entry is history too; agent commits later keep
+    // theirs, which only ever shows the agent its own work.
+    let logs = git_dir.join("logs");
+    if logs.exists() {
+        std::fs::remove_dir_all(&logs).map_err(|e| Error::io("removing the reflog", e))?;
+    }
+    for f in ["COMMIT_EDITMSG", "description"] {
+        let _ = std::fs::remove_file(git_dir.join(f));
+    }
+    Ok(commit)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_has_one_commit_and_no_source_history() {
+        let src = tempfile::tempdir().unwrap();
+        let p = src.path();
+        std::fs::write(p.join("a.py"), "x = 1\n").unwrap();
+        std::fs::create_dir(p.join("pkg")).unwrap();
+        std::fs::write(p.join("pkg/b.py"), "y = 2\n").unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", p.join("link")).unwrap();
+        git(p, &["init", "--quiet"]).unwrap();
+        git(p, &["add", "-A"]).unwrap();
+        git(p, &["commit", "--quiet", "-m", "secret fix"]).unwrap();
+        git(p, &["tag", "v1"]).unwrap();
+
+        let s = Snapshot::from_dir(p).unwrap();
+        let log = git(s.path(), &["log", "--all", "--format=%s"]).unwrap();
+        assert_eq!(log, "snapshot");
+        assert_eq!(git(s.path(), &["tag"]).unwrap(), "");
+        assert!(!s.path().join(".git/logs").exists());
+        assert_eq!(
+            std::fs::read_link(s.path().join("link")).unwrap(),
+            Path::new("/etc/passwd")
+        );
+        assert_eq!(git(s.path(), &["status", "--porcelain"]).unwrap(), "");
+        // Deterministic: same tree, same commit id.
+        let s2 = Snapshot::from_dir(p).unwrap();
+        assert_eq!(s.commit(), s2.commit());
+
+        let tar = s.to_tar("testbed", 1000, 1000).unwrap();
+        let mut ar = tar::Archive::new(&tar[..]);
+        let names: Vec<String> = ar
+            .entries()
+            .unwrap()
+            .map(|e| e.unwrap().path().unwrap().display().to_string())
+            .collect();
+        assert!(names.iter().any(|n| n == "testbed/pkg/b.py"));
+        assert!(names.iter().any(|n| n == "testbed/.git/HEAD"));
+    }
+
+    #[test]
+    fn rejects_missing_source() {
+        assert!(Snapshot::from_dir(Path::new("/nonexistent/arcticd")).is_err());
+    }
+}
