@@ -4,6 +4,7 @@
 pub mod chat;
 pub mod config;
 pub mod error;
+pub mod init;
 pub mod model;
 pub mod tokenizer;
 pub mod weights;

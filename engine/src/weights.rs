@@ -131,3 +131,69 @@ impl Checkpoint {
         Ok(Tensor::from_f32(data, shape)?)
     }
 }
+
+/// On-disk dtype for [`save_safetensors`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaveDType {
+    F32,
+    BF16,
+}
+
+/// Write named f32 tensors to a safetensors file, converting to `dtype`.
+/// Atomic: written to a temporary file beside `path`, then renamed, so a
+/// crash never leaves a half-written checkpoint under the real name.
+pub fn save_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, &[f32])],
+    dtype: SaveDType,
+) -> Result<()> {
+    use safetensors::tensor::TensorView;
+    let mut buffers: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(tensors.len());
+    for (name, shape, data) in tensors {
+        if shape.iter().product::<usize>() != data.len() {
+            return Err(werr(format!(
+                "{name}: shape {shape:?} does not hold {} values",
+                data.len()
+            )));
+        }
+        let bytes: Vec<u8> = match dtype {
+            SaveDType::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            SaveDType::BF16 => data
+                .iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                .collect(),
+        };
+        buffers.push((name.clone(), shape.clone(), bytes));
+    }
+    let st_dtype = match dtype {
+        SaveDType::F32 => Dtype::F32,
+        SaveDType::BF16 => Dtype::BF16,
+    };
+    let views: Vec<(String, TensorView<'_>)> = buffers
+        .iter()
+        .map(|(n, s, b)| {
+            TensorView::new(st_dtype, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| werr(format!("{n}: {e}")))
+        })
+        .collect::<Result<_>>()?;
+    let mut meta = HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    let bytes = safetensors::serialize(views, &Some(meta))
+        .map_err(|e| werr(format!("serializing {}: {e}", path.display())))?;
+    write_atomic(path, &bytes)
+}
+
+/// Write `bytes` to `path` through a temporary file and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension(format!(
+        "{}.tmp{}",
+        path.extension().and_then(|e| e.to_str()).unwrap_or(""),
+        std::process::id()
+    ));
+    let mut f = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    f.write_all(bytes).map_err(|e| Error::io(&tmp, e))?;
+    f.sync_all().map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+}

@@ -1,0 +1,145 @@
+//! `arcticd score`, `arcticd generate` and `arcticd init-model`: the model
+//! commands, thin wiring over the engine crate.
+
+use anyhow::{bail, Context, Result};
+use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::tokenizer::Tokenizer;
+use arcticd_engine::{Qwen3_5, SeqInput};
+use clap::Args;
+use serde::Deserialize;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct ScoreArgs {
+    /// Checkpoint directory (Hugging Face layout).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// JSON file `{"sequences": [[token ids], ...]}`.
+    #[arg(long)]
+    pub input: PathBuf,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScoreInput {
+    sequences: Vec<Vec<u32>>,
+}
+
+/// Print `{"logprobs": [[null, lp1, ...], ...]}`: lp_t = log p(token_t | tokens before t).
+pub fn score(args: ScoreArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&args.input)
+        .with_context(|| format!("reading {}", args.input.display()))?;
+    let input: ScoreInput = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} must be {{\"sequences\": [[token ids], ...]}}",
+            args.input.display()
+        )
+    })?;
+    let model = Qwen3_5::load(&args.model)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
+    let lps = model.score(&input.sequences)?;
+    let out = serde_json::json!({ "logprobs": lps });
+    let mut stdout = std::io::stdout().lock();
+    serde_json::to_writer(&mut stdout, &out)?;
+    writeln!(stdout)?;
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// Checkpoint directory (Hugging Face layout, with tokenizer files).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The user message (rendered through the chat template when the model has one).
+    #[arg(long)]
+    pub prompt: String,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+}
+
+/// Greedy decoding, printing the completion as it is produced.
+pub fn generate(args: GenerateArgs) -> Result<()> {
+    let model = Qwen3_5::load(&args.model)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
+    let tokenizer = Tokenizer::from_dir(&args.model)?;
+    let text = match ChatTemplate::from_dir(&args.model)? {
+        Some(t) => t.render(
+            &[serde_json::json!({"role": "user", "content": args.prompt})],
+            None,
+            true,
+        )?,
+        None => args.prompt.clone(),
+    };
+    let prompt = tokenizer.encode(&text)?;
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    let mut stop = tokenizer.eos_token_ids();
+    stop.extend(&model.config.eos_token_ids);
+    let mut cache = model.new_cache();
+    let mut next = prompt.clone();
+    let mut out = Vec::new();
+    let mut printed = 0;
+    let mut stdout = std::io::stdout().lock();
+    for _ in 0..args.max_tokens {
+        let hidden = model.forward(&mut [SeqInput {
+            tokens: &next,
+            cache: &mut cache,
+        }])?;
+        let h = model.config.hidden_size;
+        let logits = model.logits(&hidden[hidden.len() - h..])?;
+        let tok = argmax(&logits) as u32;
+        if stop.contains(&tok) {
+            break;
+        }
+        out.push(tok);
+        // Print whole characters only: a byte-level token can end mid-UTF-8.
+        let s = tokenizer.decode(&out, true)?;
+        if !s.ends_with('\u{fffd}') && s.len() > printed {
+            write!(stdout, "{}", &s[printed..])?;
+            stdout.flush()?;
+            printed = s.len();
+        }
+        next = vec![tok];
+    }
+    writeln!(stdout)?;
+    Ok(())
+}
+
+fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+#[derive(Args)]
+pub struct InitModelArgs {
+    /// `tiny` (tests, well under 1M parameters) or `small` (the CPU demo, a few million).
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+    /// Output directory (created if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Seed of the random initialisation.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+pub fn init_model(args: InitModelArgs) -> Result<()> {
+    let preset = arcticd_engine::init::preset(&args.preset)?;
+    let report = arcticd_engine::init::init_model(preset, &args.out, args.seed)?;
+    eprintln!(
+        "wrote {} ({} preset): {} parameters, vocabulary {}",
+        args.out.display(),
+        preset.name,
+        report.parameters,
+        report.vocab_size
+    );
+    Ok(())
+}
