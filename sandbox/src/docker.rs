@@ -2,10 +2,11 @@
 //! (bollard), no network, limited memory/CPU/pids, no capabilities, a
 //! non-root user.
 //!
-//! Commands run through `docker exec` wrapped as `setsid -w sh -c ...`: the
-//! command gets its own session and process group, whose id the wrapper
-//! writes to a file, so a timeout kills the whole group (not just the exec's
-//! first process). Files move through the archive API. Containers carry
+//! Commands run through `docker exec` under a small shell wrapper: the
+//! command gets its own session and process group (`setsid`), whose id the
+//! wrapper writes to a file; the group is killed when the command ends and,
+//! from a second exec, when its timeout fires, so no process of a command
+//! outlives it unless it starts a session of its own. Files move through the archive API. Containers carry
 //! [`LABEL`] and their owner's identity, and [`reap_orphans`] removes those
 //! of dead owners when a backend is created. Not for building images (see
 //! [`crate::image`]). The image must have `sh`, util-linux `setsid`, `find`
@@ -84,6 +85,23 @@ pub async fn reap_orphans(docker: &Docker) -> Result<usize> {
         }
     }
     Ok(removed)
+}
+
+/// Every labelled sandbox container on the daemon: id and labels.
+pub async fn list_labelled(docker: &Docker) -> Result<Vec<(String, HashMap<String, String>)>> {
+    let filters: HashMap<&str, Vec<&str>> = HashMap::from([("label", vec![LABEL])]);
+    let list = docker
+        .list_containers(Some(
+            ListContainersOptionsBuilder::new()
+                .all(true)
+                .filters(&filters)
+                .build(),
+        ))
+        .await?;
+    Ok(list
+        .into_iter()
+        .filter_map(|c| Some((c.id?, c.labels.unwrap_or_default())))
+        .collect())
 }
 
 /// Every labelled container made by this process, for checks that nothing
@@ -441,14 +459,20 @@ impl Sandbox for DockerSandbox {
             None => self.policy.workdir.clone(),
         };
         let pidfile = format!("/tmp/.arcticd-exec-{}.pid", next_token());
-        // The wrapper stays the parent (no `exec`) so it can remove its pid
-        // file; its exit status is the command's, 128+N for signal N.
+        // The outer shell stays outside the command's session: it waits for
+        // the command (a session and process group leader, whose id it
+        // records), then kills whatever the command left in its group, so no
+        // process outlives its command (as with the local backend). Its exit
+        // status is the command's, 128+N for signal N.
         let mut cmd: Vec<String> = vec![
-            "setsid".into(),
-            "-w".into(),
             "sh".into(),
             "-c".into(),
-            r#"echo $$ > "$0"; "$@"; rc=$?; rm -f "$0"; exit $rc"#.into(),
+            r#"f=$1; shift
+setsid -w sh -c 'echo $$ > "$0"; exec "$@"' "$f" "$@"; rc=$?
+if p=$(cat "$f" 2>/dev/null); then i=0; while kill -9 -"$p" 2>/dev/null && [ $i -lt 200 ]; do i=$((i+1)); done; fi
+rm -f "$f"; exit $rc"#
+                .into(),
+            "sh".into(),
             pidfile.clone(),
         ];
         cmd.extend(req.argv.iter().cloned());

@@ -39,9 +39,10 @@
 //! host kernel, so a kernel exploit escapes; use gVisor or VMs behind the same
 //! trait when that matters), CPU side channels, disk usage inside a sandbox
 //! (bounded only by the host's file system), and timing (commands see the real
-//! clock). Processes a command leaves in the background survive until the
-//! Docker sandbox is closed unless they share its process group; the local
-//! backend kills them when the command ends (its pid namespace dies with it).
+//! clock). Processes a command leaves in the background are killed when it
+//! ends (Docker: its process group; local: its pid namespace), except, under
+//! Docker, one that starts a session of its own, which lives until the
+//! sandbox closes (bounded by the pids and memory limits).
 //! The test command's exit code and log are trusted only as far as
 //! [`grading`] checks them (missing tests fail, unparseable logs are
 //! infrastructure errors, non-zero exits without failures are rejected).

@@ -1,0 +1,680 @@
+//! Isolation tests of the sandbox, each run on both backends against the
+//! real Docker daemon and real bubblewrap: no network, no history, no host
+//! files, contained fork bombs and memory hogs, timeouts that kill the whole
+//! process group, capped output, reaping after SIGKILL, and grading.
+//!
+//! A backend that is unavailable fails the test when `CI` is set and is
+//! skipped loudly otherwise. The base image is built once (cached by tag).
+//! Not a benchmark (see benches/sandbox.rs).
+
+use anyhow::{ensure, Context, Result};
+use arcticd_sandbox::docker::{self, DockerBackend};
+use arcticd_sandbox::grading::{self, GradeOutcome, TestSpec};
+use arcticd_sandbox::image;
+use arcticd_sandbox::local::LocalBackend;
+use arcticd_sandbox::{Backend, ExecRequest, Policy, Sandbox, Snapshot};
+use std::future::Future;
+use std::path::Path;
+use std::pin::Pin;
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Docker,
+    Local,
+}
+
+struct Ctx {
+    kind: Kind,
+    backend: Arc<dyn Backend>,
+    image: String,
+}
+
+impl Ctx {
+    async fn start(
+        &self,
+        repo: &Path,
+        policy: &Policy,
+    ) -> Result<(Arc<Snapshot>, Box<dyn Sandbox>)> {
+        let snap = Arc::new(Snapshot::from_dir(repo)?);
+        let sb = self.backend.start(&snap, &self.image, policy).await?;
+        Ok((snap, sb))
+    }
+}
+
+/// Builds the base image once per test process (the image module's file
+/// lock serializes test processes). Returns whether Docker is usable.
+fn base_image() -> Result<bool, String> {
+    static BUILT: OnceLock<Result<bool, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let rt = arcticd_sandbox::runtime().map_err(|e| e.to_string())?;
+            rt.block_on(async {
+                let docker_ok = DockerBackend::new().await.is_ok();
+                image::build_base_image(image::DEFAULT_TAG, docker_ok, false)
+                    .await
+                    .map(|_| docker_ok)
+                    .map_err(|e| e.to_string())
+            })
+        })
+        .clone()
+}
+
+fn unavailable(kind: Kind, why: &str) {
+    if std::env::var_os("CI").is_some() {
+        panic!("{kind:?} backend unavailable in CI: {why}");
+    }
+    eprintln!("SKIPPED: {kind:?} sandbox backend unavailable: {why}");
+}
+
+type Body = Box<dyn FnOnce(Ctx) -> Pin<Box<dyn Future<Output = Result<()>>>>>;
+
+fn run_on(kind: Kind, body: Body) {
+    let docker_ok = match base_image() {
+        Ok(d) => d,
+        Err(e) => return unavailable(kind, &format!("base image: {e}")),
+    };
+    if kind == Kind::Docker && !docker_ok {
+        return unavailable(kind, "cannot connect to the Docker daemon");
+    }
+    let rt = arcticd_sandbox::runtime().expect("runtime");
+    rt.block_on(async {
+        let backend: Arc<dyn Backend> = match kind {
+            Kind::Docker => match DockerBackend::new().await {
+                Ok(b) => Arc::new(b),
+                Err(e) => return unavailable(kind, &e.to_string()),
+            },
+            Kind::Local => match LocalBackend::new().await {
+                Ok(b) => Arc::new(b),
+                Err(e) => return unavailable(kind, &e.to_string()),
+            },
+        };
+        let ctx = Ctx {
+            kind,
+            backend,
+            image: image::DEFAULT_TAG.to_string(),
+        };
+        if let Err(e) = body(ctx).await {
+            panic!("{kind:?}: {e:#}");
+        }
+    });
+}
+
+macro_rules! both_backends {
+    ($name:ident, |$ctx:ident| $body:block) => {
+        mod $name {
+            use super::*;
+            #[test]
+            fn docker() {
+                run_on(Kind::Docker, Box::new(|$ctx| Box::pin(async move $body)));
+            }
+            #[test]
+            fn local() {
+                run_on(Kind::Local, Box::new(|$ctx| Box::pin(async move $body)));
+            }
+        }
+    };
+}
+
+/// A unique folder removed on drop (the root package has no tempfile dep).
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new() -> Result<Self> {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("arcticd-test-repo-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p)?;
+        Ok(TempDir(p))
+    }
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn git(dir: &Path, args: &[&str]) -> Result<String> {
+    let out = Command::new("git")
+        .args(args)
+        .current_dir(dir)
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("GIT_AUTHOR_NAME", "t")
+        .env("GIT_AUTHOR_EMAIL", "t@t")
+        .env("GIT_COMMITTER_NAME", "t")
+        .env("GIT_COMMITTER_EMAIL", "t@t")
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A small Python repository with history that must not leak: a buggy
+/// `calc.add`, a passing test, and a "gold fix" commit later reset away.
+fn fixture_repo() -> Result<TempDir> {
+    let d = TempDir::new()?;
+    let p = d.path();
+    std::fs::create_dir(p.join("tests"))?;
+    std::fs::write(
+        p.join("calc.py"),
+        "def add(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n",
+    )?;
+    std::fs::write(
+        p.join("tests/test_mul.py"),
+        "from calc import mul\n\ndef test_mul():\n    assert mul(2, 3) == 6\n",
+    )?;
+    git(p, &["init", "-q"])?;
+    git(p, &["add", "-A"])?;
+    git(p, &["commit", "-qm", "initial"])?;
+    std::fs::write(
+        p.join("calc.py"),
+        "def add(a, b):\n    return a + b  # GOLD_FIX_MARKER\n\ndef mul(a, b):\n    return a * b\n",
+    )?;
+    git(p, &["commit", "-qam", "the gold fix GOLD_FIX_MARKER"])?;
+    git(p, &["tag", "v1.0"])?;
+    git(p, &["branch", "fix-branch"])?;
+    git(p, &["reset", "-q", "--hard", "HEAD~1"])?;
+    std::fs::write(p.join("wip.txt"), "stash me GOLD_FIX_MARKER\n")?;
+    git(p, &["add", "wip.txt"])?;
+    git(p, &["stash", "-q"])?;
+    git(
+        p,
+        &[
+            "remote",
+            "add",
+            "origin",
+            "https://example.invalid/repo.git",
+        ],
+    )?;
+    git(p, &["pack-refs", "--all"])?;
+    Ok(d)
+}
+
+fn sh(script: &str) -> ExecRequest {
+    ExecRequest::shell(script)
+}
+
+both_backends!(runs_commands_and_moves_files, |ctx| {
+    let repo = fixture_repo()?;
+    let (_snap, sb) = ctx.start(repo.path(), &Policy::default()).await?;
+    let r = sb.exec(sh("echo out; echo err >&2; exit 3")).await?;
+    ensure!(r.exit_code == Some(3), "{r:?}");
+    ensure!(
+        r.stdout.text() == "out\n" && r.stderr.text() == "err\n",
+        "{r:?}"
+    );
+    let r = sb
+        .exec(ExecRequest::argv(["cat"]).stdin(b"piped input".to_vec()))
+        .await?;
+    ensure!(r.stdout.text() == "piped input", "{r:?}");
+    let r = sb.exec(ExecRequest::argv(["id", "-u"])).await?;
+    ensure!(r.stdout.text().trim() == "1000", "runs as non-root: {r:?}");
+
+    let data: Vec<u8> = (0..=255u8).cycle().take(100_000).collect();
+    sb.write_file("data.bin", &data).await?;
+    ensure!(
+        sb.read_file("/testbed/data.bin").await? == data,
+        "binary round trip"
+    );
+    ensure!(sb.read_file("missing.txt").await.is_err());
+    ensure!(
+        sb.read_file("tests").await.is_err(),
+        "a folder is not a file"
+    );
+    let names: Vec<String> = sb
+        .list_dir(".")
+        .await?
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    ensure!(
+        names.contains(&"calc.py".to_string()) && names.contains(&"tests".to_string()),
+        "{names:?}"
+    );
+
+    ensure!(sb.diff().await?.contains("data.bin"));
+    sb.exec(sh("rm data.bin")).await?;
+    ensure!(sb.diff().await?.is_empty(), "clean tree has an empty diff");
+    let patch = "--- a/calc.py\n+++ b/calc.py\n@@ -1,3 +1,3 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n \n";
+    ensure!(sb.apply_patch(patch).await?.applied);
+    ensure!(
+        !sb.apply_patch(patch).await?.applied,
+        "applying twice fails"
+    );
+    let d = sb.diff().await?;
+    ensure!(d.contains("+    return a + b"), "{d}");
+    let id = sb.id().to_string();
+    sb.close().await?;
+    ensure!(matches!(
+        sb.exec(sh("true")).await,
+        Err(arcticd_sandbox::Error::Closed)
+    ));
+    if ctx.kind == Kind::Docker {
+        let client = docker::connect().await?;
+        ensure!(
+            !docker::list_own(&client).await?.contains(&id),
+            "container removed on close"
+        );
+    }
+    Ok(())
+});
+
+both_backends!(has_no_network, |ctx| {
+    let repo = fixture_repo()?;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    listener.set_nonblocking(true)?;
+    let port = listener.local_addr()?.port();
+    let (_snap, sb) = ctx.start(repo.path(), &Policy::default()).await?;
+    let connect = format!(
+        "python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3)\""
+    );
+    let r = sb.exec(sh(&connect)).await?;
+    ensure!(
+        r.exit_code != Some(0),
+        "connected to the host's loopback: {r:?}"
+    );
+    ensure!(
+        listener.accept().is_err(),
+        "the host server saw a connection"
+    );
+    let r = sb
+        .exec(sh(
+            "python3 -c \"import socket; socket.getaddrinfo('deb.debian.org', 80)\"",
+        ))
+        .await?;
+    ensure!(r.exit_code != Some(0), "DNS resolved: {r:?}");
+    let r = sb.exec(sh("cat /proc/net/dev")).await?;
+    let devs = r.stdout.text();
+    ensure!(
+        devs.lines()
+            .skip(2)
+            .all(|l| l.trim_start().starts_with("lo:")),
+        "only loopback: {devs}"
+    );
+    sb.close().await?;
+    Ok(())
+});
+
+both_backends!(holds_only_the_snapshot_commit, |ctx| {
+    let repo = fixture_repo()?;
+    let (_snap, sb) = ctx.start(repo.path(), &Policy::default()).await?;
+    let checks = [
+        ("git log --all --oneline | wc -l", "1"),
+        ("git reflog | wc -l", "0"),
+        ("git branch -a | wc -l", "1"),
+        ("git tag | wc -l", "0"),
+        ("git remote | wc -l", "0"),
+        ("git stash list | wc -l", "0"),
+        ("git fsck --lost-found 2>/dev/null | wc -l", "0"),
+        ("ls .git/lost-found 2>/dev/null | wc -l", "0"),
+        ("test -e .git/packed-refs && echo yes || echo no", "no"),
+        ("test -e .git/logs && echo yes || echo no", "no"),
+        ("git status --porcelain | wc -l", "0"),
+        ("git grep -c GOLD_FIX_MARKER $(git rev-list --all) | wc -l", "0"),
+        // Every object in the store is reachable from the one commit.
+        ("test $(git cat-file --batch-all-objects --batch-check | wc -l) -eq $(git rev-list --objects --all | wc -l) && echo same", "same"),
+    ];
+    for (script, want) in checks {
+        let r = sb.exec(sh(script)).await?;
+        ensure!(
+            r.stdout.text().trim() == want,
+            "{script}: got {:?} (stderr {:?})",
+            r.stdout.text(),
+            r.stderr.text()
+        );
+    }
+    let r = sb.exec(sh("grep -r GOLD_FIX_MARKER . ; true")).await?;
+    ensure!(
+        r.stdout.text().is_empty(),
+        "gold fix text leaked: {}",
+        r.stdout.text()
+    );
+    sb.close().await?;
+    Ok(())
+});
+
+both_backends!(cannot_see_or_touch_host_files, |ctx| {
+    let repo = fixture_repo()?;
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    let marker = Path::new(&home).join(format!(
+        ".arcticd-sandbox-test-{}-{:?}",
+        std::process::id(),
+        ctx.kind
+    ));
+    std::fs::write(&marker, "host secret")?;
+    let checkout = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+    let (_snap, sb) = ctx.start(repo.path(), &Policy::default()).await?;
+    let mut failures = vec![];
+    for path in [marker.as_path(), checkout.as_path(), repo.path()] {
+        let p = path.display().to_string();
+        let r = sb
+            .exec(ExecRequest::argv([
+                "sh",
+                "-c",
+                r#"cat "$1" || ls "$1""#,
+                "sh",
+                &p,
+            ]))
+            .await?;
+        if r.exit_code == Some(0) {
+            failures.push(format!("read {p}"));
+        }
+        let r = sb
+            .exec(ExecRequest::argv([
+                "sh",
+                "-c",
+                r#"echo pwned > "$1""#,
+                "sh",
+                &p,
+            ]))
+            .await?;
+        if r.exit_code == Some(0)
+            && path.is_file()
+            && std::fs::read_to_string(path)?.contains("pwned")
+        {
+            failures.push(format!("wrote {p}"));
+        }
+    }
+    let r = sb
+        .exec(sh("touch /etc/pwned || touch /usr/bin/pwned"))
+        .await?;
+    ensure!(r.exit_code != Some(0), "system folders are writable");
+    let _ = std::fs::remove_file(&marker);
+    sb.close().await?;
+    ensure!(failures.is_empty(), "host files reachable: {failures:?}");
+    Ok(())
+});
+
+both_backends!(contains_a_fork_bomb, |ctx| {
+    let repo = fixture_repo()?;
+    let policy = Policy {
+        pids_limit: 64,
+        ..Policy::default()
+    };
+    let (_snap, sb) = ctx.start(repo.path(), &policy).await?;
+    let t0 = Instant::now();
+    let r = sb
+        .exec(sh("f() { f | f & }; f; sleep 3").timeout(8.0))
+        .await?;
+    ensure!(
+        t0.elapsed() < Duration::from_secs(30),
+        "bomb took {:?}",
+        t0.elapsed()
+    );
+    let _ = r;
+    // The sandbox recovers: the limit held and the bomb is gone.
+    let mut ok = false;
+    for _ in 0..20 {
+        let r = sb.exec(sh("echo alive").timeout(10.0)).await?;
+        if r.stdout.text().trim() == "alive" {
+            ok = true;
+            break;
+        }
+        tokio_sleep(500).await;
+    }
+    ensure!(ok, "sandbox unusable after the fork bomb");
+    let r = sb
+        .exec(sh(
+            "n=0; for p in /proc/[0-9]*; do n=$((n+1)); done; echo $n",
+        ))
+        .await?;
+    let n: u32 = r.stdout.text().trim().parse().context("process count")?;
+    ensure!(n < 16, "{n} processes left after the bomb");
+    sb.close().await?;
+    Ok(())
+});
+
+async fn tokio_sleep(ms: u64) {
+    arcticd_sandbox::tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
+both_backends!(kills_a_memory_hog, |ctx| {
+    let repo = fixture_repo()?;
+    let policy = Policy {
+        memory_bytes: 256 << 20,
+        ..Policy::default()
+    };
+    let (_snap, sb) = ctx.start(repo.path(), &policy).await?;
+    let r = sb
+        .exec(sh("python3 -c \"b = b'x' * (1 << 30); print(len(b))\""))
+        .await?;
+    ensure!(r.memory_exceeded, "not reported as memory-exceeded: {r:?}");
+    ensure!(r.exit_code == Some(137), "{r:?}");
+    let r = sb
+        .exec(sh("python3 -c \"b = b'x' * (64 << 20); print(len(b))\""))
+        .await?;
+    ensure!(
+        r.success() && !r.memory_exceeded,
+        "a modest allocation fails: {r:?}"
+    );
+    sb.close().await?;
+    Ok(())
+});
+
+fn host_processes_with(needle: &str) -> usize {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    rd.flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .chars()
+                .all(|c| c.is_ascii_digit())
+        })
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .filter(|c| {
+            String::from_utf8_lossy(c)
+                .replace('\0', " ")
+                .contains(needle)
+        })
+        .count()
+}
+
+both_backends!(timeout_kills_the_process_group, |ctx| {
+    let repo = fixture_repo()?;
+    let (_snap, sb) = ctx.start(repo.path(), &Policy::default()).await?;
+    let needle = format!("sleep 1000.{}{}", std::process::id() % 1000, ctx.kind as u8);
+    let t0 = Instant::now();
+    let r = sb
+        .exec(sh(&format!("{needle} & {needle} & {needle}")).timeout(2.0))
+        .await?;
+    ensure!(r.timed_out && r.exit_code.is_none(), "{r:?}");
+    ensure!(
+        t0.elapsed() < Duration::from_secs(15),
+        "timeout took {:?}",
+        t0.elapsed()
+    );
+    let mut left = usize::MAX;
+    for _ in 0..20 {
+        left = host_processes_with(&needle);
+        if left == 0 {
+            break;
+        }
+        tokio_sleep(100).await;
+    }
+    ensure!(left == 0, "{left} processes of the timed-out group survive");
+    sb.close().await?;
+    Ok(())
+});
+
+both_backends!(caps_huge_output, |ctx| {
+    let repo = fixture_repo()?;
+    let (_snap, sb) = ctx.start(repo.path(), &Policy::default()).await?;
+    let r = sb
+        .exec(sh("head -c 100000000 /dev/zero | tr '\\0' x; echo END").timeout(120.0))
+        .await?;
+    ensure!(r.success(), "{:?} {:?}", r.exit_code, r.stderr.text());
+    ensure!(
+        r.truncated && r.stdout_bytes == 100_000_004,
+        "{} bytes",
+        r.stdout_bytes
+    );
+    let kept = r.stdout.bytes();
+    ensure!(
+        kept.len() <= Policy::default().output_cap_bytes,
+        "kept {}",
+        kept.len()
+    );
+    ensure!(r.stdout.text().ends_with("xEND\n"), "tail kept");
+    sb.close().await?;
+    Ok(())
+});
+
+both_backends!(grades_in_a_fresh_sandbox, |ctx| {
+    let repo = fixture_repo()?;
+    let test_patch = "--- /dev/null\n+++ b/tests/test_add.py\n@@ -0,0 +1,4 @@\n+from calc import add\n+\n+def test_add():\n+    assert add(2, 3) == 5\n";
+    let spec = TestSpec {
+        test_command: "python3 -m pytest -rA -p no:cacheprovider tests".into(),
+        test_patch: test_patch.into(),
+        fail_to_pass: vec!["tests/test_add.py::test_add".into()],
+        pass_to_pass: vec!["tests/test_mul.py::test_mul".into()],
+        log_parser: "pytest".into(),
+        timeout_secs: 120.0,
+    };
+    let policy = Policy::default();
+    let (snap, sb) = ctx.start(repo.path(), &policy).await?;
+    // The hidden test is not in the agent's sandbox.
+    ensure!(sb.read_file("tests/test_add.py").await.is_err());
+    // An agent that only rewrites the hidden test's file gains nothing.
+    sb.write_file("tests/test_add.py", b"def test_add():\n    pass\n")
+        .await?;
+    let cheat = sb.diff().await?;
+    let fix = "--- a/calc.py\n+++ b/calc.py\n@@ -1,3 +1,3 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n \n";
+    sb.close().await?;
+
+    let g = grading::grade(ctx.backend.as_ref(), &snap, &ctx.image, &policy, fix, &spec).await?;
+    ensure!(
+        g.outcome == GradeOutcome::Resolved && g.reward == 1.0,
+        "{g:#?}"
+    );
+    let g = grading::grade(ctx.backend.as_ref(), &snap, &ctx.image, &policy, "", &spec).await?;
+    ensure!(
+        g.outcome == GradeOutcome::Unresolved && g.reward == 0.0,
+        "{g:#?}"
+    );
+    let g = grading::grade(
+        ctx.backend.as_ref(),
+        &snap,
+        &ctx.image,
+        &policy,
+        &cheat,
+        &spec,
+    )
+    .await?;
+    ensure!(
+        g.outcome == GradeOutcome::Unresolved,
+        "editing the hidden test passed: {g:#?}"
+    );
+    let g = grading::grade(
+        ctx.backend.as_ref(),
+        &snap,
+        &ctx.image,
+        &policy,
+        "--- a/nope\n+++ b/nope\n@@ -1 +1 @@\n-x\n+y\n",
+        &spec,
+    )
+    .await?;
+    ensure!(g.outcome == GradeOutcome::PatchFailed, "{g:#?}");
+    let broken = TestSpec {
+        test_command: "echo no tests here; exit 4".into(),
+        ..spec.clone()
+    };
+    let g = grading::grade(
+        ctx.backend.as_ref(),
+        &snap,
+        &ctx.image,
+        &policy,
+        fix,
+        &broken,
+    )
+    .await?;
+    ensure!(g.outcome == GradeOutcome::InfraError, "{g:#?}");
+    Ok(())
+});
+
+// Starts `arcticd sandbox run ... -- sleep 100`, SIGKILLs it, and checks the
+// next start's reaper removes what it left.
+both_backends!(reaps_after_sigkill, |ctx| {
+    let repo = fixture_repo()?;
+    let backend = match ctx.kind {
+        Kind::Docker => "docker",
+        Kind::Local => "local",
+    };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .args(["sandbox", "run", "--backend", backend, "--repo"])
+        .arg(repo.path())
+        .args(["--", "sleep", "100"])
+        .stdout(std::process::Stdio::null())
+        .spawn()?;
+    let owner_pid = format!("{}-", child.id());
+    let client = if ctx.kind == Kind::Docker {
+        Some(docker::connect().await?)
+    } else {
+        None
+    };
+    let local_dir = std::env::var_os("ARCTICD_LOCAL_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("arcticd-local"));
+    let leftovers = || async {
+        match &client {
+            Some(c) => {
+                let list = docker::list_labelled(c).await.unwrap_or_default();
+                list.into_iter()
+                    .filter(|(_, labels)| {
+                        labels
+                            .get(docker::OWNER_LABEL)
+                            .is_some_and(|o| o.starts_with(&owner_pid))
+                    })
+                    .count()
+            }
+            None => std::fs::read_dir(&local_dir)
+                .map(|rd| {
+                    rd.flatten()
+                        .filter(|e| {
+                            e.file_name()
+                                .to_string_lossy()
+                                .starts_with(&format!("arcticd-{owner_pid}"))
+                        })
+                        .count()
+                })
+                .unwrap_or(0),
+        }
+    };
+    let mut seen = 0;
+    for _ in 0..100 {
+        seen = leftovers().await;
+        if seen > 0 {
+            break;
+        }
+        tokio_sleep(100).await;
+    }
+    ensure!(seen > 0, "the child never started a sandbox");
+    tokio_sleep(300).await;
+    child.kill()?; // SIGKILL
+    child.wait()?;
+    ensure!(
+        leftovers().await > 0,
+        "nothing left to reap (test proves nothing)"
+    );
+    match &client {
+        Some(c) => {
+            docker::reap_orphans(c).await?;
+        }
+        None => {
+            LocalBackend::new().await?.reap_orphans();
+        }
+    }
+    ensure!(leftovers().await == 0, "orphans survive the reaper");
+    Ok(())
+});
