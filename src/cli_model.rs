@@ -143,3 +143,71 @@ pub fn init_model(args: InitModelArgs) -> Result<()> {
     );
     Ok(())
 }
+
+#[derive(Args)]
+pub struct BenchForwardArgs {
+    /// Checkpoint directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 512)]
+    pub seq_len: usize,
+    /// Timed repetitions (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    pub iters: usize,
+}
+
+/// Time the full forward (hidden states and logits of every position) of a
+/// packed batch of random sequences; prints one JSON line with tokens/s.
+pub fn bench_forward(args: BenchForwardArgs) -> Result<()> {
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+    if args.batch == 0 || args.seq_len == 0 || args.iters == 0 {
+        bail!("--batch, --seq-len and --iters must be positive");
+    }
+    let model = Qwen3_5::load(&args.model)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
+    let mut rng = StdRng::seed_from_u64(0);
+    let vocab = model.config.vocab_size as u32;
+    let seqs: Vec<Vec<u32>> = (0..args.batch)
+        .map(|_| (0..args.seq_len).map(|_| rng.gen_range(0..vocab)).collect())
+        .collect();
+    let run = || -> Result<f64> {
+        let start = std::time::Instant::now();
+        let mut caches: Vec<_> = seqs.iter().map(|_| model.new_cache()).collect();
+        let mut batch: Vec<SeqInput<'_>> = seqs
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(s, c)| SeqInput {
+                tokens: s,
+                cache: c,
+            })
+            .collect();
+        let hidden = model.forward(&mut batch)?;
+        let logits = model.logits(&hidden)?;
+        std::hint::black_box(&logits);
+        Ok(start.elapsed().as_secs_f64())
+    };
+    run()?;
+    let mut times = Vec::with_capacity(args.iters);
+    for i in 0..args.iters {
+        let t = run()?;
+        eprintln!("iteration {}/{}: {:.3} s", i + 1, args.iters, t);
+        times.push(t);
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let tokens = args.batch * args.seq_len;
+    let out = serde_json::json!({
+        "engine": "arcticd",
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "threads": rayon::current_num_threads(),
+        "median_s": median,
+        "tokens_per_s": tokens as f64 / median,
+    });
+    println!("{out}");
+    Ok(())
+}

@@ -6,7 +6,11 @@ mod cli_model;
 mod cli_sandbox;
 
 #[derive(Parser)]
-#[command(name = "arcticd", version, about = "Async RL for software-engineering agents, on its own engine")]
+#[command(
+    name = "arcticd",
+    version,
+    about = "Async RL for software-engineering agents, on its own engine"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -20,6 +24,8 @@ enum Command {
     Generate(cli_model::GenerateArgs),
     /// Write a randomly initialised Qwen3.5-architecture model in Hugging Face layout.
     InitModel(cli_model::InitModelArgs),
+    /// Time the model's full forward on a random packed batch (tokens/s as JSON).
+    BenchForward(cli_model::BenchForwardArgs),
     /// Run commands in an isolated sandbox, or build its base image.
     Sandbox(cli_sandbox::SandboxArgs),
 }
@@ -34,6 +40,7 @@ fn main() {
         Command::Score(args) => cli_model::score(args),
         Command::Generate(args) => cli_model::generate(args),
         Command::InitModel(args) => cli_model::init_model(args),
+        Command::BenchForward(args) => cli_model::bench_forward(args),
         Command::Sandbox(args) => cli_sandbox::main(args),
     };
     if let Err(e) = result {
