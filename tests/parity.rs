@@ -157,7 +157,11 @@ fn incremental_decode_and_packing_agree_with_full_forward() {
             let alone = model.score(std::slice::from_ref(seq)).unwrap();
             for (a, b) in alone[0].iter().zip(&packed[s]) {
                 if let (Some(a), Some(b)) = (a, b) {
-                    assert!((a - b).abs() < 1e-5, "{name}: packing changed seq {s}");
+                    // Packing changes only rounding (gemm blocking depends on the row count).
+                    assert!(
+                        (a - b).abs() < 5e-5,
+                        "{name}: packing changed seq {s}: {a} vs {b}"
+                    );
                 }
             }
         }
@@ -199,4 +203,49 @@ fn bad_inputs_are_errors_not_panics() {
     let e = Qwen3_5::load(&tmp).unwrap_err().to_string();
     assert!(e.contains("shape"), "{e}");
     std::fs::remove_dir_all(&tmp).ok();
+}
+
+/// `named_params` lists every tensor of the checkpoint that the text model
+/// uses, with its checkpoint shape, once; the mutable walk agrees; and an
+/// in-place update through the parameter store changes the scores.
+#[test]
+fn named_params_cover_the_checkpoint_and_update_in_place() {
+    use arcticd_engine::weights::Checkpoint;
+    for dir in cases() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let model = Qwen3_5::load(&dir).unwrap();
+        let ck = Checkpoint::open(&dir).unwrap();
+        let params = model.named_params();
+        let mut expected: Vec<&str> = ck
+            .names()
+            .filter(|n| !n.starts_with("mtp.") && !n.starts_with("model.visual."))
+            .collect();
+        expected.sort();
+        let mut got: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+        got.sort();
+        assert_eq!(got, expected, "{name}");
+        for (n, t) in &params {
+            let shape = ck.get_f32(n, t.shape());
+            assert!(shape.is_ok(), "{name}: {n} shape {:?}", t.shape());
+        }
+        let mut m2 = model.clone();
+        let names_mut: Vec<String> = m2.named_params_mut().into_iter().map(|(n, _)| n).collect();
+        let names: Vec<String> = params.iter().map(|(n, _)| n.clone()).collect();
+        assert_eq!(names, names_mut);
+    }
+    let model = Qwen3_5::load(&cases()[0]).unwrap();
+    let seq = vec![vec![1u32, 2, 3, 4, 5]];
+    let before = model.score(&seq).unwrap();
+    let store = arcticd_engine::ParamStore::new(model);
+    assert_eq!(store.weight_version(), 0);
+    let (v, ()) = store.update(|m| {
+        for (_, t) in m.named_params_mut() {
+            for x in t.as_f32_mut().unwrap() {
+                *x *= 1.5;
+            }
+        }
+    });
+    assert_eq!(v, 1);
+    let after = store.read().score(&seq).unwrap();
+    assert!((before[0][4].unwrap() - after[0][4].unwrap()).abs() > 1e-3);
 }

@@ -6,9 +6,11 @@ pub mod config;
 pub mod error;
 pub mod init;
 pub mod model;
+pub mod params;
 pub mod tokenizer;
 pub mod weights;
 
 pub use config::{LayerType, ModelConfig};
 pub use error::{Error, Result};
 pub use model::{Qwen3_5, SeqCache, SeqInput};
+pub use params::ParamStore;

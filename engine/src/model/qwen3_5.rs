@@ -92,7 +92,8 @@ pub struct LinearAttention {
     pub in_proj_z: Linear,
     pub in_proj_b: Linear,
     pub in_proj_a: Linear,
-    /// Depthwise conv weight `[conv_dim, kernel]` (the checkpoint's `[C, 1, K]`).
+    /// Depthwise conv weight `[conv_dim, 1, kernel]`, the checkpoint's shape
+    /// (so parameter names and shapes are exactly Hugging Face's).
     pub conv1d: Tensor,
     pub a_log: Tensor,
     pub dt_bias: Tensor,
@@ -180,9 +181,8 @@ impl Qwen3_5 {
                     let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
                     let a = format!("{lp}linear_attn.");
                     let conv_dim = c.linear_conv_dim();
-                    let conv = ck
-                        .get_f32(&format!("{a}conv1d.weight"), &[conv_dim, 1, c.conv_kernel])?
-                        .reshape(&[conv_dim, c.conv_kernel])?;
+                    let conv =
+                        ck.get_f32(&format!("{a}conv1d.weight"), &[conv_dim, 1, c.conv_kernel])?;
                     if ck.contains(&format!("{a}conv1d.bias")) {
                         return Err(Error::Weights(format!(
                             "{a}conv1d.bias: a conv bias is not part of Qwen3.5"
@@ -582,5 +582,77 @@ impl Qwen3_5 {
             out.push(row);
         }
         Ok(out)
+    }
+}
+
+/// Walk every parameter in one fixed order; `$($mut)?` picks `&` or `&mut`.
+/// One body for both, so the immutable and mutable lists cannot drift apart.
+macro_rules! walk_params {
+    ($model:expr, $out:ident, $($mut:tt)?) => {{
+        let m = $model;
+        let p = m.config.weight_prefix.clone();
+        $out.push((format!("{p}embed_tokens.weight"), & $($mut)? m.embed_tokens));
+        for (i, layer) in (& $($mut)? m.layers).into_iter().enumerate() {
+            let l = format!("{p}layers.{i}.");
+            $out.push((format!("{l}input_layernorm.weight"), & $($mut)? layer.input_layernorm));
+            $out.push((format!("{l}post_attention_layernorm.weight"), & $($mut)? layer.post_attention_layernorm));
+            match & $($mut)? layer.mixer {
+                Mixer::Linear(la) => {
+                    let a = format!("{l}linear_attn.");
+                    $out.push((format!("{a}in_proj_qkv.weight"), & $($mut)? la.in_proj_qkv.weight));
+                    $out.push((format!("{a}in_proj_z.weight"), & $($mut)? la.in_proj_z.weight));
+                    $out.push((format!("{a}in_proj_b.weight"), & $($mut)? la.in_proj_b.weight));
+                    $out.push((format!("{a}in_proj_a.weight"), & $($mut)? la.in_proj_a.weight));
+                    $out.push((format!("{a}conv1d.weight"), & $($mut)? la.conv1d));
+                    $out.push((format!("{a}A_log"), & $($mut)? la.a_log));
+                    $out.push((format!("{a}dt_bias"), & $($mut)? la.dt_bias));
+                    $out.push((format!("{a}norm.weight"), & $($mut)? la.norm));
+                    $out.push((format!("{a}out_proj.weight"), & $($mut)? la.out_proj.weight));
+                }
+                Mixer::Full(fa) => {
+                    let a = format!("{l}self_attn.");
+                    for (n, lin) in [
+                        ("q_proj", & $($mut)? fa.q_proj),
+                        ("k_proj", & $($mut)? fa.k_proj),
+                        ("v_proj", & $($mut)? fa.v_proj),
+                        ("o_proj", & $($mut)? fa.o_proj),
+                    ] {
+                        $out.push((format!("{a}{n}.weight"), & $($mut)? lin.weight));
+                        if let Some(b) = & $($mut)? lin.bias {
+                            $out.push((format!("{a}{n}.bias"), b));
+                        }
+                    }
+                    $out.push((format!("{a}q_norm.weight"), & $($mut)? fa.q_norm));
+                    $out.push((format!("{a}k_norm.weight"), & $($mut)? fa.k_norm));
+                }
+            }
+            let mm = format!("{l}mlp.");
+            $out.push((format!("{mm}gate_proj.weight"), & $($mut)? layer.gate_proj.weight));
+            $out.push((format!("{mm}up_proj.weight"), & $($mut)? layer.up_proj.weight));
+            $out.push((format!("{mm}down_proj.weight"), & $($mut)? layer.down_proj.weight));
+        }
+        $out.push((format!("{p}norm.weight"), & $($mut)? m.norm));
+        if let Some(h) = & $($mut)? m.lm_head {
+            $out.push(("lm_head.weight".to_string(), h));
+        }
+    }};
+}
+
+impl Qwen3_5 {
+    /// Every parameter with its Hugging Face name (under `weight_prefix`, and
+    /// `lm_head.weight` when untied), in a fixed order. The trainer's
+    /// optimizer and checkpoint writer walk this list.
+    pub fn named_params(&self) -> Vec<(String, &Tensor)> {
+        let mut out = Vec::new();
+        walk_params!(self, out,);
+        out
+    }
+
+    /// Mutable form of [`named_params`](Self::named_params), same order: the
+    /// parameter store is updated in place through this.
+    pub fn named_params_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        let mut out: Vec<(String, &mut Tensor)> = Vec::new();
+        walk_params!(self, out, mut);
+        out
     }
 }
