@@ -197,3 +197,76 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().map_err(|e| Error::io(&tmp, e))?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    #[test]
+    fn reads_f32_bf16_f16_and_checks_shapes() {
+        let dir = std::env::temp_dir().join(format!("arcticd-weights-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let vals = [1.5f32, -2.25, 0.125, 3.0];
+        let f16: Vec<u8> = vals
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect();
+        let bf: Vec<u8> = vals
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect();
+        let f32b: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let i32b: Vec<u8> = [1i32, 2].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let views = vec![
+            (
+                "a".to_string(),
+                TensorView::new(Dtype::F16, vec![2, 2], &f16).unwrap(),
+            ),
+            (
+                "b".to_string(),
+                TensorView::new(Dtype::BF16, vec![4], &bf).unwrap(),
+            ),
+            (
+                "c".to_string(),
+                TensorView::new(Dtype::F32, vec![1, 4], &f32b).unwrap(),
+            ),
+            (
+                "d".to_string(),
+                TensorView::new(Dtype::I32, vec![2], &i32b).unwrap(),
+            ),
+        ];
+        let bytes = safetensors::serialize(views, &None).unwrap();
+        std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+        let ck = Checkpoint::open(&dir).unwrap();
+        for (name, shape) in [("a", vec![2, 2]), ("b", vec![4]), ("c", vec![1, 4])] {
+            let t = ck.get_f32(name, &shape).unwrap();
+            assert_eq!(t.as_f32().unwrap(), &vals, "{name}");
+        }
+        let e = ck.get_f32("a", &[4]).unwrap_err().to_string();
+        assert!(e.contains("shape"), "{e}");
+        assert!(ck
+            .get_f32("d", &[2])
+            .unwrap_err()
+            .to_string()
+            .contains("dtype"));
+        assert!(ck
+            .get_f32("zz", &[2])
+            .unwrap_err()
+            .to_string()
+            .contains("missing"));
+
+        // Round trip through the atomic writer, bf16 on disk.
+        let data = vec![0.5f32, -1.0, 2.0];
+        save_safetensors(
+            &dir.join("model.safetensors"),
+            &[("w".into(), vec![3], &data)],
+            SaveDType::BF16,
+        )
+        .unwrap();
+        let ck = Checkpoint::open(&dir).unwrap();
+        assert_eq!(ck.get_f32("w", &[3]).unwrap().as_f32().unwrap(), &data[..]);
+        assert_eq!(ck.dtype_of("w"), Some(Dtype::BF16));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

@@ -1,0 +1,179 @@
+//! The model commands end to end through the real binary: `init-model`
+//! writes a loadable checkpoint, `score` keeps its exact output contract and
+//! agrees with the library, `generate` runs, and bad input gives a clear
+//! error and a non-zero exit, never a panic.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn arcticd(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .args(args)
+        .output()
+        .expect("run arcticd")
+}
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("arcticd-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn init_tiny(dir: &Path) {
+    let out = arcticd(&[
+        "init-model",
+        "--preset",
+        "tiny",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn assert_clean_error(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "expected failure, got success: {stderr}"
+    );
+    assert!(
+        !stderr.contains("panicked"),
+        "panic reached the user: {stderr}"
+    );
+    assert!(
+        stderr.contains(needle),
+        "error should mention {needle:?}: {stderr}"
+    );
+}
+
+#[test]
+fn init_score_generate_and_bad_input() {
+    let dir = tmpdir("model");
+    init_tiny(&dir);
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        assert!(dir.join(f).exists(), "{f} missing");
+    }
+    let model = arcticd_engine::Qwen3_5::load(&dir).unwrap();
+    let params: usize = model.named_params().iter().map(|(_, t)| t.numel()).sum();
+    assert!(params < 1_000_000, "tiny preset has {params} parameters");
+
+    // score: exact contract, and the same numbers as the library.
+    let seqs = vec![vec![5u32, 17, 300, 2], vec![9], vec![1; 70]];
+    let input = dir.join("in.json");
+    std::fs::write(&input, serde_json::json!({ "sequences": seqs }).to_string()).unwrap();
+    let m = dir.to_str().unwrap();
+    let out = arcticd(&["score", "--model", m, "--input", input.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let obj = v.as_object().unwrap();
+    assert_eq!(obj.keys().collect::<Vec<_>>(), vec!["logprobs"]);
+    let lps = v["logprobs"].as_array().unwrap();
+    let lib = model.score(&seqs).unwrap();
+    assert_eq!(lps.len(), 3);
+    for (row, (got, want)) in lps.iter().zip(&lib).enumerate() {
+        let got = got.as_array().unwrap();
+        assert_eq!(got.len(), seqs[row].len());
+        assert!(got[0].is_null());
+        for (g, w) in got.iter().zip(want).skip(1) {
+            let g = g.as_f64().unwrap();
+            assert!(g < 0.0);
+            assert_eq!(g as f32, w.unwrap());
+        }
+    }
+
+    // generate through the chat template.
+    let out = arcticd(&[
+        "generate",
+        "--model",
+        m,
+        "--prompt",
+        "def add(a, b):",
+        "--max-tokens",
+        "5",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Bad input: each a clear error and a non-zero exit.
+    let bad = |name: &str, body: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, body).unwrap();
+        arcticd(&["score", "--model", m, "--input", p.to_str().unwrap()])
+    };
+    assert_clean_error(
+        &bad("oob.json", r#"{"sequences": [[1, 99999]]}"#),
+        "vocabulary size",
+    );
+    assert_clean_error(&bad("empty.json", r#"{"sequences": [[]]}"#), "empty");
+    assert_clean_error(&bad("shape.json", r#"{"seqs": [[1]]}"#), "sequences");
+    assert_clean_error(&bad("neg.json", r#"{"sequences": [[-1]]}"#), "sequences");
+    assert_clean_error(
+        &arcticd(&["score", "--model", m, "--input", "/nonexistent/in.json"]),
+        "/nonexistent/in.json",
+    );
+    assert_clean_error(
+        &arcticd(&[
+            "score",
+            "--model",
+            "/nonexistent-model",
+            "--input",
+            input.to_str().unwrap(),
+        ]),
+        "config.json",
+    );
+    // Unsupported model_type and a mis-shaped tensor.
+    let other = tmpdir("bad-model");
+    for f in std::fs::read_dir(&dir).unwrap() {
+        let p = f.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, other.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    let cfg_path = other.join("config.json");
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let o = other.to_str().unwrap();
+    cfg["model_type"] = Value::from("llama");
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    assert_clean_error(
+        &arcticd(&["score", "--model", o, "--input", input.to_str().unwrap()]),
+        "llama",
+    );
+    cfg["model_type"] = Value::from("qwen3_5_text");
+    cfg["intermediate_size"] = Value::from(100);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    assert_clean_error(
+        &arcticd(&["score", "--model", o, "--input", input.to_str().unwrap()]),
+        "shape",
+    );
+    std::fs::write(other.join("model.safetensors"), b"not a safetensors file").unwrap();
+    assert_clean_error(
+        &arcticd(&["score", "--model", o, "--input", input.to_str().unwrap()]),
+        "model.safetensors",
+    );
+    assert_clean_error(
+        &arcticd(&["init-model", "--preset", "huge", "--out", o]),
+        "huge",
+    );
+
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_dir_all(&other).ok();
+}
