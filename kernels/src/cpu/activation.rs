@@ -1,5 +1,6 @@
 //! Pointwise activations: SiLU, SiLU-and-multiply (the MLP's
 //! `silu(gate) * up`), and the sigmoid output gate of full attention.
+//! Their backwards have no parameters and write (`=`) every gradient.
 
 use crate::{Error, Result};
 
@@ -67,6 +68,94 @@ pub fn sigmoid_gate_forward(x: &mut [f32], gate: &[f32]) -> Result<()> {
     Ok(())
 }
 
+/// `silu'(x) = s (1 + x (1 - s))`, `s = sigmoid(x)`.
+#[inline]
+pub fn silu_grad(x: f32) -> f32 {
+    let s = sigmoid(x);
+    s * (1.0 + x * (1.0 - s))
+}
+
+/// `softplus'(x) = sigmoid(x)`, and exactly 1 above PyTorch's threshold of 20
+/// (where the forward is linear).
+#[inline]
+pub fn softplus_grad(x: f32) -> f32 {
+    if x > 20.0 {
+        1.0
+    } else {
+        sigmoid(x)
+    }
+}
+
+/// Backward of [`silu_forward`] from the pre-activation input:
+/// `dinp = dout * silu'(inp)` (written).
+pub fn silu_backward(dinp: &mut [f32], dout: &[f32], inp: &[f32]) -> Result<()> {
+    if dinp.len() != dout.len() || inp.len() != dout.len() {
+        return Err(Error::Shape(format!(
+            "silu_backward: dinp {} / dout {} / inp {}",
+            dinp.len(),
+            dout.len(),
+            inp.len()
+        )));
+    }
+    for ((d, g), x) in dinp.iter_mut().zip(dout).zip(inp) {
+        *d = g * silu_grad(*x);
+    }
+    Ok(())
+}
+
+/// Backward of [`silu_mul_forward`]: `dgate = dout * up * silu'(gate)`,
+/// `dup = dout * silu(gate)` (both written).
+pub fn silu_mul_backward(
+    dgate: &mut [f32],
+    dup: &mut [f32],
+    dout: &[f32],
+    gate: &[f32],
+    up: &[f32],
+) -> Result<()> {
+    let n = dout.len();
+    if dgate.len() != n || dup.len() != n || gate.len() != n || up.len() != n {
+        return Err(Error::Shape(format!(
+            "silu_mul_backward: dgate {} dup {} dout {n} gate {} up {}",
+            dgate.len(),
+            dup.len(),
+            gate.len(),
+            up.len()
+        )));
+    }
+    for i in 0..n {
+        dgate[i] = dout[i] * up[i] * silu_grad(gate[i]);
+        dup[i] = dout[i] * silu(gate[i]);
+    }
+    Ok(())
+}
+
+/// Backward of [`sigmoid_gate_forward`] given `x` before gating:
+/// `dx = dout * sigmoid(gate)`, `dgate = dout * x * s (1 - s)` (both written).
+pub fn sigmoid_gate_backward(
+    dx: &mut [f32],
+    dgate: &mut [f32],
+    dout: &[f32],
+    x: &[f32],
+    gate: &[f32],
+) -> Result<()> {
+    let n = dout.len();
+    if dx.len() != n || dgate.len() != n || x.len() != n || gate.len() != n {
+        return Err(Error::Shape(format!(
+            "sigmoid_gate_backward: dx {} dgate {} dout {n} x {} gate {}",
+            dx.len(),
+            dgate.len(),
+            x.len(),
+            gate.len()
+        )));
+    }
+    for i in 0..n {
+        let s = sigmoid(gate[i]);
+        dx[i] = dout[i] * s;
+        dgate[i] = dout[i] * x[i] * s * (1.0 - s);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -82,5 +171,56 @@ mod tests {
         assert_eq!(x, [1.0, 2.0]);
         assert!((softplus(0.0) - 2.0f32.ln()).abs() < 1e-7);
         assert_eq!(softplus(30.0), 30.0);
+    }
+
+    #[test]
+    fn backwards_match_finite_differences() {
+        use crate::cpu::gradcheck::{check as fd, dot64, rand_vec, rng};
+        let mut r = rng(21);
+        let n = 13;
+        let mut a = rand_vec(&mut r, n, 4.0);
+        let mut b = rand_vec(&mut r, n, 2.0);
+        let probe = rand_vec(&mut r, n, 1.0);
+        // silu
+        let mut d = vec![0.0; n];
+        silu_backward(&mut d, &probe, &a).unwrap();
+        fd(
+            "silu",
+            &mut a.clone(),
+            &d,
+            |x| {
+                let mut y = x.to_vec();
+                silu_forward(&mut y);
+                dot64(&y, &probe)
+            },
+            1e-2,
+            1e-3,
+        );
+        // silu_mul
+        let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
+        silu_mul_backward(&mut dg, &mut du, &probe, &a, &b).unwrap();
+        let sm = |g: &[f32], u: &[f32]| {
+            let mut y = vec![0.0; n];
+            silu_mul_forward(&mut y, g, u, 1, n).unwrap();
+            dot64(&y, &probe)
+        };
+        let (a0, b0) = (a.clone(), b.clone());
+        fd("silu_mul.gate", &mut a, &dg, |x| sm(x, &b0), 1e-2, 1e-3);
+        fd("silu_mul.up", &mut b, &du, |x| sm(&a0, x), 1e-2, 1e-3);
+        // sigmoid gate
+        let (mut dx, mut dz) = (vec![0.0; n], vec![0.0; n]);
+        sigmoid_gate_backward(&mut dx, &mut dz, &probe, &b, &a).unwrap();
+        let sg = |x: &[f32], z: &[f32]| {
+            let mut y = x.to_vec();
+            sigmoid_gate_forward(&mut y, z).unwrap();
+            dot64(&y, &probe)
+        };
+        fd("sigmoid_gate.x", &mut b, &dx, |x| sg(x, &a0), 1e-2, 1e-3);
+        fd("sigmoid_gate.gate", &mut a, &dz, |z| sg(&b0, z), 1e-2, 1e-3);
+        // softplus
+        for x in [-3.0f32, 0.0, 2.5, 19.0, 25.0] {
+            let num = (softplus(x + 1e-2) - softplus(x - 1e-2)) / 2e-2;
+            assert!((num - softplus_grad(x)).abs() < 1e-3, "{x}");
+        }
     }
 }

@@ -5,7 +5,8 @@
 //! the state is overwritten with the last K-1 inputs of this call, so prefill
 //! and token-by-token decode give the same outputs.
 //!
-//! Output is pre-activation; the model applies SiLU after it.
+//! Output is pre-activation; the model applies SiLU after it. The backward
+//! writes `dinp` (and the initial-state gradient) and accumulates `dweight`.
 
 use crate::{Error, Result};
 
@@ -62,6 +63,68 @@ pub fn conv1d_forward(
     Ok(())
 }
 
+/// Backward of [`conv1d_forward`] for one call that started from `state0`
+/// (the state before the forward; zeros for a fresh sequence).
+/// `dinp[t, c]` is written (`=`); `dweight[c, K]` accumulates; `dstate0`,
+/// when given, is written with the gradient of the initial state.
+#[allow(clippy::too_many_arguments)]
+pub fn conv1d_backward(
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dstate0: Option<&mut [f32]>,
+    dout: &[f32],
+    state0: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    t: usize,
+    c: usize,
+    k: usize,
+) -> Result<()> {
+    if k == 0
+        || dout.len() != t * c
+        || dinp.len() != t * c
+        || inp.len() != t * c
+        || weight.len() != c * k
+        || dweight.len() != c * k
+        || state0.len() != (k - 1) * c
+        || dstate0.as_ref().is_some_and(|d| d.len() != (k - 1) * c)
+    {
+        return Err(Error::Shape(format!(
+            "conv1d_backward: dout {} dinp {} inp {} weight {} dweight {} state0 {} for t={t} c={c} k={k}",
+            dout.len(),
+            dinp.len(),
+            inp.len(),
+            weight.len(),
+            dweight.len(),
+            state0.len()
+        )));
+    }
+    let hist = k - 1;
+    // Gradient of the virtual input [state0; inp], rows hist + t.
+    let mut dvirt = vec![0.0f32; (hist + t) * c];
+    for ti in 0..t {
+        let g = &dout[ti * c..(ti + 1) * c];
+        for j in 0..k {
+            let r = ti + j;
+            let x = if r < hist {
+                &state0[r * c..(r + 1) * c]
+            } else {
+                &inp[(r - hist) * c..(r - hist + 1) * c]
+            };
+            let dx = &mut dvirt[r * c..(r + 1) * c];
+            for ch in 0..c {
+                dx[ch] += weight[ch * k + j] * g[ch];
+                dweight[ch * k + j] += g[ch] * x[ch];
+            }
+        }
+    }
+    dinp.copy_from_slice(&dvirt[hist * c..]);
+    if let Some(ds) = dstate0 {
+        ds.copy_from_slice(&dvirt[..hist * c]);
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,5 +160,42 @@ mod tests {
         }
         assert_eq!(st, final_state);
         assert!(conv1d_forward(&mut full, &mut st, &inp, &weight, 4, c, k).is_err());
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        use crate::cpu::gradcheck::{check as fd, dot64, rand_vec, rng};
+        let mut r = rng(31);
+        let (t, c, k) = (6, 3, 4);
+        let mut inp = rand_vec(&mut r, t * c, 1.0);
+        let mut w = rand_vec(&mut r, c * k, 1.0);
+        let mut s0 = rand_vec(&mut r, (k - 1) * c, 1.0);
+        let probe = rand_vec(&mut r, t * c, 1.0);
+        let (mut di, mut ds) = (vec![7.0; t * c], vec![7.0; (k - 1) * c]);
+        let mut dw = vec![0.5; c * k];
+        conv1d_backward(
+            &mut di,
+            &mut dw,
+            Some(&mut ds),
+            &probe,
+            &s0,
+            &inp,
+            &w,
+            t,
+            c,
+            k,
+        )
+        .unwrap();
+        dw.iter_mut().for_each(|g| *g -= 0.5);
+        let loss = |i: &[f32], w: &[f32], s: &[f32]| {
+            let mut out = vec![0.0; t * c];
+            let mut st = s.to_vec();
+            conv1d_forward(&mut out, &mut st, i, w, t, c, k).unwrap();
+            dot64(&out, &probe)
+        };
+        let (i0, w0, s00) = (inp.clone(), w.clone(), s0.clone());
+        fd("dinp", &mut inp, &di, |x| loss(x, &w0, &s00), 1e-2, 1e-3);
+        fd("dweight", &mut w, &dw, |x| loss(&i0, x, &s00), 1e-2, 1e-3);
+        fd("dstate0", &mut s0, &ds, |x| loss(&i0, &w0, x), 1e-2, 1e-3);
     }
 }

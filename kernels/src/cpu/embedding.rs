@@ -31,6 +31,40 @@ pub fn embedding_forward(
     Ok(())
 }
 
+/// Backward of [`embedding_forward`]: `dtable[ids[t]] += dout[t]` (accumulates;
+/// repeated ids add up).
+pub fn embedding_backward(
+    dtable: &mut [f32],
+    dout: &[f32],
+    ids: &[u32],
+    vocab: usize,
+    c: usize,
+) -> Result<()> {
+    if dout.len() != ids.len() * c || dtable.len() != vocab * c {
+        return Err(Error::Shape(format!(
+            "embedding_backward: dout {} / dtable {} do not fit {} ids x {c} channels, vocab {vocab}",
+            dout.len(),
+            dtable.len(),
+            ids.len()
+        )));
+    }
+    for (t, &id) in ids.iter().enumerate() {
+        let id = id as usize;
+        if id >= vocab {
+            return Err(Error::Index(format!(
+                "token id {id} at position {t} is not below the vocabulary size {vocab}"
+            )));
+        }
+        for (d, g) in dtable[id * c..(id + 1) * c]
+            .iter_mut()
+            .zip(&dout[t * c..(t + 1) * c])
+        {
+            *d += g;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -42,5 +76,20 @@ mod tests {
         embedding_forward(&mut out, &[2, 0], &table, 3, 2).unwrap();
         assert_eq!(out, [20.0, 21.0, 0.0, 1.0]);
         assert!(embedding_forward(&mut out, &[3, 0], &table, 3, 2).is_err());
+    }
+
+    #[test]
+    fn backward_scatters_and_accumulates() {
+        let mut dtable = [1.0; 6];
+        embedding_backward(
+            &mut dtable,
+            &[0.5, 1.0, 2.0, 3.0, 4.0, 5.0],
+            &[2, 0, 2],
+            3,
+            2,
+        )
+        .unwrap();
+        assert_eq!(dtable, [3.0, 4.0, 1.0, 1.0, 5.5, 7.0]);
+        assert!(embedding_backward(&mut dtable, &[0.0; 2], &[3], 3, 2).is_err());
     }
 }

@@ -2,6 +2,7 @@
 //! the policy-gradient loss need: `lp[t] = logits[t, y_t] - logsumexp(logits[t])`.
 //! The sum is accumulated in f64: the vocabulary is 248k wide in real models
 //! and an f32 sum loses digits that log-prob comparisons care about.
+//! Backwards write (`=`) `dlogits`.
 
 use crate::{Error, Result};
 use rayon::prelude::*;
@@ -72,6 +73,81 @@ pub fn logprob_gather_forward(
     Ok(())
 }
 
+/// Backward of [`logprob_gather_forward`]: `dlogits[n, v] = dlp[n] *
+/// (onehot(targets[n]) - softmax(logits[n]))` (written). The softmax is
+/// recomputed from the logits with the same f64 log-sum-exp as the forward,
+/// so no `[n, v]` probabilities are kept between the passes.
+pub fn logprob_gather_backward(
+    dlogits: &mut [f32],
+    dlp: &[f32],
+    logits: &[f32],
+    targets: &[u32],
+    n: usize,
+    v: usize,
+) -> Result<()> {
+    if dlogits.len() != n * v || dlp.len() != n || targets.len() != n || logits.len() != n * v {
+        return Err(Error::Shape(format!(
+            "logprob_gather_backward: dlogits {} dlp {} targets {} logits {} for {n} x {v}",
+            dlogits.len(),
+            dlp.len(),
+            targets.len(),
+            logits.len()
+        )));
+    }
+    if let Some((t, &y)) = targets.iter().enumerate().find(|(_, &y)| y as usize >= v) {
+        return Err(Error::Index(format!(
+            "target id {y} at row {t} is not below the vocabulary size {v}"
+        )));
+    }
+    if v == 0 {
+        return Ok(());
+    }
+    dlogits
+        .par_chunks_mut(v)
+        .zip(logits.par_chunks(v))
+        .zip(targets.par_iter().zip(dlp.par_iter()))
+        .for_each(|((d, x), (&y, &g))| {
+            let lse = logsumexp(x);
+            for (dd, &xx) in d.iter_mut().zip(x) {
+                *dd = -g * (xx - lse).exp();
+            }
+            d[y as usize] += g;
+        });
+    Ok(())
+}
+
+/// Backward of [`log_softmax_forward`] from its output: `dlogits = dout -
+/// softmax * sum(dout)` per row (written).
+pub fn log_softmax_backward(
+    dlogits: &mut [f32],
+    dout: &[f32],
+    out: &[f32],
+    n: usize,
+    v: usize,
+) -> Result<()> {
+    if dlogits.len() != n * v || dout.len() != n * v || out.len() != n * v {
+        return Err(Error::Shape(format!(
+            "log_softmax_backward: dlogits {} dout {} out {} for {n} x {v}",
+            dlogits.len(),
+            dout.len(),
+            out.len()
+        )));
+    }
+    if v == 0 {
+        return Ok(());
+    }
+    dlogits
+        .par_chunks_mut(v)
+        .zip(dout.par_chunks(v).zip(out.par_chunks(v)))
+        .for_each(|(d, (g, o))| {
+            let s: f64 = g.iter().map(|&x| x as f64).sum();
+            for i in 0..v {
+                d[i] = g[i] - (o[i].exp() as f64 * s) as f32;
+            }
+        });
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,5 +167,46 @@ mod tests {
         assert_eq!(lp[1], ls[4]);
         assert!(lp[1] < -900.0);
         assert!(logprob_gather_forward(&mut lp, &logits, &[3, 1], 2, 3).is_err());
+    }
+
+    #[test]
+    fn backwards_match_finite_differences() {
+        use crate::cpu::gradcheck::{check as fd, dot64, rand_vec, rng};
+        let mut r = rng(61);
+        let (n, v) = (3, 7);
+        let mut x = rand_vec(&mut r, n * v, 3.0);
+        let targets = [6u32, 0, 3];
+        let probe = rand_vec(&mut r, n, 1.0);
+        let mut d = vec![0.0; n * v];
+        logprob_gather_backward(&mut d, &probe, &x, &targets, n, v).unwrap();
+        let x0 = x.clone();
+        fd(
+            "gather",
+            &mut x,
+            &d,
+            |l| {
+                let mut lp = vec![0.0; n];
+                logprob_gather_forward(&mut lp, l, &targets, n, v).unwrap();
+                dot64(&lp, &probe)
+            },
+            1e-2,
+            1e-3,
+        );
+        let probe = rand_vec(&mut r, n * v, 1.0);
+        let mut out = vec![0.0; n * v];
+        log_softmax_forward(&mut out, &x0, n, v).unwrap();
+        log_softmax_backward(&mut d, &probe, &out, n, v).unwrap();
+        fd(
+            "log_softmax",
+            &mut x,
+            &d,
+            |l| {
+                let mut o = vec![0.0; n * v];
+                log_softmax_forward(&mut o, l, n, v).unwrap();
+                dot64(&o, &probe)
+            },
+            1e-2,
+            1e-3,
+        );
     }
 }

@@ -2,8 +2,8 @@
 //! the PyTorch `nn.Linear` layout, on the `gemm` crate (multithreaded through
 //! rayon). Also a plain `a @ b` for the few places that need it.
 //!
-//! The backward (dinp += dout @ weight, dweight += dout^T @ inp) will sit
-//! beside the forward; both accumulate.
+//! The backward (`dinp += dout @ weight`, `dweight += dout^T @ inp`,
+//! `dbias += sum dout`) sits beside the forward; all three accumulate.
 
 use crate::{Error, Result};
 use gemm::Parallelism;
@@ -132,6 +132,91 @@ pub fn matmul_nn(
     Ok(())
 }
 
+/// Backward of [`matmul_forward`]: `dinp[n, c] += dout[n, oc] @ weight[oc, c]`,
+/// `dweight[oc, c] += dout^T @ inp`, `dbias[oc] += sum_n dout`. All three
+/// accumulate (the residual stream and parameter gradients).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward(
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dbias: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    n: usize,
+    c: usize,
+    oc: usize,
+) -> Result<()> {
+    check("dinp", dinp.len(), n * c)?;
+    check("dweight", dweight.len(), oc * c)?;
+    check("dout", dout.len(), n * oc)?;
+    check("inp", inp.len(), n * c)?;
+    check("weight", weight.len(), oc * c)?;
+    if let Some(db) = dbias {
+        check("dbias", db.len(), oc)?;
+        for row in dout.chunks_exact(oc.max(1)) {
+            for (d, g) in db.iter_mut().zip(row) {
+                *d += g;
+            }
+        }
+    }
+    if n == 0 || c == 0 || oc == 0 {
+        return Ok(());
+    }
+    // SAFETY: lengths checked above. dinp [n, c] row-major; dout [n, oc]
+    // row-major; weight [oc, c] row-major. read_dst with alpha 1 accumulates.
+    unsafe {
+        gemm::gemm(
+            n,
+            c,
+            oc,
+            dinp.as_mut_ptr(),
+            1,
+            c as isize,
+            true,
+            dout.as_ptr(),
+            1,
+            oc as isize,
+            weight.as_ptr(),
+            1,
+            c as isize,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism(n * c * oc),
+        );
+    }
+    // SAFETY: lengths checked above. dweight [oc, c] row-major; lhs is
+    // dout^T: element (i, t) = dout[t * oc + i], col stride oc, row stride 1;
+    // rhs is inp [n, c] row-major.
+    unsafe {
+        gemm::gemm(
+            oc,
+            c,
+            n,
+            dweight.as_mut_ptr(),
+            1,
+            c as isize,
+            true,
+            dout.as_ptr(),
+            oc as isize,
+            1,
+            inp.as_ptr(),
+            1,
+            c as isize,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism(n * c * oc),
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,5 +282,46 @@ mod tests {
     fn bad_shapes_are_errors() {
         let mut out = vec![0.0; 4];
         assert!(matmul_forward(&mut out, &[0.0; 3], &[0.0; 4], None, 2, 2, 2).is_err());
+    }
+
+    #[test]
+    fn backward_matches_finite_differences_and_accumulates() {
+        use crate::cpu::gradcheck::{check as fd, dot64, rand_vec, rng};
+        let mut r = rng(3);
+        for &(n, c, oc) in &[(1, 1, 1), (3, 5, 7), (9, 70, 66)] {
+            let mut inp = rand_vec(&mut r, n * c, 1.0);
+            let mut w = rand_vec(&mut r, oc * c, 1.0);
+            let mut b = rand_vec(&mut r, oc, 1.0);
+            let probe = rand_vec(&mut r, n * oc, 1.0);
+            // Pre-filled gradients: the backward must add to them.
+            let base = 0.25f32;
+            let mut dinp = vec![base; n * c];
+            let mut dw = vec![base; oc * c];
+            let mut db = vec![base; oc];
+            matmul_backward(
+                &mut dinp,
+                &mut dw,
+                Some(&mut db),
+                &probe,
+                &inp,
+                &w,
+                n,
+                c,
+                oc,
+            )
+            .unwrap();
+            for g in dinp.iter_mut().chain(dw.iter_mut()).chain(db.iter_mut()) {
+                *g -= base;
+            }
+            let loss = |i: &[f32], w: &[f32], b: &[f32]| {
+                let mut out = vec![0.0; n * oc];
+                matmul_forward(&mut out, i, w, Some(b), n, c, oc).unwrap();
+                dot64(&out, &probe)
+            };
+            let (w0, b0, i0) = (w.clone(), b.clone(), inp.clone());
+            fd("dinp", &mut inp, &dinp, |x| loss(x, &w0, &b0), 1e-2, 1e-3);
+            fd("dweight", &mut w, &dw, |x| loss(&i0, x, &b0), 1e-2, 1e-3);
+            fd("dbias", &mut b, &db, |x| loss(&i0, &w0, x), 1e-2, 1e-3);
+        }
     }
 }

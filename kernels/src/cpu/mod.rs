@@ -10,6 +10,8 @@ pub mod attention;
 pub mod conv1d;
 pub mod embedding;
 pub mod gated_delta;
+#[cfg(test)]
+mod gradcheck;
 pub mod l2norm;
 pub mod logsoftmax;
 pub mod matmul;

@@ -5,6 +5,9 @@
 //!   Gated DeltaNet output norm (plain w, starts at 1).
 //!
 //! The forward saves `rstd` per row, which is what the backward needs.
+//! Backward: `rmsnorm_backward` accumulates `dinp` (the residual stream) and
+//! `dweight`; `gated_rmsnorm_backward` writes `dinp` and `dgate` and
+//! accumulates `dweight`.
 
 use crate::{Error, Result};
 
@@ -102,6 +105,107 @@ pub fn gated_rmsnorm_forward(
     Ok(())
 }
 
+/// Backward of [`rmsnorm_forward`] from the saved `rstd`:
+/// `dinp += rstd * dy' - inp * rstd^3 / c * sum(dy' * inp)` with
+/// `dy' = dout * (1 + weight)`, and `dweight += sum_rows dout * inp * rstd`.
+/// Both accumulate (`dinp` is the residual stream for the layer norms).
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm_backward(
+    dinp: &mut [f32],
+    dweight: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) -> Result<()> {
+    check(
+        "rmsnorm_backward",
+        &[
+            ("dinp", dinp.len(), n * c),
+            ("dweight", dweight.len(), c),
+            ("dout", dout.len(), n * c),
+            ("inp", inp.len(), n * c),
+            ("weight", weight.len(), c),
+            ("rstd", rstd.len(), n),
+        ],
+    )?;
+    if c == 0 {
+        return Ok(());
+    }
+    for (((dx, dy), x), &r) in dinp
+        .chunks_exact_mut(c)
+        .zip(dout.chunks_exact(c))
+        .zip(inp.chunks_exact(c))
+        .zip(rstd)
+    {
+        let mut dot = 0.0f32;
+        for i in 0..c {
+            dot += dy[i] * (1.0 + weight[i]) * x[i];
+            dweight[i] += dy[i] * x[i] * r;
+        }
+        let k = r * r * r * dot / c as f32;
+        for i in 0..c {
+            dx[i] += r * dy[i] * (1.0 + weight[i]) - x[i] * k;
+        }
+    }
+    Ok(())
+}
+
+/// Backward of [`gated_rmsnorm_forward`]: `dinp` and `dgate` are written
+/// (`=`), `dweight` accumulates.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_rmsnorm_backward(
+    dinp: &mut [f32],
+    dgate: &mut [f32],
+    dweight: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    gate: &[f32],
+    weight: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) -> Result<()> {
+    check(
+        "gated_rmsnorm_backward",
+        &[
+            ("dinp", dinp.len(), n * c),
+            ("dgate", dgate.len(), n * c),
+            ("dweight", dweight.len(), c),
+            ("dout", dout.len(), n * c),
+            ("inp", inp.len(), n * c),
+            ("gate", gate.len(), n * c),
+            ("weight", weight.len(), c),
+            ("rstd", rstd.len(), n),
+        ],
+    )?;
+    if c == 0 {
+        return Ok(());
+    }
+    for (row, &r) in rstd.iter().enumerate() {
+        let o = row * c;
+        let (x, z, dy) = (&inp[o..o + c], &gate[o..o + c], &dout[o..o + c]);
+        let mut dot = 0.0f32;
+        for i in 0..c {
+            let s = 1.0 / (1.0 + (-z[i]).exp());
+            let silu = z[i] * s;
+            let dsilu = s * (1.0 + z[i] * (1.0 - s));
+            let xn = x[i] * r;
+            dweight[i] += dy[i] * xn * silu;
+            dgate[o + i] = dy[i] * xn * weight[i] * dsilu;
+            dot += dy[i] * weight[i] * silu * x[i];
+        }
+        let k = r * r * r * dot / c as f32;
+        for i in 0..c {
+            let silu = z[i] / (1.0 + (-z[i]).exp());
+            dinp[o + i] = r * dy[i] * weight[i] * silu - x[i] * k;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,5 +241,59 @@ mod tests {
             assert!((out[i] as f64 - want).abs() < 1e-6);
         }
         assert!(gated_rmsnorm_forward(&mut out, &mut rstd, &x, &z[..1], &w, 1, 2, 1e-6).is_err());
+    }
+
+    #[test]
+    fn rmsnorm_backward_matches_finite_differences() {
+        use crate::cpu::gradcheck::{check as fd, dot64, rand_vec, rng};
+        let mut r = rng(11);
+        let (n, c, eps) = (3, 7, 1e-5);
+        let mut x = rand_vec(&mut r, n * c, 2.0);
+        let mut w = rand_vec(&mut r, c, 0.5);
+        let probe = rand_vec(&mut r, n * c, 1.0);
+        let mut out = vec![0.0; n * c];
+        let mut rstd = vec![0.0; n];
+        rmsnorm_forward(&mut out, &mut rstd, &x, &w, n, c, eps).unwrap();
+        let mut dx = vec![0.5; n * c];
+        let mut dw = vec![0.5; c];
+        rmsnorm_backward(&mut dx, &mut dw, &probe, &x, &w, &rstd, n, c).unwrap();
+        dx.iter_mut().chain(dw.iter_mut()).for_each(|g| *g -= 0.5);
+        let loss = |x: &[f32], w: &[f32]| {
+            let mut out = vec![0.0; n * c];
+            let mut rs = vec![0.0; n];
+            rmsnorm_forward(&mut out, &mut rs, x, w, n, c, eps).unwrap();
+            dot64(&out, &probe)
+        };
+        let (x0, w0) = (x.clone(), w.clone());
+        fd("dinp", &mut x, &dx, |v| loss(v, &w0), 1e-2, 2e-3);
+        fd("dweight", &mut w, &dw, |v| loss(&x0, v), 1e-2, 2e-3);
+    }
+
+    #[test]
+    fn gated_rmsnorm_backward_matches_finite_differences() {
+        use crate::cpu::gradcheck::{check as fd, dot64, rand_vec, rng};
+        let mut r = rng(12);
+        let (n, c, eps) = (4, 5, 1e-6);
+        let mut x = rand_vec(&mut r, n * c, 2.0);
+        let mut z = rand_vec(&mut r, n * c, 3.0);
+        let mut w = rand_vec(&mut r, c, 1.5);
+        let probe = rand_vec(&mut r, n * c, 1.0);
+        let mut out = vec![0.0; n * c];
+        let mut rstd = vec![0.0; n];
+        gated_rmsnorm_forward(&mut out, &mut rstd, &x, &z, &w, n, c, eps).unwrap();
+        let (mut dx, mut dz) = (vec![9.0; n * c], vec![9.0; n * c]);
+        let mut dw = vec![0.5; c];
+        gated_rmsnorm_backward(&mut dx, &mut dz, &mut dw, &probe, &x, &z, &w, &rstd, n, c).unwrap();
+        dw.iter_mut().for_each(|g| *g -= 0.5);
+        let loss = |x: &[f32], z: &[f32], w: &[f32]| {
+            let mut out = vec![0.0; n * c];
+            let mut rs = vec![0.0; n];
+            gated_rmsnorm_forward(&mut out, &mut rs, x, z, w, n, c, eps).unwrap();
+            dot64(&out, &probe)
+        };
+        let (x0, z0, w0) = (x.clone(), z.clone(), w.clone());
+        fd("dinp", &mut x, &dx, |v| loss(v, &z0, &w0), 1e-2, 2e-3);
+        fd("dgate", &mut z, &dz, |v| loss(&x0, v, &w0), 1e-2, 2e-3);
+        fd("dweight", &mut w, &dw, |v| loss(&x0, &z0, v), 1e-2, 2e-3);
     }
 }

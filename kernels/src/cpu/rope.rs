@@ -57,6 +57,47 @@ pub fn rope_forward(
     Ok(())
 }
 
+/// Backward of [`rope_forward`], in place on the gradient `dx[n, n_heads,
+/// head_dim]` (written): the transpose of a rotation is the rotation by the
+/// opposite angle, with cos/sin computed exactly as the forward computes them.
+pub fn rope_backward(
+    dx: &mut [f32],
+    positions: &[u32],
+    n_heads: usize,
+    head_dim: usize,
+    rot_dim: usize,
+    theta: f32,
+) -> Result<()> {
+    let n = positions.len();
+    if dx.len() != n * n_heads * head_dim || rot_dim > head_dim || rot_dim & 1 != 0 {
+        return Err(Error::Shape(format!(
+            "rope_backward: dx has {} elements for {n} tokens x {n_heads} heads x {head_dim}, rot_dim {rot_dim}",
+            dx.len()
+        )));
+    }
+    let half = rot_dim / 2;
+    let inv_freq = rope_inv_freq(rot_dim, theta);
+    let mut cos = vec![0.0f32; half];
+    let mut sin = vec![0.0f32; half];
+    for (t, &pos) in positions.iter().enumerate() {
+        for i in 0..half {
+            let angle = pos as f32 * inv_freq[i];
+            cos[i] = angle.cos();
+            sin[i] = angle.sin();
+        }
+        let row = &mut dx[t * n_heads * head_dim..(t + 1) * n_heads * head_dim];
+        for head in row.chunks_exact_mut(head_dim) {
+            for i in 0..half {
+                let a = head[i];
+                let b = head[i + half];
+                head[i] = a * cos[i] + b * sin[i];
+                head[i + half] = b * cos[i] - a * sin[i];
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,5 +134,29 @@ mod tests {
         assert_eq!(x, vec![0.5, -1.0, 2.0, 3.0]);
         assert!(rope_forward(&mut x, &[0, 1], 1, 4, 4, 1e6).is_err());
         assert!(rope_forward(&mut x, &[0], 1, 4, 3, 1e6).is_err());
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        use crate::cpu::gradcheck::{check as fd, dot64, rand_vec, rng};
+        let mut r = rng(51);
+        let (n_heads, hd, rot) = (2, 8, 4);
+        let pos = [0u32, 5, 17];
+        let mut x = rand_vec(&mut r, 3 * n_heads * hd, 1.0);
+        let probe = rand_vec(&mut r, x.len(), 1.0);
+        let mut dx = probe.clone();
+        rope_backward(&mut dx, &pos, n_heads, hd, rot, 100.0).unwrap();
+        fd(
+            "dx",
+            &mut x,
+            &dx,
+            |v| {
+                let mut y = v.to_vec();
+                rope_forward(&mut y, &pos, n_heads, hd, rot, 100.0).unwrap();
+                dot64(&y, &probe)
+            },
+            1e-2,
+            1e-3,
+        );
     }
 }
