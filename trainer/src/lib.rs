@@ -1,1 +1,11 @@
-//! Trainer: backward of the model, losses, optimizer, checkpoints, rollout harness (to come).
+//! arcticd trainer: the backward of the Qwen3.5 model on the same CPU kernels
+//! the engine runs forward, losses (SFT and asynchronous-RL policy gradient),
+//! AdamW with torch semantics, and Hugging Face checkpoints.
+//!
+//! Not for: sampling or serving (engine), sandboxes (sandbox crate). The
+//! rollout harness and the async orchestrator build on this.
+
+pub mod error;
+pub mod ops;
+
+pub use error::{Error, Result};

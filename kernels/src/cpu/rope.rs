@@ -28,7 +28,7 @@ pub fn rope_forward(
     theta: f32,
 ) -> Result<()> {
     let n = positions.len();
-    if x.len() != n * n_heads * head_dim || rot_dim > head_dim || rot_dim % 2 != 0 {
+    if x.len() != n * n_heads * head_dim || rot_dim > head_dim || rot_dim & 1 != 0 {
         return Err(Error::Shape(format!(
             "rope: x has {} elements for {n} tokens x {n_heads} heads x {head_dim}, rot_dim {rot_dim}",
             x.len()

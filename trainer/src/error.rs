@@ -1,0 +1,37 @@
+//! The trainer crate's one error type.
+
+use std::path::PathBuf;
+
+/// Errors from the training forward/backward, losses, optimizer and
+/// checkpoints.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Kernel(#[from] arcticd_kernels::Error),
+    #[error(transparent)]
+    Engine(#[from] arcticd_engine::Error),
+    /// Bad batch or data: empty sequences, ids out of range, mismatched masks.
+    #[error("bad input: {0}")]
+    Input(String),
+    /// Gradients and parameters that do not line up.
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
