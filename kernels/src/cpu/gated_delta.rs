@@ -45,6 +45,7 @@
 
 use rayon::prelude::*;
 
+use crate::cpu::attention::{gemm_serial, MatRef};
 use crate::{Error, Result};
 
 /// Sizes of one gated-delta call: `t` tokens, `nk` key heads of width `dk`,
@@ -227,22 +228,13 @@ where
         });
 }
 
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
+/// Value widths up to this keep the recurrent form's two scratch vectors on
+/// the stack, so the decode path allocates nothing.
+const STACK_DV: usize = 256;
 
-/// `y += alpha * x`.
-#[inline]
-fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += alpha * xi;
-    }
-}
-
-/// One value head, token by token. The head's output row doubles as scratch
-/// for `S^T k` and then `delta`, so the decode path allocates nothing. Each
-/// pass walks `S` row by row (contiguous `dv` inner loops).
+/// One value head, token by token; see [`recurrent_head_body`]. The crate is
+/// built for baseline x86-64 (SSE2); where the CPU has AVX2 the same loops
+/// run from a copy compiled for it, twice as wide.
 #[allow(clippy::too_many_arguments)]
 fn recurrent_head(
     out_h: &mut [f32],
@@ -255,40 +247,192 @@ fn recurrent_head(
     layout: &Layout,
     h: usize,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        return unsafe { recurrent_head_avx2(out_h, s, q, k, v, g, beta, layout, h) };
+    }
+    recurrent_head_body(out_h, s, q, k, v, g, beta, layout, h)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn recurrent_head_avx2(
+    out_h: &mut [f32],
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    layout: &Layout,
+    h: usize,
+) {
+    recurrent_head_body(out_h, s, q, k, v, g, beta, layout, h)
+}
+
+/// One value head, token by token, in a single pass over `S` per token. The
+/// pass over row `i` of `S` applies the update `s_i = exp(g) s_i + k_i
+/// delta` and, while the row is in registers, accumulates both this token's
+/// readout `o += q_i s_i` and the next token's `S^T k_{t+1}` (taken before
+/// its decay, which is folded into its `delta` instead). Each accumulation
+/// runs over `i` in order, so the result is bit-for-bit the three-pass
+/// recurrence; `S` is read and written once per token instead of three
+/// times. Inner loops run over `dv`, contiguous in `S`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn recurrent_head_body(
+    out_h: &mut [f32],
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    layout: &Layout,
+    h: usize,
+) {
     let GatedDeltaDims { t, dv, .. } = layout.dims;
+    let mut stack = [0.0f32; 2 * STACK_DV];
+    let mut heap = Vec::new();
+    let scratch: &mut [f32] = if dv <= STACK_DV {
+        &mut stack[..2 * dv]
+    } else {
+        heap.resize(2 * dv, 0.0);
+        &mut heap
+    };
+    // cur: S^T k_t, then delta_t in place; next: S^T k_{t+1}.
+    let (mut cur, mut next) = scratch.split_at_mut(dv);
+
+    let k0 = layout.key_row(k, 0, h);
+    cur.fill(0.0);
+    for (ki, s_i) in k0.iter().zip(s.chunks_exact(dv)) {
+        for (c, x) in cur.iter_mut().zip(s_i) {
+            *c += ki * x;
+        }
+    }
     for ti in 0..t {
         let kt = layout.key_row(k, ti, h);
         let qt = layout.key_row(q, ti, h);
         let vt = layout.value_row(v, ti, h);
         let decay = layout.head_scalar(g, ti, h).exp();
         let b = layout.head_scalar(beta, ti, h);
-        let row = &mut out_h[ti * dv..(ti + 1) * dv];
-
-        // row = S_old^T k; the decay is folded in below: (exp(g) S)^T k.
-        row.fill(0.0);
-        for (ki, s_i) in kt.iter().zip(s.chunks_exact(dv)) {
-            axpy(*ki, s_i, row);
-        }
-        // row = delta = beta (v - exp(g) S_old^T k)
-        for (d, vj) in row.iter_mut().zip(vt) {
+        // delta = beta (v - (exp(g) S_old)^T k)
+        for (d, vj) in cur.iter_mut().zip(vt) {
             *d = b * (vj - decay * *d);
         }
-        // S = exp(g) S_old + k delta^T
-        for (ki, s_i) in kt.iter().zip(s.chunks_exact_mut(dv)) {
-            for (sij, dj) in s_i.iter_mut().zip(row.iter()) {
-                *sij = decay * *sij + ki * dj;
+        let o = &mut out_h[ti * dv..(ti + 1) * dv];
+        if ti + 1 < t {
+            let kn = layout.key_row(k, ti + 1, h);
+            fused_pass::<true>(s, kt, qt, kn, decay, cur, o, next);
+        } else {
+            fused_pass::<false>(s, kt, qt, kt, decay, cur, o, next);
+        }
+        std::mem::swap(&mut cur, &mut next);
+    }
+}
+
+/// Columns of `S` per tile of [`fused_pass`]: the tile's `delta`, `o` and
+/// `next` stay in vector registers while the pass walks down the rows.
+const TILE: usize = 16;
+
+/// For every row `i` of `S` (`dk x dv`): `s_i = decay s_i + k_i delta`, then
+/// `o += q_i s_i` and, with `NEXT`, `next += kn_i s_i`; `o` and `next` are
+/// overwritten. Tiled over columns so the accumulators are not reloaded per
+/// row; every sum still runs over `i` in order.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn fused_pass<const NEXT: bool>(
+    s: &mut [f32],
+    kt: &[f32],
+    qt: &[f32],
+    kn: &[f32],
+    decay: f32,
+    delta: &[f32],
+    o: &mut [f32],
+    next: &mut [f32],
+) {
+    let dv = delta.len();
+    let full = dv - dv % TILE;
+    for j0 in (0..full).step_by(TILE) {
+        let mut d = [0.0f32; TILE];
+        d.copy_from_slice(&delta[j0..j0 + TILE]);
+        let mut oa = [0.0f32; TILE];
+        let mut na = [0.0f32; TILE];
+        for (((ki, qi), kni), s_i) in kt.iter().zip(qt).zip(kn).zip(s.chunks_exact_mut(dv)) {
+            let x = &mut s_i[j0..j0 + TILE];
+            for j in 0..TILE {
+                let y = decay * x[j] + ki * d[j];
+                x[j] = y;
+                oa[j] += qi * y;
+                if NEXT {
+                    na[j] += kni * y;
+                }
             }
         }
-        // row = o = S^T q
-        row.fill(0.0);
-        for (qi, s_i) in qt.iter().zip(s.chunks_exact(dv)) {
-            axpy(*qi, s_i, row);
+        o[j0..j0 + TILE].copy_from_slice(&oa);
+        if NEXT {
+            next[j0..j0 + TILE].copy_from_slice(&na);
+        }
+    }
+    if full < dv {
+        let (o, next, delta) = (&mut o[full..], &mut next[full..], &delta[full..]);
+        o.fill(0.0);
+        next.fill(0.0);
+        for (((ki, qi), kni), s_i) in kt.iter().zip(qt).zip(kn).zip(s.chunks_exact_mut(dv)) {
+            for (((x, dj), oj), nj) in s_i[full..]
+                .iter_mut()
+                .zip(delta)
+                .zip(o.iter_mut())
+                .zip(next.iter_mut())
+            {
+                let y = decay * *x + ki * dj;
+                *x = y;
+                *oj += qi * y;
+                if NEXT {
+                    *nj += kni * y;
+                }
+            }
         }
     }
 }
 
+/// Rows of the diagonal blocks of the chunked form's forward substitution:
+/// the solve is sequential within a block of this many rows and a gemm
+/// between blocks.
+const SOLVE_BLOCK: usize = 16;
+
+/// Per-head scratch of the chunked form, sized for one chunk of `cap` tokens.
+struct ChunkScratch {
+    /// `G_i`, cumulative log decay within the chunk.
+    cum: Vec<f32>,
+    /// `[Q; K]` of the chunk, `[2c, dk]`: Q rows are scaled by `exp(G_i)`
+    /// once `Q K^T` is taken, K rows by `exp(G_last - G_j)` once `W` is built.
+    qk: Vec<f32>,
+    /// `[Q; K] K^T`, `[2c, c]`, turned in place into the decay-masked
+    /// intra-chunk attention (top half) and `L` (bottom half).
+    prod: Vec<f32>,
+    /// `[U | W]`, `[c, dv + dk]`: right-hand sides of the substitution, then
+    /// its solution.
+    uw: Vec<f32>,
+    /// `Delta = U - W S0`, `[c, dv]`.
+    delta: Vec<f32>,
+}
+
 /// One value head, a chunk at a time (see the module header for the algebra).
-/// Scratch is allocated once per head and reused across chunks.
+///
+/// Blocking: a chunk of `c` tokens is one set of small matrix products on
+/// the `gemm` crate, single-threaded (the heads are the parallel axis):
+/// `[Q; K] K^T` gives the intra-chunk attention scores and `L` in one product
+/// (`2c x c`); the decay mask `exp(G_i - G_j)` and `beta` are applied
+/// elementwise. The unit lower triangular solve `(I + L) [U | W] = [diag(beta)
+/// V | diag(beta exp(G)) K]` runs on both right-hand sides at once (`dv + dk`
+/// wide rows), row by row inside diagonal blocks of [`SOLVE_BLOCK`] and as a
+/// gemm update from all earlier rows at the start of each block. Then
+/// `Delta = U - W S0`, `O = diag(exp(G)) Q S0 + A Delta` and `S = exp(G_last)
+/// S0 + (diag(exp(G_last - G)) K)^T Delta` are four more gemms (`A` the masked
+/// attention). Scratch is allocated once per head and reused across chunks.
 #[allow(clippy::too_many_arguments)]
 fn chunked_head(
     out_h: &mut [f32],
@@ -304,99 +448,249 @@ fn chunked_head(
 ) {
     let GatedDeltaDims { t, dk, dv, .. } = layout.dims;
     let cap = chunk.min(t);
-    // cum[i]: cumulative log decay G_i within the chunk.
-    let mut cum = vec![0.0f32; cap];
-    // lower[i*cap + j], j < i: beta_i (k_i . k_j) exp(G_i - G_j).
-    let mut lower = vec![0.0f32; cap * cap];
-    // attn[i*cap + j], j <= i: (q_i . k_j) exp(G_i - G_j).
-    let mut attn = vec![0.0f32; cap * cap];
-    // u: pseudo-values, then delta = u - w S0 in place. [c, dv]
-    let mut u = vec![0.0f32; cap * dv];
-    // w: A^{-1} diag(beta exp(G)) K. [c, dk]
-    let mut w = vec![0.0f32; cap * dk];
+    let w_rs = dv + dk;
+    let mut sc = ChunkScratch {
+        cum: vec![0.0; cap],
+        qk: vec![0.0; 2 * cap * dk],
+        prod: vec![0.0; 2 * cap * cap],
+        uw: vec![0.0; cap * w_rs],
+        delta: vec![0.0; cap * dv],
+    };
 
     let mut t0 = 0;
     while t0 < t {
         let c = chunk.min(t - t0);
-        let mut acc = 0.0f32;
-        for (i, gi) in cum[..c].iter_mut().enumerate() {
-            acc += layout.head_scalar(g, t0 + i, h);
-            *gi = acc;
-        }
+        chunk_step(
+            &mut out_h[t0 * dv..(t0 + c) * dv],
+            s,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            layout,
+            h,
+            t0,
+            c,
+            &mut sc,
+        );
+        t0 += c;
+    }
+}
 
-        for i in 0..c {
-            let ki = layout.key_row(k, t0 + i, h);
-            let qi = layout.key_row(q, t0 + i, h);
-            let bi = layout.head_scalar(beta, t0 + i, h);
-            for j in 0..=i {
-                let kj = layout.key_row(k, t0 + j, h);
-                let decay = (cum[i] - cum[j]).exp();
-                attn[i * cap + j] = dot(qi, kj) * decay;
-                if j < i {
-                    lower[i * cap + j] = bi * dot(ki, kj) * decay;
+/// One chunk `t0..t0 + c` of [`chunked_head`]: writes `out_c` (`[c, dv]`) and
+/// advances `s`.
+#[allow(clippy::too_many_arguments)]
+fn chunk_step(
+    out_c: &mut [f32],
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    layout: &Layout,
+    h: usize,
+    t0: usize,
+    c: usize,
+    sc: &mut ChunkScratch,
+) {
+    let GatedDeltaDims { dk, dv, .. } = layout.dims;
+    let w_rs = dv + dk;
+    let cum = &mut sc.cum[..c];
+    let qk = &mut sc.qk[..2 * c * dk];
+    let prod = &mut sc.prod[..2 * c * c];
+    let uw = &mut sc.uw[..c * w_rs];
+    let delta = &mut sc.delta[..c * dv];
+
+    let mut acc = 0.0f32;
+    for (i, gi) in cum.iter_mut().enumerate() {
+        acc += layout.head_scalar(g, t0 + i, h);
+        *gi = acc;
+    }
+    for i in 0..c {
+        qk[i * dk..(i + 1) * dk].copy_from_slice(layout.key_row(q, t0 + i, h));
+        qk[(c + i) * dk..(c + i + 1) * dk].copy_from_slice(layout.key_row(k, t0 + i, h));
+    }
+
+    // prod = [Q; K] K^T
+    gemm_serial(
+        prod,
+        c,
+        None,
+        MatRef {
+            data: qk,
+            rows: 2 * c,
+            cols: dk,
+            rs: dk,
+            cs: 1,
+        },
+        MatRef {
+            data: &qk[c * dk..],
+            rows: dk,
+            cols: c,
+            rs: 1,
+            cs: dk,
+        },
+        1.0,
+    );
+    let (qs, ks) = qk.split_at_mut(c * dk);
+    // Top: attn_ij = (q_i . k_j) exp(G_i - G_j), j <= i. Bottom: L_ij =
+    // beta_i (k_i . k_j) exp(G_i - G_j), j < i. Zero elsewhere: the upper
+    // triangle's exponents are positive and are never evaluated.
+    let (attn, lower) = prod.split_at_mut(c * c);
+    for i in 0..c {
+        let bi = layout.head_scalar(beta, t0 + i, h);
+        let a_row = &mut attn[i * c..(i + 1) * c];
+        let l_row = &mut lower[i * c..(i + 1) * c];
+        for j in 0..i {
+            let decay = (cum[i] - cum[j]).exp();
+            a_row[j] *= decay;
+            l_row[j] *= bi * decay;
+        }
+        a_row[i + 1..].fill(0.0);
+        l_row[i..].fill(0.0);
+    }
+
+    // Right-hand sides [beta_i v_i | beta_i exp(G_i) k_i], then solve
+    // (I + L) X = rhs: x_i -= sum_{j<i} L_ij x_j.
+    for i in 0..c {
+        let bi = layout.head_scalar(beta, t0 + i, h);
+        let (u_i, w_i) = uw[i * w_rs..(i + 1) * w_rs].split_at_mut(dv);
+        for (x, vj) in u_i.iter_mut().zip(layout.value_row(v, t0 + i, h)) {
+            *x = bi * vj;
+        }
+        let scale = bi * cum[i].exp();
+        for (x, kj) in w_i.iter_mut().zip(&ks[i * dk..(i + 1) * dk]) {
+            *x = scale * kj;
+        }
+    }
+    let mut b0 = 0;
+    while b0 < c {
+        let b1 = (b0 + SOLVE_BLOCK).min(c);
+        let (done, rest) = uw.split_at_mut(b0 * w_rs);
+        if b0 > 0 {
+            gemm_serial(
+                rest,
+                w_rs,
+                Some(1.0),
+                MatRef {
+                    data: &lower[b0 * c..],
+                    rows: b1 - b0,
+                    cols: b0,
+                    rs: c,
+                    cs: 1,
+                },
+                MatRef {
+                    data: done,
+                    rows: b0,
+                    cols: w_rs,
+                    rs: w_rs,
+                    cs: 1,
+                },
+                -1.0,
+            );
+        }
+        for i in b0..b1 {
+            let (block_done, row) = rest.split_at_mut((i - b0) * w_rs);
+            let x_i = &mut row[..w_rs];
+            for (j, x_j) in block_done.chunks_exact(w_rs).enumerate() {
+                let l = lower[i * c + b0 + j];
+                for (a, b) in x_i.iter_mut().zip(x_j) {
+                    *a -= l * b;
                 }
             }
         }
-
-        // Forward substitution against the unit lower triangular I + L:
-        // u_i = beta_i v_i - sum_{j<i} L_ij u_j, w_i likewise from beta_i exp(G_i) k_i.
-        for i in 0..c {
-            let bi = layout.head_scalar(beta, t0 + i, h);
-            let (u_done, u_rest) = u.split_at_mut(i * dv);
-            let u_i = &mut u_rest[..dv];
-            for (x, vj) in u_i.iter_mut().zip(layout.value_row(v, t0 + i, h)) {
-                *x = bi * vj;
-            }
-            let (w_done, w_rest) = w.split_at_mut(i * dk);
-            let w_i = &mut w_rest[..dk];
-            let scale = bi * cum[i].exp();
-            for (x, kj) in w_i.iter_mut().zip(layout.key_row(k, t0 + i, h)) {
-                *x = scale * kj;
-            }
-            for j in 0..i {
-                let l = lower[i * cap + j];
-                axpy(-l, &u_done[j * dv..(j + 1) * dv], u_i);
-                axpy(-l, &w_done[j * dk..(j + 1) * dk], w_i);
-            }
-        }
-
-        // delta_i = u_i - S0^T w_i, in place in u.
-        for i in 0..c {
-            let d_i = &mut u[i * dv..(i + 1) * dv];
-            for (wa, s_a) in w[i * dk..(i + 1) * dk].iter().zip(s.chunks_exact(dv)) {
-                axpy(-wa, s_a, d_i);
-            }
-        }
-
-        // o_i = exp(G_i) S0^T q_i + sum_{j<=i} attn_ij delta_j
-        for i in 0..c {
-            let o = &mut out_h[(t0 + i) * dv..(t0 + i + 1) * dv];
-            o.fill(0.0);
-            for (qa, s_a) in layout.key_row(q, t0 + i, h).iter().zip(s.chunks_exact(dv)) {
-                axpy(*qa, s_a, o);
-            }
-            let gi = cum[i].exp();
-            o.iter_mut().for_each(|x| *x *= gi);
-            for j in 0..=i {
-                axpy(attn[i * cap + j], &u[j * dv..(j + 1) * dv], o);
-            }
-        }
-
-        // S = exp(G_last) S0 + sum_j exp(G_last - G_j) k_j delta_j^T
-        let g_last = cum[c - 1];
-        let total = g_last.exp();
-        s.iter_mut().for_each(|x| *x *= total);
-        for j in 0..c {
-            let kj = layout.key_row(k, t0 + j, h);
-            let decay = (g_last - cum[j]).exp();
-            let d_j = &u[j * dv..(j + 1) * dv];
-            for (ka, s_a) in kj.iter().zip(s.chunks_exact_mut(dv)) {
-                axpy(decay * ka, d_j, s_a);
-            }
-        }
-
-        t0 += c;
+        b0 = b1;
     }
+
+    // Q rows scaled by exp(G_i) for the inter-chunk readout.
+    for (i, q_i) in qs.chunks_exact_mut(dk).enumerate() {
+        let e = cum[i].exp();
+        q_i.iter_mut().for_each(|x| *x *= e);
+    }
+    let s0 = MatRef {
+        data: s,
+        rows: dk,
+        cols: dv,
+        rs: dv,
+        cs: 1,
+    };
+    // O = diag(exp(G)) Q S0, before S0 is overwritten.
+    gemm_serial(
+        out_c,
+        dv,
+        None,
+        MatRef {
+            data: qs,
+            rows: c,
+            cols: dk,
+            rs: dk,
+            cs: 1,
+        },
+        s0,
+        1.0,
+    );
+    // Delta = U - W S0.
+    for (d_i, x_i) in delta.chunks_exact_mut(dv).zip(uw.chunks_exact(w_rs)) {
+        d_i.copy_from_slice(&x_i[..dv]);
+    }
+    gemm_serial(
+        delta,
+        dv,
+        Some(1.0),
+        MatRef {
+            data: &uw[dv..],
+            rows: c,
+            cols: dk,
+            rs: w_rs,
+            cs: 1,
+        },
+        s0,
+        -1.0,
+    );
+    let delta_m = MatRef {
+        data: delta,
+        rows: c,
+        cols: dv,
+        rs: dv,
+        cs: 1,
+    };
+    // O += A Delta
+    gemm_serial(
+        out_c,
+        dv,
+        Some(1.0),
+        MatRef {
+            data: attn,
+            rows: c,
+            cols: c,
+            rs: c,
+            cs: 1,
+        },
+        delta_m,
+        1.0,
+    );
+    // S = exp(G_last) S0 + (diag(exp(G_last - G)) K)^T Delta
+    let g_last = cum[c - 1];
+    for (j, k_j) in ks.chunks_exact_mut(dk).enumerate() {
+        let e = (g_last - cum[j]).exp();
+        k_j.iter_mut().for_each(|x| *x *= e);
+    }
+    gemm_serial(
+        s,
+        dv,
+        Some(g_last.exp()),
+        MatRef {
+            data: ks,
+            rows: dk,
+            cols: c,
+            rs: 1,
+            cs: dk,
+        },
+        delta_m,
+        1.0,
+    );
 }
 
 #[cfg(test)]
@@ -568,6 +862,14 @@ mod tests {
                 dk: 4,
                 dv: 2,
             },
+            // Two full column tiles of the fused pass plus a remainder.
+            GatedDeltaDims {
+                t: 6,
+                nk: 1,
+                nv: 2,
+                dk: 5,
+                dv: 2 * TILE + 3,
+            },
         ]
         .into_iter()
         .enumerate()
@@ -603,6 +905,29 @@ mod tests {
             }
         }
         println!("chunked vs recurrent, max abs diff: {worst:e}");
+    }
+
+    /// Widths where the fused recurrent pass runs whole column tiles and the
+    /// chunked solve spans several diagonal blocks.
+    #[test]
+    fn chunked_matches_recurrent_at_wide_heads() {
+        let d = GatedDeltaDims {
+            t: 150,
+            nk: 1,
+            nv: 2,
+            dk: 40,
+            dv: 2 * TILE,
+        };
+        let inp = random_inputs(d, 77);
+        let (want_out, want_state) = run(&inp, d, None);
+        let (naive_out, naive_state) = naive(&inp, d);
+        assert!(max_abs_diff(&want_out, &naive_out) <= 1e-6);
+        assert!(max_abs_diff(&want_state, &naive_state) <= 1e-6);
+        for chunk in [CHUNK, 2 * SOLVE_BLOCK + 5] {
+            let (out, state) = run(&inp, d, Some(chunk));
+            assert!(max_abs_diff(&out, &want_out) <= 1e-5, "chunk={chunk}");
+            assert!(max_abs_diff(&state, &want_state) <= 1e-5, "chunk={chunk}");
+        }
     }
 
     #[test]
