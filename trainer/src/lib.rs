@@ -6,6 +6,9 @@
 //! rollout harness and the async orchestrator build on this.
 
 pub mod error;
+pub mod grads;
+pub mod model;
 pub mod ops;
 
 pub use error::{Error, Result};
+pub use grads::ModelGrads;

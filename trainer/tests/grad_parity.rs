@@ -1,0 +1,190 @@
+//! Gradient parity with PyTorch autograd through transformers' Qwen3.5, on
+//! the fixtures of tests/ref/make_grad_fixtures.py (tests/fixtures/grads),
+//! and agreement of the trainer's log-probs with the engine's `score`.
+
+use arcticd_engine::Qwen3_5;
+use arcticd_trainer::model::{self, Packed};
+use arcticd_trainer::ModelGrads;
+use safetensors::SafeTensors;
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+fn fixture(case: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/grads")
+        .join(case)
+}
+
+fn read_f32_tensors(path: &std::path::Path) -> HashMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let data = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, data)
+        })
+        .collect()
+}
+
+struct Batch {
+    sequences: Vec<Vec<u32>>,
+    weights: Vec<Vec<f32>>,
+    loss: f64,
+    logprobs: Vec<Vec<Option<f64>>>,
+}
+
+fn read_batch(case: &str) -> Batch {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(case).join("batch.json")).unwrap())
+            .unwrap();
+    let sequences = serde_json::from_value(v["sequences"].clone()).unwrap();
+    let weights = serde_json::from_value(v["weights"].clone()).unwrap();
+    let logprobs = serde_json::from_value(v["logprobs"].clone()).unwrap();
+    Batch {
+        sequences,
+        weights,
+        loss: v["loss"].as_f64().unwrap(),
+        logprobs,
+    }
+}
+
+/// Rows (token index whose hidden state predicts), targets and weights of
+/// every scored position t >= 1 of every sequence.
+fn scored(packed: &Packed, b: &Batch) -> (Vec<usize>, Vec<u32>, Vec<f32>) {
+    let (mut rows, mut targets, mut w) = (Vec::new(), Vec::new(), Vec::new());
+    for (s, &(start, n)) in packed.spans.iter().enumerate() {
+        for t in 1..n {
+            rows.push(start + t - 1);
+            targets.push(b.sequences[s][t]);
+            w.push(b.weights[s][t]);
+        }
+    }
+    (rows, targets, w)
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += (*x as f64 - *y as f64).powi(2);
+        den += (*y as f64).powi(2);
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn check_case(case: &str) {
+    let dir = fixture(case);
+    let m = Qwen3_5::load(&dir).unwrap();
+    let b = read_batch(case);
+    let packed = Packed::new(&b.sequences, m.config.vocab_size).unwrap();
+    let (rows, targets, w) = scored(&packed, &b);
+    let acts = model::forward(&m, packed).unwrap();
+    let lp = model::token_logprobs(&m, &acts.hidden, &rows, &targets).unwrap();
+
+    // Log-probs and loss against PyTorch.
+    let want_lp: Vec<f64> = b
+        .logprobs
+        .iter()
+        .flat_map(|r| r[1..].iter().map(|x| x.unwrap()))
+        .collect();
+    let max_lp = lp
+        .iter()
+        .zip(&want_lp)
+        .map(|(a, b)| (*a as f64 - b).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        max_lp < 1e-4,
+        "{case}: log-probs differ from PyTorch by {max_lp:e}"
+    );
+    let loss: f64 = lp.iter().zip(&w).map(|(a, b)| *a as f64 * *b as f64).sum();
+    assert!(
+        (loss - b.loss).abs() < 1e-4 * b.loss.abs().max(1.0),
+        "{case}: loss {loss} vs {}",
+        b.loss
+    );
+
+    let mut grads = ModelGrads::zeros_like(&m);
+    grads.check_matches(&m).unwrap();
+    let dhidden =
+        model::token_logprobs_backward(&m, &mut grads, &acts.hidden, &rows, &targets, &w).unwrap();
+    model::backward(&m, &acts, &dhidden, &mut grads).unwrap();
+
+    let want = read_f32_tensors(&dir.join("grads.safetensors"));
+    let named = grads.named();
+    assert_eq!(named.len(), want.len(), "{case}: number of gradients");
+    let mut worst: HashMap<String, f64> = HashMap::new();
+    for (name, g) in &named {
+        let r = want
+            .get(name)
+            .unwrap_or_else(|| panic!("{case}: no reference for {name}"));
+        let e = rel_err(g, r);
+        // Tensor kind: the name without the layer index.
+        let kind = match name.split_once("layers.") {
+            Some((_, rest)) => rest.split_once('.').map_or(rest, |x| x.1).to_string(),
+            None => name.trim_start_matches("model.").to_string(),
+        };
+        let slot = worst.entry(kind).or_insert(0.0);
+        *slot = slot.max(e);
+        assert!(e <= 1e-4, "{case}: {name} relative error {e:e}");
+    }
+    let mut kinds: Vec<_> = worst.into_iter().collect();
+    kinds.sort_by(|a, b| a.0.cmp(&b.0));
+    for (k, e) in kinds {
+        println!("{case}: {k:<40} max rel err {e:.2e}");
+    }
+    println!(
+        "{case}: max |lp - torch| {max_lp:.2e}, loss {loss} vs {}",
+        b.loss
+    );
+}
+
+#[test]
+fn gradients_match_pytorch_untied_gqa() {
+    check_case("gqa_untied");
+}
+
+#[test]
+fn gradients_match_pytorch_tied_mqa() {
+    check_case("mqa_tied");
+}
+
+/// The trainer's log-probs are the engine's: same kernels, same order.
+#[test]
+fn trainer_logprobs_equal_engine_score() {
+    for case in ["gqa_untied", "mqa_tied"] {
+        let m = Qwen3_5::load(&fixture(case)).unwrap();
+        let b = read_batch(case);
+        let packed = Packed::new(&b.sequences, m.config.vocab_size).unwrap();
+        let (rows, targets, _) = scored(&packed, &b);
+        let acts = model::forward(&m, packed).unwrap();
+        let lp = model::token_logprobs(&m, &acts.hidden, &rows, &targets).unwrap();
+        let engine: Vec<f32> = m
+            .score(&b.sequences)
+            .unwrap()
+            .into_iter()
+            .flat_map(|r| r.into_iter().skip(1).map(|x| x.unwrap()))
+            .collect();
+        let max = lp
+            .iter()
+            .zip(&engine)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let identical = lp
+            .iter()
+            .zip(&engine)
+            .filter(|(a, b)| a.to_bits() == b.to_bits())
+            .count();
+        println!(
+            "{case}: trainer vs engine max |diff| {max:e}, {identical}/{} bit-identical",
+            lp.len()
+        );
+        assert!(
+            max <= 1e-6,
+            "{case}: trainer and engine log-probs differ by {max:e}"
+        );
+    }
+}
