@@ -8,7 +8,6 @@
 pub mod error;
 pub mod grads;
 pub mod model;
-pub mod ops;
 
 pub use error::{Error, Result};
 pub use grads::ModelGrads;

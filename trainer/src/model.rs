@@ -18,8 +18,6 @@
 //! recomputes its states from per-chunk checkpoints.
 
 use crate::grads::{FullAttnGrad, LinearAttnGrad, MixerGrad, ModelGrads};
-use crate::ops::attention::attention_backward;
-use crate::ops::gated_delta::gated_delta_backward;
 use crate::{Error, Result};
 use arcticd_engine::model::qwen3_5::{FullAttention, Linear, LinearAttention, Mixer};
 use arcticd_engine::Qwen3_5;
@@ -28,10 +26,10 @@ use arcticd_kernels::cpu::{
         sigmoid, sigmoid_gate_backward, sigmoid_gate_forward, silu_backward, silu_forward,
         silu_mul_backward, silu_mul_forward, softplus, softplus_grad,
     },
-    attention::{attention_forward, AttnDims},
+    attention::{attention_backward, attention_forward, AttnDims},
     conv1d::{conv1d_backward, conv1d_forward},
     embedding::{embedding_backward, embedding_forward},
-    gated_delta::{gated_delta_recurrent_forward, GatedDeltaDims},
+    gated_delta::{gated_delta_backward, gated_delta_recurrent_forward, GatedDeltaDims},
     l2norm::{l2norm_backward, l2norm_forward},
     logsoftmax::{logprob_gather_backward, logprob_gather_forward},
     matmul::{matmul_backward, matmul_forward},
