@@ -1,12 +1,19 @@
 //! arcticd engine: the Qwen3.5 hybrid model, checkpoint loading, tokenizer and
 //! chat format. The paged cache, scheduler and server build on this.
 
+pub mod block_pool;
 pub mod chat;
 pub mod config;
+pub mod engine;
 pub mod error;
 pub mod init;
+pub mod kv_cache;
 pub mod model;
 pub mod params;
+pub mod prefix_cache;
+pub mod router;
+pub mod sampler;
+pub mod scheduler;
 pub mod tokenizer;
 pub mod weights;
 

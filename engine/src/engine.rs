@@ -1,0 +1,873 @@
+//! The engine: one thread that owns a scheduler and its cache, reads weights
+//! from a shared [`ParamStore`], and generates for requests that reach it
+//! over a channel. Each request carries its own reply channel, on which the
+//! engine sends one [`Event`] per generated token and one per finished
+//! choice. A reply channel whose receiver is gone (a client that hung up)
+//! aborts the request and frees its sequences.
+//!
+//! The loop, between any two steps: take new commands; if the parameter
+//! store's `weight_version` moved, drop the prefix cache and make every
+//! running sequence recompute its cache from its token ids; plan a step;
+//! run one packed forward for it; sample for the sequences whose tokens are
+//! all in the cache; send events.
+//!
+//! Weight updates (DESIGN.md, step 7): [`EngineHandle::pause`] returns once
+//! the engine is between two steps and holds no read guard; the owner of the
+//! store updates it in place; [`EngineHandle::resume`] lets the engine go on,
+//! and the version check above rebuilds every in-flight cache under the new
+//! weights before any new token. Every token is tagged with the version
+//! that produced it.
+//!
+//! Not for: HTTP or text (the server), routing across replicas (`router.rs`).
+
+use crate::kv_cache::PagedKvCache;
+use crate::model::{SeqCache, SeqInput};
+use crate::params::ParamStore;
+use crate::sampler::{Sampler, SamplingParams};
+use crate::scheduler::{Limits, Scheduled, Scheduler, Sequence};
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+/// Engine configuration. Flat; every field has a default.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Positions per KV block. Default 16.
+    pub block_size: usize,
+    /// Bytes for the KV blocks and state slots together, allocated once.
+    /// Default 256 MiB.
+    pub cache_memory: usize,
+    /// Most sequences running at once. Default 64.
+    pub max_num_seqs: usize,
+    /// Most tokens in one step's packed forward. Must be at least
+    /// `max_num_seqs + prefix_unit`. Default 1024.
+    pub max_batched_tokens: usize,
+    /// Prefill segment alignment and prefix-cache granularity in tokens; a
+    /// multiple of `block_size`. Default 64 (the gated delta chunk).
+    pub prefix_unit: usize,
+    /// State snapshots the prefix cache may keep. Default 64.
+    pub prefix_snapshots: usize,
+    /// Reuse cached prompt prefixes. Default true.
+    pub enable_prefix_cache: bool,
+    /// Longest prompt plus completion, in tokens. Default 32768.
+    pub max_model_len: usize,
+    /// Pad small batches so every row is computed the same way whatever
+    /// the packing (see `min_rows`): prefix hits, preemption and batching
+    /// then change no bit of any result. Costs extra rows on batches of few
+    /// tokens. Default true.
+    pub deterministic: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            cache_memory: 256 << 20,
+            max_num_seqs: 64,
+            max_batched_tokens: 1024,
+            prefix_unit: 64,
+            prefix_snapshots: 64,
+            enable_prefix_cache: true,
+            max_model_len: 32768,
+            deterministic: true,
+        }
+    }
+}
+
+impl EngineConfig {
+    fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::Config(m.into()));
+        if self.block_size == 0
+            || self.prefix_unit == 0
+            || !self.prefix_unit.is_multiple_of(self.block_size)
+        {
+            return bad("prefix_unit must be a positive multiple of block_size");
+        }
+        if self.max_num_seqs == 0 {
+            return bad("max_num_seqs must be positive");
+        }
+        if self.max_batched_tokens < self.max_num_seqs + self.prefix_unit {
+            return bad("max_batched_tokens must be at least max_num_seqs + prefix_unit");
+        }
+        Ok(())
+    }
+}
+
+/// Why a choice ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// `max_tokens` or the context length.
+    Length,
+    /// An end-of-sequence id, a stop id, or a stop string (given).
+    Stop { stop_string: Option<String> },
+    /// Cancelled (shutdown).
+    Abort,
+}
+
+/// One generated token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenEvent {
+    /// Which of the request's `n` choices.
+    pub index: usize,
+    pub token: u32,
+    /// Log-probability under the distribution it was sampled from (after
+    /// temperature; see `sampler.rs`).
+    pub logprob: f32,
+    /// Requested alternatives (id, log-prob), most likely first.
+    pub top_logprobs: Vec<(u32, f32)>,
+    /// Version of the weights that produced it.
+    pub weight_version: u64,
+}
+
+/// What the engine sends back for a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Token(TokenEvent),
+    Finished {
+        index: usize,
+        reason: FinishReason,
+    },
+    /// The request failed inside the engine; no more events follow.
+    Error(String),
+}
+
+/// A generation request: prompt token ids and sampling parameters.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+/// One finished choice, collected from the events.
+#[derive(Debug, Clone, Default)]
+pub struct Choice {
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
+    pub weight_versions: Vec<u64>,
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// Gauges and counters the engine publishes after every step (for
+/// `/metrics` and the router). Plain atomics, written by the engine thread
+/// only.
+#[derive(Debug, Default)]
+pub struct EngineMetrics {
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    pub blocks_used: AtomicU64,
+    pub blocks_total: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub prefix_hit_tokens: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    pub steps: AtomicU64,
+    pub preemptions: AtomicU64,
+    /// Outstanding work: for every unfinished request, n * (prompt tokens +
+    /// max_tokens). Added on submit, removed when the request ends.
+    pub load: AtomicU64,
+}
+
+/// Fixed facts about an engine, for request validation.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    pub vocab_size: usize,
+    pub max_model_len: usize,
+    /// Positions the KV pool holds; one sequence can never exceed it.
+    pub capacity_tokens: usize,
+}
+
+enum Command {
+    Generate {
+        id: u64,
+        request: Request,
+        load: u64,
+        reply: UnboundedSender<Event>,
+    },
+    Abort(u64),
+    Pause(mpsc::SyncSender<()>),
+    Resume,
+    Shutdown,
+}
+
+/// Shared between the handle clones and the engine thread.
+#[derive(Debug)]
+struct Shared {
+    metrics: EngineMetrics,
+    info: EngineInfo,
+    next_id: AtomicU64,
+    stopped: AtomicBool,
+}
+
+/// A cheap, cloneable handle to a running engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for EngineHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineHandle")
+            .field("info", &self.shared.info)
+            .finish()
+    }
+}
+
+/// A submitted request: its id (for [`EngineHandle::abort`]) and events.
+#[derive(Debug)]
+pub struct Submitted {
+    pub id: u64,
+    pub events: UnboundedReceiver<Event>,
+}
+
+impl EngineHandle {
+    pub fn info(&self) -> &EngineInfo {
+        &self.shared.info
+    }
+
+    pub fn metrics(&self) -> &EngineMetrics {
+        &self.shared.metrics
+    }
+
+    /// Outstanding work (see [`EngineMetrics::load`]).
+    pub fn load(&self) -> u64 {
+        self.shared.metrics.load.load(Ordering::Relaxed)
+    }
+
+    /// The load `request` adds while it is outstanding.
+    pub fn request_load(request: &Request) -> u64 {
+        (request.params.n * (request.prompt.len() + request.params.max_tokens)) as u64
+    }
+
+    /// Check a request against this engine's limits; the message is for
+    /// the client.
+    pub fn validate(&self, request: &Request) -> Result<()> {
+        request.params.validate()?;
+        let info = &self.shared.info;
+        if request.prompt.is_empty() {
+            return Err(Error::Input("the prompt is empty".into()));
+        }
+        if let Some(&bad) = request
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= info.vocab_size)
+        {
+            return Err(Error::Input(format!(
+                "token id {bad} is not below the vocabulary size {}",
+                info.vocab_size
+            )));
+        }
+        let total = request.prompt.len() + request.params.max_tokens;
+        let limit = info.max_model_len.min(info.capacity_tokens);
+        if total > limit {
+            return Err(Error::Input(format!(
+                "this model's maximum context length is {limit} tokens; the prompt has {} and \
+                 max_tokens is {} ({total} in all)",
+                request.prompt.len(),
+                request.params.max_tokens
+            )));
+        }
+        Ok(())
+    }
+
+    /// Queue a request; events arrive on the returned receiver.
+    pub fn submit(&self, request: Request) -> Result<Submitted> {
+        self.validate(&request)?;
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let (reply, events) = unbounded_channel();
+        let load = Self::request_load(&request);
+        self.shared.metrics.load.fetch_add(load, Ordering::Relaxed);
+        let cmd = Command::Generate {
+            id,
+            request,
+            load,
+            reply,
+        };
+        if self.tx.send(cmd).is_err() {
+            self.shared.metrics.load.fetch_sub(load, Ordering::Relaxed);
+            return Err(Error::Input("the engine has stopped".into()));
+        }
+        Ok(Submitted { id, events })
+    }
+
+    /// Cancel a request; its sequences are freed before the next step.
+    pub fn abort(&self, id: u64) {
+        let _ = self.tx.send(Command::Abort(id));
+    }
+
+    /// Generate and wait for every choice (blocking; not for async code).
+    pub fn generate_blocking(&self, request: Request) -> Result<Vec<Choice>> {
+        let n = request.params.n;
+        let mut sub = self.submit(request)?;
+        let mut choices = vec![Choice::default(); n];
+        let mut done = 0;
+        while done < n {
+            match sub.events.blocking_recv() {
+                Some(ev) => done += apply_event(&mut choices, ev)?,
+                None => return Err(Error::Input("the engine stopped".into())),
+            }
+        }
+        Ok(choices)
+    }
+
+    /// Async form of [`generate_blocking`](Self::generate_blocking).
+    pub async fn generate(&self, request: Request) -> Result<Vec<Choice>> {
+        let n = request.params.n;
+        let mut sub = self.submit(request)?;
+        let mut choices = vec![Choice::default(); n];
+        let mut done = 0;
+        while done < n {
+            match sub.events.recv().await {
+                Some(ev) => done += apply_event(&mut choices, ev)?,
+                None => return Err(Error::Input("the engine stopped".into())),
+            }
+        }
+        Ok(choices)
+    }
+
+    /// Return once the engine is between two steps, holding no read guard
+    /// on the parameter store; it takes no further step until
+    /// [`resume`](Self::resume). Blocking.
+    pub fn pause(&self) -> Result<()> {
+        let (ack, wait) = mpsc::sync_channel(1);
+        self.tx
+            .send(Command::Pause(ack))
+            .map_err(|_| Error::Input("the engine has stopped".into()))?;
+        wait.recv()
+            .map_err(|_| Error::Input("the engine stopped while pausing".into()))
+    }
+
+    /// Let a paused engine go on. If the store's version moved, in-flight
+    /// caches are rebuilt under the new weights before the next token.
+    pub fn resume(&self) {
+        let _ = self.tx.send(Command::Resume);
+    }
+
+    /// Stop the engine: every unfinished choice gets `FinishReason::Abort`.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Command::Shutdown);
+    }
+
+    /// Whether the engine thread has exited.
+    pub fn is_stopped(&self) -> bool {
+        self.shared.stopped.load(Ordering::Acquire)
+    }
+}
+
+/// Fold one event into `choices`; returns 1 when a choice finished.
+pub fn apply_event(choices: &mut [Choice], ev: Event) -> Result<usize> {
+    match ev {
+        Event::Token(t) => {
+            let c = choices
+                .get_mut(t.index)
+                .ok_or_else(|| Error::Input(format!("event for unknown choice {}", t.index)))?;
+            c.tokens.push(t.token);
+            c.logprobs.push(t.logprob);
+            c.top_logprobs.push(t.top_logprobs);
+            c.weight_versions.push(t.weight_version);
+            Ok(0)
+        }
+        Event::Finished { index, reason } => {
+            if let Some(c) = choices.get_mut(index) {
+                c.finish_reason = Some(reason);
+            }
+            Ok(1)
+        }
+        Event::Error(e) => Err(Error::Input(e)),
+    }
+}
+
+/// Per request: where replies go and how many choices are unfinished.
+struct Pending {
+    reply: UnboundedSender<Event>,
+    open: usize,
+    load: u64,
+}
+
+/// Start an engine thread over `store`. `tokenizer` is needed for stop
+/// strings and supplies the end-of-sequence ids (with the model config's).
+pub fn start(
+    store: Arc<ParamStore>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    config: EngineConfig,
+) -> Result<EngineHandle> {
+    config.validate()?;
+    let (cache, vocab_size, mut eos) = {
+        let model = store.read();
+        let unit_blocks = config.prefix_unit / config.block_size;
+        let max_blocks = config.max_num_seqs * config.max_model_len.div_ceil(config.block_size)
+            + config.prefix_snapshots * unit_blocks;
+        let cache = PagedKvCache::with_budget(
+            &model.config,
+            config.block_size,
+            config.cache_memory,
+            config.max_num_seqs + config.prefix_snapshots,
+            unit_blocks.max(1),
+            max_blocks,
+        )?;
+        (
+            cache,
+            model.config.vocab_size,
+            model.config.eos_token_ids.clone(),
+        )
+    };
+    if let Some(t) = &tokenizer {
+        for id in t.eos_token_ids() {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
+    let shared = Arc::new(Shared {
+        metrics: EngineMetrics::default(),
+        info: EngineInfo {
+            vocab_size,
+            max_model_len: config.max_model_len,
+            capacity_tokens: cache.capacity_tokens(),
+        },
+        next_id: AtomicU64::new(0),
+        stopped: AtomicBool::new(false),
+    });
+    shared
+        .metrics
+        .blocks_total
+        .store(cache.pool().num_blocks() as u64, Ordering::Relaxed);
+    let limits = Limits {
+        max_num_seqs: config.max_num_seqs,
+        max_batched_tokens: config.max_batched_tokens,
+        unit: config.prefix_unit,
+    };
+    let scheduler = Scheduler::new(cache, limits, config.enable_prefix_cache);
+    let (tx, rx) = mpsc::channel();
+    let version = store.weight_version();
+    let (pad_cache, min_rows) = {
+        let model = store.read();
+        let rows = if config.deterministic {
+            min_rows(&model.config)
+        } else {
+            1
+        };
+        (model.new_cache(), rows)
+    };
+    let mut engine = EngineLoop {
+        pad_cache,
+        pad_tokens: Vec::new(),
+        min_rows,
+        store,
+        tokenizer,
+        eos,
+        scheduler,
+        pending: HashMap::new(),
+        scratch: Vec::new(),
+        shared: shared.clone(),
+        version,
+        max_model_len: config.max_model_len,
+    };
+    std::thread::Builder::new()
+        .name("arcticd-engine".into())
+        .spawn(move || engine.run(rx))
+        .map_err(|e| Error::Input(format!("cannot start the engine thread: {e}")))?;
+    Ok(EngineHandle { tx, shared })
+}
+
+/// The `gemm` crate picks its algorithm for `out[rows, oc] = x W^T` from
+/// the shape: one row goes through a matrix-vector kernel, `rows * oc <=
+/// 256` through dot-product kernels, larger products through the blocked
+/// microkernel. The three sum in different orders, so a row's result would
+/// depend on how many other rows were packed with it. With `deterministic`
+/// on, every packed forward gets at least `256 / (narrowest output) + 1`
+/// rows (small batches are padded with a throwaway sequence), so every
+/// product takes the microkernel and each row is computed the same way
+/// whatever the packing: a prefix-cache hit, a preempted sequence or a lone
+/// request then reproduce a batched run bit for bit. Logits rows are padded
+/// to two by repetition for the same reason.
+fn min_rows(c: &crate::ModelConfig) -> usize {
+    let mut outs = vec![
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_heads * c.head_dim * 2,
+        c.num_kv_heads * c.head_dim,
+    ];
+    if c.layer_types
+        .contains(&crate::config::LayerType::LinearAttention)
+    {
+        outs.push(c.linear_conv_dim());
+        outs.push(c.linear_num_value_heads * c.linear_value_head_dim);
+        outs.push(c.linear_num_value_heads);
+    }
+    let narrowest = outs.into_iter().filter(|&o| o > 0).min().unwrap_or(1);
+    (256 / narrowest + 1).max(2)
+}
+
+/// Rows of a logits product (the vocabulary is wide: two rows suffice).
+const MIN_LOGIT_ROWS: usize = 2;
+
+/// Empty a cache made by `new_cache` (zero state, no positions).
+fn reset_cache(c: &mut SeqCache) {
+    for v in c.conv_state.iter_mut().chain(c.recurrent_state.iter_mut()) {
+        v.fill(0.0);
+    }
+    for v in c.k.iter_mut().chain(c.v.iter_mut()) {
+        v.clear();
+    }
+    c.len = 0;
+}
+
+struct EngineLoop {
+    /// The throwaway sequence that pads small batches, and the fewest rows
+    /// a packed forward gets (1 when not deterministic). See `min_rows`.
+    pad_cache: SeqCache,
+    pad_tokens: Vec<u32>,
+    min_rows: usize,
+    store: Arc<ParamStore>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    eos: Vec<u32>,
+    scheduler: Scheduler,
+    pending: HashMap<u64, Pending>,
+    /// Contiguous per-sequence caches the forward works on, reused.
+    scratch: Vec<SeqCache>,
+    shared: Arc<Shared>,
+    /// Weight version the cached states were computed with.
+    version: u64,
+    max_model_len: usize,
+}
+
+impl EngineLoop {
+    fn run(&mut self, rx: mpsc::Receiver<Command>) {
+        let mut paused = false;
+        'outer: loop {
+            // Block for a command when there is nothing else to do.
+            if paused || self.scheduler.is_idle() {
+                match rx.recv() {
+                    Ok(cmd) => {
+                        if !self.command(cmd, &mut paused) {
+                            break 'outer;
+                        }
+                    }
+                    Err(_) => break 'outer,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => {
+                        if !self.command(cmd, &mut paused) {
+                            break 'outer;
+                        }
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => break 'outer,
+                }
+            }
+            if !paused && !self.scheduler.is_idle() {
+                self.step();
+            }
+            self.publish();
+        }
+        self.abort_all();
+        self.publish();
+        self.shared.stopped.store(true, Ordering::Release);
+    }
+
+    /// Handle one command; false means stop.
+    fn command(&mut self, cmd: Command, paused: &mut bool) -> bool {
+        match cmd {
+            Command::Generate {
+                id,
+                request,
+                load,
+                reply,
+            } => {
+                let n = request.params.n;
+                for index in 0..n {
+                    let sampler = Sampler::new(&request.params, index);
+                    self.scheduler
+                        .add(Sequence::new(id, index, request.prompt.clone(), sampler));
+                }
+                self.pending.insert(
+                    id,
+                    Pending {
+                        reply,
+                        open: n,
+                        load,
+                    },
+                );
+            }
+            Command::Abort(id) => self.drop_request(id),
+            Command::Pause(ack) => {
+                *paused = true;
+                let _ = ack.send(());
+            }
+            Command::Resume => *paused = false,
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    fn drop_request(&mut self, id: u64) {
+        self.scheduler.abort_request(id);
+        if let Some(p) = self.pending.remove(&id) {
+            self.shared
+                .metrics
+                .load
+                .fetch_sub(p.load, Ordering::Relaxed);
+        }
+    }
+
+    fn abort_all(&mut self) {
+        let ids: Vec<u64> = self.pending.keys().copied().collect();
+        for id in ids {
+            let open: Vec<usize> = self
+                .scheduler
+                .running
+                .iter()
+                .chain(self.scheduler.waiting.iter())
+                .filter(|s| s.request == id)
+                .map(|s| s.index)
+                .collect();
+            if let Some(p) = self.pending.get(&id) {
+                for index in open {
+                    let _ = p.reply.send(Event::Finished {
+                        index,
+                        reason: FinishReason::Abort,
+                    });
+                }
+            }
+            self.drop_request(id);
+        }
+    }
+
+    fn publish(&self) {
+        let m = &self.shared.metrics;
+        let s = &self.scheduler;
+        m.running.store(s.running.len() as u64, Ordering::Relaxed);
+        m.waiting.store(s.waiting.len() as u64, Ordering::Relaxed);
+        m.blocks_used
+            .store(s.cache.pool().num_used() as u64, Ordering::Relaxed);
+        m.prompt_tokens.store(s.admitted_tokens, Ordering::Relaxed);
+        m.prefix_hit_tokens
+            .store(s.prefix_hit_tokens, Ordering::Relaxed);
+        m.preemptions.store(s.preemptions, Ordering::Relaxed);
+    }
+
+    /// One scheduler step: plan, forward, sample, reply.
+    fn step(&mut self) {
+        let store = self.store.clone();
+        let model = store.read();
+        // The version cannot move while the read guard is held.
+        let version = store.weight_version();
+        if version != self.version {
+            self.scheduler.reset_for_new_weights();
+            self.version = version;
+        }
+        let plan = self.scheduler.schedule();
+        if plan.is_empty() {
+            return;
+        }
+        while self.scratch.len() < plan.len() {
+            self.scratch.push(model.new_cache());
+        }
+        let sched = &mut self.scheduler;
+        for (j, item) in plan.iter().enumerate() {
+            let seq = &sched.running[item.seq];
+            let Some(slot) = seq.slot else {
+                continue;
+            };
+            sched
+                .cache
+                .load(&mut self.scratch[j], &seq.block_table, seq.computed, slot);
+        }
+        let result = {
+            let mut batch: Vec<SeqInput<'_>> = plan
+                .iter()
+                .zip(self.scratch.iter_mut())
+                .map(|(item, cache)| {
+                    let seq = &sched.running[item.seq];
+                    SeqInput {
+                        tokens: &seq.tokens[seq.computed..seq.computed + item.n],
+                        cache,
+                    }
+                })
+                .collect();
+            // Pad small batches with a throwaway sequence: see `min_rows`.
+            let total: usize = plan.iter().map(|p| p.n).sum();
+            if total < self.min_rows {
+                reset_cache(&mut self.pad_cache);
+                self.pad_tokens.resize(self.min_rows - total, 0);
+                batch.push(SeqInput {
+                    tokens: &self.pad_tokens,
+                    cache: &mut self.pad_cache,
+                });
+            }
+            model.forward(&mut batch)
+        };
+        for (j, item) in plan.iter().enumerate() {
+            let seq = &sched.running[item.seq];
+            if let Some(slot) = seq.slot {
+                sched.cache.store(
+                    &mut self.scratch[j],
+                    &seq.block_table,
+                    seq.computed,
+                    item.n,
+                    slot,
+                );
+            }
+        }
+        let hidden = match result {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::error!("engine forward failed: {e}");
+                self.fail_plan(&plan, &format!("internal error: {e}"));
+                return;
+            }
+        };
+        sched.after_step(&plan);
+
+        // Rows whose sequence has every token in the cache: sample there.
+        let h = model.config.hidden_size;
+        let mut rows = Vec::new();
+        let mut which = Vec::new();
+        let mut offset = 0;
+        for item in &plan {
+            let seq = &sched.running[item.seq];
+            if seq.computed == seq.tokens.len() {
+                let r = offset + item.n - 1;
+                rows.extend_from_slice(&hidden[r * h..(r + 1) * h]);
+                which.push(item.seq);
+            }
+            offset += item.n;
+        }
+        let logits = if which.is_empty() {
+            Ok(Vec::new())
+        } else {
+            let real = rows.len();
+            while rows.len() < MIN_LOGIT_ROWS * h {
+                rows.extend_from_within(real - h..real);
+            }
+            model.logits(&rows).map(|mut l| {
+                l.truncate(which.len() * model.config.vocab_size);
+                l
+            })
+        };
+        drop(model);
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                self.fail_plan(&plan, &format!("internal error: {e}"));
+                return;
+            }
+        };
+        let vocab = logits.len() / which.len().max(1);
+        let mut finished: Vec<(usize, FinishReason)> = Vec::new();
+        let mut hung_up: Vec<u64> = Vec::new();
+        for (r, &i) in which.iter().enumerate() {
+            let seq = &mut self.scheduler.running[i];
+            let sampled = match seq.sampler.sample(&logits[r * vocab..(r + 1) * vocab]) {
+                Ok(s) => s,
+                Err(e) => {
+                    hung_up.push(seq.request);
+                    if let Some(p) = self.pending.get(&seq.request) {
+                        let _ = p.reply.send(Event::Error(e.to_string()));
+                    }
+                    continue;
+                }
+            };
+            seq.tokens.push(sampled.token);
+            seq.generated += 1;
+            self.shared
+                .metrics
+                .generated_tokens
+                .fetch_add(1, Ordering::Relaxed);
+            let ev = Event::Token(TokenEvent {
+                index: seq.index,
+                token: sampled.token,
+                logprob: sampled.logprob,
+                top_logprobs: sampled.top,
+                weight_version: self.version,
+            });
+            let delivered = self
+                .pending
+                .get(&seq.request)
+                .is_some_and(|p| p.reply.send(ev).is_ok());
+            if !delivered {
+                hung_up.push(seq.request);
+                continue;
+            }
+            if let Some(reason) = self.finish_reason(i) {
+                finished.push((i, reason));
+            }
+        }
+        // Remove from the back so earlier indices stay valid.
+        finished.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        for (i, reason) in finished {
+            let seq = self.scheduler.finish(i);
+            if let Some(p) = self.pending.get_mut(&seq.request) {
+                let _ = p.reply.send(Event::Finished {
+                    index: seq.index,
+                    reason,
+                });
+                p.open -= 1;
+                if p.open == 0 {
+                    self.drop_request(seq.request);
+                }
+            }
+        }
+        hung_up.sort_unstable();
+        hung_up.dedup();
+        for id in hung_up {
+            self.drop_request(id);
+        }
+        self.shared.metrics.steps.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether `running[i]`, which just sampled, is done.
+    fn finish_reason(&self, i: usize) -> Option<FinishReason> {
+        let seq = &self.scheduler.running[i];
+        let params = seq.sampler.params();
+        let last = *seq.tokens.last()?;
+        if params.stop_token_ids.contains(&last) || (!params.ignore_eos && self.eos.contains(&last))
+        {
+            return Some(FinishReason::Stop { stop_string: None });
+        }
+        if !params.stop.is_empty() {
+            if let Some(tok) = &self.tokenizer {
+                let longest = params.stop.iter().map(|s| s.len()).max().unwrap_or(0);
+                let from = seq.tokens.len() - seq.generated;
+                let tail_start = seq.tokens.len().saturating_sub(longest + 2).max(from);
+                if let Ok(text) = tok.decode(&seq.tokens[tail_start..], false) {
+                    if let Some(s) = params.stop.iter().find(|s| text.contains(s.as_str())) {
+                        return Some(FinishReason::Stop {
+                            stop_string: Some(s.clone()),
+                        });
+                    }
+                }
+            }
+        }
+        if seq.generated >= params.max_tokens || seq.tokens.len() >= self.max_model_len {
+            return Some(FinishReason::Length);
+        }
+        None
+    }
+
+    /// Fail every request with a sequence in `plan`.
+    fn fail_plan(&mut self, plan: &[Scheduled], msg: &str) {
+        let mut ids: Vec<u64> = plan
+            .iter()
+            .map(|p| self.scheduler.running[p.seq].request)
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        for id in ids {
+            if let Some(p) = self.pending.get(&id) {
+                let _ = p.reply.send(Event::Error(msg.to_string()));
+            }
+            self.drop_request(id);
+        }
+    }
+}

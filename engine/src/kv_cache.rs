@@ -1,0 +1,375 @@
+//! The engine's cache memory, sized once from a byte budget: paged K/V for
+//! the full-attention layers (blocks of `block_size` positions, handed out by
+//! a [`BlockPool`], found through per-sequence block tables) and fixed state
+//! slots for the Gated DeltaNet layers (conv history and fp32 recurrent state
+//! per linear layer). A running sequence holds one state slot; the prefix
+//! cache holds slots as snapshots of the state at a cached prefix's end.
+//!
+//! The model's packed forward works on a contiguous per-sequence
+//! [`SeqCache`]; [`PagedKvCache::load`] fills one from the blocks (the state
+//! vectors are moved, not copied) and [`PagedKvCache::store`] writes the new
+//! positions back. The gather is a copy of the sequence's K/V once per step,
+//! the same order of work as attention itself on the CPU; a paged attention
+//! kernel would remove it on the GPU path.
+//!
+//! Not for: policy (the scheduler decides who gets blocks) or hashing
+//! (`prefix_cache.rs`).
+
+use crate::block_pool::{BlockId, BlockPool};
+use crate::config::{LayerType, ModelConfig};
+use crate::model::SeqCache;
+use crate::{Error, Result};
+
+/// Index of a state slot.
+pub type SlotId = u32;
+
+/// Sizes of the cached tensors, from the model config.
+#[derive(Debug, Clone)]
+pub struct CacheLayout {
+    pub num_layers: usize,
+    /// Model layer index of each full-attention layer.
+    pub attn_layers: Vec<usize>,
+    /// Model layer index of each linear-attention layer.
+    pub linear_layers: Vec<usize>,
+    /// Floats per position per attention layer for K (and again for V).
+    pub kv_row: usize,
+    /// Floats of conv history per linear layer.
+    pub conv_len: usize,
+    /// Floats of recurrent state per linear layer.
+    pub rec_len: usize,
+}
+
+impl CacheLayout {
+    pub fn new(c: &ModelConfig) -> Self {
+        let mut attn_layers = Vec::new();
+        let mut linear_layers = Vec::new();
+        for (i, lt) in c.layer_types.iter().enumerate() {
+            match lt {
+                LayerType::FullAttention => attn_layers.push(i),
+                LayerType::LinearAttention => linear_layers.push(i),
+            }
+        }
+        CacheLayout {
+            num_layers: c.num_layers(),
+            attn_layers,
+            linear_layers,
+            kv_row: c.num_kv_heads * c.head_dim,
+            conv_len: c.conv_kernel.saturating_sub(1) * c.linear_conv_dim(),
+            rec_len: c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim,
+        }
+    }
+
+    /// Bytes of one K/V block (all attention layers, K and V).
+    pub fn block_bytes(&self, block_size: usize) -> usize {
+        self.attn_layers.len() * 2 * block_size * self.kv_row * 4
+    }
+
+    /// Bytes of one state slot (all linear layers, conv and recurrent).
+    pub fn slot_bytes(&self) -> usize {
+        self.linear_layers.len() * (self.conv_len + self.rec_len) * 4
+    }
+}
+
+/// Conv and recurrent state of every linear layer, indexed by model layer
+/// (empty vectors at attention layers, as in [`SeqCache`]).
+#[derive(Debug, Clone)]
+struct StateSlot {
+    conv: Vec<Vec<f32>>,
+    rec: Vec<Vec<f32>>,
+}
+
+/// Paged K/V storage, its block pool, and the state slots.
+#[derive(Debug)]
+pub struct PagedKvCache {
+    layout: CacheLayout,
+    block_size: usize,
+    pool: BlockPool,
+    /// Per attention layer `[num_blocks, block_size, kv_row]`.
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    slots: Vec<StateSlot>,
+    free_slots: Vec<SlotId>,
+}
+
+impl PagedKvCache {
+    /// Split `budget_bytes` into `num_slots` state slots and as many K/V
+    /// blocks as fit in the rest. Errors when not even `min_blocks` fit.
+    pub fn with_budget(
+        config: &ModelConfig,
+        block_size: usize,
+        budget_bytes: usize,
+        num_slots: usize,
+        min_blocks: usize,
+        max_blocks: usize,
+    ) -> Result<Self> {
+        let layout = CacheLayout::new(config);
+        if block_size == 0 {
+            return Err(Error::Config("block_size must be positive".into()));
+        }
+        let slot_total = layout.slot_bytes() * num_slots;
+        let left = budget_bytes.checked_sub(slot_total).ok_or_else(|| {
+            Error::Config(format!(
+                "cache memory {budget_bytes} bytes cannot hold {num_slots} state slots of {} bytes",
+                layout.slot_bytes()
+            ))
+        })?;
+        let block_bytes = layout.block_bytes(block_size);
+        let num_blocks = left
+            .checked_div(block_bytes)
+            .map_or(max_blocks, |n| n.min(max_blocks));
+        if num_blocks < min_blocks {
+            return Err(Error::Config(format!(
+                "cache memory {budget_bytes} bytes leaves room for {num_blocks} KV blocks of \
+                 {block_bytes} bytes after {num_slots} state slots; at least {min_blocks} are needed"
+            )));
+        }
+        Ok(Self::new(layout, block_size, num_blocks, num_slots))
+    }
+
+    /// A cache of exactly `num_blocks` blocks and `num_slots` slots.
+    pub fn new(
+        layout: CacheLayout,
+        block_size: usize,
+        num_blocks: usize,
+        num_slots: usize,
+    ) -> Self {
+        let per_layer = num_blocks * block_size * layout.kv_row;
+        let n_attn = layout.attn_layers.len();
+        let empty_slot = || {
+            let mut s = StateSlot {
+                conv: vec![Vec::new(); layout.num_layers],
+                rec: vec![Vec::new(); layout.num_layers],
+            };
+            for &li in &layout.linear_layers {
+                s.conv[li] = vec![0.0; layout.conv_len];
+                s.rec[li] = vec![0.0; layout.rec_len];
+            }
+            s
+        };
+        PagedKvCache {
+            k: vec![vec![0.0; per_layer]; n_attn],
+            v: vec![vec![0.0; per_layer]; n_attn],
+            slots: (0..num_slots).map(|_| empty_slot()).collect(),
+            free_slots: (0..num_slots as SlotId).rev().collect(),
+            pool: BlockPool::new(num_blocks),
+            layout,
+            block_size,
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn layout(&self) -> &CacheLayout {
+        &self.layout
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
+
+    /// Positions the whole pool can hold.
+    pub fn capacity_tokens(&self) -> usize {
+        self.pool.num_blocks() * self.block_size
+    }
+
+    pub fn num_free_slots(&self) -> usize {
+        self.free_slots.len()
+    }
+
+    pub fn num_slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Take a state slot, zeroed (a fresh sequence's state).
+    pub fn allocate_slot(&mut self) -> Option<SlotId> {
+        let id = self.free_slots.pop()?;
+        let s = &mut self.slots[id as usize];
+        for &li in &self.layout.linear_layers {
+            s.conv[li].fill(0.0);
+            s.rec[li].fill(0.0);
+        }
+        Some(id)
+    }
+
+    /// Return a slot. Panics on a slot id that was not handed out twice in a
+    /// row only in debug builds; the engine's bookkeeping owns this.
+    pub fn free_slot(&mut self, id: SlotId) {
+        debug_assert!(!self.free_slots.contains(&id), "slot {id} freed twice");
+        self.free_slots.push(id);
+    }
+
+    /// Copy the state of slot `src` into slot `dst` (a snapshot, or a resume
+    /// from one).
+    pub fn copy_slot(&mut self, src: SlotId, dst: SlotId) {
+        if src == dst {
+            return;
+        }
+        let (s, d) = (src as usize, dst as usize);
+        for &li in &self.layout.linear_layers {
+            let (a, b) = if s < d {
+                let (lo, hi) = self.slots.split_at_mut(d);
+                (&lo[s], &mut hi[0])
+            } else {
+                let (lo, hi) = self.slots.split_at_mut(s);
+                (&hi[0], &mut lo[d])
+            };
+            b.conv[li].copy_from_slice(&a.conv[li]);
+            b.rec[li].copy_from_slice(&a.rec[li]);
+        }
+    }
+
+    /// Blocks a sequence of `len` positions needs.
+    pub fn blocks_for(&self, len: usize) -> usize {
+        len.div_ceil(self.block_size)
+    }
+
+    /// Fill `cache` for a sequence whose first `past` positions are in the
+    /// blocks of `table` and whose state is in `slot`: K/V are gathered into
+    /// `cache.k/v` (reusing their capacity) and the slot's state vectors are
+    /// moved in. Must be paired with [`store`](Self::store).
+    pub fn load(&mut self, cache: &mut SeqCache, table: &[BlockId], past: usize, slot: SlotId) {
+        let (bs, row) = (self.block_size, self.layout.kv_row);
+        for (ai, &li) in self.layout.attn_layers.iter().enumerate() {
+            for (dst, src) in [
+                (&mut cache.k[li], &self.k[ai]),
+                (&mut cache.v[li], &self.v[ai]),
+            ] {
+                dst.clear();
+                let mut pos = 0;
+                for &b in table {
+                    if pos >= past {
+                        break;
+                    }
+                    let n = bs.min(past - pos);
+                    let off = b as usize * bs * row;
+                    dst.extend_from_slice(&src[off..off + n * row]);
+                    pos += n;
+                }
+            }
+        }
+        let s = &mut self.slots[slot as usize];
+        for &li in &self.layout.linear_layers {
+            std::mem::swap(&mut cache.conv_state[li], &mut s.conv[li]);
+            std::mem::swap(&mut cache.recurrent_state[li], &mut s.rec[li]);
+        }
+        cache.len = past;
+    }
+
+    /// Write positions `past..past + n` of `cache` into the blocks of
+    /// `table` (which must cover them) and move the state back into `slot`.
+    pub fn store(
+        &mut self,
+        cache: &mut SeqCache,
+        table: &[BlockId],
+        past: usize,
+        n: usize,
+        slot: SlotId,
+    ) {
+        let (bs, row) = (self.block_size, self.layout.kv_row);
+        for (ai, &li) in self.layout.attn_layers.iter().enumerate() {
+            for (src, dst) in [
+                (&cache.k[li], &mut self.k[ai]),
+                (&cache.v[li], &mut self.v[ai]),
+            ] {
+                let mut pos = past;
+                while pos < past + n {
+                    let b = table[pos / bs] as usize;
+                    let within = pos % bs;
+                    let m = (bs - within).min(past + n - pos);
+                    let off = (b * bs + within) * row;
+                    dst[off..off + m * row].copy_from_slice(&src[pos * row..(pos + m) * row]);
+                    pos += m;
+                }
+            }
+        }
+        let s = &mut self.slots[slot as usize];
+        for &li in &self.layout.linear_layers {
+            std::mem::swap(&mut cache.conv_state[li], &mut s.conv[li]);
+            std::mem::swap(&mut cache.recurrent_state[li], &mut s.rec[li]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> CacheLayout {
+        CacheLayout {
+            num_layers: 2,
+            attn_layers: vec![1],
+            linear_layers: vec![0],
+            kv_row: 3,
+            conv_len: 2,
+            rec_len: 4,
+        }
+    }
+
+    fn scratch(l: &CacheLayout) -> SeqCache {
+        SeqCache {
+            conv_state: vec![Vec::new(); l.num_layers],
+            recurrent_state: vec![Vec::new(); l.num_layers],
+            k: vec![Vec::new(); l.num_layers],
+            v: vec![Vec::new(); l.num_layers],
+            len: 0,
+        }
+    }
+
+    #[test]
+    fn store_then_load_round_trips_across_blocks() {
+        let mut c = PagedKvCache::new(layout(), 2, 4, 2);
+        // Non-contiguous table: positions 0-1 in block 3, 2-3 in block 0, 4 in block 2.
+        let table = [3, 0, 2];
+        let slot = c.allocate_slot().unwrap();
+        let mut s = scratch(c.layout());
+        c.load(&mut s, &table, 0, slot);
+        let rows: Vec<f32> = (0..15).map(|x| x as f32).collect();
+        s.k[1] = rows.clone();
+        s.v[1] = rows.iter().map(|x| -x).collect();
+        s.recurrent_state[0] = vec![1.0, 2.0, 3.0, 4.0];
+        c.store(&mut s, &table, 0, 5, slot);
+        let mut t = scratch(c.layout());
+        c.load(&mut t, &table, 5, slot);
+        assert_eq!(t.k[1], rows);
+        assert_eq!(t.v[1][14], -14.0);
+        assert_eq!(t.recurrent_state[0], vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(t.len, 5);
+        // Appending one position continues in the third block.
+        t.k[1].extend_from_slice(&[7.0, 7.0, 7.0]);
+        t.v[1].extend_from_slice(&[8.0, 8.0, 8.0]);
+        c.store(&mut t, &table, 5, 1, slot);
+        let mut u = scratch(c.layout());
+        c.load(&mut u, &table, 6, slot);
+        assert_eq!(&u.k[1][15..], &[7.0, 7.0, 7.0]);
+        assert_eq!(&u.k[1][..15], &rows[..]);
+    }
+
+    #[test]
+    fn slots_are_zeroed_and_copied() {
+        let mut c = PagedKvCache::new(layout(), 2, 1, 2);
+        let a = c.allocate_slot().unwrap();
+        let b = c.allocate_slot().unwrap();
+        assert!(c.allocate_slot().is_none());
+        c.slots[a as usize].rec[0] = vec![5.0; 4];
+        c.copy_slot(a, b);
+        assert_eq!(c.slots[b as usize].rec[0], vec![5.0; 4]);
+        c.free_slot(a);
+        let a2 = c.allocate_slot().unwrap();
+        assert_eq!(a2, a);
+        assert_eq!(c.slots[a as usize].rec[0], vec![0.0; 4]);
+    }
+
+    #[test]
+    fn budget_sizes_blocks_after_slots() {
+        let cfg_layout = layout();
+        // slot: (2 + 4) * 4 = 24 bytes; block of 2: 1 * 2 * 2 * 3 * 4 = 48 bytes.
+        assert_eq!(cfg_layout.slot_bytes(), 24);
+        assert_eq!(cfg_layout.block_bytes(2), 48);
+    }
+}

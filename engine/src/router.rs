@@ -1,0 +1,112 @@
+//! Router over engine replicas: each request goes to the replica with the
+//! least outstanding work (queued plus running tokens, see
+//! `EngineMetrics::load`), never pinned to one for cache reuse. Pinning piles
+//! work on one replica and its queued rollouts go stale (DESIGN.md, step 8).
+//!
+//! Replicas may share one parameter store; the router does not care. Load is
+//! added when a request is submitted, so a burst of requests arriving
+//! between two engine steps still spreads out.
+
+use crate::engine::{self, EngineConfig, EngineHandle, Request, Submitted};
+use crate::params::ParamStore;
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+use std::sync::{Arc, Mutex};
+
+/// A set of engine replicas behind one submit call.
+#[derive(Debug, Clone)]
+pub struct Router {
+    replicas: Vec<EngineHandle>,
+    /// Serialises pick-and-submit so two callers cannot both read the same
+    /// minimum before either adds its load. Held for microseconds.
+    pick: Arc<Mutex<()>>,
+}
+
+impl Router {
+    pub fn new(replicas: Vec<EngineHandle>) -> Result<Self> {
+        if replicas.is_empty() {
+            return Err(Error::Config("a router needs at least one replica".into()));
+        }
+        Ok(Router {
+            replicas,
+            pick: Arc::new(Mutex::new(())),
+        })
+    }
+
+    /// Start `n` replicas over one shared store.
+    pub fn start(
+        n: usize,
+        store: Arc<ParamStore>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        config: EngineConfig,
+    ) -> Result<Self> {
+        let replicas = (0..n)
+            .map(|_| engine::start(store.clone(), tokenizer.clone(), config.clone()))
+            .collect::<Result<Vec<_>>>()?;
+        Self::new(replicas)
+    }
+
+    pub fn replicas(&self) -> &[EngineHandle] {
+        &self.replicas
+    }
+
+    /// Current load of each replica.
+    pub fn loads(&self) -> Vec<u64> {
+        self.replicas.iter().map(|r| r.load()).collect()
+    }
+
+    /// Index of the least-loaded replica (the lowest index on ties).
+    pub fn least_loaded(&self) -> usize {
+        let mut best = 0;
+        let mut best_load = u64::MAX;
+        for (i, r) in self.replicas.iter().enumerate() {
+            let l = r.load();
+            if l < best_load {
+                best = i;
+                best_load = l;
+            }
+        }
+        best
+    }
+
+    /// Submit to the least-loaded replica; returns its index too.
+    pub fn submit(&self, request: Request) -> Result<(usize, Submitted)> {
+        let _guard = self.pick.lock().unwrap_or_else(|e| e.into_inner());
+        let i = self.least_loaded();
+        let sub = self.replicas[i].submit(request)?;
+        Ok((i, sub))
+    }
+
+    /// Checks a request against the first replica's limits (all replicas
+    /// share a configuration).
+    pub fn validate(&self, request: &Request) -> Result<()> {
+        self.replicas[0].validate(request)
+    }
+
+    /// Abort request `id` on replica `replica`.
+    pub fn abort(&self, replica: usize, id: u64) {
+        if let Some(r) = self.replicas.get(replica) {
+            r.abort(id);
+        }
+    }
+
+    /// Pause every replica (for a weight update); see `EngineHandle::pause`.
+    pub fn pause(&self) -> Result<()> {
+        for r in &self.replicas {
+            r.pause()?;
+        }
+        Ok(())
+    }
+
+    pub fn resume(&self) {
+        for r in &self.replicas {
+            r.resume();
+        }
+    }
+
+    pub fn shutdown(&self) {
+        for r in &self.replicas {
+            r.shutdown();
+        }
+    }
+}

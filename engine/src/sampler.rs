@@ -1,0 +1,392 @@
+//! Sampling one token from a row of logits, and its log-probability.
+//!
+//! The reported log-probability is that of the distribution the token was
+//! drawn from after temperature and before top-k/top-p truncation:
+//! `log_softmax(logits / T)[token]`, with `T = 1` for greedy decoding
+//! (temperature 0). That is the quantity the trainer recomputes from the
+//! same logits (DESIGN.md, "Contracts"); truncation is a sampling device,
+//! not part of the policy being trained. At `T = 1` it is computed by the
+//! same kernel as `Qwen3_5::score`, so the two agree to the last bit on the
+//! same logits.
+//!
+//! Reproducibility: each sequence owns a seeded RNG; a request's `seed`
+//! fixes its tokens (choice `i` of `n` uses `seed + i`).
+
+use crate::{Error, Result};
+use arcticd_kernels::cpu::logsoftmax::log_softmax_forward;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+/// Most alternatives a request may ask for per token.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Sampling parameters of one request.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 is greedy. Default 1.0.
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability
+    /// reaches `top_p`. Default 1.0 (off).
+    pub top_p: f32,
+    /// Keep only the `top_k` most likely tokens; 0 is off. Default 0.
+    pub top_k: usize,
+    /// RNG seed; `None` draws one. Default None.
+    pub seed: Option<u64>,
+    /// Most tokens to generate per choice. Default 16.
+    pub max_tokens: usize,
+    /// Stop when the generated text contains one of these. Default empty.
+    pub stop: Vec<String>,
+    /// Stop after generating one of these ids. Default empty.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past end-of-sequence tokens. Default false.
+    pub ignore_eos: bool,
+    /// Independent choices per request. Default 1.
+    pub n: usize,
+    /// Alternatives (id, log-prob) returned per generated token. Default 0.
+    pub top_logprobs: usize,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            max_tokens: 16,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            n: 1,
+            top_logprobs: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding of up to `max_tokens`.
+    pub fn greedy(max_tokens: usize) -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            max_tokens,
+            ..Default::default()
+        }
+    }
+
+    /// Reject values no sampler can honour; the message goes to the client.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Input(m));
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if self.n == 0 || self.n > 128 {
+            return bad(format!("n must be between 1 and 128, got {}", self.n));
+        }
+        if self.max_tokens == 0 {
+            return bad("max_tokens must be at least 1".into());
+        }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return bad(format!(
+                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}",
+                self.top_logprobs
+            ));
+        }
+        if self.stop.iter().any(|s| s.is_empty()) {
+            return bad("stop strings must not be empty".into());
+        }
+        Ok(())
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 1e-6
+    }
+}
+
+/// One sampled token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    /// `log_softmax(logits / T)[token]` (T = 1 when greedy).
+    pub logprob: f32,
+    /// The `top_logprobs` most likely tokens under the same distribution,
+    /// most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Per-sequence sampler: the parameters and the sequence's RNG.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+    /// Reused buffers, so sampling allocates nothing per token.
+    logp: Vec<f32>,
+    order: Vec<u32>,
+}
+
+impl Sampler {
+    /// A sampler for choice `index` of a request.
+    pub fn new(params: &SamplingParams, index: usize) -> Self {
+        let seed = match params.seed {
+            Some(s) => s.wrapping_add(index as u64),
+            None => rand::thread_rng().gen(),
+        };
+        Sampler {
+            params: params.clone(),
+            rng: StdRng::seed_from_u64(seed),
+            logp: Vec::new(),
+            order: Vec::new(),
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Draw a token from one row of logits.
+    pub fn sample(&mut self, logits: &[f32]) -> Result<Sampled> {
+        let v = logits.len();
+        if v == 0 {
+            return Err(Error::Input("sampling from an empty vocabulary".into()));
+        }
+        self.logp.resize(v, 0.0);
+        let greedy = self.params.is_greedy();
+        if greedy || self.params.temperature == 1.0 {
+            log_softmax_forward(&mut self.logp, logits, 1, v)?;
+        } else {
+            let inv_t = 1.0 / self.params.temperature;
+            let scaled: Vec<f32> = logits.iter().map(|&x| x * inv_t).collect();
+            log_softmax_forward(&mut self.logp, &scaled, 1, v)?;
+        }
+        let token = if greedy {
+            argmax(logits) as u32
+        } else {
+            self.draw()
+        };
+        let top = if self.params.top_logprobs > 0 {
+            top_k_of(&self.logp, self.params.top_logprobs)
+        } else {
+            Vec::new()
+        };
+        Ok(Sampled {
+            token,
+            logprob: self.logp[token as usize],
+            top,
+        })
+    }
+
+    /// Sample from `self.logp` after top-k and top-p truncation.
+    fn draw(&mut self) -> u32 {
+        let v = self.logp.len();
+        let k = if self.params.top_k == 0 {
+            v
+        } else {
+            self.params.top_k.min(v)
+        };
+        let truncating = k < v || self.params.top_p < 1.0;
+        if !truncating {
+            // Inverse CDF over the full distribution, no sort needed.
+            let u: f64 = self.rng.gen();
+            let mut acc = 0.0f64;
+            let mut last = 0;
+            for (i, &lp) in self.logp.iter().enumerate() {
+                let p = (lp as f64).exp();
+                if p > 0.0 {
+                    last = i;
+                }
+                acc += p;
+                if u < acc {
+                    return i as u32;
+                }
+            }
+            return last as u32;
+        }
+        self.order.clear();
+        self.order.extend(0..v as u32);
+        let logp = &self.logp;
+        let by_desc = |a: &u32, b: &u32| {
+            logp[*b as usize]
+                .total_cmp(&logp[*a as usize])
+                .then(a.cmp(b))
+        };
+        if k < v {
+            self.order.select_nth_unstable_by(k - 1, by_desc);
+            self.order.truncate(k);
+        }
+        self.order.sort_unstable_by(by_desc);
+        // Keep the shortest head whose mass reaches top_p (at least one).
+        let mut mass = 0.0f64;
+        let mut keep = 0;
+        for &i in &self.order {
+            mass += (logp[i as usize] as f64).exp();
+            keep += 1;
+            if mass >= self.params.top_p as f64 {
+                break;
+            }
+        }
+        let head = &self.order[..keep];
+        let u: f64 = self.rng.gen::<f64>() * mass;
+        let mut acc = 0.0f64;
+        for &i in head {
+            acc += (logp[i as usize] as f64).exp();
+            if u < acc {
+                return i;
+            }
+        }
+        head[keep - 1]
+    }
+}
+
+/// Index of the largest value (the first on ties), as greedy decoding and
+/// the reference argmax use.
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// The `k` largest entries of `logp` with their indices, largest first.
+pub fn top_k_of(logp: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut idx: Vec<u32> = (0..logp.len() as u32).collect();
+    let k = k.min(idx.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    let by_desc = |a: &u32, b: &u32| {
+        logp[*b as usize]
+            .total_cmp(&logp[*a as usize])
+            .then(a.cmp(b))
+    };
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, by_desc);
+        idx.truncate(k);
+    }
+    idx.sort_unstable_by(by_desc);
+    idx.into_iter().map(|i| (i, logp[i as usize])).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(t: f32) -> SamplingParams {
+        SamplingParams {
+            temperature: t,
+            seed: Some(7),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn greedy_takes_argmax_with_untempered_logprob() {
+        let logits = [0.1, 2.0, -1.0, 2.0];
+        let mut s = Sampler::new(&SamplingParams::greedy(4), 0);
+        let out = s.sample(&logits).unwrap();
+        assert_eq!(out.token, 1);
+        let lse = logits.iter().map(|x| (*x as f64).exp()).sum::<f64>().ln();
+        assert!((out.logprob as f64 - (2.0 - lse)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn logprob_is_after_temperature() {
+        let logits = [1.0, 0.0, -1.0];
+        let mut s = Sampler::new(&params(0.5), 0);
+        let out = s.sample(&logits).unwrap();
+        let scaled: Vec<f64> = logits.iter().map(|x| *x as f64 / 0.5).collect();
+        let lse = scaled.iter().map(|x| x.exp()).sum::<f64>().ln();
+        let want = scaled[out.token as usize] - lse;
+        assert!((out.logprob as f64 - want).abs() < 1e-6);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_and_frequencies_follow_probs() {
+        let logits = [0.0f32, (3.0f32).ln(), 0.0, -100.0];
+        let mut a = Sampler::new(&params(1.0), 0);
+        let mut b = Sampler::new(&params(1.0), 0);
+        let mut counts = [0usize; 4];
+        for _ in 0..5000 {
+            let x = a.sample(&logits).unwrap().token;
+            assert_eq!(x, b.sample(&logits).unwrap().token);
+            counts[x as usize] += 1;
+        }
+        // p = 0.2, 0.6, 0.2, ~0.
+        assert!((counts[1] as f64 / 5000.0 - 0.6).abs() < 0.03, "{counts:?}");
+        assert_eq!(counts[3], 0);
+    }
+
+    #[test]
+    fn top_k_and_top_p_truncate() {
+        let logits = [3.0f32, 2.0, 1.0, 0.0];
+        let mut k1 = Sampler::new(
+            &SamplingParams {
+                top_k: 1,
+                ..params(1.0)
+            },
+            0,
+        );
+        let mut p = Sampler::new(
+            &SamplingParams {
+                top_p: 0.7,
+                ..params(1.0)
+            },
+            0,
+        );
+        for _ in 0..200 {
+            assert_eq!(k1.sample(&logits).unwrap().token, 0);
+            // p(0) = 0.644, p(1) = 0.237: the 0.7 nucleus is {0, 1}.
+            assert!(p.sample(&logits).unwrap().token <= 1);
+        }
+    }
+
+    #[test]
+    fn top_logprobs_are_sorted() {
+        let logits = [0.5f32, 3.0, 1.0, 2.0];
+        let mut s = Sampler::new(
+            &SamplingParams {
+                top_logprobs: 3,
+                ..SamplingParams::greedy(1)
+            },
+            0,
+        );
+        let out = s.sample(&logits).unwrap();
+        let ids: Vec<u32> = out.top.iter().map(|x| x.0).collect();
+        assert_eq!(ids, vec![1, 3, 2]);
+        assert_eq!(out.top[0].1, out.logprob);
+    }
+
+    #[test]
+    fn validation_rejects_bad_values() {
+        for p in [
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                n: 0,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_logprobs: 99,
+                ..Default::default()
+            },
+        ] {
+            assert!(p.validate().is_err());
+        }
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+}

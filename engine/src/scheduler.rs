@@ -1,0 +1,390 @@
+//! The scheduler: which sequences run in the next step, and how many of their
+//! tokens. It owns the paged cache and the prefix cache; the engine loop owns
+//! it (one task, no locks).
+//!
+//! Each step has a token budget (`max_batched_tokens`). Running sequences go
+//! first, in arrival order: a decoding one takes one token, a prefilling one
+//! its next prefill segment. Then waiting sequences are admitted while the
+//! budget, the sequence limit and the cache allow (continuous batching: new
+//! requests join between any two steps).
+//!
+//! Prefill segments never cross a multiple of `unit` tokens (the prefix
+//! cache's granularity). This makes the computation of every prefilled
+//! position a function of the token ids alone, not of the budget, of other
+//! requests, or of where a prefix-cache hit resumed: the gated delta rule's
+//! chunks, the attention kernel's query blocks and the one-token recurrent
+//! path all fall at the same places in a cold run and in a resumed one, so a
+//! hit is bit-for-bit a cold run. It costs one step per `unit` prompt tokens
+//! per sequence, which batching across sequences hides.
+//!
+//! When blocks run out, the prefix cache is evicted first, then the most
+//! recently arrived running sequence is preempted by recompute: its blocks
+//! and state are dropped and it waits at the head of the queue to prefill
+//! its prompt and generated tokens again (vLLM's recompute preemption).
+
+use crate::block_pool::BlockId;
+use crate::kv_cache::{PagedKvCache, SlotId};
+use crate::prefix_cache::{chain_key, PrefixCache, PrefixKey};
+use crate::sampler::Sampler;
+use std::collections::VecDeque;
+
+/// One sequence (one choice of a request) as the scheduler tracks it.
+#[derive(Debug)]
+pub struct Sequence {
+    /// Request id, and which of its `n` choices this is.
+    pub request: u64,
+    pub index: usize,
+    /// Prompt then generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Positions whose K/V and state are in the cache.
+    pub computed: usize,
+    /// Positions below this are computed by prefill segments (the prompt,
+    /// or everything after a preemption or weight update).
+    pub prefill_target: usize,
+    pub block_table: Vec<BlockId>,
+    pub slot: Option<SlotId>,
+    /// Prefix keys of the units computed so far.
+    pub prefix_keys: Vec<PrefixKey>,
+    pub sampler: Sampler,
+    /// Tokens generated so far.
+    pub generated: usize,
+}
+
+impl Sequence {
+    pub fn new(request: u64, index: usize, prompt: Vec<u32>, sampler: Sampler) -> Self {
+        let prompt_len = prompt.len();
+        Sequence {
+            request,
+            index,
+            tokens: prompt,
+            prompt_len,
+            computed: 0,
+            prefill_target: prompt_len,
+            block_table: Vec::new(),
+            slot: None,
+            prefix_keys: Vec::new(),
+            sampler,
+            generated: 0,
+        }
+    }
+
+    fn prefilling(&self) -> bool {
+        self.computed < self.prefill_target
+    }
+
+    /// Tokens of the next forward for this sequence (starting at
+    /// `computed`): its next prefill segment, or the one new token.
+    fn next_len(&self, unit: usize) -> usize {
+        if self.prefilling() {
+            let boundary = (self.computed / unit + 1) * unit;
+            boundary.min(self.prefill_target) - self.computed
+        } else {
+            self.tokens.len() - self.computed
+        }
+    }
+}
+
+/// A planned forward for `running[seq]`: `n` tokens from `computed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scheduled {
+    pub seq: usize,
+    pub n: usize,
+}
+
+/// Limits the scheduler enforces.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_num_seqs: usize,
+    pub max_batched_tokens: usize,
+    /// Prefill segment alignment and prefix-cache unit.
+    pub unit: usize,
+}
+
+/// Waiting and running sequences over one paged cache.
+#[derive(Debug)]
+pub struct Scheduler {
+    pub cache: PagedKvCache,
+    pub prefix: Option<PrefixCache>,
+    pub waiting: VecDeque<Sequence>,
+    pub running: Vec<Sequence>,
+    pub limits: Limits,
+    /// Sequences preempted so far.
+    pub preemptions: u64,
+    /// Prompt tokens admitted and the part of them served by the prefix cache.
+    pub admitted_tokens: u64,
+    pub prefix_hit_tokens: u64,
+}
+
+impl Scheduler {
+    pub fn new(cache: PagedKvCache, limits: Limits, prefix_cache: bool) -> Self {
+        Scheduler {
+            prefix: prefix_cache.then(|| PrefixCache::new(limits.unit)),
+            cache,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            limits,
+            preemptions: 0,
+            admitted_tokens: 0,
+            prefix_hit_tokens: 0,
+        }
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    pub fn add(&mut self, seq: Sequence) {
+        self.waiting.push_back(seq);
+    }
+
+    /// Plan the next step. Indices refer to `running` after the call.
+    pub fn schedule(&mut self) -> Vec<Scheduled> {
+        let unit = self.limits.unit;
+        let mut budget = self.limits.max_batched_tokens;
+        let mut plan = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            let n = self.running[i].next_len(unit);
+            if n > budget {
+                i += 1;
+                continue;
+            }
+            let upto = self.running[i].computed + n;
+            let mut preempted_self = false;
+            while !self.grow(i, upto) {
+                let last = self.running.len() - 1;
+                if last > i {
+                    self.preempt(last);
+                } else {
+                    self.preempt(i);
+                    preempted_self = true;
+                    break;
+                }
+            }
+            if preempted_self {
+                return plan;
+            }
+            plan.push(Scheduled { seq: i, n });
+            budget -= n;
+            i += 1;
+        }
+        while budget > 0 && self.running.len() < self.limits.max_num_seqs {
+            let Some(n) = self.admit_front(budget) else {
+                break;
+            };
+            plan.push(Scheduled {
+                seq: self.running.len() - 1,
+                n,
+            });
+            budget -= n;
+        }
+        plan
+    }
+
+    /// Give `running[i]` blocks for `upto` positions, evicting the prefix
+    /// cache if needed. False when the pool cannot provide them.
+    fn grow(&mut self, i: usize, upto: usize) -> bool {
+        let need = self
+            .cache
+            .blocks_for(upto)
+            .saturating_sub(self.running[i].block_table.len());
+        if need == 0 {
+            return true;
+        }
+        if self.cache.pool().num_free() < need {
+            let ok = match &mut self.prefix {
+                Some(p) => p.evict_for_blocks(&mut self.cache, need),
+                None => false,
+            };
+            if !ok {
+                return false;
+            }
+        }
+        for _ in 0..need {
+            match self.cache.pool_mut().allocate() {
+                Some(b) => self.running[i].block_table.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Move the head of `waiting` to `running` if it fits; returns the
+    /// length of its first segment.
+    fn admit_front(&mut self, budget: usize) -> Option<usize> {
+        let unit = self.limits.unit;
+        // A slot first: evicting snapshots for it cannot invalidate a hit
+        // found afterwards.
+        let slot = loop {
+            if let Some(s) = self.cache.allocate_slot() {
+                break s;
+            }
+            let evicted = match &mut self.prefix {
+                Some(p) => p.evict_one(&mut self.cache, &[]),
+                None => false,
+            };
+            if !evicted {
+                return None;
+            }
+        };
+        let seq = self.waiting.front_mut()?;
+        let target = seq.prefill_target;
+        let hit = match &mut self.prefix {
+            Some(p) if target > 1 => p.lookup(&seq.tokens[..target], target - 1),
+            _ => None,
+        };
+        let start = hit.as_ref().map_or(0, |h| h.len);
+        let first = ((start / unit + 1) * unit).min(target) - start;
+        let need = self.cache.blocks_for(start + first);
+        let hit_blocks = hit.as_ref().map_or(0, |h| h.blocks.len());
+        let keys: Vec<PrefixKey> = hit.as_ref().map_or(Vec::new(), |h| h.keys.clone());
+        let fits = first <= budget && {
+            let extra = need - hit_blocks;
+            if self.cache.pool().num_free() < extra {
+                if let Some(p) = &mut self.prefix {
+                    while self.cache.pool().num_free() < extra
+                        && p.evict_one(&mut self.cache, &keys)
+                    {}
+                }
+            }
+            self.cache.pool().num_free() >= extra
+        };
+        if !fits {
+            self.cache.free_slot(slot);
+            return None;
+        }
+        let mut seq = self.waiting.pop_front()?;
+        if let Some(h) = &hit {
+            for &b in &h.blocks {
+                self.cache.pool_mut().share(b);
+            }
+            seq.block_table.extend_from_slice(&h.blocks);
+            self.cache.copy_slot(h.slot, slot);
+        }
+        for _ in hit_blocks..need {
+            // Checked above: the pool has these blocks free.
+            if let Some(b) = self.cache.pool_mut().allocate() {
+                seq.block_table.push(b);
+            }
+        }
+        seq.slot = Some(slot);
+        seq.computed = start;
+        seq.prefix_keys = keys;
+        self.admitted_tokens += target as u64;
+        self.prefix_hit_tokens += start as u64;
+        self.running.push(seq);
+        Some(first)
+    }
+
+    /// Drop a sequence's cache and return it to the head of the queue.
+    fn preempt(&mut self, i: usize) {
+        let mut seq = self.running.remove(i);
+        self.release(&mut seq);
+        seq.prefill_target = seq.tokens.len();
+        self.preemptions += 1;
+        self.waiting.push_front(seq);
+    }
+
+    /// Give back a sequence's blocks and slot.
+    pub fn release(&mut self, seq: &mut Sequence) {
+        for b in seq.block_table.drain(..) {
+            self.cache.pool_mut().release(b);
+        }
+        if let Some(s) = seq.slot.take() {
+            self.cache.free_slot(s);
+        }
+        seq.computed = 0;
+        seq.prefix_keys.clear();
+    }
+
+    /// Remove `running[i]`, releasing its cache.
+    pub fn finish(&mut self, i: usize) -> Sequence {
+        let mut seq = self.running.remove(i);
+        self.release(&mut seq);
+        seq
+    }
+
+    /// Remove every sequence of `request` from both queues.
+    pub fn abort_request(&mut self, request: u64) -> usize {
+        let mut n = 0;
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].request == request {
+                self.finish(i);
+                n += 1;
+            } else {
+                i += 1;
+            }
+        }
+        let before = self.waiting.len();
+        self.waiting.retain(|s| s.request != request);
+        n + before - self.waiting.len()
+    }
+
+    /// Account for a finished forward: advance `computed`, and cache every
+    /// prefill unit that just completed.
+    pub fn after_step(&mut self, plan: &[Scheduled]) {
+        let unit = self.limits.unit;
+        for item in plan {
+            let seq = &mut self.running[item.seq];
+            let was_prefill = seq.prefilling();
+            seq.computed += item.n;
+            let Some(prefix) = &mut self.prefix else {
+                continue;
+            };
+            if !was_prefill
+                || !seq.computed.is_multiple_of(unit)
+                || seq.computed > seq.prefill_target
+            {
+                continue;
+            }
+            let k = seq.computed / unit - 1;
+            if seq.prefix_keys.len() != k {
+                continue;
+            }
+            let Some(slot) = seq.slot else {
+                continue;
+            };
+            let parent = seq.prefix_keys.last().copied();
+            let unit_tokens = &seq.tokens[k * unit..(k + 1) * unit];
+            let key = chain_key(parent, unit_tokens);
+            let bs = self.cache.block_size();
+            let blocks = &seq.block_table[k * unit / bs..(k + 1) * unit / bs];
+            prefix.insert(
+                &mut self.cache,
+                parent,
+                key,
+                k + 1,
+                unit_tokens,
+                blocks,
+                slot,
+                &seq.prefix_keys,
+            );
+            seq.prefix_keys.push(key);
+        }
+    }
+
+    /// New weights: every cached state is stale. Drop the prefix cache and
+    /// make every running sequence recompute all of its tokens before it
+    /// samples again.
+    pub fn reset_for_new_weights(&mut self) {
+        if let Some(p) = &mut self.prefix {
+            p.clear(&mut self.cache);
+        }
+        let mut running = std::mem::take(&mut self.running);
+        for seq in running.iter_mut() {
+            for b in seq.block_table.drain(..) {
+                self.cache.pool_mut().release(b);
+            }
+            if let Some(s) = seq.slot.take() {
+                self.cache.free_slot(s);
+                seq.slot = self.cache.allocate_slot();
+            }
+            seq.computed = 0;
+            seq.prefix_keys.clear();
+            seq.prefill_target = seq.tokens.len();
+        }
+        self.running = running;
+    }
+}

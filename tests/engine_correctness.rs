@@ -1,0 +1,383 @@
+//! Correctness of the engine against the model run directly: greedy decode
+//! equals the argmax of a full-sequence forward at every step; engine
+//! log-probs match `Qwen3_5::score`; a prefix-cache hit is bit-for-bit a cold
+//! run; preemption by recompute gives the same tokens as no preemption; a
+//! weight update mid-generation continues exactly as a fresh engine with the
+//! new weights would. All on the tiny preset.
+
+use arcticd_engine::engine::{self, Choice, EngineConfig, FinishReason, Request};
+use arcticd_engine::sampler::SamplingParams;
+use arcticd_engine::{ParamStore, Qwen3_5, SeqInput};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+fn tiny_model(tag: &str, seed: u64) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("arcticd-engine-{tag}-{}", std::process::id()));
+    arcticd_engine::init::init_model(arcticd_engine::init::TINY, &dir, seed).unwrap();
+    dir
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(salt * 97) >> 7) % 900 + 10)
+        .collect()
+}
+
+fn small_config() -> EngineConfig {
+    EngineConfig {
+        cache_memory: 8 << 20,
+        max_num_seqs: 16,
+        max_batched_tokens: 256,
+        max_model_len: 4096,
+        ..Default::default()
+    }
+}
+
+fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
+    Request {
+        prompt,
+        params: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(max_tokens)
+        },
+    }
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Log-probs of `tokens[prompt_len..]` computed the engine's way, with the
+/// model's own contiguous cache: the prompt in segments that stop at
+/// multiples of `unit`, then one token at a time.
+fn incremental_logprobs(
+    model: &Qwen3_5,
+    tokens: &[u32],
+    prompt_len: usize,
+    unit: usize,
+) -> Vec<f32> {
+    let mut cache = model.new_cache();
+    let mut pos = 0;
+    let mut out = Vec::new();
+    let h = model.config.hidden_size;
+    while pos < tokens.len() - 1 {
+        let end = if pos < prompt_len {
+            ((pos / unit + 1) * unit).min(prompt_len)
+        } else {
+            pos + 1
+        };
+        let hidden = model
+            .forward(&mut [SeqInput {
+                tokens: &tokens[pos..end],
+                cache: &mut cache,
+            }])
+            .unwrap();
+        pos = end;
+        if pos >= prompt_len {
+            let logits = model.logits(&hidden[hidden.len() - h..]).unwrap();
+            let lse = {
+                let m = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                m + (logits
+                    .iter()
+                    .map(|&x| ((x - m) as f64).exp())
+                    .sum::<f64>()
+                    .ln() as f32)
+            };
+            out.push(logits[tokens[pos] as usize] - lse);
+        }
+    }
+    out
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn greedy_equals_full_forward_argmax_and_logprobs_match_score() {
+    let dir = tiny_model("greedy", 1);
+    let model = Qwen3_5::load(&dir).unwrap();
+    let store = ParamStore::new(model.clone());
+    let eng = engine::start(store, None, small_config()).unwrap();
+    let mut worst_score = 0.0f32;
+    let mut worst_incremental = 0.0f32;
+    // Prompts shorter than, equal to and longer than one prefill unit.
+    for (len, salt) in [(5usize, 1u32), (64, 2), (150, 3)] {
+        let p = prompt(len, salt);
+        let out = eng.generate_blocking(greedy(p.clone(), 24)).unwrap();
+        let c = &out[0];
+        assert_eq!(c.tokens.len(), 24);
+        assert_eq!(c.finish_reason, Some(FinishReason::Length));
+        let mut full = p.clone();
+        for (t, &tok) in c.tokens.iter().enumerate() {
+            let mut cache = model.new_cache();
+            let hidden = model
+                .forward(&mut [SeqInput {
+                    tokens: &full,
+                    cache: &mut cache,
+                }])
+                .unwrap();
+            let h = model.config.hidden_size;
+            let logits = model.logits(&hidden[hidden.len() - h..]).unwrap();
+            assert_eq!(tok, argmax(&logits), "prompt {len}, step {t}");
+            full.push(tok);
+        }
+        let scored = model.score(std::slice::from_ref(&full)).unwrap();
+        let reference: Vec<f32> = scored[0][len..].iter().map(|x| x.unwrap()).collect();
+        worst_score = worst_score.max(max_abs_diff(&c.logprobs, &reference));
+        let inc = incremental_logprobs(&model, &full, len, 64);
+        worst_incremental = worst_incremental.max(max_abs_diff(&c.logprobs, &inc));
+    }
+    eprintln!(
+        "engine vs score: max |dlogprob| = {worst_score:.3e}; engine vs same-path reference: {worst_incremental:.3e}"
+    );
+    assert!(worst_score <= 1e-5, "engine vs score {worst_score}");
+    assert!(worst_incremental <= 1e-5);
+}
+
+fn run_all(eng: &engine::EngineHandle, reqs: &[Request]) -> Vec<Choice> {
+    let subs: Vec<_> = reqs
+        .iter()
+        .map(|r| eng.submit(r.clone()).unwrap())
+        .collect();
+    subs.into_iter()
+        .map(|mut s| {
+            let mut ch = vec![Choice::default()];
+            while engine::apply_event(&mut ch, s.events.blocking_recv().unwrap()).unwrap() == 0 {}
+            ch.pop().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn prefix_hit_is_bit_identical_to_cold() {
+    let dir = tiny_model("prefix", 2);
+    let model = Qwen3_5::load(&dir).unwrap();
+    let store = ParamStore::new(model);
+    let cold_eng = engine::start(
+        store.clone(),
+        None,
+        EngineConfig {
+            enable_prefix_cache: false,
+            ..small_config()
+        },
+    )
+    .unwrap();
+    let eng = engine::start(store, None, small_config()).unwrap();
+    let shared = prompt(200, 5);
+    let mut reqs = Vec::new();
+    for (i, tail) in [0usize, 1, 7, 64, 70].iter().enumerate() {
+        let mut p = shared.clone();
+        p.extend(prompt(*tail, 100 + i as u32));
+        reqs.push(Request {
+            prompt: p,
+            params: SamplingParams {
+                temperature: 0.8,
+                seed: Some(i as u64),
+                max_tokens: 12,
+                ignore_eos: true,
+                top_logprobs: 2,
+                ..Default::default()
+            },
+        });
+    }
+    let cold = run_all(&cold_eng, &reqs);
+    // Warm the cache with the shared part, then run everything twice:
+    // concurrently (hits packed with other work) and one by one.
+    eng.generate_blocking(greedy(shared.clone(), 1)).unwrap();
+    let warm = run_all(&eng, &reqs);
+    let one_by_one: Vec<Choice> = reqs
+        .iter()
+        .map(|r| eng.generate_blocking(r.clone()).unwrap().remove(0))
+        .collect();
+    let m = eng.metrics();
+    let hit = m
+        .prefix_hit_tokens
+        .load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!("prefix-hit tokens: {hit}");
+    assert!(hit >= 10 * 192, "{hit}");
+    for (i, c) in cold.iter().enumerate() {
+        for other in [&warm[i], &one_by_one[i]] {
+            assert_eq!(c.tokens, other.tokens, "request {i}");
+            let a: Vec<u32> = c.logprobs.iter().map(|x| x.to_bits()).collect();
+            let b: Vec<u32> = other.logprobs.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(a, b, "request {i}: log-probs differ");
+            assert_eq!(c.top_logprobs, other.top_logprobs);
+        }
+    }
+}
+
+#[test]
+fn preemption_gives_the_same_tokens() {
+    let dir = tiny_model("preempt", 3);
+    let model = Qwen3_5::load(&dir).unwrap();
+    let store = ParamStore::new(model);
+    let roomy = engine::start(store.clone(), None, small_config()).unwrap();
+    // Room for about 320 positions: eight 100-token sequences cannot all fit.
+    let tight_cfg = EngineConfig {
+        cache_memory: 0,
+        prefix_snapshots: 2,
+        enable_prefix_cache: false,
+        ..small_config()
+    };
+    let layout = arcticd_engine::kv_cache::CacheLayout::new(&store.read().config);
+    let tight_cfg = EngineConfig {
+        cache_memory: layout.slot_bytes() * (tight_cfg.max_num_seqs + 2)
+            + layout.block_bytes(16) * 20,
+        ..tight_cfg
+    };
+    let tight = engine::start(store, None, tight_cfg).unwrap();
+    let reqs: Vec<Request> = (0..8)
+        .map(|i| greedy(prompt(40 + 7 * i, i as u32), 60))
+        .collect();
+    let a = run_all(&roomy, &reqs);
+    let b = run_all(&tight, &reqs);
+    let pre = tight
+        .metrics()
+        .preemptions
+        .load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!("preemptions: {pre}");
+    assert!(pre > 0);
+    let mut worst = 0.0f32;
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.tokens, y.tokens);
+        worst = worst.max(max_abs_diff(&x.logprobs, &y.logprobs));
+    }
+    eprintln!("preempted vs not: max |dlogprob| = {worst:.3e}");
+    assert!(worst < 1e-4);
+}
+
+#[test]
+fn weight_update_mid_generation_matches_a_fresh_engine() {
+    let dir = tiny_model("update", 4);
+    let model = Qwen3_5::load(&dir).unwrap();
+    let store = ParamStore::new(model);
+    let eng = engine::start(store.clone(), None, small_config()).unwrap();
+    let p = prompt(90, 9);
+    let mut sub = eng.submit(greedy(p.clone(), 40)).unwrap();
+    let mut ch = vec![Choice::default()];
+    let mut updated = false;
+    loop {
+        let ev = sub.events.blocking_recv().unwrap();
+        if engine::apply_event(&mut ch, ev).unwrap() == 1 {
+            break;
+        }
+        if !updated && ch[0].tokens.len() == 10 {
+            eng.pause().unwrap();
+            store.update(|m| {
+                for (i, (_, t)) in m.named_params_mut().into_iter().enumerate() {
+                    if let Ok(w) = t.as_f32_mut() {
+                        for (j, x) in w.iter_mut().enumerate() {
+                            *x += 0.01 * (((i * 31 + j * 7) % 13) as f32 - 6.0) / 6.0;
+                        }
+                    }
+                }
+            });
+            eng.resume();
+            updated = true;
+        }
+    }
+    let c = ch.pop().unwrap();
+    assert_eq!(c.tokens.len(), 40);
+    let split = c.weight_versions.iter().position(|&v| v == 1).unwrap();
+    assert!(split >= 10);
+    assert!(c.weight_versions[..split].iter().all(|&v| v == 0));
+    assert!(c.weight_versions[split..].iter().all(|&v| v == 1));
+
+    let mut prefix = p.clone();
+    prefix.extend_from_slice(&c.tokens[..split]);
+    let fresh = engine::start(store.clone(), None, small_config()).unwrap();
+    let f = fresh
+        .generate_blocking(greedy(prefix.clone(), 40 - split))
+        .unwrap()
+        .remove(0);
+    assert_eq!(f.tokens, c.tokens[split..]);
+    let a: Vec<u32> = f.logprobs.iter().map(|x| x.to_bits()).collect();
+    let b: Vec<u32> = c.logprobs[split..].iter().map(|x| x.to_bits()).collect();
+    assert_eq!(a, b);
+    let mut full = p.clone();
+    full.extend_from_slice(&c.tokens);
+    let scored = store.read().score(&[full]).unwrap();
+    let reference: Vec<f32> = scored[0][p.len() + split..]
+        .iter()
+        .map(|x| x.unwrap())
+        .collect();
+    let d = max_abs_diff(&c.logprobs[split..], &reference);
+    eprintln!("after update: engine vs score under new weights: max |dlogprob| = {d:.3e} (split at {split})");
+    assert!(d <= 1e-5);
+}
+
+#[test]
+fn sampling_options_seed_n_stop_and_errors() {
+    let dir = tiny_model("options", 5);
+    let model = Qwen3_5::load(&dir).unwrap();
+    let tok = Arc::new(arcticd_engine::tokenizer::Tokenizer::from_dir(&dir).unwrap());
+    let store = ParamStore::new(model);
+    let eng = engine::start(store, Some(tok.clone()), small_config()).unwrap();
+    let p = prompt(30, 11);
+    let sampled = |seed, n| Request {
+        prompt: p.clone(),
+        params: SamplingParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            top_k: 50,
+            seed: Some(seed),
+            n,
+            max_tokens: 10,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    };
+    let a = eng.generate_blocking(sampled(3, 3)).unwrap();
+    let b = eng.generate_blocking(sampled(3, 3)).unwrap();
+    assert_eq!(a.len(), 3);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.tokens, y.tokens);
+    }
+    assert!(a[0].tokens != a[1].tokens || a[1].tokens != a[2].tokens);
+
+    // Stop token ids: stop at the 4th greedy token.
+    let g = eng
+        .generate_blocking(greedy(p.clone(), 10))
+        .unwrap()
+        .remove(0);
+    let mut req = greedy(p.clone(), 10);
+    req.params.stop_token_ids = vec![g.tokens[3]];
+    let s = eng.generate_blocking(req).unwrap().remove(0);
+    let first = g.tokens.iter().position(|&t| t == g.tokens[3]).unwrap();
+    assert_eq!(s.tokens, g.tokens[..=first]);
+    assert_eq!(
+        s.finish_reason,
+        Some(FinishReason::Stop { stop_string: None })
+    );
+
+    // Stop strings: the text of tokens 2..4 of the greedy output.
+    let text = tok.decode(&g.tokens[2..5], false).unwrap();
+    if !text.trim().is_empty() {
+        let mut req = greedy(p.clone(), 10);
+        req.params.stop = vec![text.clone()];
+        let s = eng.generate_blocking(req).unwrap().remove(0);
+        assert!(s.tokens.len() <= 5, "{:?}", s.tokens);
+        assert!(matches!(
+            s.finish_reason,
+            Some(FinishReason::Stop {
+                stop_string: Some(_)
+            })
+        ));
+    }
+
+    // Bad requests are refused before they reach the engine.
+    assert!(eng.submit(greedy(vec![], 4)).is_err());
+    assert!(eng.submit(greedy(vec![5000], 4)).is_err());
+    assert!(eng.submit(greedy(prompt(10, 1), 100_000)).is_err());
+}
