@@ -62,6 +62,7 @@ pub mod pool;
 pub mod procs;
 pub mod sandbox;
 pub mod snapshot;
+pub mod tasks;
 
 pub use output::{CappedOutput, ExecRequest, ExecResult};
 pub use policy::Policy;

@@ -1,0 +1,494 @@
+//! The toy task pool: small Python repositories with one seeded bug each,
+//! an issue written like a bug report, a gold patch and hidden pytest tests.
+//!
+//! Bug families: wrong operator, off-by-one, wrong constant, missing case,
+//! swapped arguments, wrong comparison. A controlled share of tasks is
+//! deliberately loose: their hidden tests check a single point whose
+//! expected value a mechanical wrong patch (a constant return) also
+//! produces, so [`super::audit`] can be measured against known ground truth
+//! (`meta.toy.loose`). Tasks are valid by construction (the buggy and the
+//! fixed function are known in closed form) and by `tasks validate`.
+//!
+//! Not for: benchmarking agents (the bugs are trivial); the pool feeds the
+//! built-in demo and the tests. Deterministic for a given seed.
+
+use super::{Task, DEFAULT_PYTEST_CMD};
+use crate::{Error, Result};
+use serde_json::{json, Map};
+use std::path::Path;
+
+/// The bug families, in generation order.
+pub const FAMILIES: [&str; 6] = [
+    "wrong_operator",
+    "off_by_one",
+    "wrong_constant",
+    "missing_case",
+    "swapped_arguments",
+    "wrong_comparison",
+];
+
+/// Settings of [`generate`].
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct ToyConfig {
+    /// Number of tasks. Default 12.
+    pub count: usize,
+    /// Seed of every random choice. Default 0.
+    pub seed: u64,
+    /// Share of deliberately loose tasks, rounded to the nearest count.
+    /// Default 0.25.
+    pub loose_share: f64,
+}
+
+impl Default for ToyConfig {
+    fn default() -> Self {
+        ToyConfig {
+            count: 12,
+            seed: 0,
+            loose_share: 0.25,
+        }
+    }
+}
+
+/// SplitMix64: small, seedable, good enough to pick names.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+    fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
+        items[self.below(items.len())]
+    }
+}
+
+/// One generated bug: the function as buggy and fixed, and its tests.
+struct Bug {
+    family: &'static str,
+    func: String,
+    /// `def` line and docstring.
+    header: String,
+    buggy: String,
+    fixed: String,
+    /// Extra module-level helper placed before the function, if any.
+    helper: String,
+    /// pytest assertions of the tight tests (each becomes one test).
+    tight: Vec<String>,
+    /// The single assertion of the loose test.
+    loose: String,
+    /// (call, what the reporter got, what they expected) for the issue.
+    example: (String, String, String),
+    symptom: String,
+}
+
+fn make_bug(family: &'static str, rng: &mut Rng) -> Bug {
+    match family {
+        "wrong_operator" => {
+            let f = rng.pick(&["add", "combine", "total", "plus", "merge_counts"]);
+            let (a, b) = (2 + rng.below(7) as i64, 3 + rng.below(7) as i64);
+            Bug {
+                family,
+                func: f.into(),
+                header: format!("def {f}(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n"),
+                buggy: "    return a - b".into(),
+                fixed: "    return a + b".into(),
+                helper: String::new(),
+                tight: vec![
+                    format!("{f}({a}, {b}) == {}", a + b),
+                    format!("{f}(-1, 4) == 3"),
+                    format!("{f}(10, 0) == 10"),
+                ],
+                loose: format!("{f}(2, -1) == 1"),
+                example: (
+                    format!("{f}({a}, {b})"),
+                    (a - b).to_string(),
+                    (a + b).to_string(),
+                ),
+                symptom: "it looks like the numbers are subtracted instead of added".into(),
+            }
+        }
+        "off_by_one" => {
+            let f = rng.pick(&["sum_to", "triangle", "total_up_to", "running_sum"]);
+            let n = 3 + rng.below(6) as i64;
+            Bug {
+                family,
+                func: f.into(),
+                header: format!(
+                    "def {f}(n):\n    \"\"\"Return 1 + 2 + ... + n (n included).\"\"\"\n"
+                ),
+                buggy: "    return sum(range(1, n))".into(),
+                fixed: "    return sum(range(1, n + 1))".into(),
+                helper: String::new(),
+                tight: vec![
+                    format!("{f}({n}) == {}", n * (n + 1) / 2),
+                    format!("{f}(0) == 0"),
+                    format!("{f}(10) == 55"),
+                ],
+                loose: format!("{f}(1) == 1"),
+                example: (
+                    format!("{f}({n})"),
+                    ((n - 1) * n / 2).to_string(),
+                    (n * (n + 1) / 2).to_string(),
+                ),
+                symptom: "the last number seems to be left out".into(),
+            }
+        }
+        "wrong_constant" => {
+            let (f, unit, good, bad) = [
+                ("minutes_to_seconds", "minutes", 60, 600),
+                ("hours_to_minutes", "hours", 60, 6),
+                ("days_to_hours", "days", 24, 42),
+                ("km_to_meters", "kilometers", 1000, 100),
+                ("weeks_to_days", "weeks", 7, 5),
+            ][rng.below(5)];
+            let x = 2 + rng.below(5) as i64;
+            Bug {
+                family,
+                func: f.into(),
+                header: format!("def {f}(value):\n    \"\"\"Convert {unit}.\"\"\"\n"),
+                buggy: format!("    return value * {bad}"),
+                fixed: format!("    return value * {good}"),
+                helper: String::new(),
+                tight: vec![
+                    format!("{f}({x}) == {}", x * good),
+                    format!("{f}(0) == 0"),
+                    format!("{f}(5) == {}", 5 * good),
+                ],
+                loose: format!("{f}(1) == {good}"),
+                example: (
+                    format!("{f}({x})"),
+                    (x * bad).to_string(),
+                    (x * good).to_string(),
+                ),
+                symptom: "the conversion factor looks wrong".into(),
+            }
+        }
+        "missing_case" => {
+            let f = rng.pick(&["sign", "signum", "direction", "compare_to_zero"]);
+            Bug {
+                family,
+                func: f.into(),
+                header: format!(
+                    "def {f}(x):\n    \"\"\"Return 1 for positive x, -1 for negative x and 0 for zero.\"\"\"\n"
+                ),
+                buggy: "    return 1 if x > 0 else -1".into(),
+                fixed: "    return 1 if x > 0 else (0 if x == 0 else -1)".into(),
+                helper: String::new(),
+                tight: vec![
+                    format!("{f}(0) == 0"),
+                    format!("{f}(7) == 1"),
+                    format!("{f}(-3) == -1"),
+                ],
+                loose: format!("{f}(0) == 0"),
+                example: (format!("{f}(0)"), "-1".into(), "0".into()),
+                symptom: "zero is not handled".into(),
+            }
+        }
+        "swapped_arguments" => {
+            let f = rng.pick(&["ratio", "share_of", "fraction", "per_unit"]);
+            let b = [2, 4, 5, 8][rng.below(4)] as i64;
+            let a = b * (1 + rng.below(5) as i64);
+            Bug {
+                family,
+                func: f.into(),
+                header: format!("def {f}(part, whole):\n    \"\"\"Return part / whole.\"\"\"\n"),
+                buggy: "    return _div(whole, part)".into(),
+                fixed: "    return _div(part, whole)".into(),
+                helper: "def _div(x, y):\n    return x / y\n\n\n".into(),
+                tight: vec![
+                    format!("{f}({a}, {b}) == {}", a / b),
+                    format!("{f}(1, 4) == 0.25"),
+                    format!("{f}(0, 5) == 0"),
+                ],
+                loose: format!("{f}(0, 5) == 0"),
+                example: (
+                    format!("{f}({a}, {b})"),
+                    format!("{}", b as f64 / a as f64),
+                    format!("{}", (a / b) as f64),
+                ),
+                symptom: "the arguments seem to be used the wrong way round".into(),
+            }
+        }
+        _ => {
+            let (f, what, limit) = [
+                ("is_adult", "age", 18),
+                ("can_retire", "age", 65),
+                ("passes_exam", "score", 50),
+                ("is_full", "count", 10),
+            ][rng.below(4)];
+            Bug {
+                family: "wrong_comparison",
+                func: f.into(),
+                header: format!(
+                    "def {f}({what}, limit={limit}):\n    \"\"\"True when {what} is at least limit.\"\"\"\n"
+                ),
+                buggy: format!("    return {what} > limit"),
+                fixed: format!("    return {what} >= limit"),
+                helper: String::new(),
+                tight: vec![
+                    format!("{f}({limit}) is True"),
+                    format!("{f}({}) is False", limit - 1),
+                    format!("{f}({}) is True", limit + 10),
+                ],
+                loose: format!("{f}({limit}) is True"),
+                example: (format!("{f}({limit})"), "False".into(), "True".into()),
+                symptom: "the boundary value is rejected".into(),
+            }
+        }
+    }
+}
+
+/// Correct distractor functions: (name, source, visible test assertion).
+const DISTRACTORS: [(&str, &str, &str); 5] = [
+    (
+        "double",
+        "def double(x):\n    \"\"\"Return twice x.\"\"\"\n    return x * 2\n",
+        "double(4) == 8",
+    ),
+    (
+        "is_even",
+        "def is_even(n):\n    \"\"\"True for even n.\"\"\"\n    return n % 2 == 0\n",
+        "is_even(6) and not is_even(7)",
+    ),
+    (
+        "first",
+        "def first(items):\n    \"\"\"First item, or None when empty.\"\"\"\n    return items[0] if items else None\n",
+        "first([3, 4]) == 3 and first([]) is None",
+    ),
+    (
+        "clamp",
+        "def clamp(x, lo, hi):\n    \"\"\"x limited to [lo, hi].\"\"\"\n    return max(lo, min(x, hi))\n",
+        "clamp(5, 0, 3) == 3 and clamp(-1, 0, 3) == 0",
+    ),
+    (
+        "shout",
+        "def shout(text):\n    \"\"\"Upper-case text with an exclamation mark.\"\"\"\n    return text.upper() + \"!\"\n",
+        "shout(\"hi\") == \"HI!\"",
+    ),
+];
+
+const PACKAGES: [&str; 8] = [
+    "mathkit",
+    "unitools",
+    "numbox",
+    "calcly",
+    "tinyops",
+    "arith",
+    "smallnum",
+    "quickcalc",
+];
+
+/// A `git apply`-able diff creating `path` with `content`.
+pub fn new_file_diff(path: &str, content: &str) -> String {
+    let lines: Vec<&str> = content.lines().collect();
+    let mut d = format!(
+        "diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n@@ -0,0 +1,{} @@\n",
+        lines.len()
+    );
+    for l in lines {
+        d.push('+');
+        d.push_str(l);
+        d.push('\n');
+    }
+    d
+}
+
+/// A diff replacing line `idx` (0-based) of `content` (a file at `path`)
+/// with `new_line`, with three lines of context.
+pub fn replace_line_diff(path: &str, content: &str, idx: usize, new_line: &str) -> String {
+    let lines: Vec<&str> = content.lines().collect();
+    let lo = idx.saturating_sub(3);
+    let hi = (idx + 4).min(lines.len());
+    let n = hi - lo;
+    let mut d = format!(
+        "diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -{},{n} +{},{n} @@\n",
+        lo + 1,
+        lo + 1
+    );
+    for (i, l) in lines.iter().enumerate().take(hi).skip(lo) {
+        if i == idx {
+            d.push_str(&format!("-{l}\n+{new_line}\n"));
+        } else {
+            d.push_str(&format!(" {l}\n"));
+        }
+    }
+    d
+}
+
+fn write(path: &Path, text: &str) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    }
+    std::fs::write(path, text).map_err(|e| Error::io(format!("writing {}", path.display()), e))
+}
+
+/// Generates the pool under `out`: `out/repos/<id>/` per task and
+/// `out/tasks.jsonl` (repo paths relative to it). Returns the tasks with
+/// absolute repo paths.
+pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
+    if cfg.count == 0 {
+        return Err(Error::InvalidInput("count must be at least 1".into()));
+    }
+    if !(0.0..=1.0).contains(&cfg.loose_share) {
+        return Err(Error::InvalidInput("loose_share must be in [0, 1]".into()));
+    }
+    let mut rng = Rng(cfg.seed ^ 0x5EED_0F_A7C71C);
+    // Exactly round(count * share) loose tasks, at seeded positions.
+    let n_loose = (cfg.count as f64 * cfg.loose_share).round() as usize;
+    let mut order: Vec<usize> = (0..cfg.count).collect();
+    for i in (1..order.len()).rev() {
+        let j = rng.below(i + 1);
+        order.swap(i, j);
+    }
+    let loose_set: std::collections::HashSet<usize> = order[..n_loose].iter().copied().collect();
+
+    let mut tasks = Vec::with_capacity(cfg.count);
+    let mut lines = String::new();
+    for i in 0..cfg.count {
+        let family = FAMILIES[(i + cfg.seed as usize) % FAMILIES.len()];
+        let bug = make_bug(family, &mut rng);
+        let loose = loose_set.contains(&i);
+        let pkg = format!("{}{i}", rng.pick(&PACKAGES));
+        let id = format!("toy-{:04}-{}", i, bug.family);
+        let repo_rel = format!("repos/{id}");
+        let repo = out.join(&repo_rel);
+
+        // Two distractors, one before and one after the buggy function.
+        let d1 = rng.below(DISTRACTORS.len());
+        let d2 = (d1 + 1 + rng.below(DISTRACTORS.len() - 1)) % DISTRACTORS.len();
+        let (d1, d2) = (DISTRACTORS[d1], DISTRACTORS[d2]);
+        let core = format!(
+            "\"\"\"Small helpers of the {pkg} package.\"\"\"\n\n\n{}\n\n{}{}{}\n\n\n{}",
+            d1.1, bug.helper, bug.header, bug.buggy, d2.1
+        );
+        let core_path = format!("{pkg}/core.py");
+        let bug_idx = core
+            .lines()
+            .position(|l| l == bug.buggy)
+            .ok_or_else(|| Error::InvalidInput("toy generator: bug line not found".into()))?;
+        write(&repo.join(&core_path), &core)?;
+        write(&repo.join(format!("{pkg}/__init__.py")), "")?;
+        let visible = format!(
+            "from {pkg}.core import {a}, {b}\n\n\ndef test_{a}():\n    assert {ta}\n\n\ndef test_{b}():\n    assert {tb}\n",
+            a = d1.0,
+            b = d2.0,
+            ta = d1.2,
+            tb = d2.2
+        );
+        write(&repo.join("tests/test_basic.py"), &visible)?;
+        write(&repo.join("tests/__init__.py"), "")?;
+        write(
+            &repo.join("README.md"),
+            &format!(
+                "# {pkg}\n\nSmall numeric helpers. Run the tests with `python3 -m pytest tests`.\n"
+            ),
+        )?;
+
+        let f = &bug.func;
+        let asserts: Vec<&String> = if loose {
+            vec![&bug.loose]
+        } else {
+            bug.tight.iter().collect()
+        };
+        let mut hidden = format!("from {pkg}.core import {f}\n");
+        let mut f2p = Vec::new();
+        for (k, a) in asserts.iter().enumerate() {
+            let name = format!("test_{f}_{k}");
+            hidden.push_str(&format!("\n\ndef {name}():\n    assert {a}\n"));
+            f2p.push(format!("tests/test_{f}.py::{name}"));
+        }
+        let test_patch = new_file_diff(&format!("tests/test_{f}.py"), &hidden);
+        let patch = replace_line_diff(&core_path, &core, bug_idx, &bug.fixed);
+        let (call, got, want) = &bug.example;
+        let problem_statement = format!(
+            "`{f}` gives a wrong result\n\nCalling `{pkg}.core.{call}` returns `{got}`, but it should return `{want}` \
+             according to its docstring; {symptom}.\n\nSteps to reproduce:\n\n```python\nfrom {pkg}.core import {f}\nprint({call})\n```\n\n\
+             Please fix `{f}` so that it behaves as documented.\n",
+            symptom = bug.symptom
+        );
+        let pass_to_pass = vec![
+            format!("tests/test_basic.py::test_{}", d1.0),
+            format!("tests/test_basic.py::test_{}", d2.0),
+        ];
+        let mut meta = Map::new();
+        meta.insert(
+            "toy".into(),
+            json!({
+                "family": bug.family,
+                "loose": loose,
+                "solution": {"path": core_path, "old_str": bug.buggy, "new_str": bug.fixed},
+            }),
+        );
+        let task = Task {
+            instance_id: id,
+            problem_statement,
+            patch,
+            test_patch,
+            fail_to_pass: f2p,
+            pass_to_pass,
+            image: None,
+            repo: Some(repo_rel.into()),
+            workdir: "/testbed".into(),
+            test_cmd: format!("{DEFAULT_PYTEST_CMD} tests"),
+            log_parser: "pytest".into(),
+            meta,
+        };
+        let line = serde_json::to_string(&task)
+            .map_err(|e| Error::InvalidInput(format!("serializing a toy task: {e}")))?;
+        lines.push_str(&line);
+        lines.push('\n');
+        let mut task = task;
+        task.repo = Some(repo);
+        tasks.push(task);
+    }
+    write(&out.join("tasks.jsonl"), &lines)?;
+    Ok(tasks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generates_deterministic_pool_with_loose_share() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let cfg = ToyConfig {
+            count: 8,
+            seed: 3,
+            loose_share: 0.25,
+        };
+        let ta = generate(&cfg, a.path()).unwrap();
+        let tb = generate(&cfg, b.path()).unwrap();
+        assert_eq!(ta.len(), 8);
+        assert_eq!(ta.iter().filter(|t| t.toy_loose() == Some(true)).count(), 2);
+        for (x, y) in ta.iter().zip(&tb) {
+            assert_eq!(x.patch, y.patch);
+            assert_eq!(x.test_patch, y.test_patch);
+        }
+        let families: std::collections::HashSet<_> = ta
+            .iter()
+            .map(|t| t.meta["toy"]["family"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(families.len(), 6);
+        let loaded =
+            super::super::load_tasks(&a.path().join("tasks.jsonl"), super::super::Format::Auto)
+                .unwrap();
+        assert_eq!(loaded, ta);
+    }
+
+    #[test]
+    fn replace_line_diff_has_right_counts() {
+        let text = "a\nb\nc\nd\ne\n";
+        let d = replace_line_diff("x.py", text, 0, "A");
+        assert!(d.contains("@@ -1,4 +1,4 @@\n-a\n+A\n b\n c\n d\n"), "{d}");
+    }
+}

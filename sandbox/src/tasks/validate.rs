@@ -1,0 +1,230 @@
+//! Task validation: the data-hygiene rule of the design, checked by running
+//! the tests.
+//!
+//! A task is valid when, graded in fresh sandboxes: its fail-to-pass tests
+//! fail without the gold patch and pass with it; its pass-to-pass tests pass
+//! both times; the set of test ids the log reports is the same before and
+//! after; and each of the two conditions, run twice, gives the same results
+//! (flaky tests make a reward noise). Not for: judging whether the tests are
+//! strong enough (see [`super::audit`]).
+
+use super::Task;
+use crate::grading::{self, GradeOutcome, GradeReport};
+use crate::logparse::TestStatus;
+use crate::{Backend, Error, Policy, Result, Snapshot};
+use futures_util::StreamExt;
+use serde::Serialize;
+use std::sync::Arc;
+
+/// Settings of [`validate_tasks`].
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct ValidateConfig {
+    /// Image for tasks with a local `repo` and no `image`. Default the
+    /// sandbox base image tag.
+    pub image: String,
+    /// Limit of one test run, seconds. Default 300.
+    pub test_timeout_secs: f64,
+    /// Runs of each condition (before / with gold); 2 catches most flaky
+    /// tests. Default 2.
+    pub repeats: usize,
+    /// Tasks validated at once. Default 2.
+    pub concurrency: usize,
+}
+
+impl Default for ValidateConfig {
+    fn default() -> Self {
+        ValidateConfig {
+            image: crate::image::DEFAULT_TAG.to_string(),
+            test_timeout_secs: 300.0,
+            repeats: 2,
+            concurrency: 2,
+        }
+    }
+}
+
+/// The verdict on one task.
+#[derive(Debug, Clone, Serialize)]
+pub struct Verdict {
+    pub instance_id: String,
+    /// `valid` or `invalid`.
+    pub verdict: &'static str,
+    /// Why invalid: `no_tests_parsed`, `gold_patch_does_not_apply`,
+    /// `gold_fails`, `f2p_passes_before`, `p2p_fails_before`, `flaky`,
+    /// `test_ids_differ`, `infra`, `unsupported`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Human-readable evidence.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub detail: String,
+}
+
+impl Verdict {
+    fn invalid(id: &str, reason: &str, detail: String) -> Self {
+        Verdict {
+            instance_id: id.to_string(),
+            verdict: "invalid",
+            reason: Some(reason.to_string()),
+            detail,
+        }
+    }
+    /// Whether the task passed.
+    pub fn is_valid(&self) -> bool {
+        self.verdict == "valid"
+    }
+}
+
+/// The snapshot and image a task's sandboxes start from, and the policy
+/// with the task's workdir.
+pub fn task_env(
+    task: &Task,
+    default_image: &str,
+    policy: &Policy,
+) -> Result<(Arc<Snapshot>, String, Policy)> {
+    let Some(repo) = &task.repo else {
+        return Err(Error::InvalidInput(format!(
+            "task {}: only tasks with a local `repo` folder can run; export the repository of image {:?} to a folder first",
+            task.instance_id,
+            task.image.as_deref().unwrap_or("")
+        )));
+    };
+    let snapshot = Arc::new(Snapshot::from_dir(repo)?);
+    let image = task
+        .image
+        .clone()
+        .unwrap_or_else(|| default_image.to_string());
+    let policy = Policy {
+        workdir: task.workdir.clone(),
+        ..policy.clone()
+    };
+    Ok((snapshot, image, policy))
+}
+
+/// Validates one task.
+pub async fn validate_task(
+    backend: &dyn Backend,
+    task: &Task,
+    policy: &Policy,
+    cfg: &ValidateConfig,
+) -> Verdict {
+    let id = task.instance_id.as_str();
+    let (snapshot, image, policy) = match task_env(task, &cfg.image, policy) {
+        Ok(x) => x,
+        Err(e) => return Verdict::invalid(id, "unsupported", e.to_string()),
+    };
+    let spec = task.test_spec(cfg.test_timeout_secs);
+    let mut before: Vec<GradeReport> = Vec::new();
+    let mut after: Vec<GradeReport> = Vec::new();
+    for _ in 0..cfg.repeats.max(1) {
+        for (diff, runs) in [("", &mut before), (task.patch.as_str(), &mut after)] {
+            match grading::grade(backend, &snapshot, &image, &policy, diff, &spec).await {
+                Ok(r) => runs.push(r),
+                Err(e) => return Verdict::invalid(id, "infra", e.to_string()),
+            }
+        }
+    }
+    judge_runs(id, task, &before, &after)
+}
+
+/// The validation rules on finished runs (before and with the gold patch).
+pub fn judge_runs(id: &str, task: &Task, before: &[GradeReport], after: &[GradeReport]) -> Verdict {
+    for r in before.iter().chain(after) {
+        if r.tests.is_empty() {
+            return Verdict::invalid(id, "no_tests_parsed", r.detail.clone());
+        }
+    }
+    if let Some(r) = after
+        .iter()
+        .find(|r| r.outcome == GradeOutcome::PatchFailed)
+    {
+        return Verdict::invalid(id, "gold_patch_does_not_apply", r.detail.clone());
+    }
+    if let Some(r) = after
+        .iter()
+        .chain(before)
+        .find(|r| r.outcome == GradeOutcome::InfraError)
+    {
+        return Verdict::invalid(id, "infra", r.detail.clone());
+    }
+    for runs in [before, after] {
+        if runs.windows(2).any(|w| w[0].tests != w[1].tests) {
+            return Verdict::invalid(
+                id,
+                "flaky",
+                "two runs of the same condition gave different results".into(),
+            );
+        }
+    }
+    let (Some(b), Some(a)) = (before.first(), after.first()) else {
+        return Verdict::invalid(id, "infra", "no runs".into());
+    };
+    if a.outcome != GradeOutcome::Resolved {
+        let failing: Vec<&str> = a.failing.iter().map(|(t, _)| t.as_str()).collect();
+        return Verdict::invalid(
+            id,
+            "gold_fails",
+            format!("{}: {}", a.detail, failing.join(", ")),
+        );
+    }
+    let passed_before: Vec<&str> = task
+        .fail_to_pass
+        .iter()
+        .filter(|t| b.tests.get(*t) == Some(&TestStatus::Passed))
+        .map(String::as_str)
+        .collect();
+    if !passed_before.is_empty() {
+        return Verdict::invalid(id, "f2p_passes_before", passed_before.join(", "));
+    }
+    let p2p_failing: Vec<&str> = task
+        .pass_to_pass
+        .iter()
+        .filter(|t| b.tests.get(*t) != Some(&TestStatus::Passed))
+        .map(String::as_str)
+        .collect();
+    if !p2p_failing.is_empty() {
+        return Verdict::invalid(id, "p2p_fails_before", p2p_failing.join(", "));
+    }
+    let ids_b: Vec<&String> = b.tests.keys().collect();
+    let ids_a: Vec<&String> = a.tests.keys().collect();
+    if ids_b != ids_a {
+        let only_b: Vec<&str> = ids_b
+            .iter()
+            .filter(|t| !a.tests.contains_key(**t))
+            .map(|t| t.as_str())
+            .collect();
+        let only_a: Vec<&str> = ids_a
+            .iter()
+            .filter(|t| !b.tests.contains_key(**t))
+            .map(|t| t.as_str())
+            .collect();
+        return Verdict::invalid(
+            id,
+            "test_ids_differ",
+            format!(
+                "only before: [{}]; only after: [{}]",
+                only_b.join(", "),
+                only_a.join(", ")
+            ),
+        );
+    }
+    Verdict {
+        instance_id: id.to_string(),
+        verdict: "valid",
+        reason: None,
+        detail: String::new(),
+    }
+}
+
+/// Validates every task, `cfg.concurrency` at a time; verdicts come back in
+/// task order.
+pub async fn validate_tasks(
+    backend: &dyn Backend,
+    tasks: &[Task],
+    policy: &Policy,
+    cfg: &ValidateConfig,
+) -> Vec<Verdict> {
+    futures_util::stream::iter(tasks.iter().map(|t| validate_task(backend, t, policy, cfg)))
+        .buffered(cfg.concurrency.max(1))
+        .collect()
+        .await
+}
