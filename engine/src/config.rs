@@ -226,7 +226,7 @@ impl ModelConfig {
             )));
         }
         let rotary_dim = (head_dim as f64 * factor) as usize;
-        if rotary_dim % 2 != 0 {
+        if !rotary_dim.is_multiple_of(2) {
             return Err(cfg_err(format!(
                 "rotary dim {rotary_dim} (head_dim {head_dim} x {factor}) must be even"
             )));
