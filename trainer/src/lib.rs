@@ -5,9 +5,15 @@
 //! Not for: sampling or serving (engine), sandboxes (sandbox crate). The
 //! rollout harness and the async orchestrator build on this.
 
+pub mod checkpoint;
+pub mod data;
 pub mod error;
 pub mod grads;
+pub mod harness;
+pub mod loss;
 pub mod model;
+pub mod optim;
+pub mod step;
 
 pub use error::{Error, Result};
 pub use grads::ModelGrads;

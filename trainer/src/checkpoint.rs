@@ -1,0 +1,155 @@
+//! Checkpoints in Hugging Face layout, so transformers (and `arcticd score`)
+//! load them: `config.json` (the source checkpoint's, as read), f32
+//! `model.safetensors` under the parameters' Hugging Face names, the source's
+//! tokenizer and generation files; beside them, for resume, the AdamW moments
+//! (`optimizer.safetensors`, `exp_avg.NAME` / `exp_avg_sq.NAME`) and
+//! `trainer_state.json` (step, optimizer config). The master weights are the
+//! f32 model weights themselves.
+//!
+//! Atomic: everything is written into a fresh sibling directory, which then
+//! replaces the target by rename (the previous checkpoint, if any, is moved
+//! aside first and removed last). A crash leaves either the old or the new
+//! checkpoint complete under the target name, or (between the two renames)
+//! the old one under `NAME.old`; never a half-written file under the real
+//! name.
+//!
+//! Not for: the wrapper's vision tower or MTP weights (a `qwen3_5` wrapper
+//! source is saved with its text weights only; transformers initializes the
+//! rest).
+
+use crate::optim::{AdamW, AdamWConfig};
+use crate::{Error, Result};
+use arcticd_engine::weights::{save_safetensors, SaveDType};
+use arcticd_engine::Qwen3_5;
+use safetensors::SafeTensors;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Files copied verbatim from the source checkpoint when present.
+const COPIED_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+];
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub step: u64,
+    pub optimizer: AdamWConfig,
+}
+
+fn cerr(msg: impl Into<String>) -> Error {
+    Error::Checkpoint(msg.into())
+}
+
+fn tmp_sibling(out: &Path, tag: &str) -> Result<PathBuf> {
+    let name = out
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| cerr(format!("{}: not a directory name", out.display())))?;
+    Ok(out.with_file_name(format!(".{name}.{tag}{}", std::process::id())))
+}
+
+/// Save `model` (and optionally the optimizer) to `out`; config and
+/// tokenizer files come from `source` (the directory the model was loaded
+/// from).
+pub fn save_checkpoint(
+    out: &Path,
+    model: &Qwen3_5,
+    source: &Path,
+    optimizer: Option<&AdamW>,
+) -> Result<()> {
+    let tmp = tmp_sibling(out, "tmp")?;
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    let config = source.join("config.json");
+    let text = match std::fs::read(&config) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            serde_json::to_vec_pretty(&model.config.raw_text_config)
+                .map_err(|e| cerr(e.to_string()))?
+        }
+        Err(e) => return Err(Error::io(&config, e)),
+    };
+    arcticd_engine::weights::write_atomic(&tmp.join("config.json"), &text)?;
+    for f in COPIED_FILES {
+        let src = source.join(f);
+        if src.is_file() {
+            let bytes = std::fs::read(&src).map_err(|e| Error::io(&src, e))?;
+            arcticd_engine::weights::write_atomic(&tmp.join(f), &bytes)?;
+        }
+    }
+    let params = model.named_params();
+    let mut tensors = Vec::with_capacity(params.len());
+    for (name, p) in &params {
+        tensors.push((name.clone(), p.shape().to_vec(), p.as_f32()?));
+    }
+    save_safetensors(&tmp.join("model.safetensors"), &tensors, SaveDType::F32)?;
+    if let Some(opt) = optimizer {
+        let mut moments = Vec::with_capacity(2 * opt.names.len());
+        for (i, name) in opt.names.iter().enumerate() {
+            let shape = opt.shapes[i].clone();
+            moments.push((
+                format!("exp_avg.{name}"),
+                shape.clone(),
+                &opt.exp_avg[i][..],
+            ));
+            moments.push((format!("exp_avg_sq.{name}"), shape, &opt.exp_avg_sq[i][..]));
+        }
+        save_safetensors(&tmp.join("optimizer.safetensors"), &moments, SaveDType::F32)?;
+        let state = TrainerState {
+            step: opt.step,
+            optimizer: opt.config,
+        };
+        let json = serde_json::to_vec_pretty(&state).map_err(|e| cerr(e.to_string()))?;
+        arcticd_engine::weights::write_atomic(&tmp.join("trainer_state.json"), &json)?;
+    }
+    // Swap the directories.
+    let old = tmp_sibling(out, "old")?;
+    if out.exists() {
+        std::fs::rename(out, &old).map_err(|e| Error::io(out, e))?;
+    }
+    std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, e))?;
+    }
+    Ok(())
+}
+
+/// Restore AdamW moments and step saved by [`save_checkpoint`] into an
+/// optimizer built from the checkpoint's model.
+pub fn load_optimizer(dir: &Path, opt: &mut AdamW) -> Result<()> {
+    let state_path = dir.join("trainer_state.json");
+    let text = std::fs::read(&state_path).map_err(|e| Error::io(&state_path, e))?;
+    let state: TrainerState = serde_json::from_slice(&text)
+        .map_err(|e| cerr(format!("{}: {e}", state_path.display())))?;
+    let path = dir.join("optimizer.safetensors");
+    let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    let st =
+        SafeTensors::deserialize(&bytes).map_err(|e| cerr(format!("{}: {e}", path.display())))?;
+    for (i, name) in opt.names.iter().enumerate() {
+        for (key, dst) in [
+            (format!("exp_avg.{name}"), &mut opt.exp_avg[i]),
+            (format!("exp_avg_sq.{name}"), &mut opt.exp_avg_sq[i]),
+        ] {
+            let view = st
+                .tensor(&key)
+                .map_err(|e| cerr(format!("{}: {key}: {e}", path.display())))?;
+            if view.dtype() != safetensors::Dtype::F32 || view.data().len() != dst.len() * 4 {
+                return Err(cerr(format!("{key}: expected {} f32 values", dst.len())));
+            }
+            for (d, b) in dst.iter_mut().zip(view.data().chunks_exact(4)) {
+                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+    }
+    opt.step = state.step;
+    opt.config = state.optimizer;
+    Ok(())
+}

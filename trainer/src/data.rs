@@ -1,0 +1,218 @@
+//! SFT data: JSONL, one example per line, either
+//! `{"tokens": [ids], "loss_mask": [0/1 per token]}` (`loss_mask[t] = 1`:
+//! token t is a target predicted from the tokens before it; `loss_mask[0]` is
+//! ignored) or `{"messages": [...]}` rendered with the checkpoint's chat
+//! template, assistant turns as targets.
+//!
+//! Every bad line is an error naming the file and line: invalid JSON, ids out
+//! of range, mismatched tokens/loss_mask lengths, no target tokens.
+
+use crate::step::SftExample;
+use crate::{Error, Result};
+use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::tokenizer::Tokenizer;
+use serde_json::Value;
+use std::path::Path;
+
+/// Tokenizer and template for `messages` lines.
+pub struct ChatRender<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub template: &'a ChatTemplate,
+}
+
+/// Read and check every line of an SFT JSONL file (blank lines are skipped).
+pub fn read_sft_jsonl(
+    path: &Path,
+    vocab: usize,
+    chat: Option<&ChatRender<'_>>,
+) -> Result<Vec<SftExample>> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = |msg: String| Error::Input(format!("{}:{}: {msg}", path.display(), i + 1));
+        let ex = parse_line(line, vocab, chat).map_err(|e| match e {
+            Error::Input(m) => at(m),
+            other => at(other.to_string()),
+        })?;
+        out.push(ex);
+    }
+    if out.is_empty() {
+        return Err(Error::Input(format!("{}: no examples", path.display())));
+    }
+    Ok(out)
+}
+
+fn parse_line(line: &str, vocab: usize, chat: Option<&ChatRender<'_>>) -> Result<SftExample> {
+    let v: Value =
+        serde_json::from_str(line).map_err(|e| Error::Input(format!("invalid JSON: {e}")))?;
+    let ex = if let Some(msgs) = v.get("messages") {
+        let msgs = msgs
+            .as_array()
+            .ok_or_else(|| Error::Input("\"messages\" is not a list".into()))?;
+        let chat = chat.ok_or_else(|| {
+            Error::Input(
+                "a \"messages\" line needs a checkpoint with a tokenizer and chat template".into(),
+            )
+        })?;
+        render_messages(msgs, chat)?
+    } else {
+        let tokens: Vec<u32> = serde_json::from_value(
+            v.get("tokens")
+                .cloned()
+                .ok_or_else(|| Error::Input("neither \"tokens\" nor \"messages\"".into()))?,
+        )
+        .map_err(|e| Error::Input(format!("\"tokens\": {e}")))?;
+        let loss_mask: Vec<u8> = serde_json::from_value(
+            v.get("loss_mask")
+                .cloned()
+                .ok_or_else(|| Error::Input("\"tokens\" without \"loss_mask\"".into()))?,
+        )
+        .map_err(|e| Error::Input(format!("\"loss_mask\": {e}")))?;
+        if let Some(&m) = loss_mask.iter().find(|&&m| m > 1) {
+            return Err(Error::Input(format!("loss_mask value {m} is not 0 or 1")));
+        }
+        SftExample { tokens, loss_mask }
+    };
+    if ex.tokens.len() != ex.loss_mask.len() {
+        return Err(Error::Input(format!(
+            "{} tokens but {} loss_mask values",
+            ex.tokens.len(),
+            ex.loss_mask.len()
+        )));
+    }
+    if let Some((t, &id)) = ex
+        .tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id as usize >= vocab)
+    {
+        return Err(Error::Input(format!(
+            "token id {id} at position {t} is not below the vocabulary size {vocab}"
+        )));
+    }
+    if ex.loss_mask.iter().skip(1).all(|&m| m == 0) {
+        return Err(Error::Input(
+            "no target tokens (loss_mask is 0 after position 0)".into(),
+        ));
+    }
+    Ok(ex)
+}
+
+/// Render incrementally: the text before each assistant turn (with the
+/// generation prompt) is context, the turn itself is target. Each piece is
+/// tokenized on its own, so targets are exactly the assistant turns' tokens.
+fn render_messages(msgs: &[Value], chat: &ChatRender<'_>) -> Result<SftExample> {
+    let mut pieces: Vec<(String, bool)> = Vec::new();
+    let mut done = String::new();
+    for (i, m) in msgs.iter().enumerate() {
+        if m.get("role").and_then(Value::as_str) != Some("assistant") {
+            continue;
+        }
+        let prefix = chat.template.render(&msgs[..i], None, true)?;
+        let full = chat.template.render(&msgs[..=i], None, false)?;
+        if !prefix.starts_with(&done) || !full.starts_with(&prefix) {
+            return Err(Error::Input(format!(
+                "the chat template does not render message {i} as an extension of the conversation before it"
+            )));
+        }
+        pieces.push((prefix[done.len()..].to_string(), false));
+        pieces.push((full[prefix.len()..].to_string(), true));
+        done = full;
+    }
+    let all = chat.template.render(msgs, None, false)?;
+    if all.len() > done.len() && all.starts_with(&done) {
+        pieces.push((all[done.len()..].to_string(), false));
+    }
+    let mut ex = SftExample {
+        tokens: Vec::new(),
+        loss_mask: Vec::new(),
+    };
+    for (text, target) in pieces {
+        let ids = chat.tokenizer.encode(&text)?;
+        ex.loss_mask
+            .extend(std::iter::repeat_n(u8::from(target), ids.len()));
+        ex.tokens.extend(ids);
+    }
+    Ok(ex)
+}
+
+/// Examples of step `k`: lines `k*B .. k*B+B-1` modulo the number of lines.
+pub fn batch_for_step(data: &[SftExample], step: usize, batch_size: usize) -> Vec<SftExample> {
+    (0..batch_size)
+        .map(|i| data[(step * batch_size + i) % data.len()].clone())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(lines: &str) -> (std::path::PathBuf, tempdir::Guard) {
+        let g = tempdir::Guard::new();
+        let p = g.0.join("d.jsonl");
+        std::fs::write(&p, lines).unwrap();
+        (p, g)
+    }
+
+    mod tempdir {
+        pub struct Guard(pub std::path::PathBuf);
+        impl Guard {
+            pub fn new() -> Self {
+                let p = std::env::temp_dir().join(format!(
+                    "arcticd-data-test-{}-{}",
+                    std::process::id(),
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_nanos())
+                        .unwrap_or(0)
+                ));
+                std::fs::create_dir_all(&p).unwrap();
+                Guard(p)
+            }
+        }
+        impl Drop for Guard {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn reads_tokens_lines_and_names_bad_lines() {
+        let (p, _g) = write("{\"tokens\":[1,2,3],\"loss_mask\":[0,1,1]}\n\n{\"tokens\":[4,5],\"loss_mask\":[1,1]}\n");
+        let d = read_sft_jsonl(&p, 10, None).unwrap();
+        assert_eq!(d.len(), 2);
+        assert_eq!(
+            batch_for_step(&d, 1, 3)
+                .iter()
+                .map(|e| e.tokens[0])
+                .collect::<Vec<_>>(),
+            vec![4, 1, 4]
+        );
+        for (bad, want) in [
+            (
+                "{\"tokens\":[1,2,30],\"loss_mask\":[0,1,1]}",
+                ":1: token id 30",
+            ),
+            (
+                "{\"tokens\":[1,2],\"loss_mask\":[0,1,1]}",
+                ":1: 2 tokens but 3",
+            ),
+            (
+                "{\"tokens\":[1,2],\"loss_mask\":[1,0]}",
+                ":1: no target tokens",
+            ),
+            ("{\"tokens\":[1,2]", ":1: invalid JSON"),
+        ] {
+            let (p, _g) = write(&format!(
+                "{{\"tokens\":[1,2],\"loss_mask\":[0,1]}}\n{bad}\n"
+            ));
+            let e = read_sft_jsonl(&p, 10, None).unwrap_err().to_string();
+            let want = want.replace(":1:", ":2:");
+            assert!(e.contains(&want), "{e} lacks {want}");
+        }
+    }
+}

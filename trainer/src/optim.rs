@@ -1,0 +1,216 @@
+//! AdamW with the semantics of `torch.optim.AdamW` (single-tensor path:
+//! decoupled weight decay `p *= 1 - lr * wd`, bias-corrected moments,
+//! `p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`), global-norm clipping
+//! with the semantics of `torch.nn.utils.clip_grad_norm_`, and learning-rate
+//! schedules with the semantics of transformers' `get_*_schedule_with_warmup`.
+//!
+//! The optimizer owns fp32 master weights and both moments, in
+//! `Qwen3_5::named_params` order; [`AdamW::write_to`] copies the master
+//! weights into a model in place (the engine's parameter store, under its
+//! write guard). Gradients are read, never written, by `step`.
+
+use crate::grads::ModelGrads;
+use crate::{Error, Result};
+use arcticd_engine::Qwen3_5;
+use serde::{Deserialize, Serialize};
+
+/// AdamW hyper-parameters (torch defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AdamWConfig {
+    /// Peak learning rate. Default 1e-3 (torch's default).
+    pub lr: f64,
+    /// First-moment decay. Default 0.9.
+    pub beta1: f64,
+    /// Second-moment decay. Default 0.999.
+    pub beta2: f64,
+    /// Denominator epsilon. Default 1e-8.
+    pub eps: f64,
+    /// Decoupled weight decay, applied to every parameter as torch does with
+    /// one parameter group. Default 0.01 (torch's default).
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+/// Learning-rate schedule, as a multiplier of the peak rate per step
+/// (0-based step index = number of optimizer steps taken before this one).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LrSchedule {
+    /// Always the peak rate.
+    Constant,
+    /// `step / warmup` for `step < warmup`, then 1
+    /// (transformers' `get_constant_schedule_with_warmup`).
+    LinearWarmup { warmup: u64 },
+    /// Linear warmup, then half a cosine from 1 to 0 at `total` steps
+    /// (transformers' `get_cosine_schedule_with_warmup`).
+    Cosine { warmup: u64, total: u64 },
+}
+
+impl LrSchedule {
+    pub fn factor(&self, step: u64) -> f64 {
+        let warm = |w: u64| {
+            if step < w {
+                Some(step as f64 / w.max(1) as f64)
+            } else {
+                None
+            }
+        };
+        match *self {
+            LrSchedule::Constant => 1.0,
+            LrSchedule::LinearWarmup { warmup } => warm(warmup).unwrap_or(1.0),
+            LrSchedule::Cosine { warmup, total } => warm(warmup).unwrap_or_else(|| {
+                let progress = (step - warmup) as f64 / total.saturating_sub(warmup).max(1) as f64;
+                (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
+            }),
+        }
+    }
+}
+
+/// `torch.nn.utils.clip_grad_norm_(params, max_norm)`: returns the total norm
+/// before clipping and scales every gradient by `min(1, max_norm / (norm + 1e-6))`.
+pub fn clip_grad_norm(grads: &mut ModelGrads, max_norm: f64) -> f64 {
+    let (total, _) = grads.global_norm();
+    let coef = (max_norm / (total + 1e-6)).min(1.0);
+    if coef < 1.0 {
+        grads.scale(coef as f32);
+    }
+    total
+}
+
+/// AdamW state: master weights and moments per parameter.
+#[derive(Debug, Clone)]
+pub struct AdamW {
+    pub config: AdamWConfig,
+    /// Optimizer steps taken.
+    pub step: u64,
+    pub names: Vec<String>,
+    pub shapes: Vec<Vec<usize>>,
+    pub master: Vec<Vec<f32>>,
+    pub exp_avg: Vec<Vec<f32>>,
+    pub exp_avg_sq: Vec<Vec<f32>>,
+}
+
+impl AdamW {
+    /// Fresh state with master weights copied from `model`.
+    pub fn new(model: &Qwen3_5, config: AdamWConfig) -> Result<Self> {
+        let params = model.named_params();
+        let mut master = Vec::with_capacity(params.len());
+        for (_, p) in &params {
+            master.push(p.as_f32()?.to_vec());
+        }
+        let zeros: Vec<Vec<f32>> = master.iter().map(|m| vec![0.0; m.len()]).collect();
+        Ok(AdamW {
+            config,
+            step: 0,
+            names: params.iter().map(|(n, _)| n.clone()).collect(),
+            shapes: params.iter().map(|(_, p)| p.shape().to_vec()).collect(),
+            master,
+            exp_avg: zeros.clone(),
+            exp_avg_sq: zeros,
+        })
+    }
+
+    /// One AdamW step at learning rate `lr` on the master weights.
+    pub fn step(&mut self, grads: &ModelGrads, lr: f64) -> Result<()> {
+        let named = grads.named();
+        if named.len() != self.names.len() {
+            return Err(Error::Shape(format!(
+                "{} gradients for {} optimizer parameters",
+                named.len(),
+                self.names.len()
+            )));
+        }
+        for ((gname, g), (name, p)) in named.iter().zip(self.names.iter().zip(&self.master)) {
+            if gname != name || g.len() != p.len() {
+                return Err(Error::Shape(format!(
+                    "gradient {gname} ({}) does not match parameter {name} ({})",
+                    g.len(),
+                    p.len()
+                )));
+            }
+        }
+        self.step += 1;
+        let c = self.config;
+        let bc1 = 1.0 - c.beta1.powi(self.step as i32);
+        let bc2_sqrt = (1.0 - c.beta2.powi(self.step as i32)).sqrt();
+        let decay = (1.0 - lr * c.weight_decay) as f32;
+        let step_size = (lr / bc1) as f32;
+        let (b1w, b2, b2w) = (
+            (1.0 - c.beta1) as f32,
+            c.beta2 as f32,
+            (1.0 - c.beta2) as f32,
+        );
+        let (bc2s, eps) = (bc2_sqrt as f32, c.eps as f32);
+        for (i, (_, g)) in named.iter().enumerate() {
+            let (p, m, v) = (
+                &mut self.master[i],
+                &mut self.exp_avg[i],
+                &mut self.exp_avg_sq[i],
+            );
+            for j in 0..g.len() {
+                p[j] *= decay;
+                m[j] += b1w * (g[j] - m[j]);
+                v[j] = v[j] * b2 + b2w * g[j] * g[j];
+                let denom = v[j].sqrt() / bc2s + eps;
+                p[j] -= step_size * (m[j] / denom);
+            }
+        }
+        Ok(())
+    }
+
+    /// Copy the master weights into `model` in place.
+    pub fn write_to(&self, model: &mut Qwen3_5) -> Result<()> {
+        let params = model.named_params_mut();
+        if params.len() != self.names.len() {
+            return Err(Error::Shape(format!(
+                "model has {} parameters, optimizer {}",
+                params.len(),
+                self.names.len()
+            )));
+        }
+        for ((name, p), (mname, m)) in params.into_iter().zip(self.names.iter().zip(&self.master)) {
+            let dst = p.as_f32_mut()?;
+            if &name != mname || dst.len() != m.len() {
+                return Err(Error::Shape(format!(
+                    "parameter {name} does not match optimizer entry {mname}"
+                )));
+            }
+            dst.copy_from_slice(m);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules() {
+        assert_eq!(LrSchedule::Constant.factor(7), 1.0);
+        let w = LrSchedule::LinearWarmup { warmup: 4 };
+        let f: Vec<f64> = (0..6).map(|s| w.factor(s)).collect();
+        assert_eq!(f, vec![0.0, 0.25, 0.5, 0.75, 1.0, 1.0]);
+        let c = LrSchedule::Cosine {
+            warmup: 2,
+            total: 6,
+        };
+        assert_eq!(c.factor(1), 0.5);
+        assert!((c.factor(2) - 1.0).abs() < 1e-12);
+        assert!((c.factor(4) - 0.5).abs() < 1e-12);
+        assert!(c.factor(6).abs() < 1e-12);
+        assert!(c.factor(9) >= 0.0);
+    }
+}
