@@ -1,0 +1,119 @@
+//! Learning checks: SFT on a handful of sequences drives the loss near zero;
+//! the policy-gradient loss on a toy with one rewarded token raises that
+//! token's probability; a poisoned batch is skipped with weights untouched.
+
+use arcticd_engine::Qwen3_5;
+use arcticd_trainer::optim::AdamWConfig;
+use arcticd_trainer::step::{store_of, PgExample, SftExample, TrainConfig, Trainer};
+use std::path::PathBuf;
+
+fn tiny() -> Qwen3_5 {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/grads/mqa_tied");
+    Qwen3_5::load(&dir).unwrap()
+}
+
+fn cfg(lr: f64) -> TrainConfig {
+    TrainConfig {
+        optimizer: AdamWConfig {
+            lr,
+            weight_decay: 0.0,
+            ..AdamWConfig::default()
+        },
+        grad_clip: Some(1.0),
+        ..TrainConfig::default()
+    }
+}
+
+#[test]
+fn sft_memorizes_a_few_sequences() {
+    let batch: Vec<SftExample> = (0..3u32)
+        .map(|s| {
+            let tokens: Vec<u32> = (0..16).map(|i| (s * 37 + i * 11) % 128).collect();
+            let mut loss_mask = vec![1u8; 16];
+            loss_mask[..4].fill(0);
+            SftExample { tokens, loss_mask }
+        })
+        .collect();
+    let mut tr = Trainer::new(store_of(tiny()), cfg(1e-2)).unwrap();
+    let first = tr.sft_step(&batch).unwrap().loss;
+    let mut last = first;
+    for _ in 0..80 {
+        last = tr.sft_step(&batch).unwrap().loss;
+    }
+    println!("SFT loss {first:.3} -> {last:.4}");
+    assert!(first > 3.0 && last < 0.05, "loss {first} -> {last}");
+}
+
+#[test]
+fn policy_gradient_raises_the_rewarded_token() {
+    let prompt = [5u32, 17, 99];
+    let (good, bad) = (42u32, 7u32);
+    let mut tr = Trainer::new(store_of(tiny()), cfg(3e-3)).unwrap();
+    let p_good = |tr: &Trainer| {
+        let m = tr.store.read();
+        let s = m.score(&[[&prompt[..], &[good]].concat()]).unwrap();
+        s[0][3].unwrap().exp()
+    };
+    let before = p_good(&tr);
+    for _ in 0..10 {
+        // A group of two attempts, one rewarded: advantages +0.5 / -0.5;
+        // behaviour log-probs from the current weights (on-policy).
+        let scores = {
+            let m = tr.store.read();
+            m.score(&[
+                [&prompt[..], &[good]].concat(),
+                [&prompt[..], &[bad]].concat(),
+            ])
+            .unwrap()
+        };
+        let (adv, _) = arcticd_trainer::loss::group_advantages(&[1.0, 0.0], false);
+        let batch: Vec<PgExample> = [good, bad]
+            .iter()
+            .zip(&scores)
+            .zip(&adv)
+            .map(|((&tok, sc), &a)| PgExample {
+                tokens: [&prompt[..], &[tok]].concat(),
+                loss_mask: vec![0, 0, 0, 1],
+                behaviour_logprobs: vec![0.0, 0.0, 0.0, sc[3].unwrap()],
+                advantage: a,
+            })
+            .collect();
+        let m = tr.pg_step(&batch).unwrap();
+        let pg = m.pg.unwrap();
+        assert!(
+            pg.mismatch_max < 1e-6,
+            "on-policy mismatch {}",
+            pg.mismatch_max
+        );
+        assert_eq!(pg.tokens, 2);
+    }
+    let after = p_good(&tr);
+    println!("p(rewarded token) {before:.4} -> {after:.4}");
+    assert!(after > before * 2.0, "{before} -> {after}");
+}
+
+#[test]
+fn non_finite_step_is_skipped_and_counted() {
+    let mut tr = Trainer::new(store_of(tiny()), cfg(1e-2)).unwrap();
+    let before: Vec<f32> = tr.store.read().named_params()[0]
+        .1
+        .as_f32()
+        .unwrap()
+        .to_vec();
+    let batch = vec![PgExample {
+        tokens: vec![1, 2, 3],
+        loss_mask: vec![0, 1, 1],
+        behaviour_logprobs: vec![0.0, -1.0, -1.0],
+        advantage: f32::NAN,
+    }];
+    let m = tr.pg_step(&batch).unwrap();
+    assert!(m.skipped);
+    assert_eq!(tr.skipped_steps, 1);
+    assert_eq!(tr.store.weight_version(), 0);
+    let after: Vec<f32> = tr.store.read().named_params()[0]
+        .1
+        .as_f32()
+        .unwrap()
+        .to_vec();
+    assert_eq!(before, after);
+}
