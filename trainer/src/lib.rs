@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod error;
 pub mod grads;
+pub mod harness;
 pub mod loss;
 pub mod model;
 pub mod optim;

@@ -1,0 +1,297 @@
+//! Evaluation: pass@1 averaged over K attempts per task, with its standard
+//! error, per-task results and a termination-reason histogram, under the
+//! same harness and isolation as training (design, recipe step 11).
+//!
+//! Resumable: every finished attempt is appended to the output JSONL at
+//! once, and attempts already in it are skipped on the next run. Attempts
+//! that ended as `infra` or `policy_error` are masked: they count in the
+//! histogram but not in pass@1, and are retried on resume. Not for: model
+//! selection or training-time metrics.
+
+use super::policy::Policy;
+use super::rollout::Harness;
+use super::trajectory::{Termination, Trajectory};
+use crate::{Error, Result};
+use arcticd_sandbox::tasks::Task;
+use arcticd_sandbox::Backend;
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashSet};
+use std::io::Write;
+use std::path::Path;
+
+/// Settings of [`run_eval`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EvalConfig {
+    /// Attempts per task (K). Default 4.
+    pub attempts: usize,
+    /// Rollouts at once. Default 2.
+    pub concurrency: usize,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        EvalConfig {
+            attempts: 4,
+            concurrency: 2,
+        }
+    }
+}
+
+/// One finished attempt, one line of the output file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    pub task_id: String,
+    pub attempt: usize,
+    pub reward: f64,
+    pub termination: Termination,
+    pub masked: bool,
+    pub turns: usize,
+    pub tokens: usize,
+    pub wall_secs: f64,
+    pub detail: String,
+}
+
+impl From<&Trajectory> for AttemptRecord {
+    fn from(t: &Trajectory) -> Self {
+        AttemptRecord {
+            task_id: t.task_id.clone(),
+            attempt: t.attempt,
+            reward: t.reward,
+            termination: t.termination,
+            masked: t.masked,
+            turns: t.turns.len(),
+            tokens: t.token_ids.len(),
+            wall_secs: t.wall_secs,
+            detail: t.detail.clone(),
+        }
+    }
+}
+
+/// Per-task result.
+#[derive(Debug, Clone, Serialize)]
+pub struct TaskResult {
+    pub task_id: String,
+    /// Unmasked attempts.
+    pub attempts: usize,
+    pub solved: usize,
+    /// Mean reward over unmasked attempts.
+    pub pass_at_1: Option<f64>,
+}
+
+/// The evaluation summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalSummary {
+    /// Tasks with at least one unmasked attempt.
+    pub tasks: usize,
+    pub attempts: usize,
+    /// Mean over tasks of the per-task mean reward.
+    pub pass_at_1: f64,
+    /// Standard error of that mean over tasks.
+    pub stderr: f64,
+    pub terminations: BTreeMap<String, usize>,
+    pub per_task: Vec<TaskResult>,
+}
+
+/// Reads the attempts already in `path` (missing file: none). A torn last
+/// line (a crash mid-write) is ignored.
+pub fn read_records(path: &Path) -> Result<Vec<AttemptRecord>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(e) => return Err(Error::io(path, e)),
+    };
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let mut out = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        match serde_json::from_str(l) {
+            Ok(r) => out.push(r),
+            Err(_) if i + 1 == lines.len() => {}
+            Err(e) => {
+                return Err(Error::Input(format!(
+                    "{}:{}: not an attempt record: {e}",
+                    path.display(),
+                    i + 1
+                )))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Summarizes attempt records for `tasks` (records of other tasks ignored;
+/// the last record of a (task, attempt) wins).
+pub fn summarize(tasks: &[Task], records: &[AttemptRecord]) -> EvalSummary {
+    let mut latest: BTreeMap<(String, usize), &AttemptRecord> = BTreeMap::new();
+    for r in records {
+        latest.insert((r.task_id.clone(), r.attempt), r);
+    }
+    let mut terminations = BTreeMap::new();
+    let mut per_task = Vec::new();
+    let mut means = Vec::new();
+    let mut attempts = 0;
+    for task in tasks {
+        let rs: Vec<&&AttemptRecord> = latest
+            .iter()
+            .filter(|((id, _), _)| *id == task.instance_id)
+            .map(|(_, r)| r)
+            .collect();
+        for r in &rs {
+            let key = serde_json::to_value(r.termination)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default();
+            *terminations.entry(key).or_insert(0) += 1;
+        }
+        attempts += rs.len();
+        let unmasked: Vec<&&&AttemptRecord> = rs.iter().filter(|r| !r.masked).collect();
+        let solved = unmasked.iter().filter(|r| r.reward >= 1.0).count();
+        let p = (!unmasked.is_empty())
+            .then(|| unmasked.iter().map(|r| r.reward).sum::<f64>() / unmasked.len() as f64);
+        if let Some(p) = p {
+            means.push(p);
+        }
+        per_task.push(TaskResult {
+            task_id: task.instance_id.clone(),
+            attempts: unmasked.len(),
+            solved,
+            pass_at_1: p,
+        });
+    }
+    let n = means.len();
+    let mean = if n > 0 {
+        means.iter().sum::<f64>() / n as f64
+    } else {
+        0.0
+    };
+    let stderr = if n > 1 {
+        let var = means.iter().map(|m| (m - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+        (var / n as f64).sqrt()
+    } else {
+        0.0
+    };
+    EvalSummary {
+        tasks: n,
+        attempts,
+        pass_at_1: mean,
+        stderr,
+        terminations,
+        per_task,
+    }
+}
+
+/// Runs the attempts of `tasks` not yet in `out` (unmasked), appending each
+/// as it finishes; full trajectories go to `traj_out` when given.
+pub async fn run_eval(
+    harness: &Harness,
+    policy: &dyn Policy,
+    backend: &dyn Backend,
+    tasks: &[Task],
+    cfg: &EvalConfig,
+    out: &Path,
+    traj_out: Option<&Path>,
+) -> Result<EvalSummary> {
+    let done: HashSet<(String, usize)> = read_records(out)?
+        .into_iter()
+        .filter(|r| !r.masked)
+        .map(|r| (r.task_id, r.attempt))
+        .collect();
+    let todo: Vec<(&Task, usize)> = tasks
+        .iter()
+        .flat_map(|t| (0..cfg.attempts).map(move |a| (t, a)))
+        .filter(|(t, a)| !done.contains(&(t.instance_id.clone(), *a)))
+        .collect();
+    let open = |p: &Path| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+            .map_err(|e| Error::io(p, e))
+    };
+    let mut out_file = open(out)?;
+    let mut traj_file = match traj_out {
+        Some(p) => Some(open(p)?),
+        None => None,
+    };
+    let mut stream = futures_util::stream::iter(
+        todo.into_iter()
+            .map(|(t, a)| harness.rollout(policy, backend, t, a)),
+    )
+    .buffer_unordered(cfg.concurrency.max(1));
+    while let Some(traj) = stream.next().await {
+        let line = serde_json::to_string(&AttemptRecord::from(&traj))
+            .map_err(|e| Error::Input(e.to_string()))?;
+        writeln!(out_file, "{line}").map_err(|e| Error::io(out, e))?;
+        out_file.flush().map_err(|e| Error::io(out, e))?;
+        if let (Some(f), Some(p)) = (traj_file.as_mut(), traj_out) {
+            let line = serde_json::to_string(&traj).map_err(|e| Error::Input(e.to_string()))?;
+            writeln!(f, "{line}").map_err(|e| Error::io(p, e))?;
+        }
+    }
+    Ok(summarize(tasks, &read_records(out)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str, attempt: usize, reward: f64, term: Termination) -> AttemptRecord {
+        AttemptRecord {
+            task_id: id.into(),
+            attempt,
+            reward,
+            termination: term,
+            masked: term.masked(),
+            turns: 1,
+            tokens: 1,
+            wall_secs: 0.0,
+            detail: String::new(),
+        }
+    }
+
+    fn task(id: &str) -> Task {
+        Task {
+            instance_id: id.into(),
+            problem_statement: String::new(),
+            patch: String::new(),
+            test_patch: String::new(),
+            fail_to_pass: vec!["t".into()],
+            pass_to_pass: vec![],
+            image: None,
+            repo: None,
+            workdir: "/testbed".into(),
+            test_cmd: "pytest".into(),
+            log_parser: "pytest".into(),
+            meta: Default::default(),
+        }
+    }
+
+    #[test]
+    fn pass_at_1_and_stderr() {
+        let tasks = [task("a"), task("b")];
+        let recs = [
+            rec("a", 0, 1.0, Termination::Submitted),
+            rec("a", 1, 0.0, Termination::InvalidFormat),
+            rec("b", 0, 1.0, Termination::Submitted),
+            rec("b", 1, 0.0, Termination::Infra),
+        ];
+        let s = summarize(&tasks, &recs);
+        // a: 0.5, b: 1.0 (the infra attempt is masked).
+        assert!((s.pass_at_1 - 0.75).abs() < 1e-12);
+        assert!((s.stderr - 0.25).abs() < 1e-12);
+        assert_eq!(s.terminations["infra"], 1);
+        assert_eq!(s.attempts, 4);
+    }
+
+    #[test]
+    fn torn_last_line_is_ignored() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("e.jsonl");
+        let line = serde_json::to_string(&rec("a", 0, 1.0, Termination::Submitted)).unwrap();
+        std::fs::write(&p, format!("{line}\n{{\"task_id\": \"a\", \"att")).unwrap();
+        assert_eq!(read_records(&p).unwrap().len(), 1);
+        std::fs::write(&p, format!("oops\n{line}\n")).unwrap();
+        assert!(read_records(&p).is_err());
+    }
+}

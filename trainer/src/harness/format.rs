@@ -1,0 +1,384 @@
+//! The strict tool-call format check: the gate that ends a rollout at the
+//! first malformed turn (design, recipe steps 3 and 4).
+//!
+//! It reads the raw generated text of one assistant turn, before any
+//! lenient parsing, and accepts exactly this grammar (Qwen3.5's XML tool
+//! calls, as its chat template renders them):
+//!
+//! ```text
+//! turn   := prefix "<tool_call>\n<function=" NAME ">\n" param* "</function>\n</tool_call>" ws
+//! param  := "<parameter=" PNAME ">\n" VALUE "\n</parameter>\n"
+//! ```
+//!
+//! `prefix` is free text (reasoning) holding no tool-call tag; a `<think>`
+//! opened in it must be closed before the call, so a call inside thinking is
+//! rejected. `ws` is whitespace only: nothing may follow the call, and so a
+//! second call is rejected. A VALUE ends at the first `\n</parameter>\n`; a
+//! value line that is itself a structural tag (`<parameter=...`,
+//! `</function>`, `<tool_call>`, `</tool_call>`) is rejected as ambiguous,
+//! which is what catches a missing `</parameter>`. Values may hold `<`,
+//! XML-like text and any Unicode. The call is then checked against the tool
+//! schemas (OpenAI function format): known tool, known and non-repeated
+//! parameters, required ones present, and values of the declared JSON type
+//! without coercion (`"30s"` is not an integer, `yes` is not a boolean).
+//!
+//! What it does not accept, on purpose, that lenient parsers (vLLM's
+//! qwen3_coder style) repair: an unclosed `<tool_call>`, a bare
+//! `<function=...>`, a missing `</parameter>` or `</function>`, unknown
+//! functions or parameters, coerced types, several calls, trailing text, and
+//! calls inside `<think>`. Not for: running the call (see `tools`).
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+/// A well-formed tool call with typed arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct ToolCall {
+    pub name: String,
+    pub arguments: Map<String, Value>,
+}
+
+/// Why a turn is not a well-formed tool call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FormatViolation {
+    /// Stable short code, e.g. `trailing_text`, `unknown_tool`.
+    pub code: &'static str,
+    /// What exactly is wrong, for transcripts.
+    pub detail: String,
+}
+
+impl std::fmt::Display for FormatViolation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.code, self.detail)
+    }
+}
+
+fn bad<T>(code: &'static str, detail: impl Into<String>) -> Result<T, FormatViolation> {
+    Err(FormatViolation {
+        code,
+        detail: detail.into(),
+    })
+}
+
+const OPEN_CALL: &str = "<tool_call>";
+const CLOSE_CALL: &str = "</tool_call>";
+const STRUCTURAL: [&str; 6] = [
+    "<tool_call>",
+    "</tool_call>",
+    "<function=",
+    "</function>",
+    "<parameter=",
+    "</parameter>",
+];
+
+fn is_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
+}
+
+/// Checks one raw assistant turn (the stop token excluded) against the
+/// grammar and `tools` (OpenAI-style `{"type":"function","function":{...}}`
+/// or bare `{"name", "parameters"}` objects).
+pub fn check(raw: &str, tools: &[Value]) -> Result<ToolCall, FormatViolation> {
+    let Some(open) = raw.find(OPEN_CALL) else {
+        if raw.contains("<function=") {
+            return bad("no_wrapper", "a <function=...> without <tool_call>");
+        }
+        return bad("no_tool_call", "the turn holds no <tool_call>");
+    };
+    let prefix = &raw[..open];
+    if let Some(tag) = STRUCTURAL.iter().find(|t| prefix.contains(**t)) {
+        return bad("stray_tag", format!("{tag} before the <tool_call>"));
+    }
+    if let Some(t) = prefix.rfind("<think>") {
+        if !prefix[t..].contains("</think>") {
+            return bad(
+                "call_inside_think",
+                "the call is inside an unclosed <think>",
+            );
+        }
+    }
+    let mut rest = &raw[open + OPEN_CALL.len()..];
+    rest = match rest.strip_prefix("\n<function=") {
+        Some(r) => r,
+        None => {
+            return bad(
+                "malformed_call_open",
+                "<tool_call> must be followed by a newline and <function=NAME>",
+            )
+        }
+    };
+    let Some(gt) = rest.find(">\n") else {
+        return bad(
+            "malformed_function_tag",
+            "<function=NAME> is not closed by '>' and a newline",
+        );
+    };
+    let name = &rest[..gt];
+    if !is_name(name) {
+        return bad(
+            "malformed_function_tag",
+            format!("bad function name {name:?}"),
+        );
+    }
+    rest = &rest[gt + 2..];
+    let mut params: Vec<(String, String)> = Vec::new();
+    while let Some(r) = rest.strip_prefix("<parameter=") {
+        let Some(gt) = r.find(">\n") else {
+            return bad(
+                "malformed_parameter_tag",
+                "<parameter=NAME> is not closed by '>' and a newline",
+            );
+        };
+        let pname = &r[..gt];
+        if !is_name(pname) {
+            return bad(
+                "malformed_parameter_tag",
+                format!("bad parameter name {pname:?}"),
+            );
+        }
+        let body = &r[gt + 2..];
+        let Some(end) = body.find("\n</parameter>\n") else {
+            return bad(
+                "unclosed_parameter",
+                format!("parameter {pname} has no '\\n</parameter>\\n'"),
+            );
+        };
+        let value = &body[..end];
+        for line in value.lines() {
+            let t = line.trim();
+            if t.starts_with("<parameter=")
+                || t == "</function>"
+                || t == OPEN_CALL
+                || t == CLOSE_CALL
+                || t.starts_with("<function=")
+            {
+                return bad(
+                    "unclosed_parameter",
+                    format!("value of {pname} holds the structural line {t:?}"),
+                );
+            }
+        }
+        if params.iter().any(|(p, _)| p == pname) {
+            return bad(
+                "duplicate_parameter",
+                format!("parameter {pname} given twice"),
+            );
+        }
+        params.push((pname.to_string(), value.to_string()));
+        rest = &body[end + "\n</parameter>\n".len()..];
+    }
+    let Some(after) = rest.strip_prefix("</function>\n</tool_call>") else {
+        if rest.starts_with("</function>") {
+            return bad(
+                "malformed_call_close",
+                "</function> must be followed by a newline and </tool_call>",
+            );
+        }
+        return bad(
+            "missing_function_close",
+            format!(
+                "expected <parameter=...> or </function>, found {:?}",
+                head(rest)
+            ),
+        );
+    };
+    if !after.trim().is_empty() {
+        if after.contains(OPEN_CALL) || after.contains("<function=") {
+            return bad("multiple_calls", "more than one tool call in the turn");
+        }
+        return bad(
+            "trailing_text",
+            format!("text after the call: {:?}", head(after.trim())),
+        );
+    }
+    let arguments = check_schema(name, &params, tools)?;
+    Ok(ToolCall {
+        name: name.to_string(),
+        arguments,
+    })
+}
+
+fn head(s: &str) -> String {
+    s.chars().take(40).collect()
+}
+
+/// The `{"name", "parameters"}` object of `name` among `tools`.
+fn find_tool<'a>(name: &str, tools: &'a [Value]) -> Option<&'a Value> {
+    tools.iter().find_map(|t| {
+        let f = t.get("function").unwrap_or(t);
+        (f.get("name").and_then(Value::as_str) == Some(name)).then_some(f)
+    })
+}
+
+fn check_schema(
+    name: &str,
+    params: &[(String, String)],
+    tools: &[Value],
+) -> Result<Map<String, Value>, FormatViolation> {
+    let Some(tool) = find_tool(name, tools) else {
+        return bad("unknown_tool", format!("no tool named {name:?}"));
+    };
+    let empty = Map::new();
+    let props = tool
+        .get("parameters")
+        .and_then(|p| p.get("properties"))
+        .and_then(Value::as_object)
+        .unwrap_or(&empty);
+    let required: Vec<&str> = tool
+        .get("parameters")
+        .and_then(|p| p.get("required"))
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let mut out = Map::new();
+    for (p, raw) in params {
+        let Some(schema) = props.get(p) else {
+            return bad(
+                "unknown_parameter",
+                format!("{name} has no parameter {p:?}"),
+            );
+        };
+        let v = typed(raw, schema).map_err(|why| FormatViolation {
+            code: "bad_type",
+            detail: format!("{name}.{p}: {why}"),
+        })?;
+        if let Some(allowed) = schema.get("enum").and_then(Value::as_array) {
+            if !allowed.contains(&v) {
+                return bad(
+                    "not_in_enum",
+                    format!("{name}.{p} = {v} is not one of {allowed:?}"),
+                );
+            }
+        }
+        out.insert(p.clone(), v);
+    }
+    if let Some(missing) = required.iter().find(|r| !out.contains_key(**r)) {
+        return bad("missing_parameter", format!("{name} needs {missing:?}"));
+    }
+    Ok(out)
+}
+
+fn is_json_int(s: &str) -> bool {
+    let d = s.strip_prefix('-').unwrap_or(s);
+    !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()) && (d == "0" || !d.starts_with('0'))
+}
+
+/// The value of a raw parameter under its JSON-schema type, with no
+/// coercion beyond reading the declared type's literal syntax.
+fn typed(raw: &str, schema: &Value) -> Result<Value, String> {
+    let ty = schema
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or("string");
+    match ty {
+        "string" => Ok(Value::String(raw.to_string())),
+        "integer" => {
+            if !is_json_int(raw) {
+                return Err(format!("{raw:?} is not an integer"));
+            }
+            raw.parse::<i64>()
+                .map(Value::from)
+                .map_err(|_| format!("{raw:?} is out of range"))
+        }
+        "number" => match serde_json::from_str::<Value>(raw) {
+            Ok(v @ Value::Number(_)) if raw == raw.trim() => Ok(v),
+            _ => Err(format!("{raw:?} is not a number")),
+        },
+        "boolean" => match raw {
+            "true" => Ok(Value::Bool(true)),
+            "false" => Ok(Value::Bool(false)),
+            _ => Err(format!("{raw:?} is not true or false")),
+        },
+        "array" | "object" => {
+            let v: Value = serde_json::from_str(raw).map_err(|_| format!("{raw:?} is not JSON"))?;
+            let ok = match (&v, ty) {
+                (Value::Array(items), "array") => {
+                    let item_ty = schema
+                        .get("items")
+                        .and_then(|i| i.get("type"))
+                        .and_then(Value::as_str);
+                    items.iter().all(|x| match item_ty {
+                        Some("integer") => x.as_i64().is_some(),
+                        Some("number") => x.is_number(),
+                        Some("string") => x.is_string(),
+                        Some("boolean") => x.is_boolean(),
+                        _ => true,
+                    })
+                }
+                (Value::Object(_), "object") => true,
+                _ => false,
+            };
+            if ok {
+                Ok(v)
+            } else {
+                Err(format!("{raw:?} is not a valid {ty}"))
+            }
+        }
+        other => Err(format!("unsupported schema type {other:?}")),
+    }
+}
+
+/// Renders a call in the exact grammar (the inverse of [`check`] for
+/// string-valued arguments), for scripted policies and tests.
+pub fn render_call(name: &str, args: &[(&str, &str)]) -> String {
+    let mut s = format!("<tool_call>\n<function={name}>\n");
+    for (k, v) in args {
+        s.push_str(&format!("<parameter={k}>\n{v}\n</parameter>\n"));
+    }
+    s.push_str("</function>\n</tool_call>");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn tools() -> Vec<Value> {
+        crate::harness::tools::tool_schemas()
+    }
+
+    #[test]
+    fn accepts_rendered_calls_and_types_values() {
+        let c = check(
+            &render_call("bash", &[("command", "ls -la"), ("timeout", "30")]),
+            &tools(),
+        )
+        .unwrap();
+        assert_eq!(c.name, "bash");
+        assert_eq!(c.arguments["timeout"], json!(30));
+        let c = check(&render_call("submit", &[]), &tools()).unwrap();
+        assert!(c.arguments.is_empty());
+        let c = check(&render_call("bash", &[("command", "")]), &tools()).unwrap();
+        assert_eq!(c.arguments["command"], json!(""));
+    }
+
+    #[test]
+    fn rejects_the_basic_cases() {
+        let t = tools();
+        let call = render_call("bash", &[("command", "ls")]);
+        assert_eq!(
+            check(&format!("{call}\nok"), &t).unwrap_err().code,
+            "trailing_text"
+        );
+        assert_eq!(
+            check(&format!("{call}{call}"), &t).unwrap_err().code,
+            "multiple_calls"
+        );
+        assert_eq!(
+            check(
+                &render_call("bash", &[("command", "ls"), ("timeout", "30s")]),
+                &t
+            )
+            .unwrap_err()
+            .code,
+            "bad_type"
+        );
+        assert_eq!(
+            check(&render_call("rm", &[]), &t).unwrap_err().code,
+            "unknown_tool"
+        );
+    }
+}

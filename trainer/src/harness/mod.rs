@@ -1,0 +1,26 @@
+//! The rollout harness: how an agent works on a task and when it earns
+//! reward (design, recipe steps 2 to 4, 11; the trajectory contract).
+//!
+//! - [`format`]: the strict raw-text tool-call check (the format gate).
+//! - [`tools`]: bash, the file editor and submit, run in the sandbox.
+//! - [`policy`]: the model trait (prompt ids in; ids, log-probs, weight
+//!   versions, finish reason out) and a scripted policy;
+//!   [`openai`]: an OpenAI-compatible HTTP policy.
+//! - [`rollout`]: the agent loop with gated reward.
+//! - [`trajectory`]: the record and its transcript view.
+//! - [`eval`]: pass@1 over K attempts, resumable.
+//!
+//! Not for: losses, batching, the async orchestrator.
+
+pub mod eval;
+pub mod format;
+pub mod openai;
+pub mod policy;
+pub mod rollout;
+pub mod tools;
+pub mod trajectory;
+
+pub use format::{check as check_format, ToolCall};
+pub use policy::{Completion, FinishReason, GenerateRequest, Policy, ScriptedPolicy};
+pub use rollout::{Harness, RolloutConfig};
+pub use trajectory::{Termination, Trajectory};
