@@ -4,6 +4,8 @@ use clap::{Parser, Subcommand};
 
 mod cli_model;
 mod cli_sandbox;
+mod cli_serve;
+mod server;
 
 #[derive(Parser)]
 #[command(
@@ -28,6 +30,8 @@ enum Command {
     BenchForward(cli_model::BenchForwardArgs),
     /// Run commands in an isolated sandbox, or build its base image.
     Sandbox(cli_sandbox::SandboxArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(cli_serve::ServeArgs),
 }
 
 fn main() {
@@ -42,6 +46,7 @@ fn main() {
         Command::InitModel(args) => cli_model::init_model(args),
         Command::BenchForward(args) => cli_model::bench_forward(args),
         Command::Sandbox(args) => cli_sandbox::main(args),
+        Command::Serve(args) => cli_serve::serve(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,127 @@
+//! `arcticd serve --model DIR`: load the model into one shared parameter
+//! store, start engine replicas behind the least-loaded router, and serve
+//! the OpenAI-compatible API (`server.rs`) until SIGINT/SIGTERM. On the
+//! signal the server stops accepting connections, the engines end every
+//! unfinished request (streams get `finish_reason: "abort"`), and the
+//! process exits once the responses are out.
+
+use crate::server::{app, AppState};
+use anyhow::{Context, Result};
+use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::engine::EngineConfig;
+use arcticd_engine::router::Router;
+use arcticd_engine::tokenizer::Tokenizer;
+use arcticd_engine::{ParamStore, Qwen3_5};
+use clap::Args;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Model directory (Hugging Face layout, with tokenizer.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port; 0 picks a free one (printed on stderr).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Name clients use in "model" (default: the directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Engine replicas sharing the weights.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Cache memory per replica in MiB (KV blocks and recurrent-state slots).
+    #[arg(long, default_value_t = 256)]
+    pub cache_memory: usize,
+    /// Most sequences running at once per replica.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Most tokens in one engine step.
+    #[arg(long, default_value_t = 1024)]
+    pub max_batched_tokens: usize,
+    /// Longest prompt plus completion.
+    #[arg(long, default_value_t = 32768)]
+    pub max_model_len: usize,
+    /// Completion length of a chat request that sets no max_tokens.
+    #[arg(long, default_value_t = 512)]
+    pub default_max_tokens: usize,
+    /// Turn the prefix cache off.
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+}
+
+pub fn serve(args: ServeArgs) -> Result<()> {
+    let model = Qwen3_5::load(&args.model)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
+    let tokenizer = Arc::new(Tokenizer::from_dir(&args.model)?);
+    let template = ChatTemplate::from_dir(&args.model)?;
+    let name = args.served_model_name.clone().unwrap_or_else(|| {
+        args.model
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    });
+    let config = EngineConfig {
+        cache_memory: args.cache_memory << 20,
+        max_num_seqs: args.max_num_seqs,
+        max_batched_tokens: args.max_batched_tokens,
+        max_model_len: args.max_model_len,
+        enable_prefix_cache: !args.no_prefix_cache,
+        ..Default::default()
+    };
+    let store = ParamStore::new(model);
+    let router = Router::start(args.replicas.max(1), store, Some(tokenizer.clone()), config)?;
+    let state = AppState::new(
+        router.clone(),
+        tokenizer,
+        template,
+        name,
+        args.default_max_tokens,
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let stopper = router.clone();
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        eprintln!("arcticd serve: listening on http://{addr}");
+        axum::serve(listener, app(state))
+            .with_graceful_shutdown(async move {
+                shutdown_signal().await;
+                eprintln!("arcticd serve: shutting down");
+                // Ends every in-flight request, so open streams finish.
+                stopper.shutdown();
+            })
+            .await?;
+        anyhow::Ok(())
+    })?;
+    router.shutdown();
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

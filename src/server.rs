@@ -1,0 +1,1424 @@
+//! The OpenAI-compatible HTTP server of `arcticd serve` (axum): chat and
+//! text completions (streaming over SSE), models, tokenize/detokenize,
+//! health and Prometheus metrics, over a [`Router`] of engine replicas.
+//!
+//! Handlers parse the body themselves so every bad request, malformed JSON
+//! and fields of the wrong type included, gets an OpenAI-style error body
+//! (`{"error": {"message", "type", "param", "code"}}`) with a 4xx status;
+//! internal errors are logged and reach the client only as "internal error".
+//! Unknown fields are ignored, as OpenAI's own server does.
+//!
+//! Tool calls: the model writes Qwen3.5's XML form (`<tool_call>\n<function=
+//! NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n</tool_call>`,
+//! DESIGN.md); [`parse_tool_calls`] turns each into an OpenAI `tool_calls`
+//! entry with JSON arguments, and text outside calls stays `content`. A
+//! forced `tool_choice` opens the call in the prompt, so the model writes
+//! its arguments. This parser is lenient (an unclosed call at the end of the
+//! text still counts); the training gate's strict grammar is elsewhere.
+//!
+//! Log-probabilities are the engine's: of each sampled token under the
+//! distribution it was sampled from, after temperature (`sampler.rs`).
+//!
+//! A client that disconnects drops its event receiver, and the engine frees
+//! the request's sequences before its next step.
+
+use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::engine::{apply_event, Choice, Event, FinishReason, Request};
+use arcticd_engine::router::Router;
+use arcticd_engine::sampler::SamplingParams;
+use arcticd_engine::tokenizer::Tokenizer;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// Shared state of the handlers: cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    router: Router,
+    tokenizer: Arc<Tokenizer>,
+    template: Option<ChatTemplate>,
+    model_name: String,
+    /// max_tokens of a chat request that gives none (bounded by the room
+    /// left in the context).
+    default_max_tokens: usize,
+    created: u64,
+    started: Instant,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    pub fn new(
+        router: Router,
+        tokenizer: Arc<Tokenizer>,
+        template: Option<ChatTemplate>,
+        model_name: String,
+        default_max_tokens: usize,
+    ) -> Self {
+        AppState {
+            inner: Arc::new(Inner {
+                router,
+                tokenizer,
+                template,
+                model_name,
+                default_max_tokens,
+                created: unix_now(),
+                started: Instant::now(),
+                next_id: AtomicU64::new(0),
+            }),
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The HTTP routes over `state`.
+pub fn app(state: AppState) -> axum::Router {
+    axum::Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+// ---------------------------------------------------------------- errors
+
+/// An error as OpenAI's API reports it.
+#[derive(Debug)]
+pub struct AppError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+    param: Option<&'static str>,
+}
+
+impl AppError {
+    fn bad(message: impl Into<String>) -> Self {
+        AppError {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    fn param(mut self, p: &'static str) -> Self {
+        self.param = Some(p);
+        self
+    }
+
+    fn internal(e: impl std::fmt::Display) -> Self {
+        tracing::error!("internal error: {e}");
+        AppError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "internal_error",
+            message: "internal error".into(),
+            param: None,
+        }
+    }
+}
+
+impl From<arcticd_engine::Error> for AppError {
+    fn from(e: arcticd_engine::Error) -> Self {
+        use arcticd_engine::Error as E;
+        match e {
+            E::Input(m) => AppError::bad(m),
+            E::Template(m) => AppError::bad(format!("chat template: {m}")),
+            E::Tokenizer(m) => AppError::bad(format!("tokenizer: {m}")),
+            other => AppError::internal(other),
+        }
+    }
+}
+
+impl IntoResponse for AppError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": Value::Null,
+        }});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+type AppResult<T> = Result<T, AppError>;
+
+/// A generated token, its log-prob and the requested alternatives.
+type TokenLp = (u32, f32, Vec<(u32, f32)>);
+
+fn parse_body<T: DeserializeOwned>(body: &Bytes) -> AppResult<T> {
+    if body.is_empty() {
+        return Err(AppError::bad("the request body is empty; expected JSON"));
+    }
+    serde_json::from_slice(body).map_err(|e| AppError::bad(format!("invalid request body: {e}")))
+}
+
+async fn not_found() -> AppError {
+    AppError {
+        status: StatusCode::NOT_FOUND,
+        kind: "invalid_request_error",
+        message: "no such route".into(),
+        param: None,
+    }
+}
+
+// ---------------------------------------------------------------- simple routes
+
+async fn health() -> &'static str {
+    "ok"
+}
+
+async fn models(State(s): State<AppState>) -> Json<Value> {
+    let info = s.inner.router.replicas()[0].info().clone();
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.inner.model_name,
+            "object": "model",
+            "created": s.inner.created,
+            "owned_by": "arcticd",
+            "max_model_len": info.max_model_len.min(info.capacity_tokens),
+        }],
+    }))
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    let mut running = 0;
+    let mut waiting = 0;
+    let mut used = 0;
+    let mut total = 0;
+    let mut prompt = 0;
+    let mut hit = 0;
+    let mut generated = 0;
+    let mut preemptions = 0;
+    let mut per_replica = String::new();
+    for (i, r) in s.inner.router.replicas().iter().enumerate() {
+        let m = r.metrics();
+        running += m.running.load(Ordering::Relaxed);
+        waiting += m.waiting.load(Ordering::Relaxed);
+        used += m.blocks_used.load(Ordering::Relaxed);
+        total += m.blocks_total.load(Ordering::Relaxed);
+        prompt += m.prompt_tokens.load(Ordering::Relaxed);
+        hit += m.prefix_hit_tokens.load(Ordering::Relaxed);
+        generated += m.generated_tokens.load(Ordering::Relaxed);
+        preemptions += m.preemptions.load(Ordering::Relaxed);
+        per_replica.push_str(&format!(
+            "arcticd_replica_load{{replica=\"{i}\"}} {}\n",
+            r.load()
+        ));
+    }
+    let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+    let uptime = s.inner.started.elapsed().as_secs_f64().max(1e-9);
+    let text = format!(
+        "# HELP arcticd_requests_running Sequences running.\n\
+         # TYPE arcticd_requests_running gauge\narcticd_requests_running {running}\n\
+         # HELP arcticd_requests_waiting Sequences waiting.\n\
+         # TYPE arcticd_requests_waiting gauge\narcticd_requests_waiting {waiting}\n\
+         # HELP arcticd_cache_usage Fraction of KV blocks in use.\n\
+         # TYPE arcticd_cache_usage gauge\narcticd_cache_usage {}\n\
+         # TYPE arcticd_cache_blocks_total gauge\narcticd_cache_blocks_total {total}\n\
+         # HELP arcticd_prefix_cache_hit_rate Prompt tokens served from the prefix cache.\n\
+         # TYPE arcticd_prefix_cache_hit_rate gauge\narcticd_prefix_cache_hit_rate {}\n\
+         # TYPE arcticd_prompt_tokens_total counter\narcticd_prompt_tokens_total {prompt}\n\
+         # TYPE arcticd_generation_tokens_total counter\narcticd_generation_tokens_total {generated}\n\
+         # HELP arcticd_generation_tokens_per_second Generated tokens per second since start.\n\
+         # TYPE arcticd_generation_tokens_per_second gauge\narcticd_generation_tokens_per_second {}\n\
+         # TYPE arcticd_preemptions_total counter\narcticd_preemptions_total {preemptions}\n\
+         # HELP arcticd_replica_load Outstanding tokens per replica.\n\
+         # TYPE arcticd_replica_load gauge\n{per_replica}",
+        ratio(used, total),
+        ratio(hit, prompt),
+        generated as f64 / uptime,
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+#[derive(Deserialize)]
+struct TokenizeRequest {
+    prompt: Option<String>,
+    messages: Option<Vec<Value>>,
+    tools: Option<Vec<Value>>,
+    add_generation_prompt: Option<bool>,
+}
+
+async fn tokenize(State(s): State<AppState>, body: Bytes) -> AppResult<Json<Value>> {
+    let req: TokenizeRequest = parse_body(&body)?;
+    let tokens = match (req.prompt, req.messages) {
+        (Some(p), None) => s.inner.tokenizer.encode(&p)?,
+        (None, Some(m)) => {
+            let text = s.render_chat(
+                &m,
+                req.tools.as_deref(),
+                req.add_generation_prompt.unwrap_or(true),
+                &Map::new(),
+            )?;
+            s.inner.tokenizer.encode(&text)?
+        }
+        _ => {
+            return Err(AppError::bad(
+                "give exactly one of \"prompt\" or \"messages\"",
+            ))
+        }
+    };
+    let info = s.inner.router.replicas()[0].info();
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": info.max_model_len.min(info.capacity_tokens),
+        "tokens": tokens,
+    })))
+}
+
+#[derive(Deserialize)]
+struct DetokenizeRequest {
+    tokens: Vec<u32>,
+}
+
+async fn detokenize(State(s): State<AppState>, body: Bytes) -> AppResult<Json<Value>> {
+    let req: DetokenizeRequest = parse_body(&body)?;
+    let text = s.inner.tokenizer.decode(&req.tokens, false)?;
+    Ok(Json(json!({ "prompt": text })))
+}
+
+// ---------------------------------------------------------------- requests
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StringOrList {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StringOrList {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            StringOrList::One(s) => vec![s],
+            StringOrList::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptInput {
+    Text(String),
+    Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// Sampling fields shared by both completion routes.
+#[derive(Deserialize, Default)]
+struct SamplingFields {
+    model: Option<String>,
+    max_tokens: Option<usize>,
+    max_completion_tokens: Option<usize>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    /// vLLM's extension; -1 or 0 is off.
+    top_k: Option<i64>,
+    n: Option<usize>,
+    stop: Option<StringOrList>,
+    stop_token_ids: Option<Vec<u32>>,
+    seed: Option<u64>,
+    ignore_eos: Option<bool>,
+    stream: Option<bool>,
+    /// Return the prompt's and each choice's token ids.
+    return_token_ids: Option<bool>,
+}
+
+impl AppState {
+    fn check_model(&self, model: &Option<String>) -> AppResult<()> {
+        match model {
+            Some(m) if m != &self.inner.model_name => Err(AppError {
+                status: StatusCode::NOT_FOUND,
+                kind: "invalid_request_error",
+                message: format!(
+                    "the model `{m}` does not exist; this server serves `{}`",
+                    self.inner.model_name
+                ),
+                param: Some("model"),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn sampling(
+        &self,
+        f: &mut SamplingFields,
+        default_max: usize,
+        top_logprobs: usize,
+    ) -> SamplingParams {
+        let d = SamplingParams::default();
+        SamplingParams {
+            temperature: f.temperature.unwrap_or(d.temperature),
+            top_p: f.top_p.unwrap_or(d.top_p),
+            top_k: f.top_k.map_or(0, |k| k.max(0) as usize),
+            seed: f.seed,
+            max_tokens: f
+                .max_completion_tokens
+                .or(f.max_tokens)
+                .unwrap_or(default_max),
+            stop: f
+                .stop
+                .take()
+                .map(StringOrList::into_vec)
+                .unwrap_or_default(),
+            stop_token_ids: f.stop_token_ids.take().unwrap_or_default(),
+            ignore_eos: f.ignore_eos.unwrap_or(false),
+            n: f.n.unwrap_or(1),
+            top_logprobs,
+        }
+    }
+
+    fn render_chat(
+        &self,
+        messages: &[Value],
+        tools: Option<&[Value]>,
+        add_generation_prompt: bool,
+        kwargs: &Map<String, Value>,
+    ) -> AppResult<String> {
+        let template =
+            self.inner.template.as_ref().ok_or_else(|| {
+                AppError::bad("this model has no chat template; use /v1/completions")
+            })?;
+        let messages: Vec<Value> = messages.iter().map(normalize_message).collect();
+        Ok(template.render_with(&messages, tools, add_generation_prompt, kwargs)?)
+    }
+
+    fn request_id(&self, prefix: &str) -> String {
+        let n = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:x}{n:06x}", self.inner.created)
+    }
+
+    /// Submit and collect every choice; dropping the future (client gone)
+    /// drops the receiver, which frees the sequences.
+    async fn run(&self, request: Request) -> AppResult<Vec<Choice>> {
+        let n = request.params.n;
+        let (_, mut sub) = self.inner.router.submit(request)?;
+        let mut choices = vec![Choice::default(); n];
+        let mut done = 0;
+        while done < n {
+            match sub.events.recv().await {
+                Some(ev) => done += apply_event(&mut choices, ev)?,
+                None => return Err(AppError::internal("the engine stopped")),
+            }
+        }
+        Ok(choices)
+    }
+
+    fn decode(&self, ids: &[u32]) -> AppResult<String> {
+        self.inner
+            .tokenizer
+            .decode(ids, true)
+            .map_err(AppError::internal)
+    }
+
+    fn token_text(&self, id: u32) -> String {
+        self.inner
+            .tokenizer
+            .decode(&[id], false)
+            .unwrap_or_default()
+    }
+}
+
+/// OpenAI messages to what the template expects: tool-call arguments given
+/// as JSON strings become objects.
+fn normalize_message(m: &Value) -> Value {
+    let mut m = m.clone();
+    if let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) {
+        for call in calls {
+            let target = match call.get_mut("function") {
+                Some(f) => f,
+                None => call,
+            };
+            if let Some(args) = target.get_mut("arguments") {
+                if let Some(s) = args.as_str() {
+                    if let Ok(v) = serde_json::from_str::<Value>(s) {
+                        *args = v;
+                    }
+                }
+            }
+        }
+    }
+    m
+}
+
+fn finish_str(r: &Option<FinishReason>) -> &'static str {
+    match r {
+        Some(FinishReason::Length) => "length",
+        Some(FinishReason::Stop { .. }) => "stop",
+        Some(FinishReason::Abort) | None => "abort",
+    }
+}
+
+/// Cut `text` at the first stop string (they are not part of the output).
+fn cut_at_stop(text: &str, stop: &[String]) -> String {
+    let cut = stop.iter().filter_map(|s| text.find(s.as_str())).min();
+    match cut {
+        Some(i) => text[..i].to_string(),
+        None => text.to_string(),
+    }
+}
+
+// ---------------------------------------------------------------- completions
+
+#[derive(Deserialize)]
+struct CompletionRequest {
+    prompt: PromptInput,
+    #[serde(flatten)]
+    sampling: SamplingFields,
+    /// Number of alternatives per token (legacy API: an integer).
+    logprobs: Option<usize>,
+    echo: Option<bool>,
+}
+
+async fn completions(State(s): State<AppState>, body: Bytes) -> AppResult<Response> {
+    let mut req: CompletionRequest = parse_body(&body)?;
+    s.check_model(&req.sampling.model)?;
+    let prompts: Vec<Vec<u32>> = match req.prompt {
+        PromptInput::Text(t) => vec![s.inner.tokenizer.encode(&t)?],
+        PromptInput::Texts(ts) => ts
+            .iter()
+            .map(|t| s.inner.tokenizer.encode(t))
+            .collect::<Result<_, _>>()?,
+        PromptInput::Ids(ids) => vec![ids],
+        PromptInput::IdLists(l) => l,
+    };
+    if prompts.is_empty() || prompts.iter().any(|p| p.is_empty()) {
+        return Err(AppError::bad("the prompt is empty").param("prompt"));
+    }
+    let logprobs = req.logprobs;
+    let params = s.sampling(&mut req.sampling, 16, logprobs.unwrap_or(0));
+    let stream = req.sampling.stream.unwrap_or(false);
+    let return_ids = req.sampling.return_token_ids.unwrap_or(false);
+    let echo = req.echo.unwrap_or(false);
+    let requests: Vec<Request> = prompts
+        .iter()
+        .map(|p| Request {
+            prompt: p.clone(),
+            params: params.clone(),
+        })
+        .collect();
+    for r in &requests {
+        s.inner.router.validate(r)?;
+    }
+    let id = s.request_id("cmpl");
+    let created = unix_now();
+    if stream {
+        if requests.len() != 1 {
+            return Err(AppError::bad("streaming takes one prompt").param("prompt"));
+        }
+        let request = requests
+            .into_iter()
+            .next()
+            .ok_or_else(|| AppError::bad("no prompt"))?;
+        let (_, sub) = s.inner.router.submit(request)?;
+        let model = s.inner.model_name.clone();
+        let chunk = move |index: usize, text: String, lp: Option<Value>, finish: Option<&str>| {
+            json!({
+                "id": id, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}],
+            })
+        };
+        let st = s.clone();
+        let want_lp = logprobs.is_some();
+        let stream = stream_events(s.clone(), sub.events, params, move |ev| match ev {
+            StreamItem::Text {
+                index,
+                text,
+                tokens,
+            } => {
+                let lp = want_lp.then(|| completion_logprobs(&st, &tokens, 0));
+                chunk(index, text, lp, None)
+            }
+            StreamItem::Finish { index, reason, .. } => {
+                chunk(index, String::new(), None, Some(reason))
+            }
+        });
+        return Ok(Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+
+    let mut all_choices = Vec::new();
+    let mut prompt_tokens = 0;
+    let mut completion_tokens = 0;
+    let n = params.n;
+    for (pi, (r, prompt)) in requests.into_iter().zip(&prompts).enumerate() {
+        prompt_tokens += prompt.len();
+        let choices = s.run(r).await?;
+        for (ci, c) in choices.into_iter().enumerate() {
+            completion_tokens += c.tokens.len();
+            let mut text = cut_at_stop(&s.decode(&c.tokens)?, &params.stop);
+            if echo {
+                text = s.decode(prompt)? + &text;
+            }
+            let mut choice = json!({
+                "index": pi * n + ci,
+                "text": text,
+                "logprobs": logprobs.map(|_| completion_logprobs_full(&s, &c)),
+                "finish_reason": finish_str(&c.finish_reason),
+            });
+            if return_ids {
+                choice["token_ids"] = json!(c.tokens);
+                choice["prompt_token_ids"] = json!(prompt);
+            }
+            all_choices.push(choice);
+        }
+    }
+    Ok(Json(json!({
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": s.inner.model_name,
+        "choices": all_choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }))
+    .into_response())
+}
+
+/// Legacy completions `logprobs` object for generated tokens.
+fn completion_logprobs_full(s: &AppState, c: &Choice) -> Value {
+    let items: Vec<TokenLp> = c
+        .tokens
+        .iter()
+        .zip(&c.logprobs)
+        .zip(&c.top_logprobs)
+        .map(|((&t, &lp), top)| (t, lp, top.clone()))
+        .collect();
+    completion_logprobs(s, &items, 0)
+}
+
+fn completion_logprobs(s: &AppState, items: &[TokenLp], offset: usize) -> Value {
+    let mut tokens = Vec::new();
+    let mut lps = Vec::new();
+    let mut tops = Vec::new();
+    let mut offsets = Vec::new();
+    let mut off = offset;
+    for (t, lp, top) in items {
+        let text = s.token_text(*t);
+        offsets.push(off);
+        off += text.len();
+        tokens.push(text);
+        lps.push(*lp);
+        let mut m = Map::new();
+        for (a, alp) in top {
+            m.insert(s.token_text(*a), json!(alp));
+        }
+        tops.push(Value::Object(m));
+    }
+    json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+}
+
+// ---------------------------------------------------------------- chat
+
+#[derive(Deserialize)]
+struct ChatRequest {
+    messages: Vec<Value>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    #[serde(flatten)]
+    sampling: SamplingFields,
+    logprobs: Option<bool>,
+    top_logprobs: Option<usize>,
+    chat_template_kwargs: Option<Map<String, Value>>,
+}
+
+/// What the request asks of tools.
+enum ToolMode {
+    /// No tools, or `tool_choice: "none"`: all text is content.
+    Off,
+    /// The model may call tools.
+    Auto,
+    /// A call is forced; the prompt ends with this opening.
+    Forced(String),
+}
+
+fn tool_mode(tools: &Option<Vec<Value>>, choice: &Option<Value>) -> AppResult<ToolMode> {
+    let names: Vec<&str> = tools
+        .iter()
+        .flatten()
+        .filter_map(|t| {
+            t.get("function")
+                .unwrap_or(t)
+                .get("name")
+                .and_then(Value::as_str)
+        })
+        .collect();
+    let has_tools = tools.as_ref().is_some_and(|t| !t.is_empty());
+    match choice {
+        None => Ok(if has_tools {
+            ToolMode::Auto
+        } else {
+            ToolMode::Off
+        }),
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => Ok(ToolMode::Off),
+            "auto" => Ok(if has_tools {
+                ToolMode::Auto
+            } else {
+                ToolMode::Off
+            }),
+            "required" if has_tools => Ok(ToolMode::Forced("<tool_call>\n<function=".into())),
+            "required" => {
+                Err(AppError::bad("tool_choice \"required\" needs tools").param("tool_choice"))
+            }
+            other => Err(AppError::bad(format!(
+                "tool_choice must be \"none\", \"auto\", \"required\" or a function, got {other:?}"
+            ))
+            .param("tool_choice")),
+        },
+        Some(obj @ Value::Object(_)) => {
+            let name = obj
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| {
+                    AppError::bad("tool_choice object needs function.name").param("tool_choice")
+                })?;
+            if !names.contains(&name) {
+                return Err(AppError::bad(format!(
+                    "tool_choice names {name:?}, which is not among the tools"
+                ))
+                .param("tool_choice"));
+            }
+            Ok(ToolMode::Forced(format!(
+                "<tool_call>\n<function={name}>\n"
+            )))
+        }
+        Some(_) => {
+            Err(AppError::bad("tool_choice must be a string or an object").param("tool_choice"))
+        }
+    }
+}
+
+/// A parsed tool call: the function name and its arguments.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    pub name: String,
+    pub arguments: Map<String, Value>,
+}
+
+/// Split generated text into content and Qwen3.5 XML tool calls. A call
+/// left open at the end of the text (the budget ran out) still counts if
+/// its function name is complete.
+pub fn parse_tool_calls(text: &str) -> (String, Vec<ToolCall>) {
+    const OPEN: &str = "<tool_call>";
+    const CLOSE: &str = "</tool_call>";
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(OPEN) {
+        content.push_str(&rest[..start]);
+        let after = &rest[start + OPEN.len()..];
+        let (body, next) = match after.find(CLOSE) {
+            Some(end) => (&after[..end], &after[end + CLOSE.len()..]),
+            None => (after, ""),
+        };
+        match parse_function(body) {
+            Some(call) => calls.push(call),
+            None => {
+                content.push_str(&rest[start..rest.len() - next.len()]);
+            }
+        }
+        rest = next;
+    }
+    content.push_str(rest);
+    (content.trim().to_string(), calls)
+}
+
+fn parse_function(body: &str) -> Option<ToolCall> {
+    let f = body.find("<function=")?;
+    let after = &body[f + "<function=".len()..];
+    let gt = after.find('>')?;
+    let name = after[..gt].trim().to_string();
+    if name.is_empty() || name.contains('\n') {
+        return None;
+    }
+    let mut params = &after[gt + 1..];
+    let mut arguments = Map::new();
+    while let Some(p) = params.find("<parameter=") {
+        let a = &params[p + "<parameter=".len()..];
+        let Some(gt) = a.find('>') else { break };
+        let key = a[..gt].trim().to_string();
+        let v = &a[gt + 1..];
+        let Some(end) = v.find("</parameter>") else {
+            break;
+        };
+        let raw = v[..end].strip_prefix('\n').unwrap_or(&v[..end]);
+        let raw = raw.strip_suffix('\n').unwrap_or(raw);
+        let value = serde_json::from_str::<Value>(raw)
+            .ok()
+            .filter(|v| !v.is_string())
+            .unwrap_or_else(|| Value::String(raw.to_string()));
+        arguments.insert(key, value);
+        params = &v[end + "</parameter>".len()..];
+    }
+    Some(ToolCall { name, arguments })
+}
+
+async fn chat_completions(State(s): State<AppState>, body: Bytes) -> AppResult<Response> {
+    let mut req: ChatRequest = parse_body(&body)?;
+    s.check_model(&req.sampling.model)?;
+    if req.messages.is_empty() {
+        return Err(AppError::bad("messages must not be empty").param("messages"));
+    }
+    if let Some(bad) = req
+        .messages
+        .iter()
+        .find(|m| !m.is_object() || m.get("role").is_none())
+    {
+        return Err(
+            AppError::bad(format!("every message needs a role, got {bad}")).param("messages"),
+        );
+    }
+    let mode = tool_mode(&req.tools, &req.tool_choice)?;
+    let kwargs = req.chat_template_kwargs.take().unwrap_or_default();
+    let mut text = s.render_chat(&req.messages, req.tools.as_deref(), true, &kwargs)?;
+    let forced = match &mode {
+        ToolMode::Forced(p) => p.clone(),
+        _ => String::new(),
+    };
+    text.push_str(&forced);
+    let prompt = s.inner.tokenizer.encode(&text)?;
+    let info = s.inner.router.replicas()[0].info();
+    let room = info
+        .max_model_len
+        .min(info.capacity_tokens)
+        .saturating_sub(prompt.len());
+    if room == 0 {
+        return Err(AppError::bad(format!(
+            "the conversation is {} tokens, which fills this model's maximum context length of {}",
+            prompt.len(),
+            info.max_model_len.min(info.capacity_tokens)
+        ))
+        .param("messages"));
+    }
+    let want_lp = req.logprobs.unwrap_or(false);
+    let top = if want_lp {
+        req.top_logprobs.unwrap_or(0)
+    } else {
+        0
+    };
+    let default_max = s.inner.default_max_tokens.min(room);
+    let params = s.sampling(&mut req.sampling, default_max, top);
+    let request = Request {
+        prompt: prompt.clone(),
+        params: params.clone(),
+    };
+    s.inner.router.validate(&request)?;
+    let id = s.request_id("chatcmpl");
+    let created = unix_now();
+    let return_ids = req.sampling.return_token_ids.unwrap_or(false);
+
+    if req.sampling.stream.unwrap_or(false) {
+        let (_, sub) = s.inner.router.submit(request)?;
+        let model = s.inner.model_name.clone();
+        let buffer_tools = !matches!(mode, ToolMode::Off);
+        let st = s.clone();
+        let n = params.n;
+        let mut started = vec![false; n];
+        let mut held: Vec<String> = vec![String::new(); n];
+        let stream = stream_events(s.clone(), sub.events, params, move |ev| {
+            let (index, delta, lp, finish) = match ev {
+                StreamItem::Text {
+                    index,
+                    text,
+                    tokens,
+                } => {
+                    let lp = want_lp.then(|| json!({"content": chat_logprobs(&st, &tokens)}));
+                    if buffer_tools {
+                        // Tool calls are only known at the end: hold the text.
+                        if let Some(h) = held.get_mut(index) {
+                            h.push_str(&text);
+                        }
+                        (index, json!({}), lp, None)
+                    } else {
+                        (index, json!({"content": text}), lp, None)
+                    }
+                }
+                StreamItem::Finish { index, reason, .. } => {
+                    if buffer_tools {
+                        let full =
+                            format!("{forced}{}", held.get(index).cloned().unwrap_or_default());
+                        let (content, calls) = parse_tool_calls(&full);
+                        let finish = if calls.is_empty() {
+                            reason
+                        } else {
+                            "tool_calls"
+                        };
+                        let mut delta = json!({"content": content});
+                        if !calls.is_empty() {
+                            delta["tool_calls"] = tool_calls_json(&calls, true);
+                        }
+                        (index, delta, None, Some(finish))
+                    } else {
+                        (index, json!({}), None, Some(reason))
+                    }
+                }
+            };
+            let mut delta = delta;
+            if let Some(first) = started.get_mut(index) {
+                if !*first {
+                    *first = true;
+                    delta["role"] = json!("assistant");
+                }
+            }
+            json!({
+                "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+            })
+        });
+        return Ok(Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+
+    let choices = s.run(request).await?;
+    let mut out = Vec::new();
+    let mut completion_tokens = 0;
+    for (i, c) in choices.iter().enumerate() {
+        completion_tokens += c.tokens.len();
+        let text = cut_at_stop(&s.decode(&c.tokens)?, &params.stop);
+        let mut finish = finish_str(&c.finish_reason);
+        let message = if matches!(mode, ToolMode::Off) {
+            json!({"role": "assistant", "content": text})
+        } else {
+            let (content, calls) = parse_tool_calls(&format!("{forced}{text}"));
+            if calls.is_empty() {
+                json!({"role": "assistant", "content": content})
+            } else {
+                finish = "tool_calls";
+                json!({
+                    "role": "assistant",
+                    "content": if content.is_empty() { Value::Null } else { json!(content) },
+                    "tool_calls": tool_calls_json(&calls, false),
+                })
+            }
+        };
+        let mut choice = json!({
+            "index": i,
+            "message": message,
+            "logprobs": if want_lp { json!({"content": chat_logprobs_full(&s, c)}) } else { Value::Null },
+            "finish_reason": finish,
+        });
+        if return_ids {
+            choice["token_ids"] = json!(c.tokens);
+        }
+        out.push(choice);
+    }
+    let mut resp = json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": s.inner.model_name,
+        "choices": out,
+        "usage": {
+            "prompt_tokens": prompt.len(),
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt.len() + completion_tokens,
+        },
+    });
+    if return_ids {
+        resp["prompt_token_ids"] = json!(prompt);
+    }
+    Ok(Json(resp).into_response())
+}
+
+fn tool_calls_json(calls: &[ToolCall], with_index: bool) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut v = json!({
+                    "id": format!("call_{i}_{:08x}", rand::random::<u32>()),
+                    "type": "function",
+                    "function": {
+                        "name": c.name,
+                        "arguments": Value::Object(c.arguments.clone()).to_string(),
+                    },
+                });
+                if with_index {
+                    v["index"] = json!(i);
+                }
+                v
+            })
+            .collect(),
+    )
+}
+
+fn chat_logprobs_full(s: &AppState, c: &Choice) -> Value {
+    let items: Vec<TokenLp> = c
+        .tokens
+        .iter()
+        .zip(&c.logprobs)
+        .zip(&c.top_logprobs)
+        .map(|((&t, &lp), top)| (t, lp, top.clone()))
+        .collect();
+    chat_logprobs(s, &items)
+}
+
+fn chat_logprobs(s: &AppState, items: &[TokenLp]) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let t = s.token_text(id);
+        json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+    };
+    Value::Array(
+        items
+            .iter()
+            .map(|(t, lp, top)| {
+                let mut e = entry(*t, *lp);
+                e["top_logprobs"] = Value::Array(top.iter().map(|(a, l)| entry(*a, *l)).collect());
+                e
+            })
+            .collect(),
+    )
+}
+
+// ---------------------------------------------------------------- streaming
+
+/// What a stream reports, before it is shaped into a route's chunk.
+enum StreamItem {
+    /// New text of choice `index` and the tokens that produced it.
+    Text {
+        index: usize,
+        text: String,
+        tokens: Vec<TokenLp>,
+    },
+    Finish {
+        index: usize,
+        reason: &'static str,
+    },
+}
+
+/// Incremental detokenization of one choice: text is released only when it
+/// is whole characters and cannot be the start of a stop string.
+struct Detok {
+    ids: Vec<u32>,
+    sent: usize,
+    pending: Vec<TokenLp>,
+}
+
+/// Turn engine events into SSE events, `shape` making each JSON chunk; ends
+/// with `data: [DONE]`. A task does the work and feeds the response stream;
+/// when the client goes away the stream is dropped, the task's next send
+/// fails, it drops `events`, and the engine frees the request.
+fn stream_events(
+    s: AppState,
+    mut events: UnboundedReceiver<Event>,
+    params: SamplingParams,
+    mut shape: impl FnMut(StreamItem) -> Value + Send + 'static,
+) -> impl futures_util::Stream<Item = Result<SseEvent, Infallible>> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
+    let holdback = params
+        .stop
+        .iter()
+        .map(|x| x.len().saturating_sub(1))
+        .max()
+        .unwrap_or(0);
+    let stop = params.stop;
+    tokio::spawn(async move {
+        let mut detok: Vec<Detok> = (0..params.n)
+            .map(|_| Detok {
+                ids: Vec::new(),
+                sent: 0,
+                pending: Vec::new(),
+            })
+            .collect();
+        let mut open = params.n;
+        while open > 0 {
+            let mut items = Vec::new();
+            match events.recv().await {
+                Some(Event::Token(t)) => {
+                    let Some(d) = detok.get_mut(t.index) else {
+                        continue;
+                    };
+                    d.ids.push(t.token);
+                    d.pending.push((t.token, t.logprob, t.top_logprobs));
+                    let text = s.decode(&d.ids).unwrap_or_default();
+                    let mut end = text.len().saturating_sub(holdback);
+                    while end > d.sent && !text.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    if !text.ends_with('\u{fffd}') && end > d.sent {
+                        items.push(StreamItem::Text {
+                            index: t.index,
+                            text: text[d.sent..end].to_string(),
+                            tokens: std::mem::take(&mut d.pending),
+                        });
+                        d.sent = end;
+                    }
+                }
+                Some(Event::Finished { index, reason }) => {
+                    open -= 1;
+                    let Some(d) = detok.get_mut(index) else {
+                        continue;
+                    };
+                    let text = cut_at_stop(&s.decode(&d.ids).unwrap_or_default(), &stop);
+                    if text.len() > d.sent || !d.pending.is_empty() {
+                        items.push(StreamItem::Text {
+                            index,
+                            text: text.get(d.sent..).unwrap_or("").to_string(),
+                            tokens: std::mem::take(&mut d.pending),
+                        });
+                        d.sent = text.len().max(d.sent);
+                    }
+                    items.push(StreamItem::Finish {
+                        index,
+                        reason: finish_str(&Some(reason)),
+                    });
+                }
+                Some(Event::Error(e)) => {
+                    tracing::error!("generation failed: {e}");
+                    let body =
+                        json!({"error": {"message": "internal error", "type": "internal_error"}});
+                    let _ = tx.send(SseEvent::default().data(body.to_string())).await;
+                    return;
+                }
+                None => return,
+            }
+            for item in items {
+                let chunk = shape(item);
+                if tx
+                    .send(SseEvent::default().data(chunk.to_string()))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+        let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+    });
+    futures_util::stream::unfold(
+        rx,
+        |mut rx| async move { rx.recv().await.map(|e| (Ok(e), rx)) },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arcticd_engine::engine::EngineConfig;
+    use arcticd_engine::{ParamStore, Qwen3_5};
+    use axum::body::Body;
+    use axum::http::Request as HttpRequest;
+    use http_body_util::BodyExt;
+    use std::path::PathBuf;
+    use std::sync::OnceLock;
+    use tower::ServiceExt;
+
+    fn model_dir() -> &'static PathBuf {
+        static DIR: OnceLock<PathBuf> = OnceLock::new();
+        DIR.get_or_init(|| {
+            let d = std::env::temp_dir().join(format!("arcticd-server-{}", std::process::id()));
+            arcticd_engine::init::init_model(arcticd_engine::init::TINY, &d, 3).unwrap();
+            d
+        })
+    }
+
+    fn state() -> AppState {
+        let dir = model_dir();
+        let store = ParamStore::new(Qwen3_5::load(dir).unwrap());
+        let tok = Arc::new(Tokenizer::from_dir(dir).unwrap());
+        let config = EngineConfig {
+            cache_memory: 8 << 20,
+            max_num_seqs: 16,
+            max_batched_tokens: 256,
+            max_model_len: 2048,
+            ..Default::default()
+        };
+        let router = Router::start(1, store, Some(tok.clone()), config).unwrap();
+        let template = ChatTemplate::from_dir(dir).unwrap();
+        AppState::new(router, tok, template, "tiny".into(), 16)
+    }
+
+    async fn call(app: &axum::Router, method: &str, uri: &str, body: &str) -> (StatusCode, String) {
+        let req = HttpRequest::builder()
+            .method(method)
+            .uri(uri)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .unwrap();
+        let resp = app.clone().oneshot(req).await.unwrap();
+        let status = resp.status();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    async fn call_json(app: &axum::Router, uri: &str, body: Value) -> (StatusCode, Value) {
+        let (st, text) = call(app, "POST", uri, &body.to_string()).await;
+        (
+            st,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn health_models_metrics_and_tokenize() {
+        let app = app(state());
+        let (st, body) = call(&app, "GET", "/health", "").await;
+        assert_eq!((st, body.as_str()), (StatusCode::OK, "ok"));
+        let (st, body) = call(&app, "GET", "/v1/models", "").await;
+        assert_eq!(st, StatusCode::OK);
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["data"][0]["id"], "tiny");
+        let (st, v) = call_json(&app, "/tokenize", json!({"prompt": "hello world"})).await;
+        assert_eq!(st, StatusCode::OK);
+        let tokens = v["tokens"].clone();
+        assert!(v["count"].as_u64().unwrap() > 0);
+        let (st, v) = call_json(&app, "/detokenize", json!({ "tokens": tokens })).await;
+        assert_eq!(st, StatusCode::OK);
+        assert_eq!(v["prompt"], "hello world");
+        let (st, v) = call_json(&app, "/detokenize", json!({"tokens": [999999]})).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+        let (st, body) = call(&app, "GET", "/metrics", "").await;
+        assert_eq!(st, StatusCode::OK);
+        for name in [
+            "arcticd_requests_running",
+            "arcticd_requests_waiting",
+            "arcticd_cache_usage",
+            "arcticd_prefix_cache_hit_rate",
+            "arcticd_generation_tokens_per_second",
+        ] {
+            assert!(body.contains(name), "{name} missing from {body}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
+        let app = app(state());
+        let cases: Vec<(&str, String, StatusCode)> = vec![
+            ("/v1/chat/completions", "{not json".into(), StatusCode::BAD_REQUEST),
+            ("/v1/chat/completions", "".into(), StatusCode::BAD_REQUEST),
+            ("/v1/chat/completions", json!({"messages": []}).to_string(), StatusCode::BAD_REQUEST),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}).to_string(),
+                StatusCode::NOT_FOUND,
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            ("/v1/completions", json!({"prompt": ""}).to_string(), StatusCode::BAD_REQUEST),
+            ("/v1/completions", json!({"prompt": [5, 99999]}).to_string(), StatusCode::BAD_REQUEST),
+            ("/v1/completions", json!({"prompt": "x", "top_p": 0}).to_string(), StatusCode::BAD_REQUEST),
+            ("/v1/nothing", "{}".into(), StatusCode::NOT_FOUND),
+        ];
+        for (uri, body, want) in cases {
+            let (st, text) = call(&app, "POST", uri, &body).await;
+            assert_eq!(st, want, "{uri} {body}: {text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert!(
+                v["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty()),
+                "{text}"
+            );
+            assert!(v["error"]["type"].is_string());
+        }
+        let (st, v) = call_json(
+            &app,
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "still there?"}], "max_tokens": 3}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn chat_and_completions_with_logprobs_and_token_ids() {
+        let app = app(state());
+        let (st, v) = call_json(
+            &app,
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
+                   "max_tokens": 5, "logprobs": true, "top_logprobs": 2, "n": 2, "seed": 1,
+                   "return_token_ids": true}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(v["object"], "chat.completion");
+        assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+        let c = &v["choices"][0];
+        assert_eq!(c["message"]["role"], "assistant");
+        let n = c["token_ids"].as_array().unwrap().len();
+        assert_eq!(c["logprobs"]["content"].as_array().unwrap().len(), n);
+        assert_eq!(
+            c["logprobs"]["content"][0]["top_logprobs"]
+                .as_array()
+                .unwrap()
+                .len(),
+            2
+        );
+        assert!(v["prompt_token_ids"].as_array().unwrap().len() > 3);
+        assert!(v["usage"]["completion_tokens"].as_u64().unwrap() >= n as u64);
+
+        let (st, v) = call_json(
+            &app,
+            "/v1/completions",
+            json!({"prompt": [11, 12, 13, 14], "max_tokens": 4, "temperature": 0,
+                   "ignore_eos": true, "logprobs": 1, "return_token_ids": true}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let c = &v["choices"][0];
+        assert_eq!(c["token_ids"].as_array().unwrap().len(), 4);
+        assert_eq!(c["prompt_token_ids"], json!([11, 12, 13, 14]));
+        assert_eq!(c["logprobs"]["token_logprobs"].as_array().unwrap().len(), 4);
+        assert_eq!(c["finish_reason"], "length");
+        // Greedy is deterministic, and a list of prompts gives one choice each.
+        let (_, w) = call_json(
+            &app,
+            "/v1/completions",
+            json!({"prompt": [[11, 12, 13, 14], [11, 12]], "max_tokens": 4, "temperature": 0,
+                   "ignore_eos": true, "return_token_ids": true}),
+        )
+        .await;
+        assert_eq!(w["choices"][0]["token_ids"], c["token_ids"]);
+        assert_eq!(w["choices"].as_array().unwrap().len(), 2);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn streaming_chat_sends_chunks_then_done() {
+        let app = app(state());
+        let (st, body) = call(
+            &app,
+            "POST",
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                    "stream": true, "ignore_eos": true, "temperature": 0})
+            .to_string(),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK);
+        let datas: Vec<&str> = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        assert_eq!(datas.last(), Some(&"[DONE]"));
+        let chunks: Vec<Value> = datas[..datas.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+        let finish = chunks.last().unwrap()["choices"][0]["finish_reason"].clone();
+        assert_eq!(finish, "length");
+        let streamed: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        let (_, v) = call_json(
+            &app,
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                   "ignore_eos": true, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(
+            v["choices"][0]["message"]["content"].as_str().unwrap(),
+            streamed
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn forced_tool_call_comes_back_as_tool_calls() {
+        let app = app(state());
+        let tools = json!([{"type": "function", "function": {"name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+        let (st, v) = call_json(
+            &app,
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "weather in Paris?"}], "tools": tools,
+                   "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                   "max_tokens": 8}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls");
+        let call = &c["message"]["tool_calls"][0];
+        assert_eq!(call["function"]["name"], "get_weather");
+        let args: Value =
+            serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert!(args.is_object());
+        // The round trip: the call and its result go back in.
+        let (st, v) = call_json(
+            &app,
+            "/v1/chat/completions",
+            json!({"messages": [
+                {"role": "user", "content": "weather in Paris?"},
+                {"role": "assistant", "content": null, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}],
+                "tools": tools, "max_tokens": 4}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+    }
+
+    #[test]
+    fn tool_call_parser() {
+        let text = "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+        let (content, calls) = parse_tool_calls(text);
+        assert_eq!(content, "Let me check.");
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].name, "get_weather");
+        assert_eq!(calls[0].arguments["city"], "Paris");
+        assert_eq!(calls[0].arguments["days"], 3);
+        // Two calls, text between them kept; an open call at the end counts.
+        let (content, calls) = parse_tool_calls(
+            "<tool_call>\n<function=a>\n</function>\n</tool_call> mid <tool_call>\n<function=b>\n<parameter=x>\n{\"k\": 1}\n</parameter>",
+        );
+        assert_eq!(content, "mid");
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[1].arguments["x"], json!({"k": 1}));
+        // No function: stays content.
+        let (content, calls) = parse_tool_calls("<tool_call>junk</tool_call>");
+        assert!(calls.is_empty());
+        assert_eq!(content, "<tool_call>junk</tool_call>");
+    }
+}
