@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod cli_model;
 mod cli_sandbox;
+mod cli_train;
 mod cli_serve;
 mod server;
 
@@ -30,6 +31,8 @@ enum Command {
     BenchForward(cli_model::BenchForwardArgs),
     /// Run commands in an isolated sandbox, or build its base image.
     Sandbox(cli_sandbox::SandboxArgs),
+    /// Supervised fine-tuning (AdamW, torch semantics); writes a Hugging Face checkpoint.
+    Sft(cli_train::SftArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(cli_serve::ServeArgs),
 }
@@ -46,6 +49,7 @@ fn main() {
         Command::InitModel(args) => cli_model::init_model(args),
         Command::BenchForward(args) => cli_model::bench_forward(args),
         Command::Sandbox(args) => cli_sandbox::main(args),
+        Command::Sft(args) => cli_train::sft(args),
         Command::Serve(args) => cli_serve::serve(args),
     };
     if let Err(e) = result {

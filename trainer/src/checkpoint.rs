@@ -153,3 +153,34 @@ pub fn load_optimizer(dir: &Path, opt: &mut AdamW) -> Result<()> {
     opt.config = state.optimizer;
     Ok(())
 }
+
+/// Every tensor of one safetensors file widened to f32 (F32/BF16/F16), sorted
+/// by name: for comparing checkpoints and reading reference fixtures.
+pub fn read_safetensors_f32(path: &Path) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let st =
+        SafeTensors::deserialize(&bytes).map_err(|e| cerr(format!("{}: {e}", path.display())))?;
+    let mut out = Vec::new();
+    for (name, view) in st.tensors() {
+        let b = view.data();
+        let data: Vec<f32> = match view.dtype() {
+            safetensors::Dtype::F32 => b
+                .chunks_exact(4)
+                .map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]]))
+                .collect(),
+            safetensors::Dtype::BF16 => b
+                .chunks_exact(2)
+                .map(|x| f32::from_bits((u16::from_le_bytes([x[0], x[1]]) as u32) << 16))
+                .collect(),
+            other => {
+                return Err(cerr(format!(
+                    "{name} in {}: dtype {other:?} not read here",
+                    path.display()
+                )))
+            }
+        };
+        out.push((name, view.shape().to_vec(), data));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}

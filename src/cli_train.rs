@@ -1,0 +1,138 @@
+//! `arcticd sft`: supervised fine-tuning with the trainer crate, with the
+//! semantics outside checks compare against PyTorch: step k uses data lines
+//! `k*B .. k*B+B-1` (mod the number of lines) in file order, loss = sum of
+//! -log p over target tokens / target tokens in the batch, one AdamW step
+//! (torch semantics) per batch, constant LR unless `--warmup`, no clipping
+//! unless `--grad-clip`. Prints one JSON line per step on stdout (a progress
+//! bar goes to stderr when it is a terminal) and writes the final checkpoint,
+//! with optimizer state for resume, to `--out`.
+
+use anyhow::{Context, Result};
+use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::tokenizer::Tokenizer;
+use arcticd_engine::{ParamStore, Qwen3_5};
+use arcticd_trainer::checkpoint::save_checkpoint;
+use arcticd_trainer::data::{batch_for_step, read_sft_jsonl, ChatRender};
+use arcticd_trainer::optim::{AdamWConfig, LrSchedule};
+use arcticd_trainer::step::{TrainConfig, Trainer};
+use clap::Args;
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct SftArgs {
+    /// Checkpoint directory to start from (Hugging Face layout).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// JSONL data: {"tokens": [...], "loss_mask": [...]} or {"messages": [...]} per line.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Where the final checkpoint is written (replaced atomically).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Optimizer steps.
+    #[arg(long)]
+    pub steps: usize,
+    /// Sequences per step.
+    #[arg(long)]
+    pub batch_size: usize,
+    /// Peak learning rate.
+    #[arg(long)]
+    pub lr: f64,
+    /// Decoupled weight decay (torch.optim.AdamW's default).
+    #[arg(long, default_value_t = 0.01)]
+    pub weight_decay: f64,
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f64,
+    #[arg(long, default_value_t = 0.999)]
+    pub beta2: f64,
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f64,
+    /// Clip the global gradient norm to this (torch clip_grad_norm_); off by default.
+    #[arg(long)]
+    pub grad_clip: Option<f64>,
+    /// Linear warmup steps: step k (0-based) uses lr * k / warmup while k < warmup
+    /// (transformers' get_constant_schedule_with_warmup); 0 = constant.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: u64,
+    /// Tokens per micro-batch (gradient accumulation inside a step).
+    #[arg(long, default_value_t = 16384)]
+    pub micro_batch_tokens: usize,
+}
+
+pub fn sft(args: SftArgs) -> Result<()> {
+    anyhow::ensure!(args.batch_size > 0, "--batch-size must be positive");
+    let model = Qwen3_5::load(&args.model)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
+    let vocab = model.config.vocab_size;
+    // Tokenizer and template only matter for {"messages": ...} lines.
+    let tokenizer = Tokenizer::from_dir(&args.model).ok();
+    let template = ChatTemplate::from_dir(&args.model).ok().flatten();
+    let chat = match (&tokenizer, &template) {
+        (Some(tokenizer), Some(template)) => Some(ChatRender {
+            tokenizer,
+            template,
+        }),
+        _ => None,
+    };
+    let data = read_sft_jsonl(&args.data, vocab, chat.as_ref())?;
+    let config = TrainConfig {
+        optimizer: AdamWConfig {
+            lr: args.lr,
+            beta1: args.beta1,
+            beta2: args.beta2,
+            eps: args.eps,
+            weight_decay: args.weight_decay,
+        },
+        schedule: if args.warmup > 0 {
+            LrSchedule::LinearWarmup {
+                warmup: args.warmup,
+            }
+        } else {
+            LrSchedule::Constant
+        },
+        grad_clip: args.grad_clip,
+        micro_batch_tokens: args.micro_batch_tokens,
+        ..TrainConfig::default()
+    };
+    let mut trainer = Trainer::new(ParamStore::new(model), config)?;
+    let bar = std::io::stderr().is_terminal();
+    let start = std::time::Instant::now();
+    let mut stdout = std::io::stdout().lock();
+    for step in 0..args.steps {
+        let m = trainer.sft_step(&batch_for_step(&data, step, args.batch_size))?;
+        let line = serde_json::json!({
+            "step": step + 1,
+            "loss": m.loss,
+            "grad_norm": m.grad_norm,
+            "lr": m.lr,
+            "tokens": m.tokens,
+            "skipped": m.skipped,
+        });
+        writeln!(stdout, "{line}")?;
+        stdout.flush()?;
+        if m.skipped {
+            tracing::warn!(step = step + 1, "non-finite loss or gradient: step skipped");
+        }
+        if bar {
+            let done = step + 1;
+            let width = 30;
+            let fill = done * width / args.steps.max(1);
+            eprint!(
+                "\r[{}{}] {done}/{} loss {:.4} {:.1}s",
+                "#".repeat(fill),
+                " ".repeat(width - fill),
+                args.steps,
+                m.loss,
+                start.elapsed().as_secs_f64()
+            );
+        }
+    }
+    if bar {
+        eprintln!();
+    }
+    let model = trainer.store.read();
+    save_checkpoint(&args.out, &model, &args.model, Some(&trainer.optimizer))
+        .with_context(|| format!("writing checkpoint {}", args.out.display()))?;
+    Ok(())
+}
