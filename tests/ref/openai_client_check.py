@@ -1,0 +1,140 @@
+"""Drive a running `arcticd serve` with the official `openai` Python client.
+
+Usage: python openai_client_check.py --base-url http://127.0.0.1:PORT/v1 --model NAME
+
+Checks: model listing; plain chat; streaming (the streamed text equals the
+non-streamed greedy text); a forced tool call that comes back as OpenAI
+`tool_calls` with JSON arguments, and its round trip (the call and a tool
+result sent back); log-probs with top alternatives; text completions with
+token ids; 32 concurrent requests each answered exactly as when sent alone;
+an empty message list rejected with a 400. Prints a JSON summary; exits
+non-zero on the first failure. Needs only `pip install openai`.
+"""
+
+import argparse
+import concurrent.futures
+import json
+import sys
+
+import openai
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base-url", required=True)
+    ap.add_argument("--model", required=True)
+    args = ap.parse_args()
+    client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0, timeout=120)
+    m = args.model
+    summary = {}
+
+    ids = [x.id for x in client.models.list().data]
+    assert m in ids, ids
+
+    user = [{"role": "user", "content": "Say hello."}]
+    r = client.chat.completions.create(model=m, messages=user, max_tokens=8, temperature=0)
+    c = r.choices[0]
+    assert c.message.role == "assistant"
+    assert isinstance(c.message.content, str)
+    assert c.finish_reason in ("stop", "length"), c.finish_reason
+    assert r.usage.prompt_tokens > 0
+    summary["chat"] = c.message.content
+
+    extra = {"ignore_eos": True}
+    plain = client.chat.completions.create(
+        model=m, messages=user, max_tokens=12, temperature=0, extra_body=extra
+    )
+    parts, finish, roles = [], None, []
+    for chunk in client.chat.completions.create(
+        model=m, messages=user, max_tokens=12, temperature=0, stream=True, extra_body=extra
+    ):
+        for ch in chunk.choices:
+            if ch.delta.role:
+                roles.append(ch.delta.role)
+            if ch.delta.content:
+                parts.append(ch.delta.content)
+            if ch.finish_reason:
+                finish = ch.finish_reason
+    assert roles == ["assistant"], roles
+    assert finish == "length", finish
+    assert "".join(parts) == plain.choices[0].message.content, (parts, plain.choices[0].message.content)
+    summary["stream_chunks"] = len(parts)
+
+    tools = [{
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(
+        model=m, messages=ask, tools=tools, max_tokens=16,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c.finish_reason
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather", call
+    assert isinstance(json.loads(call.function.arguments), dict)
+    follow = ask + [
+        c.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21})},
+    ]
+    r2 = client.chat.completions.create(model=m, messages=follow, tools=tools, max_tokens=8)
+    assert r2.choices[0].message.role == "assistant"
+    summary["tool_call"] = call.function.arguments
+
+    r = client.chat.completions.create(
+        model=m, messages=user, max_tokens=6, logprobs=True, top_logprobs=3,
+        extra_body=extra,
+    )
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens == 6, (len(lp), r.usage)
+    for t in lp:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob
+    summary["logprobs"] = [t.logprob for t in lp]
+
+    r = client.completions.create(
+        model=m, prompt="The quick brown fox", max_tokens=5, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    c = r.choices[0]
+    assert c.finish_reason == "length"
+    assert len(c.logprobs.token_logprobs) == 5
+    tids = c.model_extra.get("token_ids")
+    assert tids is not None and len(tids) == 5, c.model_extra
+    summary["completion"] = c.text
+
+    def ask_one(i):
+        msgs = [{"role": "user", "content": f"Request number {i}: count to {i % 7 + 2}."}]
+        out = client.chat.completions.create(
+            model=m, messages=msgs, max_tokens=10, temperature=0, extra_body=extra
+        )
+        return out.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
+        together = list(pool.map(ask_one, range(32)))
+    alone = [ask_one(i) for i in range(32)]
+    assert together == alone, [i for i in range(32) if together[i] != alone[i]]
+    summary["concurrent"] = 32
+
+    try:
+        client.chat.completions.create(model=m, messages=[], max_tokens=4)
+        raise AssertionError("an empty message list was accepted")
+    except openai.BadRequestError as e:
+        assert e.status_code == 400
+    try:
+        client.chat.completions.create(model=m, messages=user, max_tokens=10**7)
+        raise AssertionError("an over-long request was accepted")
+    except openai.BadRequestError as e:
+        assert "context length" in str(e), str(e)
+
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
