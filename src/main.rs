@@ -2,8 +2,10 @@
 
 use clap::{Parser, Subcommand};
 
+mod cli_harness;
 mod cli_model;
 mod cli_sandbox;
+mod cli_tasks;
 mod cli_train;
 mod cli_serve;
 mod server;
@@ -31,6 +33,14 @@ enum Command {
     BenchForward(cli_model::BenchForwardArgs),
     /// Run commands in an isolated sandbox, or build its base image.
     Sandbox(cli_sandbox::SandboxArgs),
+    /// Task files: generate the toy pool, validate tasks, audit them for loose tests.
+    Tasks(cli_tasks::TasksArgs),
+    /// Check raw assistant completions against the strict tool-call format.
+    CheckFormat(cli_harness::CheckFormatArgs),
+    /// Show rollout trajectories as transcripts.
+    Traj(cli_harness::TrajArgs),
+    /// pass@1 over K attempts per task through the rollout harness, resumable.
+    Eval(cli_harness::EvalArgs),
     /// Supervised fine-tuning (AdamW, torch semantics); writes a Hugging Face checkpoint.
     Sft(cli_train::SftArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
@@ -49,6 +59,10 @@ fn main() {
         Command::InitModel(args) => cli_model::init_model(args),
         Command::BenchForward(args) => cli_model::bench_forward(args),
         Command::Sandbox(args) => cli_sandbox::main(args),
+        Command::Tasks(args) => cli_tasks::main(args),
+        Command::CheckFormat(args) => cli_harness::check_format(args),
+        Command::Traj(args) => cli_harness::traj(args),
+        Command::Eval(args) => cli_harness::eval(args),
         Command::Sft(args) => cli_train::sft(args),
         Command::Serve(args) => cli_serve::serve(args),
     };

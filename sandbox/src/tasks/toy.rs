@@ -79,8 +79,9 @@ struct Bug {
     fixed: String,
     /// Extra module-level helper placed before the function, if any.
     helper: String,
-    /// pytest assertions of the tight tests (each becomes one test).
-    tight: Vec<String>,
+    /// pytest assertions of the tight tests (each becomes one test), and
+    /// whether the buggy code fails it (fail-to-pass) or not (pass-to-pass).
+    tight: Vec<(String, bool)>,
     /// The single assertion of the loose test.
     loose: String,
     /// (call, what the reporter got, what they expected) for the issue.
@@ -101,9 +102,9 @@ fn make_bug(family: &'static str, rng: &mut Rng) -> Bug {
                 fixed: "    return a + b".into(),
                 helper: String::new(),
                 tight: vec![
-                    format!("{f}({a}, {b}) == {}", a + b),
-                    format!("{f}(-1, 4) == 3"),
-                    format!("{f}(10, 0) == 10"),
+                    (format!("{f}({a}, {b}) == {}", a + b), true),
+                    (format!("{f}(-1, 4) == 3"), true),
+                    (format!("{f}(10, 0) == 10"), false),
                 ],
                 loose: format!("{f}(2, -1) == 1"),
                 example: (
@@ -127,9 +128,9 @@ fn make_bug(family: &'static str, rng: &mut Rng) -> Bug {
                 fixed: "    return sum(range(1, n + 1))".into(),
                 helper: String::new(),
                 tight: vec![
-                    format!("{f}({n}) == {}", n * (n + 1) / 2),
-                    format!("{f}(0) == 0"),
-                    format!("{f}(10) == 55"),
+                    (format!("{f}({n}) == {}", n * (n + 1) / 2), true),
+                    (format!("{f}(0) == 0"), false),
+                    (format!("{f}(10) == 55"), true),
                 ],
                 loose: format!("{f}(1) == 1"),
                 example: (
@@ -157,9 +158,9 @@ fn make_bug(family: &'static str, rng: &mut Rng) -> Bug {
                 fixed: format!("    return value * {good}"),
                 helper: String::new(),
                 tight: vec![
-                    format!("{f}({x}) == {}", x * good),
-                    format!("{f}(0) == 0"),
-                    format!("{f}(5) == {}", 5 * good),
+                    (format!("{f}({x}) == {}", x * good), true),
+                    (format!("{f}(0) == 0"), false),
+                    (format!("{f}(5) == {}", 5 * good), true),
                 ],
                 loose: format!("{f}(1) == {good}"),
                 example: (
@@ -181,11 +182,9 @@ fn make_bug(family: &'static str, rng: &mut Rng) -> Bug {
                 buggy: "    return 1 if x > 0 else -1".into(),
                 fixed: "    return 1 if x > 0 else (0 if x == 0 else -1)".into(),
                 helper: String::new(),
-                tight: vec![
-                    format!("{f}(0) == 0"),
-                    format!("{f}(7) == 1"),
-                    format!("{f}(-3) == -1"),
-                ],
+                tight: vec![(format!("{f}(0) == 0"), true),
+(format!("{f}(7) == 1"), false),
+(format!("{f}(-3) == -1"), false)],
                 loose: format!("{f}(0) == 0"),
                 example: (format!("{f}(0)"), "-1".into(), "0".into()),
                 symptom: "zero is not handled".into(),
@@ -194,7 +193,7 @@ fn make_bug(family: &'static str, rng: &mut Rng) -> Bug {
         "swapped_arguments" => {
             let f = rng.pick(&["ratio", "share_of", "fraction", "per_unit"]);
             let b = [2, 4, 5, 8][rng.below(4)] as i64;
-            let a = b * (1 + rng.below(5) as i64);
+            let a = b * (2 + rng.below(4) as i64);
             Bug {
                 family,
                 func: f.into(),
@@ -203,9 +202,9 @@ fn make_bug(family: &'static str, rng: &mut Rng) -> Bug {
                 fixed: "    return _div(part, whole)".into(),
                 helper: "def _div(x, y):\n    return x / y\n\n\n".into(),
                 tight: vec![
-                    format!("{f}({a}, {b}) == {}", a / b),
-                    format!("{f}(1, 4) == 0.25"),
-                    format!("{f}(0, 5) == 0"),
+                    (format!("{f}({a}, {b}) == {}", a / b), true),
+                    (format!("{f}(1, 4) == 0.25"), true),
+                    (format!("{f}(0, 5) == 0"), true),
                 ],
                 loose: format!("{f}(0, 5) == 0"),
                 example: (
@@ -232,11 +231,9 @@ fn make_bug(family: &'static str, rng: &mut Rng) -> Bug {
                 buggy: format!("    return {what} > limit"),
                 fixed: format!("    return {what} >= limit"),
                 helper: String::new(),
-                tight: vec![
-                    format!("{f}({limit}) is True"),
-                    format!("{f}({}) is False", limit - 1),
-                    format!("{f}({}) is True", limit + 10),
-                ],
+                tight: vec![(format!("{f}({limit}) is True"), true),
+(format!("{f}({}) is False", limit - 1), false),
+(format!("{f}({}) is True", limit + 10), false)],
                 loose: format!("{f}({limit}) is True"),
                 example: (format!("{f}({limit})"), "False".into(), "True".into()),
                 symptom: "the boundary value is rejected".into(),
@@ -393,17 +390,23 @@ pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
         )?;
 
         let f = &bug.func;
-        let asserts: Vec<&String> = if loose {
-            vec![&bug.loose]
+        let asserts: Vec<(String, bool)> = if loose {
+            vec![(bug.loose.clone(), true)]
         } else {
-            bug.tight.iter().collect()
+            bug.tight.clone()
         };
         let mut hidden = format!("from {pkg}.core import {f}\n");
         let mut f2p = Vec::new();
-        for (k, a) in asserts.iter().enumerate() {
+        let mut hidden_p2p = Vec::new();
+        for (k, (a, fails_before)) in asserts.iter().enumerate() {
             let name = format!("test_{f}_{k}");
             hidden.push_str(&format!("\n\ndef {name}():\n    assert {a}\n"));
-            f2p.push(format!("tests/test_{f}.py::{name}"));
+            let id = format!("tests/test_{f}.py::{name}");
+            if *fails_before {
+                f2p.push(id);
+            } else {
+                hidden_p2p.push(id);
+            }
         }
         let test_patch = new_file_diff(&format!("tests/test_{f}.py"), &hidden);
         let patch = replace_line_diff(&core_path, &core, bug_idx, &bug.fixed);
@@ -414,10 +417,11 @@ pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
              Please fix `{f}` so that it behaves as documented.\n",
             symptom = bug.symptom
         );
-        let pass_to_pass = vec![
+        let mut pass_to_pass = vec![
             format!("tests/test_basic.py::test_{}", d1.0),
             format!("tests/test_basic.py::test_{}", d2.0),
         ];
+        pass_to_pass.extend(hidden_p2p);
         let mut meta = Map::new();
         meta.insert(
             "toy".into(),

@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::path::Path;
+use std::sync::Arc;
 
 /// Settings of [`run_eval`].
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -181,11 +182,14 @@ pub fn summarize(tasks: &[Task], records: &[AttemptRecord]) -> EvalSummary {
     }
 }
 
+/// The policy that attempts a task (usually the same one for every task).
+pub type PolicyFor<'a> = &'a (dyn Fn(&Task) -> Arc<dyn Policy> + Sync);
+
 /// Runs the attempts of `tasks` not yet in `out` (unmasked), appending each
 /// as it finishes; full trajectories go to `traj_out` when given.
 pub async fn run_eval(
     harness: &Harness,
-    policy: &dyn Policy,
+    policy_for: PolicyFor<'_>,
     backend: &dyn Backend,
     tasks: &[Task],
     cfg: &EvalConfig,
@@ -214,10 +218,10 @@ pub async fn run_eval(
         Some(p) => Some(open(p)?),
         None => None,
     };
-    let mut stream = futures_util::stream::iter(
-        todo.into_iter()
-            .map(|(t, a)| harness.rollout(policy, backend, t, a)),
-    )
+    let mut stream = futures_util::stream::iter(todo.into_iter().map(|(t, a)| async move {
+        let policy = policy_for(t);
+        harness.rollout(policy.as_ref(), backend, t, a).await
+    }))
     .buffer_unordered(cfg.concurrency.max(1));
     while let Some(traj) = stream.next().await {
         let line = serde_json::to_string(&AttemptRecord::from(&traj))

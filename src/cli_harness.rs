@@ -1,0 +1,243 @@
+//! `arcticd check-format`, `arcticd traj show` and `arcticd eval`: the
+//! rollout harness from the command line.
+//!
+//! `check-format --input FILE` reads a JSON list of raw assistant
+//! completions and prints one JSON verdict per item with exactly the
+//! harness's checker. `traj show FILE` prints trajectories as transcripts.
+//! `eval` runs pass@1 over K attempts per task through an OpenAI-compatible
+//! endpoint (or scripted turns, for demos and tests), resumably. Thin wiring
+//! over `arcticd_trainer::harness`.
+
+use crate::cli_sandbox::BackendKind;
+use anyhow::{bail, Context, Result};
+use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::tokenizer::Tokenizer;
+use arcticd_sandbox::image;
+use arcticd_sandbox::tasks::{self, Format};
+use arcticd_trainer::harness::eval::{self, EvalConfig};
+use arcticd_trainer::harness::openai::{OpenAiConfig, OpenAiPolicy};
+use arcticd_trainer::harness::policy::Policy;
+use arcticd_trainer::harness::{format, tools, trajectory, Harness, RolloutConfig, ScriptedPolicy};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(clap::Args)]
+pub struct CheckFormatArgs {
+    /// JSON list of raw assistant completions (strings, or objects with a
+    /// `text` field).
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Tool schemas (JSON list, OpenAI function format); default the
+    /// harness's tools.
+    #[arg(long)]
+    pub tools: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+pub struct TrajArgs {
+    #[command(subcommand)]
+    pub command: TrajCommand,
+}
+
+#[derive(clap::Subcommand)]
+pub enum TrajCommand {
+    /// Print trajectories of a JSONL file as readable transcripts.
+    Show(TrajShowArgs),
+}
+
+#[derive(clap::Args)]
+pub struct TrajShowArgs {
+    pub file: PathBuf,
+    /// Only this task's trajectories.
+    #[arg(long)]
+    pub task: Option<String>,
+    /// Only the trajectory at this 0-based position in the file.
+    #[arg(long)]
+    pub index: Option<usize>,
+}
+
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    /// Task file (JSONL).
+    #[arg(long)]
+    pub tasks: PathBuf,
+    /// Record format: auto, native, swebench, r2e.
+    #[arg(long, default_value = "auto")]
+    pub format: String,
+    /// A model folder (tokenizer and chat template), or with --endpoint the
+    /// model's name there.
+    #[arg(long)]
+    pub model: String,
+    /// OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000.
+    #[arg(long)]
+    pub endpoint: Option<String>,
+    /// Folder with the tokenizer and chat template (with --endpoint; default
+    /// --model when that is a folder).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Scripted turns instead of a model: JSON object task id -> list of raw
+    /// assistant turns (demos and tests).
+    #[arg(long)]
+    pub script: Option<PathBuf>,
+    /// Attempts per task (K).
+    #[arg(long, default_value_t = 4)]
+    pub attempts: usize,
+    /// Rollouts at once.
+    #[arg(long, default_value_t = 2)]
+    pub concurrency: usize,
+    /// Sandbox backend.
+    #[arg(long, value_enum, default_value = "docker")]
+    pub backend: BackendKind,
+    /// Image for tasks with a local repository and no image of their own.
+    #[arg(long, default_value = image::DEFAULT_TAG)]
+    pub image: String,
+    /// Per-attempt results (JSONL, appended; resumable).
+    #[arg(long, default_value = "eval.jsonl")]
+    pub out: PathBuf,
+    /// Full trajectories (JSONL, appended).
+    #[arg(long)]
+    pub traj: Option<PathBuf>,
+    /// Rollout settings as JSON (see RolloutConfig), e.g. '{"max_turns": 20}'.
+    #[arg(long)]
+    pub config: Option<String>,
+}
+
+pub fn check_format(a: CheckFormatArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&a.input)
+        .with_context(|| format!("reading {}", a.input.display()))?;
+    let items: Vec<Value> = serde_json::from_str(&text)
+        .with_context(|| format!("{}: expected a JSON list", a.input.display()))?;
+    let schemas = match &a.tools {
+        Some(p) => serde_json::from_str::<Vec<Value>>(
+            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+        )
+        .with_context(|| format!("{}: expected a JSON list of tool schemas", p.display()))?,
+        None => tools::tool_schemas(),
+    };
+    for (i, item) in items.iter().enumerate() {
+        let raw = match item {
+            Value::String(s) => s.as_str(),
+            Value::Object(o) => match o.get("text").and_then(Value::as_str) {
+                Some(s) => s,
+                None => bail!("item {i}: an object without a string `text`"),
+            },
+            _ => bail!("item {i}: expected a string or an object with `text`"),
+        };
+        let verdict = match format::check(raw, &schemas) {
+            Ok(call) => json!({"index": i, "verdict": "valid", "call": call}),
+            Err(v) => {
+                json!({"index": i, "verdict": "invalid", "reason": v.code, "detail": v.detail})
+            }
+        };
+        println!("{verdict}");
+    }
+    Ok(())
+}
+
+pub fn traj(a: TrajArgs) -> Result<()> {
+    match a.command {
+        TrajCommand::Show(s) => {
+            let all = trajectory::read_jsonl(&s.file)?;
+            let mut shown = 0;
+            for (i, t) in all.iter().enumerate() {
+                if s.index.is_some_and(|k| k != i)
+                    || s.task.as_ref().is_some_and(|id| *id != t.task_id)
+                {
+                    continue;
+                }
+                println!("{}", trajectory::show(t));
+                shown += 1;
+            }
+            if shown == 0 {
+                bail!("no trajectory in {} matches", s.file.display());
+            }
+            Ok(())
+        }
+    }
+}
+
+fn load_model_files(dir: &Path) -> Result<(Arc<Tokenizer>, ChatTemplate)> {
+    let tokenizer = Tokenizer::from_dir(dir)
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    let template = ChatTemplate::from_dir(dir)?.unwrap_or_else(ChatTemplate::qwen35);
+    Ok((Arc::new(tokenizer), template))
+}
+
+pub fn eval(a: EvalArgs) -> Result<()> {
+    let mut cfg = match &a.config {
+        Some(j) => serde_json::from_str::<RolloutConfig>(j).context("parsing --config")?,
+        None => RolloutConfig::default(),
+    };
+    cfg.image = a.image.clone();
+    let tasks = tasks::load_tasks(&a.tasks, a.format.parse::<Format>()?)?;
+    let tok_dir = match (&a.tokenizer, &a.endpoint) {
+        (Some(d), _) => d.clone(),
+        (None, None) => PathBuf::from(&a.model),
+        (None, Some(_)) => {
+            bail!("--endpoint needs --tokenizer DIR (the model's tokenizer and chat template)")
+        }
+    };
+    let (tokenizer, template) = load_model_files(&tok_dir)?;
+    let harness = Harness::new(tokenizer.clone(), template, cfg)?;
+    let policy_for: Box<dyn Fn(&tasks::Task) -> Arc<dyn Policy> + Sync> = if let Some(p) = &a.script
+    {
+        let text =
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+        let scripts: HashMap<String, Vec<String>> =
+            serde_json::from_str(&text).with_context(|| {
+                format!(
+                    "{}: expected an object of task id -> list of turns",
+                    p.display()
+                )
+            })?;
+        let by_task: HashMap<String, Arc<dyn Policy>> = scripts
+            .into_iter()
+            .map(|(id, turns)| {
+                let p: Arc<dyn Policy> = Arc::new(ScriptedPolicy::new(tokenizer.clone(), turns));
+                (id, p)
+            })
+            .collect();
+        let empty: Arc<dyn Policy> = Arc::new(ScriptedPolicy::new(tokenizer.clone(), vec![]));
+        Box::new(move |t: &tasks::Task| {
+            by_task
+                .get(&t.instance_id)
+                .cloned()
+                .unwrap_or_else(|| empty.clone())
+        })
+    } else if let Some(endpoint) = &a.endpoint {
+        let policy: Arc<dyn Policy> = Arc::new(OpenAiPolicy::new(
+            OpenAiConfig {
+                endpoint: endpoint.clone(),
+                model: a.model.clone(),
+                ..OpenAiConfig::default()
+            },
+            tokenizer.clone(),
+        )?);
+        Box::new(move |_: &tasks::Task| policy.clone())
+    } else {
+        bail!("the in-process engine policy is not wired into eval yet: serve the model (arcticd serve) and pass --endpoint URL --model NAME --tokenizer DIR");
+    };
+    let ecfg = EvalConfig {
+        attempts: a.attempts,
+        concurrency: a.concurrency,
+    };
+    let rt = arcticd_sandbox::runtime()?;
+    let summary = rt.block_on(async {
+        let backend = crate::cli_tasks::backend(a.backend).await?;
+        let s = eval::run_eval(
+            &harness,
+            policy_for.as_ref(),
+            backend.as_ref(),
+            &tasks,
+            &ecfg,
+            &a.out,
+            a.traj.as_deref(),
+        )
+        .await?;
+        anyhow::Ok(s)
+    })?;
+    println!("{}", serde_json::to_string_pretty(&summary)?);
+    Ok(())
+}
