@@ -101,37 +101,49 @@ fn parse_line(line: &str, vocab: usize, chat: Option<&ChatRender<'_>>) -> Result
     Ok(ex)
 }
 
-/// Render incrementally: the text before each assistant turn (with the
-/// generation prompt) is context, the turn itself is target. Each piece is
-/// tokenized on its own, so targets are exactly the assistant turns' tokens.
+/// Where an assistant turn's content starts and ends in Qwen's chat format
+/// (DESIGN.md: `<|im_start|>{role}\n{content}<|im_end|>\n`).
+const ASSISTANT_OPEN: &str = "<|im_start|>assistant\n";
+const TURN_END: &str = "<|im_end|>";
+
+/// Render the whole conversation once, then mark every assistant turn, from
+/// after `<|im_start|>assistant\n` through its `<|im_end|>`, as target (the
+/// template may render earlier turns differently once later ones exist, e.g.
+/// Qwen3.5 drops their empty think block, so turns are found in the final
+/// text rather than rendered one by one). Pieces are tokenized separately at
+/// the turn boundaries (special tokens), so targets are exactly those turns.
 fn render_messages(msgs: &[Value], chat: &ChatRender<'_>) -> Result<SftExample> {
-    let mut pieces: Vec<(String, bool)> = Vec::new();
-    let mut done = String::new();
-    for (i, m) in msgs.iter().enumerate() {
-        if m.get("role").and_then(Value::as_str) != Some("assistant") {
-            continue;
-        }
-        let prefix = chat.template.render(&msgs[..i], None, true)?;
-        let full = chat.template.render(&msgs[..=i], None, false)?;
-        if !prefix.starts_with(&done) || !full.starts_with(&prefix) {
-            return Err(Error::Input(format!(
-                "the chat template does not render message {i} as an extension of the conversation before it"
-            )));
-        }
-        pieces.push((prefix[done.len()..].to_string(), false));
-        pieces.push((full[prefix.len()..].to_string(), true));
-        done = full;
-    }
+    let n_assistant = msgs
+        .iter()
+        .filter(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+        .count();
     let all = chat.template.render(msgs, None, false)?;
-    if all.len() > done.len() && all.starts_with(&done) {
-        pieces.push((all[done.len()..].to_string(), false));
+    let mut pieces: Vec<(&str, bool)> = Vec::new();
+    let mut rest = all.as_str();
+    let mut found = 0;
+    while let Some(open) = rest.find(ASSISTANT_OPEN) {
+        let body_start = open + ASSISTANT_OPEN.len();
+        let end = rest[body_start..].find(TURN_END).ok_or_else(|| {
+            Error::Input(format!("assistant turn {} has no {TURN_END}", found + 1))
+        })?;
+        let body_end = body_start + end + TURN_END.len();
+        pieces.push((&rest[..body_start], false));
+        pieces.push((&rest[body_start..body_end], true));
+        rest = &rest[body_end..];
+        found += 1;
+    }
+    pieces.push((rest, false));
+    if found != n_assistant {
+        return Err(Error::Input(format!(
+            "{n_assistant} assistant messages but {found} assistant turns in the rendered text"
+        )));
     }
     let mut ex = SftExample {
         tokens: Vec::new(),
         loss_mask: Vec::new(),
     };
     for (text, target) in pieces {
-        let ids = chat.tokenizer.encode(&text)?;
+        let ids = chat.tokenizer.encode(text)?;
         ex.loss_mask
             .extend(std::iter::repeat_n(u8::from(target), ids.len()));
         ex.tokens.extend(ids);
