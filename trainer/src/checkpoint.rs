@@ -154,9 +154,12 @@ pub fn load_optimizer(dir: &Path, opt: &mut AdamW) -> Result<()> {
     Ok(())
 }
 
+/// `(name, shape, values)` of one tensor.
+pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
+
 /// Every tensor of one safetensors file widened to f32 (F32/BF16/F16), sorted
 /// by name: for comparing checkpoints and reading reference fixtures.
-pub fn read_safetensors_f32(path: &Path) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>> {
+pub fn read_safetensors_f32(path: &Path) -> Result<Vec<NamedTensor>> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     let st =
         SafeTensors::deserialize(&bytes).map_err(|e| cerr(format!("{}: {e}", path.display())))?;
