@@ -10,7 +10,7 @@
 
 use crate::{Error, Result};
 use arcticd_engine::tokenizer::Tokenizer;
-use async_trait::async_trait;
+pub use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
 

@@ -1,0 +1,531 @@
+//! The rollout harness end to end on toy tasks, through the real sandbox on
+//! both backends: a scripted policy that replays a known-good tool-call
+//! sequence solves tasks with reward 1; every gate ends its rollout with
+//! reward 0 and the right reason; an agent that edits the hidden tests or
+//! reads `.git` gains nothing; trajectories hold exactly the appended
+//! tokens; `arcticd eval` (scripted) is resumable and `traj show` prints it.
+//!
+//! A backend that is unavailable fails the test when `CI` is set and is
+//! skipped loudly otherwise (as in sandbox_isolation.rs). Not for: model
+//! quality.
+
+use anyhow::{ensure, Context, Result};
+use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::tokenizer::Tokenizer;
+use arcticd_sandbox::docker::DockerBackend;
+use arcticd_sandbox::image;
+use arcticd_sandbox::local::LocalBackend;
+use arcticd_sandbox::tasks::{toy, Task};
+use arcticd_sandbox::Backend;
+use arcticd_trainer::harness::format::render_call;
+use arcticd_trainer::harness::policy::{Completion, FinishReason, GenerateRequest, Policy};
+use arcticd_trainer::harness::{Harness, RolloutConfig, ScriptedPolicy, Termination, Trajectory};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Docker,
+    Local,
+}
+
+/// A unique folder removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Result<Self> {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p =
+            std::env::temp_dir().join(format!("arcticd-harness-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p)?;
+        Ok(TempDir(p))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A tiny model folder (tokenizer and chat template) and a toy pool, made
+/// once per test process.
+struct Fixture {
+    _dir: TempDir,
+    model: PathBuf,
+    pool: PathBuf,
+    tasks: Vec<Task>,
+}
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let dir = TempDir::new("fixture").expect("temp dir");
+        let model = dir.0.join("model");
+        let out = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+            .args(["init-model", "--preset", "tiny", "--out"])
+            .arg(&model)
+            .output()
+            .expect("running arcticd init-model");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let pool = dir.0.join("pool");
+        let cfg = toy::ToyConfig {
+            count: 6,
+            seed: 0,
+            loose_share: 0.0,
+        };
+        let tasks = toy::generate(&cfg, &pool).expect("toy pool");
+        Fixture {
+            _dir: dir,
+            model,
+            pool,
+            tasks,
+        }
+    })
+}
+
+fn harness(cfg: RolloutConfig) -> Result<Harness> {
+    let f = fixture();
+    let tok = Arc::new(Tokenizer::from_dir(&f.model)?);
+    let template = ChatTemplate::from_dir(&f.model)?.unwrap_or_else(ChatTemplate::qwen35);
+    Ok(Harness::new(tok, template, cfg)?)
+}
+
+fn base_image() -> Result<bool, String> {
+    static BUILT: OnceLock<Result<bool, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let rt = arcticd_sandbox::runtime().map_err(|e| e.to_string())?;
+            rt.block_on(async {
+                let docker_ok = DockerBackend::new().await.is_ok();
+                image::build_base_image(image::DEFAULT_TAG, docker_ok, false)
+                    .await
+                    .map(|_| docker_ok)
+                    .map_err(|e| e.to_string())
+            })
+        })
+        .clone()
+}
+
+fn unavailable(kind: Kind, why: &str) {
+    if std::env::var_os("CI").is_some() {
+        panic!("{kind:?} backend unavailable in CI: {why}");
+    }
+    eprintln!("SKIPPED: {kind:?} sandbox backend unavailable: {why}");
+}
+
+type Body = Box<
+    dyn FnOnce(
+        Arc<dyn Backend>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>>>>,
+>;
+
+fn run_on(kind: Kind, body: Body) {
+    let docker_ok = match base_image() {
+        Ok(d) => d,
+        Err(e) => return unavailable(kind, &format!("base image: {e}")),
+    };
+    if kind == Kind::Docker && !docker_ok {
+        return unavailable(kind, "cannot connect to the Docker daemon");
+    }
+    let rt = arcticd_sandbox::runtime().expect("runtime");
+    rt.block_on(async {
+        let backend: Arc<dyn Backend> = match kind {
+            Kind::Docker => match DockerBackend::new().await {
+                Ok(b) => Arc::new(b),
+                Err(e) => return unavailable(kind, &e.to_string()),
+            },
+            Kind::Local => match LocalBackend::new().await {
+                Ok(b) => Arc::new(b),
+                Err(e) => return unavailable(kind, &e.to_string()),
+            },
+        };
+        if let Err(e) = body(backend).await {
+            panic!("{kind:?}: {e:#}");
+        }
+    });
+}
+
+macro_rules! both_backends {
+    ($name:ident, |$b:ident| $body:block) => {
+        mod $name {
+            use super::*;
+            #[test]
+            fn docker() {
+                run_on(Kind::Docker, Box::new(|$b| Box::pin(async move $body)));
+            }
+            #[test]
+            fn local() {
+                run_on(Kind::Local, Box::new(|$b| Box::pin(async move $body)));
+            }
+        }
+    };
+}
+
+/// The toy task's known fix as (path, old line, new line).
+fn solution(t: &Task) -> (String, String, String) {
+    let s = &t.meta["toy"]["solution"];
+    let g = |k: &str| s[k].as_str().unwrap_or_default().to_string();
+    (g("path"), g("old_str"), g("new_str"))
+}
+
+/// Explore, fix with str_replace, run the visible tests, submit.
+fn solving_script(t: &Task) -> Vec<String> {
+    let (path, old, new) = solution(t);
+    vec![
+        format!(
+            "The issue names the function; let me read the module.\n\n{}",
+            render_call(
+                "str_replace_based_edit_tool",
+                &[("command", "view"), ("path", &path)]
+            )
+        ),
+        render_call(
+            "str_replace_based_edit_tool",
+            &[
+                ("command", "str_replace"),
+                ("path", &path),
+                ("old_str", &old),
+                ("new_str", &new),
+            ],
+        ),
+        render_call(
+            "bash",
+            &[
+                ("command", "python3 -m pytest -q -p no:cacheprovider tests"),
+                ("timeout", "120"),
+            ],
+        ),
+        render_call("submit", &[]),
+    ]
+}
+
+async fn roll(
+    h: &Harness,
+    backend: &dyn Backend,
+    task: &Task,
+    turns: Vec<String>,
+) -> Result<Trajectory> {
+    let policy = ScriptedPolicy::new(h.tokenizer().clone(), turns);
+    let t = h.rollout(&policy, backend, task, 0).await;
+    t.check()?;
+    Ok(t)
+}
+
+fn expect(t: &Trajectory, term: Termination, reward: f64) -> Result<()> {
+    ensure!(
+        t.termination == term && t.reward == reward,
+        "expected {term:?} with reward {reward}, got {:?} reward {}: {}",
+        t.termination,
+        t.reward,
+        t.detail
+    );
+    Ok(())
+}
+
+/// The trajectory is the initial prompt plus appended turns: decoding all
+/// tokens gives the prompt text, then each turn's raw text in order, and the
+/// loss mask marks exactly the generated tokens.
+fn check_tokens(h: &Harness, t: &Trajectory) -> Result<()> {
+    let text = h.tokenizer().decode(&t.token_ids, false)?;
+    ensure!(
+        text.starts_with(&t.prompt_text),
+        "the prompt was re-rendered"
+    );
+    let mut at = t.prompt_text.len();
+    for turn in &t.turns {
+        let i = text[at..]
+            .find(&turn.raw_text)
+            .context("a turn's text is missing")?;
+        at += i + turn.raw_text.len();
+    }
+    let generated: usize = t.turns.iter().map(|x| x.n_tokens).sum();
+    ensure!(t.loss_mask.iter().filter(|m| **m == 1).count() == generated);
+    ensure!(t.loss_mask[..t.prompt_len].iter().all(|m| *m == 0));
+    Ok(())
+}
+
+both_backends!(scripted_policy_solves_toy_tasks, |backend| {
+    let h = harness(RolloutConfig::default())?;
+    let f = fixture();
+    // Two families on Docker (slower starts), three locally.
+    let n = if backend.name() == "docker" { 2 } else { 3 };
+    for task in f.tasks.iter().take(n) {
+        let t = roll(&h, backend.as_ref(), task, solving_script(task)).await?;
+        expect(&t, Termination::Submitted, 1.0)?;
+        ensure!(t.turns.len() == 4 && !t.masked);
+        let obs = t.turns[0].observation.as_deref().unwrap_or_default();
+        ensure!(
+            obs.contains(&solution(task).1),
+            "view shows the buggy line: {obs}"
+        );
+        ensure!(t
+            .diff
+            .as_deref()
+            .unwrap_or_default()
+            .contains(&solution(task).2));
+        check_tokens(&h, &t)?;
+    }
+    // Doing nothing but submitting earns nothing.
+    let t = roll(
+        &h,
+        backend.as_ref(),
+        &f.tasks[0],
+        vec![render_call("submit", &[])],
+    )
+    .await?;
+    expect(&t, Termination::Submitted, 0.0)
+});
+
+both_backends!(every_gate_ends_the_rollout_with_reward_zero, |backend| {
+    let f = fixture();
+    let task = &f.tasks[1];
+    let b = backend.as_ref();
+    let h = harness(RolloutConfig::default())?;
+    let fix = solving_script(task);
+    let ls = render_call("bash", &[("command", "ls")]);
+
+    // Malformed turn after a correct fix: no grading, reward 0.
+    let t = roll(
+        &h,
+        b,
+        task,
+        vec![fix[1].clone(), format!("{}\nDone!", fix[3])],
+    )
+    .await?;
+    expect(&t, Termination::InvalidFormat, 0.0)?;
+    ensure!(t.turns.len() == 2 && t.grade.is_none());
+    ensure!(t.turns[1]
+        .format_error
+        .as_deref()
+        .unwrap_or_default()
+        .starts_with("trailing_text"));
+
+    // Exact repeat of a call.
+    let t = roll(
+        &h,
+        b,
+        task,
+        vec![fix[1].clone(), ls.clone(), ls.clone(), fix[3].clone()],
+    )
+    .await?;
+    expect(&t, Termination::DuplicateCall, 0.0)?;
+
+    // Turn budget.
+    let h2 = harness(RolloutConfig {
+        max_turns: 2,
+        ..Default::default()
+    })?;
+    let t = roll(&h2, b, task, fix.clone()).await?;
+    expect(&t, Termination::TurnBudget, 0.0)?;
+    ensure!(t.turns.len() == 2);
+
+    // Context budget: room for the first turn but not its observation.
+    let (_, prompt) = h.initial_prompt(task)?;
+    let first = h.tokenizer().encode(&fix[0])?.len() + 1;
+    let h3 = harness(RolloutConfig {
+        max_context_tokens: prompt.len() + first + 2,
+        ..Default::default()
+    })?;
+    let t = roll(&h3, b, task, fix.clone()).await?;
+    expect(&t, Termination::ContextBudget, 0.0)?;
+
+    // Wall-time budget.
+    let h4 = harness(RolloutConfig {
+        max_wall_secs: 1.0,
+        ..Default::default()
+    })?;
+    let slow = render_call("bash", &[("command", "sleep 2")]);
+    let t = roll(&h4, b, task, vec![slow, fix[1].clone(), fix[3].clone()]).await?;
+    expect(&t, Termination::WallBudget, 0.0)?;
+
+    // A turn cut at the token limit.
+    let mut p = ScriptedPolicy::new(h.tokenizer().clone(), fix.clone());
+    p.truncate = true;
+    let t = h.rollout(&p, b, task, 0).await;
+    expect(&t, Termination::Truncated, 0.0)?;
+
+    // A broken policy is masked, not a failure.
+    let t = h.rollout(&BrokenPolicy, b, task, 0).await;
+    expect(&t, Termination::PolicyError, 0.0)?;
+    ensure!(t.masked);
+
+    // A task whose repository is missing is an infrastructure error.
+    let mut gone = task.clone();
+    gone.repo = Some(f.pool.join("repos/does-not-exist"));
+    let t = roll(&h, b, &gone, fix.clone()).await?;
+    expect(&t, Termination::Infra, 0.0)?;
+    ensure!(t.masked);
+
+    // With the format gate off, the model is told and may continue.
+    let h5 = harness(RolloutConfig {
+        gate_format: false,
+        ..Default::default()
+    })?;
+    let mut turns = vec!["I think the bug is obvious.".to_string()];
+    turns.extend(fix.iter().skip(1).cloned());
+    let t = roll(&h5, b, task, turns).await?;
+    expect(&t, Termination::Submitted, 1.0)?;
+    ensure!(t.turns[0]
+        .observation
+        .as_deref()
+        .unwrap_or_default()
+        .contains("no_tool_call"));
+    Ok(())
+});
+
+both_backends!(editing_tests_or_reading_git_gains_nothing, |backend| {
+    let f = fixture();
+    let task = &f.tasks[2];
+    let b = backend.as_ref();
+    let h = harness(RolloutConfig::default())?;
+    // Overwrite the hidden test file (and the visible ones) with passing tests.
+    let hidden = arcticd_sandbox::grading::patch_paths(&task.test_patch);
+    let mut turns: Vec<String> = hidden
+        .iter()
+        .chain(std::iter::once(&"tests/test_basic.py".to_string()))
+        .map(|p| {
+            render_call(
+                "str_replace_based_edit_tool",
+                &[
+                    ("command", "create"),
+                    ("path", p),
+                    ("file_text", "def test_ok():\n    assert True\n"),
+                ],
+            )
+        })
+        .collect();
+    turns.push(render_call("submit", &[]));
+    let t = roll(&h, b, task, turns).await?;
+    expect(&t, Termination::Submitted, 0.0)?;
+
+    // History holds one snapshot commit: nothing to read the fix from.
+    let turns = vec![
+        render_call(
+            "bash",
+            &[(
+                "command",
+                "git log --all --oneline; git stash list; git tag; ls .git",
+            )],
+        ),
+        render_call(
+            "bash",
+            &[(
+                "command",
+                "cat .git/packed-refs .git/ORIG_HEAD 2>&1; git reflog 2>&1 | head",
+            )],
+        ),
+        render_call("submit", &[]),
+    ];
+    let t = roll(&h, b, task, turns).await?;
+    expect(&t, Termination::Submitted, 0.0)?;
+    let log = t.turns[0].observation.clone().unwrap_or_default();
+    ensure!(
+        log.lines().filter(|l| l.ends_with(" snapshot")).count() == 1,
+        "{log}"
+    );
+    ensure!(!log.contains(&solution(task).2));
+    Ok(())
+});
+
+struct BrokenPolicy;
+
+#[arcticd_trainer::harness::policy::async_trait]
+impl Policy for BrokenPolicy {
+    async fn generate(&self, _req: GenerateRequest) -> arcticd_trainer::Result<Completion> {
+        Ok(Completion {
+            token_ids: vec![1, 2],
+            logprobs: vec![0.0],
+            weight_versions: vec![0, 0],
+            finish_reason: FinishReason::Stop,
+        })
+    }
+    fn name(&self) -> String {
+        "broken".into()
+    }
+}
+
+fn arcticd(args: &[&str]) -> Result<String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .args(args)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "arcticd {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+#[test]
+fn eval_command_is_resumable_and_traj_show_prints_it() -> Result<()> {
+    if let Err(e) = base_image() {
+        unavailable(Kind::Local, &e);
+        return Ok(());
+    }
+    if Command::new("bwrap").arg("--version").output().is_err() {
+        unavailable(Kind::Local, "no bwrap");
+        return Ok(());
+    }
+    let f = fixture();
+    let dir = TempDir::new("eval")?;
+    // Two tasks: the first solved by its script, the second given none.
+    let tasks: Vec<Task> = f.tasks.iter().take(2).cloned().collect();
+    let task_file = dir.0.join("tasks.jsonl");
+    arcticd_sandbox::tasks::write_tasks(&task_file, &tasks)?;
+    let script = serde_json::json!({ tasks[0].instance_id.clone(): solving_script(&tasks[0]) });
+    let script_file = dir.0.join("script.json");
+    std::fs::write(&script_file, script.to_string())?;
+    let out = dir.0.join("eval.jsonl");
+    let traj = dir.0.join("traj.jsonl");
+    let p = |x: &Path| x.display().to_string();
+    let args = [
+        "eval",
+        "--tasks",
+        &p(&task_file),
+        "--model",
+        &p(&f.model),
+        "--script",
+        &p(&script_file),
+        "--attempts",
+        "2",
+        "--backend",
+        "local",
+        "--out",
+        &p(&out),
+        "--traj",
+        &p(&traj),
+    ];
+    let summary: serde_json::Value = serde_json::from_str(&arcticd(&args)?)?;
+    ensure!(
+        summary["pass_at_1"] == 0.5 && summary["attempts"] == 4,
+        "{summary}"
+    );
+    ensure!(
+        summary["terminations"]["submitted"] == 2 && summary["terminations"]["invalid_format"] == 2,
+        "{summary}"
+    );
+    ensure!(
+        (summary["stderr"].as_f64().unwrap_or(0.0) - 0.5).abs() < 1e-9,
+        "{summary}"
+    );
+    // Resuming runs nothing new.
+    let again: serde_json::Value = serde_json::from_str(&arcticd(&args)?)?;
+    ensure!(again["attempts"] == 4 && again["pass_at_1"] == 0.5);
+    ensure!(std::fs::read_to_string(&out)?.lines().count() == 4);
+    let shown = arcticd(&["traj", "show", &p(&traj), "--task", &tasks[0].instance_id])?;
+    ensure!(
+        shown.contains("reward 1")
+            && shown.contains("--- observation")
+            && shown.contains("<function=submit>"),
+        "{shown}"
+    );
+    Ok(())
+}
