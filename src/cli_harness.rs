@@ -165,6 +165,9 @@ fn load_model_files(dir: &Path) -> Result<(Arc<Tokenizer>, ChatTemplate)> {
     Ok((Arc::new(tokenizer), template))
 }
 
+/// Picks the policy that attempts a task.
+type PolicyFactory = Box<dyn Fn(&tasks::Task) -> Arc<dyn Policy> + Sync>;
+
 pub fn eval(a: EvalArgs) -> Result<()> {
     let mut cfg = match &a.config {
         Some(j) => serde_json::from_str::<RolloutConfig>(j).context("parsing --config")?,
@@ -181,8 +184,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     };
     let (tokenizer, template) = load_model_files(&tok_dir)?;
     let harness = Harness::new(tokenizer.clone(), template, cfg)?;
-    let policy_for: Box<dyn Fn(&tasks::Task) -> Arc<dyn Policy> + Sync> = if let Some(p) = &a.script
-    {
+    let policy_for: PolicyFactory = if let Some(p) = &a.script {
         let text =
             std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
         let scripts: HashMap<String, Vec<String>> =

@@ -274,9 +274,9 @@ pub fn variants(gold: &str) -> Vec<Variant> {
                             lines.push(l.clone());
                         }
                         // Other added lines are dropped.
-                    } else if l.starts_with('-') {
+                    } else if let Some(old) = l.strip_prefix('-') {
                         // Keep the old code where the gold patch replaced it.
-                        lines.push(format!(" {}", &l[1..]));
+                        lines.push(format!(" {old}"));
                     } else {
                         stub_indent = None;
                         lines.push(l.clone());

@@ -337,7 +337,7 @@ pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
     if !(0.0..=1.0).contains(&cfg.loose_share) {
         return Err(Error::InvalidInput("loose_share must be in [0, 1]".into()));
     }
-    let mut rng = Rng(cfg.seed ^ 0x5EED_0F_A7C71C);
+    let mut rng = Rng(cfg.seed ^ 0x5EED_0FA7_C71C);
     // Exactly round(count * share) loose tasks, at seeded positions.
     let n_loose = (cfg.count as f64 * cfg.loose_share).round() as usize;
     let mut order: Vec<usize> = (0..cfg.count).collect();
