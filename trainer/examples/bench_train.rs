@@ -65,10 +65,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let acts = model::forward(&m, packed)?;
     let t_fwd = t0.elapsed().as_secs_f64();
     let (mut rows, mut targets) = (Vec::new(), Vec::new());
-    for (s, &(start, n)) in acts.packed.spans.iter().enumerate() {
-        for t in 1..n {
+    for (seq, &(start, _)) in seqs.iter().zip(&acts.packed.spans) {
+        for (t, &tok) in seq.iter().enumerate().skip(1) {
             rows.push(start + t - 1);
-            targets.push(seqs[s][t]);
+            targets.push(tok);
         }
     }
     let t0 = Instant::now();
