@@ -19,7 +19,7 @@
 
 use crate::grads::{FullAttnGrad, LinearAttnGrad, MixerGrad, ModelGrads};
 use crate::{Error, Result};
-use arcticd_engine::model::qwen3_5::{FullAttention, Linear, LinearAttention, Mixer};
+use arcticd_engine::model::qwen3_5::{FullAttention, Layer, Linear, LinearAttention, Mixer};
 use arcticd_engine::Qwen3_5;
 use arcticd_kernels::cpu::{
     activation::{
@@ -126,6 +126,13 @@ enum MixerActs {
     Full(Box<FullActs>),
 }
 
+/// A layer's activations, or only its input when they are recomputed.
+#[derive(Debug)]
+enum Saved {
+    All(Box<LayerActs>),
+    Input(Vec<f32>),
+}
+
 #[derive(Debug)]
 struct LayerActs {
     x_in: Vec<f32>,
@@ -144,7 +151,7 @@ struct LayerActs {
 #[derive(Debug)]
 pub struct Activations {
     pub packed: Packed,
-    layers: Vec<LayerActs>,
+    layers: Vec<Saved>,
     x_last: Vec<f32>,
     final_rstd: Vec<f32>,
     /// Final hidden states after the final norm, `[tokens, hidden]`.
@@ -205,8 +212,23 @@ fn rmsnorm_fwd(
     Ok((out, rstd))
 }
 
-/// The training forward over a packed batch.
+/// How much of the forward the backward keeps.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ForwardOptions {
+    /// Keep only each layer's input and recompute the layer's activations
+    /// in the backward (per-layer activation checkpointing): one extra layer
+    /// forward per layer, activation memory of one layer instead of all.
+    /// The gradients are identical (the forward is deterministic).
+    pub recompute_layers: bool,
+}
+
+/// The training forward over a packed batch, keeping every activation.
 pub fn forward(model: &Qwen3_5, packed: Packed) -> Result<Activations> {
+    forward_with(model, packed, ForwardOptions::default())
+}
+
+/// The training forward with [`ForwardOptions`].
+pub fn forward_with(model: &Qwen3_5, packed: Packed, opts: ForwardOptions) -> Result<Activations> {
     let c = &model.config;
     let h = c.hidden_size;
     let t = packed.len();
@@ -220,43 +242,13 @@ pub fn forward(model: &Qwen3_5, packed: Packed) -> Result<Activations> {
     )?;
     let mut layers = Vec::with_capacity(model.layers.len());
     for layer in &model.layers {
-        let (xn1, rstd1) = rmsnorm_fwd(&x, &layer.input_layernorm, h, c.rms_norm_eps)?;
-        let (mixed, mixer) = match &layer.mixer {
-            Mixer::Linear(la) => {
-                let (out, acts) = linear_attention_fwd(model, la, &xn1, &packed)?;
-                (out, MixerActs::Linear(Box::new(acts)))
-            }
-            Mixer::Full(fa) => {
-                let (out, acts) = full_attention_fwd(model, fa, &xn1, &packed)?;
-                (out, MixerActs::Full(Box::new(acts)))
-            }
-        };
-        let x_in = x.clone();
-        for (a, b) in x.iter_mut().zip(&mixed) {
-            *a += b;
-        }
-        let (xn2, rstd2) = rmsnorm_fwd(&x, &layer.post_attention_layernorm, h, c.rms_norm_eps)?;
-        let gate = linear_fwd(&layer.gate_proj, &xn2, t)?;
-        let up = linear_fwd(&layer.up_proj, &xn2, t)?;
-        let mut act = vec![0.0f32; gate.len()];
-        silu_mul_forward(&mut act, &gate, &up, t, c.intermediate_size)?;
-        let mlp = linear_fwd(&layer.down_proj, &act, t)?;
-        let x_mid = x.clone();
-        for (a, b) in x.iter_mut().zip(&mlp) {
-            *a += b;
-        }
-        layers.push(LayerActs {
-            x_in,
-            rstd1,
-            xn1,
-            mixer,
-            x_mid,
-            rstd2,
-            xn2,
-            gate,
-            up,
-            act,
+        let (x_out, acts) = layer_forward(model, layer, &x, &packed)?;
+        layers.push(if opts.recompute_layers {
+            Saved::Input(x)
+        } else {
+            Saved::All(Box::new(acts))
         });
+        x = x_out;
     }
     let (hidden, final_rstd) = rmsnorm_fwd(&x, &model.norm, h, c.rms_norm_eps)?;
     Ok(Activations {
@@ -266,6 +258,57 @@ pub fn forward(model: &Qwen3_5, packed: Packed) -> Result<Activations> {
         final_rstd,
         hidden,
     })
+}
+
+/// One decoder layer, as the engine runs it; returns the layer's output and
+/// its activations.
+fn layer_forward(
+    model: &Qwen3_5,
+    layer: &Layer,
+    x_in: &[f32],
+    packed: &Packed,
+) -> Result<(Vec<f32>, LayerActs)> {
+    let c = &model.config;
+    let h = c.hidden_size;
+    let t = packed.len();
+    let (xn1, rstd1) = rmsnorm_fwd(x_in, &layer.input_layernorm, h, c.rms_norm_eps)?;
+    let (mixed, mixer) = match &layer.mixer {
+        Mixer::Linear(la) => {
+            let (out, acts) = linear_attention_fwd(model, la, &xn1, packed)?;
+            (out, MixerActs::Linear(Box::new(acts)))
+        }
+        Mixer::Full(fa) => {
+            let (out, acts) = full_attention_fwd(model, fa, &xn1, packed)?;
+            (out, MixerActs::Full(Box::new(acts)))
+        }
+    };
+    let mut x = x_in.to_vec();
+    for (a, b) in x.iter_mut().zip(&mixed) {
+        *a += b;
+    }
+    let (xn2, rstd2) = rmsnorm_fwd(&x, &layer.post_attention_layernorm, h, c.rms_norm_eps)?;
+    let gate = linear_fwd(&layer.gate_proj, &xn2, t)?;
+    let up = linear_fwd(&layer.up_proj, &xn2, t)?;
+    let mut act = vec![0.0f32; gate.len()];
+    silu_mul_forward(&mut act, &gate, &up, t, c.intermediate_size)?;
+    let mlp = linear_fwd(&layer.down_proj, &act, t)?;
+    let x_mid = x.clone();
+    for (a, b) in x.iter_mut().zip(&mlp) {
+        *a += b;
+    }
+    let acts = LayerActs {
+        x_in: x_in.to_vec(),
+        rstd1,
+        xn1,
+        mixer,
+        x_mid,
+        rstd2,
+        xn2,
+        gate,
+        up,
+        act,
+    };
+    Ok((x, acts))
 }
 
 fn linear_attention_fwd(
@@ -606,13 +649,21 @@ pub fn backward(
         h,
     )?;
     let im = c.intermediate_size;
-    for ((layer, la), lg) in model
+    for ((layer, saved), lg) in model
         .layers
         .iter()
         .zip(&acts.layers)
         .zip(grads.layers.iter_mut())
         .rev()
     {
+        let recomputed;
+        let la: &LayerActs = match saved {
+            Saved::All(a) => a,
+            Saved::Input(x_in) => {
+                recomputed = layer_forward(model, layer, x_in, &acts.packed)?.1;
+                &recomputed
+            }
+        };
         // x_out = x_mid + down(silu(gate(xn2)) * up(xn2)); dx flows through.
         let mut dact = vec![0.0f32; t * im];
         linear_bwd(

@@ -33,6 +33,10 @@ pub struct TrainConfig {
     /// Tokens per micro-batch (a longer sequence gets one of its own).
     /// Default 16384.
     pub micro_batch_tokens: usize,
+    /// Recompute each layer's activations in the backward instead of keeping
+    /// them (per-layer activation checkpointing, for long sequences).
+    /// Default false.
+    pub recompute_layers: bool,
     /// Policy-gradient loss settings.
     pub pg: PgConfig,
 }
@@ -44,6 +48,7 @@ impl Default for TrainConfig {
             schedule: LrSchedule::Constant,
             grad_clip: None,
             micro_batch_tokens: 16384,
+            recompute_layers: false,
             pg: PgConfig::default(),
         }
     }
@@ -206,7 +211,10 @@ impl Trainer {
             let packed = Packed::new(&seqs, m.config.vocab_size)?;
             let (rows, targets, at) =
                 scored_rows(&packed, &tokens[range.clone()], &masks[range.clone()]);
-            let acts = model::forward(&m, packed)?;
+            let opts = model::ForwardOptions {
+                recompute_layers: self.config.recompute_layers,
+            };
+            let acts = model::forward_with(&m, packed, opts)?;
             let lp = model::token_logprobs(&m, &acts.hidden, &rows, &targets)?;
             let mut ctx = Qwen3_5Ctx {
                 range: range.clone(),
