@@ -2,7 +2,8 @@
 //! the policy-gradient loss need: `lp[t] = logits[t, y_t] - logsumexp(logits[t])`.
 //! The sum is accumulated in f64: the vocabulary is 248k wide in real models
 //! and an f32 sum loses digits that log-prob comparisons care about.
-//! Backwards write (`=`) `dlogits`.
+//! Backwards write (`=`) `dlogits`, except `entropy_backward`, which adds to
+//! it. `entropy_forward` gives the per-row entropy for entropy bonuses.
 
 use crate::{Error, Result};
 use rayon::prelude::*;
@@ -148,6 +149,75 @@ pub fn log_softmax_backward(
     Ok(())
 }
 
+/// `out[n] = -sum_j p_j log p_j` with `p = softmax(logits[n])` (the policy's
+/// entropy per row, for entropy bonuses), sums in f64.
+pub fn entropy_forward(out: &mut [f32], logits: &[f32], n: usize, v: usize) -> Result<()> {
+    if out.len() != n || logits.len() != n * v {
+        return Err(Error::Shape(format!(
+            "entropy: out {} logits {} for {n} x {v}",
+            out.len(),
+            logits.len()
+        )));
+    }
+    if v == 0 {
+        return Ok(());
+    }
+    out.par_iter_mut()
+        .zip(logits.par_chunks(v))
+        .for_each(|(o, x)| {
+            let lse = logsumexp(x) as f64;
+            let h: f64 = x
+                .iter()
+                .map(|&z| {
+                    let lp = z as f64 - lse;
+                    -lp.exp() * lp
+                })
+                .sum();
+            *o = h as f32;
+        });
+    Ok(())
+}
+
+/// Backward of [`entropy_forward`]: `dlogits[n, j] += dent[n] * -p_j (log p_j + H_n)`.
+/// Accumulates (`+=`), so it adds onto [`logprob_gather_backward`]'s output.
+pub fn entropy_backward(
+    dlogits: &mut [f32],
+    dent: &[f32],
+    logits: &[f32],
+    n: usize,
+    v: usize,
+) -> Result<()> {
+    if dlogits.len() != n * v || dent.len() != n || logits.len() != n * v {
+        return Err(Error::Shape(format!(
+            "entropy_backward: dlogits {} dent {} logits {} for {n} x {v}",
+            dlogits.len(),
+            dent.len(),
+            logits.len()
+        )));
+    }
+    if v == 0 {
+        return Ok(());
+    }
+    dlogits
+        .par_chunks_mut(v)
+        .zip(logits.par_chunks(v).zip(dent.par_iter()))
+        .for_each(|(d, (x, &g))| {
+            let lse = logsumexp(x) as f64;
+            let h: f64 = x
+                .iter()
+                .map(|&z| {
+                    let lp = z as f64 - lse;
+                    -lp.exp() * lp
+                })
+                .sum();
+            for (dd, &z) in d.iter_mut().zip(x) {
+                let lp = z as f64 - lse;
+                *dd += (g as f64 * -lp.exp() * (lp + h)) as f32;
+            }
+        });
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,6 +274,33 @@ mod tests {
                 let mut o = vec![0.0; n * v];
                 log_softmax_forward(&mut o, l, n, v).unwrap();
                 dot64(&o, &probe)
+            },
+            1e-2,
+            1e-3,
+        );
+    }
+
+    #[test]
+    fn entropy_backward_matches_finite_differences() {
+        use crate::cpu::gradcheck::{check as fd, dot64, rand_vec, rng};
+        let mut r = rng(62);
+        let (n, v) = (3, 6);
+        let mut x = rand_vec(&mut r, n * v, 2.0);
+        let probe = rand_vec(&mut r, n, 1.0);
+        let mut h = vec![0.0; n];
+        let mut d = vec![0.5; n * v];
+        entropy_backward(&mut d, &probe, &x, n, v).unwrap();
+        d.iter_mut().for_each(|g| *g -= 0.5);
+        let mut two = [0.0f32];
+        entropy_forward(&mut two, &[0.0, 0.0], 1, 2).unwrap();
+        assert!((two[0] - 2.0f32.ln()).abs() < 1e-6);
+        fd(
+            "entropy",
+            &mut x,
+            &d,
+            |l| {
+                entropy_forward(&mut h, l, n, v).unwrap();
+                dot64(&h, &probe)
             },
             1e-2,
             1e-3,
