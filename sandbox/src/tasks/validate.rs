@@ -128,16 +128,16 @@ pub async fn validate_task(
 
 /// The validation rules on finished runs (before and with the gold patch).
 pub fn judge_runs(id: &str, task: &Task, before: &[GradeReport], after: &[GradeReport]) -> Verdict {
-    for r in before.iter().chain(after) {
-        if r.tests.is_empty() {
-            return Verdict::invalid(id, "no_tests_parsed", r.detail.clone());
-        }
-    }
     if let Some(r) = after
         .iter()
         .find(|r| r.outcome == GradeOutcome::PatchFailed)
     {
         return Verdict::invalid(id, "gold_patch_does_not_apply", r.detail.clone());
+    }
+    for r in before.iter().chain(after) {
+        if r.tests.is_empty() {
+            return Verdict::invalid(id, "no_tests_parsed", r.detail.clone());
+        }
     }
     if let Some(r) = after
         .iter()

@@ -1,0 +1,310 @@
+//! The toy pool through validation and the wrong-patch audit on the real
+//! sandbox: generated tasks are valid on both backends, broken tasks get the
+//! right invalid reason, and the audit flags exactly the deliberately loose
+//! tasks (precision and recall 1 on the pool), keeping evidence. Also the
+//! `arcticd tasks` command line: `toy` output and schema errors that name
+//! the record and field.
+//!
+//! A backend that is unavailable fails the test when `CI` is set and is
+//! skipped loudly otherwise.
+
+use anyhow::{ensure, Result};
+use arcticd_sandbox::docker::DockerBackend;
+use arcticd_sandbox::image;
+use arcticd_sandbox::local::LocalBackend;
+use arcticd_sandbox::tasks::{audit, toy, validate, Task};
+use arcticd_sandbox::{Backend, Policy};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Result<Self> {
+        let p = std::env::temp_dir().join(format!("arcticd-tasks-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p)?;
+        Ok(TempDir(p))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn base_image() -> Result<bool, String> {
+    static BUILT: OnceLock<Result<bool, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let rt = arcticd_sandbox::runtime().map_err(|e| e.to_string())?;
+            rt.block_on(async {
+                let docker_ok = DockerBackend::new().await.is_ok();
+                image::build_base_image(image::DEFAULT_TAG, docker_ok, false)
+                    .await
+                    .map(|_| docker_ok)
+                    .map_err(|e| e.to_string())
+            })
+        })
+        .clone()
+}
+
+fn skip(what: &str, why: &str) {
+    if std::env::var_os("CI").is_some() {
+        panic!("{what} backend unavailable in CI: {why}");
+    }
+    eprintln!("SKIPPED: {what} sandbox backend unavailable: {why}");
+}
+
+/// Whether the backend can run here (builds the base image first; call
+/// outside any runtime), reporting when not.
+fn usable(docker: bool) -> bool {
+    let name = if docker { "docker" } else { "local" };
+    match base_image() {
+        Err(e) => {
+            skip(name, &e);
+            false
+        }
+        Ok(false) if docker => {
+            skip(name, "cannot connect to the Docker daemon");
+            false
+        }
+        Ok(_) => true,
+    }
+}
+
+/// The backend, or None (after reporting) when it is unavailable.
+async fn backend(docker: bool) -> Option<Box<dyn Backend>> {
+    let name = if docker { "docker" } else { "local" };
+    let b: Result<Box<dyn Backend>, _> = if docker {
+        DockerBackend::new()
+            .await
+            .map(|b| Box::new(b) as Box<dyn Backend>)
+    } else {
+        LocalBackend::new()
+            .await
+            .map(|b| Box::new(b) as Box<dyn Backend>)
+    };
+    match b {
+        Ok(b) => Some(b),
+        Err(e) => {
+            skip(name, &e.to_string());
+            None
+        }
+    }
+}
+
+fn pool(tag: &str, count: usize, loose_share: f64) -> Result<(TempDir, Vec<Task>)> {
+    let dir = TempDir::new(tag)?;
+    let cfg = toy::ToyConfig {
+        count,
+        seed: 5,
+        loose_share,
+    };
+    let tasks = toy::generate(&cfg, &dir.0)?;
+    Ok((dir, tasks))
+}
+
+fn cfg() -> validate::ValidateConfig {
+    validate::ValidateConfig {
+        test_timeout_secs: 120.0,
+        ..Default::default()
+    }
+}
+
+fn validates_on(docker: bool) -> Result<()> {
+    if !usable(docker) {
+        return Ok(());
+    }
+    let rt = arcticd_sandbox::runtime()?;
+    rt.block_on(async {
+        let Some(b) = backend(docker).await else {
+            return Ok(());
+        };
+        // Three tasks on Docker (slower starts), six locally.
+        let (_dir, tasks) = pool(
+            if docker { "vd" } else { "vl" },
+            if docker { 3 } else { 6 },
+            0.34,
+        )?;
+        let verdicts =
+            validate::validate_tasks(b.as_ref(), &tasks, &Policy::default(), &cfg()).await;
+        for v in &verdicts {
+            ensure!(v.is_valid(), "{v:?}");
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn toy_pool_is_valid_on_docker() -> Result<()> {
+    validates_on(true)
+}
+
+#[test]
+fn toy_pool_is_valid_locally() -> Result<()> {
+    validates_on(false)
+}
+
+#[test]
+fn broken_tasks_are_invalid_with_the_right_reason() -> Result<()> {
+    if !usable(false) {
+        return Ok(());
+    }
+    let rt = arcticd_sandbox::runtime()?;
+    rt.block_on(async {
+        let Some(b) = backend(false).await else {
+            return Ok(());
+        };
+        let (_dir, tasks) = pool("bad", 1, 0.0)?;
+        let good = &tasks[0];
+        let mut no_gold = good.clone();
+        no_gold.patch = String::new();
+        let mut p2p_as_f2p = good.clone();
+        p2p_as_f2p.fail_to_pass.push(good.pass_to_pass[0].clone());
+        let mut no_tests = good.clone();
+        no_tests.test_cmd = "echo nothing to see".into();
+        let mut bad_gold = good.clone();
+        // A patch whose removed line is not in the file.
+        let old_line = good.meta["toy"]["solution"]["old_str"].as_str().unwrap_or_default();
+        bad_gold.patch = good
+            .patch
+            .replace(&format!("\n-{old_line}\n"), "\n-    nothing_like_this()\n");
+        ensure!(bad_gold.patch != good.patch);
+        let mut flaky = good.clone();
+        // A coin-flip test written next to the others before they run.
+        flaky.test_cmd = format!(
+            "printf 'import random\\n\\ndef test_coin():\\n    assert random.random() < 0.5\\n' > tests/test_flaky.py && {}",
+            good.test_cmd
+        );
+        flaky.repo = good.repo.clone();
+        let cases = [
+            (no_gold, "gold_fails"),
+            (p2p_as_f2p, "f2p_passes_before"),
+            (no_tests, "no_tests_parsed"),
+            (bad_gold, "gold_patch_does_not_apply"),
+        ];
+        for (task, reason) in &cases {
+            let v = validate::validate_task(b.as_ref(), task, &Policy::default(), &cfg()).await;
+            ensure!(v.reason.as_deref() == Some(*reason), "{reason}: {v:?}");
+        }
+        // Six runs of a coin flip all agree with probability 1/16; four
+        // tries make a false failure a 1-in-65536 event.
+        let mut seen = false;
+        for _ in 0..4 {
+            let mut c = cfg();
+            c.repeats = 3;
+            let v = validate::validate_task(b.as_ref(), &flaky, &Policy::default(), &c).await;
+            if v.reason.as_deref() == Some("flaky") {
+                seen = true;
+                break;
+            }
+        }
+        ensure!(seen, "a coin-flip test was never reported flaky");
+        Ok(())
+    })
+}
+
+#[test]
+fn audit_flags_exactly_the_loose_toy_tasks() -> Result<()> {
+    if !usable(false) {
+        return Ok(());
+    }
+    let rt = arcticd_sandbox::runtime()?;
+    rt.block_on(async {
+        let Some(b) = backend(false).await else {
+            return Ok(());
+        };
+        let (_dir, tasks) = pool("audit", 6, 0.34)?;
+        ensure!(tasks.iter().filter(|t| t.toy_loose() == Some(true)).count() == 2);
+        let cfg = audit::AuditConfig {
+            validate: cfg(),
+            validate_first: false,
+            max_variants: 24,
+        };
+        let report = audit::audit_tasks(b.as_ref(), &tasks, &Policy::default(), &cfg).await;
+        ensure!(
+            report.precision == Some(1.0) && report.recall == Some(1.0),
+            "{report:#?}"
+        );
+        ensure!(report.loose == 2 && report.tight == 4 && report.invalid == 0);
+        for r in &report.results {
+            ensure!(r.infra_errors == 0, "{r:?}");
+            if r.verdict == "loose" {
+                let evidence = r
+                    .accepted
+                    .as_ref()
+                    .map(|v| v.patch.clone())
+                    .unwrap_or_default();
+                ensure!(evidence.contains("+    return "), "{r:?}");
+            } else {
+                ensure!(r.tried >= 5, "too few wrong patches tried: {r:?}");
+            }
+        }
+        Ok(())
+    })
+}
+
+fn arcticd(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .args(args)
+        .output()
+        .expect("running arcticd")
+}
+
+#[test]
+fn tasks_command_line() -> Result<()> {
+    let dir = TempDir::new("cli")?;
+    let out = dir.0.join("pool");
+    let o = out.display().to_string();
+    let r = arcticd(&[
+        "tasks",
+        "toy",
+        "--count",
+        "4",
+        "--seed",
+        "2",
+        "--loose-share",
+        "0.5",
+        "--out",
+        &o,
+    ]);
+    ensure!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout)?;
+    ensure!(v["tasks"] == 4 && v["loose"] == 2, "{v}");
+    let file = out.join("tasks.jsonl");
+    let tasks = arcticd_sandbox::tasks::load_tasks(&file, arcticd_sandbox::tasks::Format::Auto)?;
+    ensure!(
+        tasks.len() == 4
+            && tasks
+                .iter()
+                .all(|t| t.repo.as_ref().is_some_and(|r| r.is_dir()))
+    );
+
+    // A schema error names the file, line, record and field.
+    let bad = dir.0.join("bad.jsonl");
+    let text = std::fs::read_to_string(&file)?;
+    let first = text
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .replace("\"FAIL_TO_PASS\":[", "\"FAIL_TO_PASS\":[3,");
+    std::fs::write(&bad, format!("{first}\n"))?;
+    let r = arcticd(&[
+        "tasks",
+        "validate",
+        "--tasks",
+        &bad.display().to_string(),
+        "--backend",
+        "local",
+    ]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    ensure!(!r.status.success(), "accepted a bad record");
+    ensure!(
+        err.contains("bad.jsonl:1") && err.contains("toy-0000") && err.contains("`FAIL_TO_PASS`"),
+        "{err}"
+    );
+    Ok(())
+}
