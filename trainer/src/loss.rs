@@ -60,6 +60,9 @@ pub struct PgConfig {
     pub aggregation: Aggregation,
     /// Coefficient of the k3 estimator of KL(current || behaviour). Default 0 (off).
     pub kl_coef: f64,
+    /// Entropy bonus: `-entropy_coef * H_t` is added per token (needs the
+    /// full-vocabulary entropy, computed from the same logits). Default 0 (off).
+    pub entropy_coef: f64,
 }
 
 impl Default for PgConfig {
@@ -72,6 +75,7 @@ impl Default for PgConfig {
             mask_band: None,
             aggregation: Aggregation::TokenMean,
             kl_coef: 0.0,
+            entropy_coef: 0.0,
         }
     }
 }
@@ -88,6 +92,8 @@ pub struct PgSeq<'a> {
     pub proximal: Option<&'a [f32]>,
     /// The trajectory's advantage.
     pub advantage: f32,
+    /// Policy entropy at each token; required when `entropy_coef != 0`.
+    pub entropy: Option<&'a [f32]>,
 }
 
 /// Per-step policy-gradient metrics.
@@ -103,22 +109,33 @@ pub struct PgMetrics {
     /// Tokens masked by `mask_band` or `max_log_ratio`.
     pub masked_fraction: f64,
     pub kl: f64,
+    /// Mean policy entropy over the tokens (0 when not computed).
+    pub entropy: f64,
+}
+
+/// Per-sequence gradients of a policy-gradient loss.
+#[derive(Debug, Clone, Default)]
+pub struct PgGrads {
+    /// d loss / d log-prob per token.
+    pub dlp: Vec<Vec<f32>>,
+    /// d loss / d entropy per token (empty vectors when the bonus is off).
+    pub dent: Vec<Vec<f32>>,
 }
 
 /// Policy-gradient loss for a batch; `normalizer` is the token count (token
 /// mean) or sequence count (sequence mean) of the whole batch, so micro-batches
-/// of one batch add up to the batch loss. Returns `dlp` per sequence.
+/// of one batch add up to the batch loss.
 pub fn pg_loss(
     cfg: &PgConfig,
     seqs: &[PgSeq<'_>],
     normalizer: usize,
-) -> Result<(PgMetrics, Vec<Vec<f32>>)> {
+) -> Result<(PgMetrics, PgGrads)> {
     if normalizer == 0 {
         return Err(Error::Input("policy-gradient batch has no tokens".into()));
     }
     let mut m = PgMetrics::default();
     let (mut clipped, mut masked) = (0usize, 0usize);
-    let mut dlps = Vec::with_capacity(seqs.len());
+    let mut grads = PgGrads::default();
     for (s, seq) in seqs.iter().enumerate() {
         let n = seq.logprobs.len();
         if seq.behaviour.len() != n || seq.proximal.is_some_and(|p| p.len() != n) {
@@ -134,6 +151,17 @@ pub fn pg_loss(
         };
         let a = seq.advantage as f64;
         let mut dlp = vec![0.0f32; n];
+        let mut dent = Vec::new();
+        if cfg.entropy_coef != 0.0 {
+            let ent = seq.entropy.filter(|e| e.len() == n).ok_or_else(|| {
+                Error::Input(format!("trajectory {s}: entropy bonus on but no entropies"))
+            })?;
+            for &e in ent {
+                m.loss -= cfg.entropy_coef * e as f64 * weight;
+                m.entropy += e as f64;
+            }
+            dent = vec![(-cfg.entropy_coef * weight) as f32; n];
+        }
         for t in 0..n {
             let l = seq.logprobs[t] as f64;
             let b = seq.behaviour[t] as f64;
@@ -179,14 +207,16 @@ pub fn pg_loss(
             m.loss += tok * weight;
             dlp[t] = (d * weight) as f32;
         }
-        dlps.push(dlp);
+        grads.dlp.push(dlp);
+        grads.dent.push(dent);
     }
     if m.tokens > 0 {
         m.mismatch_mean /= m.tokens as f64;
         m.clipped_fraction = clipped as f64 / m.tokens as f64;
         m.masked_fraction = masked as f64 / m.tokens as f64;
+        m.entropy /= m.tokens as f64;
     }
-    Ok((m, dlps))
+    Ok((m, grads))
 }
 
 /// Group-relative advantages: reward minus the group mean, optionally divided
@@ -229,7 +259,30 @@ mod tests {
             behaviour: b,
             proximal: None,
             advantage: a,
+            entropy: None,
         }
+    }
+
+    fn pg_loss_d(c: &PgConfig, s: &[PgSeq<'_>], n: usize) -> Result<(PgMetrics, Vec<Vec<f32>>)> {
+        pg_loss(c, s, n).map(|(m, g)| (m, g.dlp))
+    }
+
+    #[test]
+    fn entropy_bonus_lowers_the_loss_by_coef_times_entropy() {
+        let cfg = PgConfig {
+            entropy_coef: 0.1,
+            ..PgConfig::default()
+        };
+        let l = [-1.0f32, -1.0];
+        let ent = [2.0f32, 4.0];
+        let s = PgSeq {
+            entropy: Some(&ent),
+            ..seq(&l, &l, 0.0)
+        };
+        let (m, g) = pg_loss(&cfg, &[s], 2).unwrap();
+        assert!((m.loss + 0.3).abs() < 1e-9 && (m.entropy - 3.0).abs() < 1e-9);
+        assert_eq!(g.dent[0], vec![-0.05, -0.05]);
+        assert!(pg_loss(&cfg, &[seq(&l, &l, 0.0)], 2).is_err());
     }
 
     #[test]
@@ -244,7 +297,7 @@ mod tests {
     fn on_policy_gradient_is_minus_advantage() {
         let cfg = PgConfig::default();
         let l = [-1.0f32, -2.0];
-        let (m, d) = pg_loss(&cfg, &[seq(&l, &l, 0.5)], 2).unwrap();
+        let (m, d) = pg_loss_d(&cfg, &[seq(&l, &l, 0.5)], 2).unwrap();
         assert!((m.loss + 0.5).abs() < 1e-9);
         assert_eq!(d[0], vec![-0.25, -0.25]);
         assert_eq!(m.clipped_fraction, 0.0);
@@ -264,7 +317,7 @@ mod tests {
             (-0.7, -1.0, false),
         ] {
             let l = [lv];
-            let (m, d) = pg_loss(&cfg, &[seq(&l, &b[..1], a)], 1).unwrap();
+            let (m, d) = pg_loss_d(&cfg, &[seq(&l, &b[..1], a)], 1).unwrap();
             assert_eq!(
                 m.clipped_fraction,
                 if clipped { 1.0 } else { 0.0 },
@@ -291,7 +344,7 @@ mod tests {
     #[test]
     fn huge_log_ratio_is_masked_not_infinite() {
         let cfg = PgConfig::default();
-        let (m, d) = pg_loss(&cfg, &[seq(&[0.0], &[-500.0], 1.0)], 1).unwrap();
+        let (m, d) = pg_loss_d(&cfg, &[seq(&[0.0], &[-500.0], 1.0)], 1).unwrap();
         assert!(m.loss.is_finite() && d[0][0] == 0.0);
         assert_eq!(m.masked_fraction, 1.0);
         assert_eq!(m.mismatch_max, 500.0);
@@ -310,7 +363,7 @@ mod tests {
             ..PgConfig::default()
         };
         let b = [-1.2f32];
-        let f = |x: f32| pg_loss(&cfg, &[seq(&[x], &b, 0.0)], 1).unwrap();
+        let f = |x: f32| pg_loss_d(&cfg, &[seq(&[x], &b, 0.0)], 1).unwrap();
         let (_, d) = f(-1.0);
         let num = (f(-1.0 + 1e-3).0.loss - f(-1.0 - 1e-3).0.loss) / 2e-3;
         assert!((num - d[0][0] as f64).abs() < 1e-4, "{num} vs {}", d[0][0]);
@@ -323,7 +376,7 @@ mod tests {
             ..PgConfig::default()
         };
         let (a, b) = ([-1.0f32; 1], [-1.0f32; 3]);
-        let (m, d) = pg_loss(&cfg, &[seq(&a, &a, 1.0), seq(&b, &b, 1.0)], 2).unwrap();
+        let (m, d) = pg_loss_d(&cfg, &[seq(&a, &a, 1.0), seq(&b, &b, 1.0)], 2).unwrap();
         assert!((m.loss + 1.0).abs() < 1e-9);
         assert_eq!(d[0], vec![-0.5]);
         assert!((d[1][0] + 1.0 / 6.0).abs() < 1e-7);

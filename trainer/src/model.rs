@@ -14,8 +14,8 @@
 //! Gradients: parameter gradients accumulate (`+=`) into [`ModelGrads`] (so
 //! micro-batches add up); the residual-stream gradient accumulates within a
 //! pass; every other buffer is written. Activations are held for the whole
-//! pass (no per-layer recomputation yet); the gated-delta backward already
-//! recomputes its states from per-chunk checkpoints.
+//! pass, or only each layer's input with `ForwardOptions::recompute_layers`;
+//! the gated-delta backward recomputes its states from per-chunk checkpoints.
 
 use crate::grads::{FullAttnGrad, LinearAttnGrad, MixerGrad, ModelGrads};
 use crate::{Error, Result};
@@ -31,7 +31,9 @@ use arcticd_kernels::cpu::{
     embedding::{embedding_backward, embedding_forward},
     gated_delta::{gated_delta_backward, gated_delta_recurrent_forward, GatedDeltaDims},
     l2norm::{l2norm_backward, l2norm_forward},
-    logsoftmax::{logprob_gather_backward, logprob_gather_forward},
+    logsoftmax::{
+        entropy_backward, entropy_forward, logprob_gather_backward, logprob_gather_forward,
+    },
     matmul::{matmul_backward, matmul_forward},
     rmsnorm::{gated_rmsnorm_backward, gated_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward},
     rope::{rope_backward, rope_forward},
@@ -528,11 +530,24 @@ pub fn token_logprobs(
     rows: &[usize],
     targets: &[u32],
 ) -> Result<Vec<f32>> {
+    Ok(token_logprobs_entropy(model, hidden, rows, targets, false)?.0)
+}
+
+/// [`token_logprobs`], and with `entropy` also the policy's entropy at each
+/// row (same logits, computed once).
+pub fn token_logprobs_entropy(
+    model: &Qwen3_5,
+    hidden: &[f32],
+    rows: &[usize],
+    targets: &[u32],
+    entropy: bool,
+) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
     let (h, vsz) = (model.config.hidden_size, model.config.vocab_size);
     check_rows(hidden.len() / h.max(1), rows, targets)?;
     let w = model.lm_head_weight().as_f32()?;
     let per = rows_per_chunk(vsz);
     let mut lps = Vec::with_capacity(rows.len());
+    let mut ents = Vec::with_capacity(if entropy { rows.len() } else { 0 });
     for (rc, tc) in rows.chunks(per).zip(targets.chunks(per)) {
         let hsel = gather_rows(hidden, rc, h);
         let mut logits = vec![0.0f32; rc.len() * vsz];
@@ -540,8 +555,13 @@ pub fn token_logprobs(
         let mut lp = vec![0.0f32; rc.len()];
         logprob_gather_forward(&mut lp, &logits, tc, rc.len(), vsz)?;
         lps.extend(lp);
+        if entropy {
+            let mut e = vec![0.0f32; rc.len()];
+            entropy_forward(&mut e, &logits, rc.len(), vsz)?;
+            ents.extend(e);
+        }
     }
-    Ok(lps)
+    Ok((lps, entropy.then_some(ents)))
 }
 
 fn check_rows(n: usize, rows: &[usize], targets: &[u32]) -> Result<()> {
@@ -577,10 +597,24 @@ pub fn token_logprobs_backward(
     targets: &[u32],
     dlp: &[f32],
 ) -> Result<Vec<f32>> {
+    token_logprobs_entropy_backward(model, grads, hidden, rows, targets, dlp, None)
+}
+
+/// Backward of [`token_logprobs_entropy`]: `dlp` per row and, when given,
+/// `dent` (gradient of each row's entropy).
+pub fn token_logprobs_entropy_backward(
+    model: &Qwen3_5,
+    grads: &mut ModelGrads,
+    hidden: &[f32],
+    rows: &[usize],
+    targets: &[u32],
+    dlp: &[f32],
+    dent: Option<&[f32]>,
+) -> Result<Vec<f32>> {
     let (h, vsz) = (model.config.hidden_size, model.config.vocab_size);
     let n = hidden.len() / h.max(1);
     check_rows(n, rows, targets)?;
-    if dlp.len() != rows.len() {
+    if dlp.len() != rows.len() || dent.is_some_and(|d| d.len() != rows.len()) {
         return Err(Error::Input(format!(
             "{} log-prob gradients for {} rows",
             dlp.len(),
@@ -602,6 +636,9 @@ pub fn token_logprobs_backward(
         matmul_forward(&mut logits, &hsel, w, None, m, h, vsz)?;
         let mut dlogits = vec![0.0f32; m * vsz];
         logprob_gather_backward(&mut dlogits, &dlp[start..start + m], &logits, tc, m, vsz)?;
+        if let Some(de) = dent {
+            entropy_backward(&mut dlogits, &de[start..start + m], &logits, m, vsz)?;
+        }
         let mut dsel = vec![0.0f32; m * h];
         matmul_backward(&mut dsel, dw, None, &dlogits, &hsel, w, m, h, vsz)?;
         for (i, &r) in rc.iter().enumerate() {

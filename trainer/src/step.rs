@@ -199,7 +199,8 @@ impl Trainer {
         &mut self,
         tokens: &[&[u32]],
         masks: &[&[u8]],
-        mut dlp_of: impl FnMut(&mut Qwen3_5Ctx<'_>) -> Result<(f64, Vec<f32>)>,
+        entropy: bool,
+        mut dlp_of: impl FnMut(&mut Qwen3_5Ctx<'_>) -> Result<(f64, Vec<f32>, Option<Vec<f32>>)>,
     ) -> Result<(f64, usize)> {
         self.grads.clear();
         let lens: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
@@ -215,21 +216,24 @@ impl Trainer {
                 recompute_layers: self.config.recompute_layers,
             };
             let acts = model::forward_with(&m, packed, opts)?;
-            let lp = model::token_logprobs(&m, &acts.hidden, &rows, &targets)?;
+            let (lp, ent) =
+                model::token_logprobs_entropy(&m, &acts.hidden, &rows, &targets, entropy)?;
             let mut ctx = Qwen3_5Ctx {
                 range: range.clone(),
                 at: &at,
                 lp: &lp,
+                entropy: ent.as_deref(),
             };
-            let (part, dlp) = dlp_of(&mut ctx)?;
+            let (part, dlp, dent) = dlp_of(&mut ctx)?;
             loss += part;
-            let dhidden = model::token_logprobs_backward(
+            let dhidden = model::token_logprobs_entropy_backward(
                 &m,
                 &mut self.grads,
                 &acts.hidden,
                 &rows,
                 &targets,
                 &dlp,
+                dent.as_deref(),
             )?;
             model::backward(&m, &acts, &dhidden, &mut self.grads)?;
         }
@@ -281,7 +285,9 @@ impl Trainer {
         }
         let tokens: Vec<&[u32]> = batch.iter().map(|e| e.tokens.as_slice()).collect();
         let masks: Vec<&[u8]> = batch.iter().map(|e| e.loss_mask.as_slice()).collect();
-        let (loss, parts) = self.accumulate(&tokens, &masks, |ctx| sft_loss(ctx.lp, n_targets))?;
+        let (loss, parts) = self.accumulate(&tokens, &masks, false, |ctx| {
+            sft_loss(ctx.lp, n_targets).map(|(l, d)| (l, d, None))
+        })?;
         self.finish(loss, n_targets, parts)
     }
 
@@ -313,36 +319,43 @@ impl Trainer {
         let masks: Vec<&[u8]> = batch.iter().map(|e| e.loss_mask.as_slice()).collect();
         let cfg = self.config.pg;
         let mut all = PgMetrics::default();
-        let (loss, parts) = self.accumulate(&tokens, &masks, |ctx| {
+        let entropy = cfg.entropy_coef != 0.0;
+        let (loss, parts) = self.accumulate(&tokens, &masks, entropy, |ctx| {
             // Group this micro-batch's rows by sequence (rows come in order).
-            let mut per_seq: Vec<(usize, Vec<f32>, Vec<f32>)> = Vec::new();
+            let mut per_seq: Vec<(usize, Vec<f32>, Vec<f32>, Vec<f32>)> = Vec::new();
             for (i, &(s, t)) in ctx.at.iter().enumerate() {
                 let ex = &batch[ctx.range.start + s];
                 if per_seq.last().is_none_or(|p| p.0 != s) {
-                    per_seq.push((s, Vec::new(), Vec::new()));
+                    per_seq.push((s, Vec::new(), Vec::new(), Vec::new()));
                 }
                 if let Some(p) = per_seq.last_mut() {
                     p.1.push(ctx.lp[i]);
                     p.2.push(ex.behaviour_logprobs[t]);
+                    if let Some(e) = ctx.entropy {
+                        p.3.push(e[i]);
+                    }
                 }
             }
             let seqs: Vec<PgSeq<'_>> = per_seq
                 .iter()
-                .map(|(s, l, b)| PgSeq {
+                .map(|(s, l, b, e)| PgSeq {
                     logprobs: l,
                     behaviour: b,
                     proximal: None,
                     advantage: batch[ctx.range.start + s].advantage,
+                    entropy: entropy.then_some(e.as_slice()),
                 })
                 .collect();
-            let (m, dlps) = pg_loss(&cfg, &seqs, normalizer)?;
+            let (m, g) = pg_loss(&cfg, &seqs, normalizer)?;
             merge_pg(&mut all, &m);
-            Ok((m.loss, dlps.into_iter().flatten().collect()))
+            let dent = entropy.then(|| g.dent.into_iter().flatten().collect());
+            Ok((m.loss, g.dlp.into_iter().flatten().collect(), dent))
         })?;
         if all.tokens > 0 {
             all.mismatch_mean /= all.tokens as f64;
             all.clipped_fraction /= all.tokens as f64;
             all.masked_fraction /= all.tokens as f64;
+            all.entropy /= all.tokens as f64;
         }
         all.loss = loss;
         let mut metrics = self.finish(loss, n_tokens, parts)?;
@@ -360,6 +373,7 @@ fn merge_pg(all: &mut PgMetrics, m: &PgMetrics) {
     all.clipped_fraction += m.clipped_fraction * n;
     all.masked_fraction += m.masked_fraction * n;
     all.kl += m.kl;
+    all.entropy += m.entropy * n;
     all.tokens += m.tokens;
 }
 
@@ -371,6 +385,8 @@ pub struct Qwen3_5Ctx<'a> {
     pub at: &'a [(usize, usize)],
     /// Current log-prob of each scored row.
     pub lp: &'a [f32],
+    /// Policy entropy at each scored row, when asked for.
+    pub entropy: Option<&'a [f32]>,
 }
 
 /// Convenience for tests and tools: a store around a loaded model.

@@ -250,3 +250,61 @@ fn packed_gradient_is_the_sum_of_per_sequence_gradients() {
         }
     }
 }
+
+/// The entropy path through the model: d(sum_t c_t H_t)/d(final norm weight)
+/// against central differences of the forward.
+#[test]
+fn entropy_gradient_matches_finite_differences() {
+    let m = Qwen3_5::load(&fixture("mqa_tied")).unwrap();
+    let seqs: Vec<Vec<u32>> = read_batch("mqa_tied").sequences;
+    let loss_and_grad = |m: &Qwen3_5, grad: bool| {
+        let packed = Packed::new(&seqs, m.config.vocab_size).unwrap();
+        let rows: Vec<usize> = (0..packed.len()).collect();
+        let targets: Vec<u32> = packed.ids.clone();
+        let coef: Vec<f32> = (0..rows.len())
+            .map(|i| (i % 5) as f32 * 0.1 - 0.2)
+            .collect();
+        let acts = model::forward(m, packed).unwrap();
+        let (_, ent) =
+            model::token_logprobs_entropy(m, &acts.hidden, &rows, &targets, true).unwrap();
+        let ent = ent.unwrap();
+        let loss: f64 = ent
+            .iter()
+            .zip(&coef)
+            .map(|(h, c)| *h as f64 * *c as f64)
+            .sum();
+        if !grad {
+            return (loss, None);
+        }
+        let mut g = ModelGrads::zeros_like(m);
+        let zeros = vec![0.0f32; rows.len()];
+        let dh = model::token_logprobs_entropy_backward(
+            m,
+            &mut g,
+            &acts.hidden,
+            &rows,
+            &targets,
+            &zeros,
+            Some(&coef),
+        )
+        .unwrap();
+        model::backward(m, &acts, &dh, &mut g).unwrap();
+        (loss, Some(g.norm.clone()))
+    };
+    let analytic = loss_and_grad(&m, true).1.unwrap();
+    let eps = 1e-2f32;
+    for i in [0usize, 7, 31] {
+        let mut shifted = |d: f32| {
+            let mut mm = m.clone();
+            mm.norm.as_f32_mut().unwrap()[i] += d;
+            loss_and_grad(&mm, false).0
+        };
+        let num = (shifted(eps) - shifted(-eps)) / (2.0 * eps as f64);
+        let err = (num - analytic[i] as f64).abs() / num.abs().max(1e-2);
+        assert!(
+            err < 1e-2,
+            "norm.weight[{i}]: analytic {} vs numeric {num}",
+            analytic[i]
+        );
+    }
+}
