@@ -1400,6 +1400,61 @@ mod tests {
         assert_eq!(st, StatusCode::OK, "{v}");
     }
 
+    async fn wait_idle(s: &AppState) -> bool {
+        for _ in 0..200 {
+            let r = &s.inner.router.replicas()[0];
+            if r.metrics().running.load(Ordering::Relaxed) == 0
+                && r.metrics().waiting.load(Ordering::Relaxed) == 0
+                && r.load() == 0
+            {
+                return true;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        false
+    }
+
+    fn stream_request() -> HttpRequest<Body> {
+        HttpRequest::builder()
+            .method("POST")
+            .uri("/v1/completions")
+            .header("content-type", "application/json")
+            .body(Body::from(
+                json!({"prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": true, "stream": true})
+                    .to_string(),
+            ))
+            .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_hangs_up_frees_its_sequence() {
+        let s = state();
+        let app = app(s.clone());
+        let resp = app.clone().oneshot(stream_request()).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let mut body = resp.into_body();
+        let first = body.frame().await.unwrap().unwrap();
+        assert!(first.is_data());
+        assert!(s.inner.router.replicas()[0].load() > 0);
+        drop(body);
+        assert!(wait_idle(&s).await, "the sequence was not freed");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shutdown_ends_open_streams_with_abort() {
+        let s = state();
+        let app = app(s.clone());
+        let resp = app.clone().oneshot(stream_request()).await.unwrap();
+        let mut body = resp.into_body();
+        let _ = body.frame().await.unwrap().unwrap();
+        s.inner.router.shutdown();
+        let rest = body.collect().await.unwrap().to_bytes();
+        let text = String::from_utf8_lossy(&rest);
+        assert!(text.contains("\"finish_reason\":\"abort\""), "{text}");
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        assert!(wait_idle(&s).await);
+    }
+
     #[test]
     fn tool_call_parser() {
         let text = "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
