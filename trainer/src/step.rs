@@ -322,7 +322,9 @@ impl Trainer {
         let entropy = cfg.entropy_coef != 0.0;
         let (loss, parts) = self.accumulate(&tokens, &masks, entropy, |ctx| {
             // Group this micro-batch's rows by sequence (rows come in order).
-            let mut per_seq: Vec<(usize, Vec<f32>, Vec<f32>, Vec<f32>)> = Vec::new();
+            // (sequence in the micro-batch, l_t, b_t, H_t) per trajectory.
+            type Rows = (usize, Vec<f32>, Vec<f32>, Vec<f32>);
+            let mut per_seq: Vec<Rows> = Vec::new();
             for (i, &(s, t)) in ctx.at.iter().enumerate() {
                 let ex = &batch[ctx.range.start + s];
                 if per_seq.last().is_none_or(|p| p.0 != s) {
