@@ -294,7 +294,7 @@ fn entropy_gradient_matches_finite_differences() {
     let analytic = loss_and_grad(&m, true).1.unwrap();
     let eps = 1e-2f32;
     for i in [0usize, 7, 31] {
-        let mut shifted = |d: f32| {
+        let shifted = |d: f32| {
             let mut mm = m.clone();
             mm.norm.as_f32_mut().unwrap()[i] += d;
             loss_and_grad(&mm, false).0
