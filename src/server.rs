@@ -148,6 +148,12 @@ impl From<arcticd_engine::Error> for AppError {
         use arcticd_engine::Error as E;
         match e {
             E::Input(m) => AppError::bad(m),
+            E::Unavailable(m) => AppError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                kind: "service_unavailable",
+                message: m,
+                param: None,
+            },
             E::Template(m) => AppError::bad(format!("chat template: {m}")),
             E::Tokenizer(m) => AppError::bad(format!("tokenizer: {m}")),
             other => AppError::internal(other),

@@ -292,7 +292,7 @@ impl EngineHandle {
         };
         if self.tx.send(cmd).is_err() {
             self.shared.metrics.load.fetch_sub(load, Ordering::Relaxed);
-            return Err(Error::Input("the engine has stopped".into()));
+            return Err(Error::Unavailable("the engine has stopped".into()));
         }
         Ok(Submitted { id, events })
     }
@@ -311,7 +311,7 @@ impl EngineHandle {
         while done < n {
             match sub.events.blocking_recv() {
                 Some(ev) => done += apply_event(&mut choices, ev)?,
-                None => return Err(Error::Input("the engine stopped".into())),
+                None => return Err(Error::Unavailable("the engine stopped".into())),
             }
         }
         Ok(choices)
@@ -326,7 +326,7 @@ impl EngineHandle {
         while done < n {
             match sub.events.recv().await {
                 Some(ev) => done += apply_event(&mut choices, ev)?,
-                None => return Err(Error::Input("the engine stopped".into())),
+                None => return Err(Error::Unavailable("the engine stopped".into())),
             }
         }
         Ok(choices)
@@ -339,9 +339,9 @@ impl EngineHandle {
         let (ack, wait) = mpsc::sync_channel(1);
         self.tx
             .send(Command::Pause(ack))
-            .map_err(|_| Error::Input("the engine has stopped".into()))?;
+            .map_err(|_| Error::Unavailable("the engine has stopped".into()))?;
         wait.recv()
-            .map_err(|_| Error::Input("the engine stopped while pausing".into()))
+            .map_err(|_| Error::Unavailable("the engine stopped while pausing".into()))
     }
 
     /// Let a paused engine go on. If the store's version moved, in-flight

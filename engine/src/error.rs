@@ -15,6 +15,9 @@ pub enum Error {
     Template(String),
     #[error("input: {0}")]
     Input(String),
+    /// The engine cannot take work (it stopped, or is shutting down).
+    #[error("unavailable: {0}")]
+    Unavailable(String),
     #[error("{}: {source}", path.display())]
     Io {
         path: PathBuf,
