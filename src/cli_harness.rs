@@ -14,6 +14,7 @@ use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_sandbox::image;
 use arcticd_sandbox::tasks::{self, Format};
+use arcticd_trainer::harness::engine_policy::EnginePolicy;
 use arcticd_trainer::harness::eval::{self, EvalConfig};
 use arcticd_trainer::harness::openai::{OpenAiConfig, OpenAiPolicy};
 use arcticd_trainer::harness::policy::Policy;
@@ -99,6 +100,9 @@ pub struct EvalArgs {
     /// Full trajectories (JSONL, appended).
     #[arg(long)]
     pub traj: Option<PathBuf>,
+    /// Engine replicas for an in-process model (--model DIR, no --endpoint).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
     /// Rollout settings as JSON (see RolloutConfig), e.g. '{"max_turns": 20}'.
     #[arg(long)]
     pub config: Option<String>,
@@ -219,7 +223,24 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         )?);
         Box::new(move |_: &tasks::Task| policy.clone())
     } else {
-        bail!("the in-process engine policy is not wired into eval yet: serve the model (arcticd serve) and pass --endpoint URL --model NAME --tokenizer DIR");
+        let model = arcticd_engine::Qwen3_5::load(&tok_dir)
+            .with_context(|| format!("loading model from {}", tok_dir.display()))?;
+        let store = arcticd_engine::ParamStore::new(model);
+        let config = arcticd_engine::engine::EngineConfig {
+            max_model_len: harness
+                .cfg
+                .max_context_tokens
+                .max(harness.cfg.max_new_tokens + 1),
+            ..Default::default()
+        };
+        let router = arcticd_engine::router::Router::start(
+            a.replicas.max(1),
+            store,
+            Some(tokenizer.clone()),
+            config,
+        )?;
+        let policy: Arc<dyn Policy> = Arc::new(EnginePolicy::new(router, a.model.clone()));
+        Box::new(move |_: &tasks::Task| policy.clone())
     };
     let ecfg = EvalConfig {
         attempts: a.attempts,

@@ -527,5 +527,54 @@ fn eval_command_is_resumable_and_traj_show_prints_it() -> Result<()> {
             && shown.contains("<function=submit>"),
         "{shown}"
     );
+
+    // The in-process engine (a tiny random model) through the same command:
+    // its turns are garbage, so every attempt ends at a gate with reward 0.
+    let out2 = dir.0.join("eval-engine.jsonl");
+    let traj2 = dir.0.join("traj-engine.jsonl");
+    let args = [
+        "eval",
+        "--tasks",
+        &p(&task_file),
+        "--model",
+        &p(&f.model),
+        "--attempts",
+        "1",
+        "--backend",
+        "local",
+        "--out",
+        &p(&out2),
+        "--traj",
+        &p(&traj2),
+        "--config",
+        r#"{"max_new_tokens": 32, "max_turns": 2}"#,
+    ];
+    let summary: serde_json::Value = serde_json::from_str(&arcticd(&args)?)?;
+    ensure!(
+        summary["attempts"] == 2 && summary["pass_at_1"] == 0.0,
+        "{summary}"
+    );
+    let trajs = arcticd_trainer::harness::trajectory::read_jsonl(&traj2)?;
+    ensure!(trajs.len() == 2);
+    for t in &trajs {
+        t.check()?;
+        ensure!(
+            !t.masked && t.turns.len() == 1,
+            "{:?}: {}",
+            t.termination,
+            t.detail
+        );
+        let lps: Vec<f32> = t
+            .logprobs
+            .iter()
+            .zip(&t.loss_mask)
+            .filter(|(_, m)| **m == 1)
+            .map(|(l, _)| *l)
+            .collect();
+        ensure!(
+            !lps.is_empty() && lps.iter().all(|l| *l < 0.0),
+            "behaviour log-probs recorded"
+        );
+    }
     Ok(())
 }

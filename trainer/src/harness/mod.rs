@@ -5,13 +5,15 @@
 //! - [`tools`]: bash, the file editor and submit, run in the sandbox.
 //! - [`policy`]: the model trait (prompt ids in; ids, log-probs, weight
 //!   versions, finish reason out) and a scripted policy;
-//!   [`openai`]: an OpenAI-compatible HTTP policy.
+//!   [`openai`]: an OpenAI-compatible HTTP policy; [`engine_policy`]: the
+//!   in-process engine behind its router.
 //! - [`rollout`]: the agent loop with gated reward.
 //! - [`trajectory`]: the record and its transcript view.
 //! - [`eval`]: pass@1 over K attempts, resumable.
 //!
 //! Not for: losses, batching, the async orchestrator.
 
+pub mod engine_policy;
 pub mod eval;
 pub mod format;
 pub mod openai;

@@ -1,0 +1,78 @@
+//! A [`Policy`] over the in-process engine: requests go to the
+//! least-loaded replica of a [`Router`] (never pinned, design step 8) and
+//! come back with per-token log-probabilities and weight versions exactly
+//! as the engine sampled them.
+//!
+//! Not for: starting engines or loading weights (the caller owns the
+//! router); sampling details (see the engine's sampler).
+
+use super::policy::{Completion, FinishReason, GenerateRequest, Policy};
+use crate::{Error, Result};
+use arcticd_engine::engine::{apply_event, Choice, FinishReason as EngineFinish, Request};
+use arcticd_engine::router::Router;
+use arcticd_engine::sampler::SamplingParams;
+use async_trait::async_trait;
+
+/// The in-process engine as a policy.
+pub struct EnginePolicy {
+    router: Router,
+    name: String,
+}
+
+impl EnginePolicy {
+    /// A policy over `router`; `name` labels trajectories.
+    pub fn new(router: Router, name: impl Into<String>) -> Self {
+        EnginePolicy {
+            router,
+            name: name.into(),
+        }
+    }
+}
+
+#[async_trait]
+impl Policy for EnginePolicy {
+    async fn generate(&self, req: GenerateRequest) -> Result<Completion> {
+        let params = SamplingParams {
+            temperature: req.temperature,
+            max_tokens: req.max_new_tokens,
+            stop_token_ids: req.stop_token_ids.clone(),
+            n: 1,
+            ..SamplingParams::default()
+        };
+        let (_, mut sub) = self.router.submit(Request {
+            prompt: req.prompt_ids,
+            params,
+        })?;
+        let mut choices = vec![Choice::default()];
+        loop {
+            match sub.events.recv().await {
+                Some(ev) => {
+                    if apply_event(&mut choices, ev)? > 0 {
+                        break;
+                    }
+                }
+                None => return Err(Error::Input("the engine stopped".into())),
+            }
+        }
+        let Some(c) = choices.pop() else {
+            return Err(Error::Input("the engine returned no choice".into()));
+        };
+        let finish_reason = match c.finish_reason {
+            Some(EngineFinish::Stop { .. }) => FinishReason::Stop,
+            Some(EngineFinish::Length) => FinishReason::Length,
+            Some(EngineFinish::Abort) | None => {
+                return Err(Error::Input("the engine aborted the request".into()))
+            }
+        };
+        Ok(Completion {
+            token_ids: c.tokens,
+            logprobs: c.logprobs,
+            weight_versions: c.weight_versions,
+            finish_reason,
+        })
+    }
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+}
