@@ -71,6 +71,12 @@ pub struct PgExample {
     pub loss_mask: Vec<u8>,
     /// Behaviour (engine) log-prob per token; read where `loss_mask` is 1.
     pub behaviour_logprobs: Vec<f32>,
+    /// Proximal log-probs (the trainer's own, under the weight version that
+    /// generated each token) when recomputed; they make the PPO ratio
+    /// `exp(l - prox)` and the truncated importance weight
+    /// `min(exp(prox - b), tis_cap)`. None: the behaviour log-probs stand in.
+    #[serde(default)]
+    pub proximal_logprobs: Option<Vec<f32>>,
     pub advantage: f32,
 }
 
@@ -259,6 +265,13 @@ impl Trainer {
             self.skipped_steps += 1;
             self.grads.clear();
             metrics.skipped = true;
+            tracing::warn!(
+                step = self.optimizer.step + 1,
+                loss,
+                grad_norm = norm,
+                skipped_total = self.skipped_steps,
+                "non-finite loss or gradient: step skipped, weights untouched"
+            );
             return Ok(metrics);
         }
         if let Some(c) = self.config.grad_clip {
@@ -270,6 +283,15 @@ impl Trainer {
         res?;
         metrics.step = self.optimizer.step;
         metrics.weight_version = version;
+        tracing::info!(
+            step = metrics.step,
+            lr,
+            loss,
+            grad_norm = norm,
+            tokens,
+            weight_version = version,
+            "optimizer step"
+        );
         Ok(metrics)
     }
 
@@ -298,7 +320,12 @@ impl Trainer {
         let mut n_seqs = 0;
         for (i, ex) in batch.iter().enumerate() {
             let n = check_example(i, &ex.tokens, &ex.loss_mask, vocab)?;
-            if ex.behaviour_logprobs.len() != ex.tokens.len() {
+            if ex.behaviour_logprobs.len() != ex.tokens.len()
+                || ex
+                    .proximal_logprobs
+                    .as_ref()
+                    .is_some_and(|p| p.len() != ex.tokens.len())
+            {
                 return Err(Error::Input(format!(
                     "example {i}: {} tokens but {} behaviour log-probs",
                     ex.tokens.len(),
@@ -323,12 +350,13 @@ impl Trainer {
         let (loss, parts) = self.accumulate(&tokens, &masks, entropy, |ctx| {
             // Group this micro-batch's rows by sequence (rows come in order).
             // (sequence in the micro-batch, l_t, b_t, H_t) per trajectory.
-            type Rows = (usize, Vec<f32>, Vec<f32>, Vec<f32>);
+            type Rows = (usize, Vec<f32>, Vec<f32>, Vec<f32>, Option<Vec<f32>>);
             let mut per_seq: Vec<Rows> = Vec::new();
             for (i, &(s, t)) in ctx.at.iter().enumerate() {
                 let ex = &batch[ctx.range.start + s];
                 if per_seq.last().is_none_or(|p| p.0 != s) {
-                    per_seq.push((s, Vec::new(), Vec::new(), Vec::new()));
+                    let prox = ex.proximal_logprobs.as_ref().map(|_| Vec::new());
+                    per_seq.push((s, Vec::new(), Vec::new(), Vec::new(), prox));
                 }
                 if let Some(p) = per_seq.last_mut() {
                     p.1.push(ctx.lp[i]);
@@ -336,14 +364,17 @@ impl Trainer {
                     if let Some(e) = ctx.entropy {
                         p.3.push(e[i]);
                     }
+                    if let (Some(dst), Some(src)) = (p.4.as_mut(), &ex.proximal_logprobs) {
+                        dst.push(src[t]);
+                    }
                 }
             }
             let seqs: Vec<PgSeq<'_>> = per_seq
                 .iter()
-                .map(|(s, l, b, e)| PgSeq {
+                .map(|(s, l, b, e, p)| PgSeq {
                     logprobs: l,
                     behaviour: b,
-                    proximal: None,
+                    proximal: p.as_deref(),
                     advantage: batch[ctx.range.start + s].advantage,
                     entropy: entropy.then_some(e.as_slice()),
                 })
@@ -361,6 +392,15 @@ impl Trainer {
         }
         all.loss = loss;
         let mut metrics = self.finish(loss, n_tokens, parts)?;
+        tracing::info!(
+            step = metrics.step,
+            mismatch_mean = all.mismatch_mean,
+            mismatch_max = all.mismatch_max,
+            clipped_fraction = all.clipped_fraction,
+            masked_fraction = all.masked_fraction,
+            tokens = all.tokens,
+            "policy-gradient step"
+        );
         metrics.pg = Some(all);
         Ok(metrics)
     }

@@ -75,6 +75,7 @@ fn policy_gradient_raises_the_rewarded_token() {
                 tokens: [&prompt[..], &[tok]].concat(),
                 loss_mask: vec![0, 0, 0, 1],
                 behaviour_logprobs: vec![0.0, 0.0, 0.0, sc[3].unwrap()],
+                proximal_logprobs: None,
                 advantage: a,
             })
             .collect();
@@ -104,6 +105,7 @@ fn non_finite_step_is_skipped_and_counted() {
         tokens: vec![1, 2, 3],
         loss_mask: vec![0, 1, 1],
         behaviour_logprobs: vec![0.0, -1.0, -1.0],
+        proximal_logprobs: None,
         advantage: f32::NAN,
     }];
     let m = tr.pg_step(&batch).unwrap();
@@ -116,4 +118,33 @@ fn non_finite_step_is_skipped_and_counted() {
         .unwrap()
         .to_vec();
     assert_eq!(before, after);
+}
+
+/// Proximal log-probs: the PPO ratio is taken against them and the
+/// proximal/behaviour gap enters as a truncated importance weight (cap 2).
+#[test]
+fn proximal_logprobs_give_a_truncated_importance_weight() {
+    let tokens = vec![5u32, 17, 99, 42];
+    let lp = {
+        let m = tiny();
+        m.score(std::slice::from_ref(&tokens)).unwrap()[0][3].unwrap()
+    };
+    let step = |behaviour: f32, proximal: Option<f32>| {
+        let mut tr = Trainer::new(store_of(tiny()), cfg(1e-6)).unwrap();
+        let ex = PgExample {
+            tokens: tokens.clone(),
+            loss_mask: vec![0, 0, 0, 1],
+            behaviour_logprobs: vec![0.0, 0.0, 0.0, behaviour],
+            proximal_logprobs: proximal.map(|p| vec![0.0, 0.0, 0.0, p]),
+            advantage: 1.0,
+        };
+        tr.pg_step(&[ex]).unwrap()
+    };
+    let plain = step(lp, None);
+    let weighted = step(lp - 4f32.ln(), Some(lp));
+    let ratio = weighted.grad_norm / plain.grad_norm;
+    println!("grad norm ratio with TIS weight min(4, 2): {ratio}");
+    assert!((ratio - 2.0).abs() < 1e-3, "{ratio}");
+    let pg = weighted.pg.unwrap();
+    assert!((pg.mismatch_max - 4f64.ln()).abs() < 1e-5);
 }
