@@ -840,17 +840,22 @@ fn head_backward(
         let kt = &k[key(ti)];
         let vt = &v[val(ti)];
         delta.fill(0.0);
-        for a in 0..dkd {
-            for c in 0..dvd {
-                delta[c] += kt[a] * decay * s_prev[a * dvd + c];
+        for (ka, srow) in kt.iter().zip(s_prev.chunks_exact(dvd)) {
+            let w = ka * decay;
+            for (d, sv) in delta.iter_mut().zip(srow) {
+                *d += w * sv;
             }
         }
-        for c in 0..dvd {
-            delta[c] = b * (vt[c] - delta[c]);
+        for (d, vv) in delta.iter_mut().zip(vt) {
+            *d = b * (vv - *d);
         }
-        for a in 0..dkd {
-            for c in 0..dvd {
-                s_next[a * dvd + c] = decay * s_prev[a * dvd + c] + kt[a] * delta[c];
+        for ((ka, srow), nrow) in kt
+            .iter()
+            .zip(s_prev.chunks_exact(dvd))
+            .zip(s_next.chunks_exact_mut(dvd))
+        {
+            for ((nv_, sv), d) in nrow.iter_mut().zip(srow).zip(delta.iter()) {
+                *nv_ = decay * sv + ka * d;
             }
         }
     };
@@ -882,6 +887,8 @@ fn head_backward(
     let mut deltas = vec![0.0f32; RECOMPUTE_CHUNK * dvd];
     let mut sd = vec![0.0f32; ss];
     let mut ddelta = vec![0.0f32; dvd];
+    let mut ksd = vec![0.0f32; dvd];
+    let mut du = vec![0.0f32; dvd];
     for ci in (0..n_chunks).rev() {
         let c0 = ci * RECOMPUTE_CHUNK;
         let c1 = (c0 + RECOMPUTE_CHUNK).min(t);
@@ -910,50 +917,66 @@ fn head_backward(
             let dqt = &mut hq[ti * dkd..(ti + 1) * dkd];
             let dkt = &mut hk[ti * dkd..(ti + 1) * dkd];
             // o_t = S_t^T q_t.
-            for a in 0..dkd {
-                let row = &s_t[a * dvd..(a + 1) * dvd];
-                dqt[a] = row.iter().zip(dot_).map(|(x, y)| x * y).sum();
-                let drow = &mut ds[a * dvd..(a + 1) * dvd];
-                for c in 0..dvd {
-                    drow[c] += qt[a] * dot_[c];
+            for (((dq_a, q_a), row), drow) in dqt
+                .iter_mut()
+                .zip(qt)
+                .zip(s_t.chunks_exact(dvd))
+                .zip(ds.chunks_exact_mut(dvd))
+            {
+                *dq_a = row.iter().zip(dot_).map(|(x, y)| x * y).sum();
+                for (d, o) in drow.iter_mut().zip(dot_) {
+                    *d += q_a * o;
                 }
             }
             // S_t = S' + k delta^T.
             ddelta.fill(0.0);
-            for a in 0..dkd {
-                let drow = &ds[a * dvd..(a + 1) * dvd];
+            for ((dk_a, k_a), drow) in dkt.iter_mut().zip(kt).zip(ds.chunks_exact(dvd)) {
                 let mut acc = 0.0f32;
-                for c in 0..dvd {
-                    ddelta[c] += kt[a] * drow[c];
-                    acc += drow[c] * delta[c];
+                for ((dd, dsv), de) in ddelta.iter_mut().zip(drow).zip(delta) {
+                    *dd += k_a * dsv;
+                    acc += dsv * de;
                 }
-                dkt[a] = acc;
+                *dk_a = acc;
             }
             // delta = beta (v - S'^T k).
             for (x, p) in sd.iter_mut().zip(s_prev) {
                 *x = decay * p;
             }
+            ksd.fill(0.0);
+            for (k_a, srow) in kt.iter().zip(sd.chunks_exact(dvd)) {
+                for (x, sv) in ksd.iter_mut().zip(srow) {
+                    *x += k_a * sv;
+                }
+            }
             let mut db = 0.0f32;
-            for c in 0..dvd {
-                let ksd: f32 = (0..dkd).map(|a| kt[a] * sd[a * dvd + c]).sum();
-                hv[ti * dvd + c] = b * ddelta[c];
-                db += ddelta[c] * (vt[c] - ksd);
+            for (((dv_c, dd), vv), ks) in hv[ti * dvd..(ti + 1) * dvd]
+                .iter_mut()
+                .zip(ddelta.iter())
+                .zip(vt)
+                .zip(ksd.iter())
+            {
+                *dv_c = b * dd;
+                db += dd * (vv - ks);
             }
             hb[ti] = db;
             // du = -beta ddelta: dS' = dS + k du^T, dk += S' du.
+            for (u, dd) in du.iter_mut().zip(ddelta.iter()) {
+                *u = -b * dd;
+            }
             let mut dgt = 0.0f32;
-            for a in 0..dkd {
-                let srow = &sd[a * dvd..(a + 1) * dvd];
-                let drow = &mut ds[a * dvd..(a + 1) * dvd];
+            for ((dk_a, k_a), (srow, drow)) in dkt
+                .iter_mut()
+                .zip(kt)
+                .zip(sd.chunks_exact(dvd).zip(ds.chunks_exact_mut(dvd)))
+            {
                 let mut acc = 0.0f32;
-                for c in 0..dvd {
-                    let du = -b * ddelta[c];
-                    acc += srow[c] * du;
-                    drow[c] += kt[a] * du;
-                    dgt += drow[c] * srow[c];
-                    drow[c] *= decay;
+                for ((dsv, sv), u) in drow.iter_mut().zip(srow).zip(du.iter()) {
+                    acc += sv * u;
+                    *dsv += k_a * u;
+                    dgt += *dsv * sv;
+                    *dsv *= decay;
                 }
-                dkt[a] += acc;
+                *dk_a += acc;
             }
             hg[ti] = dgt;
         }
