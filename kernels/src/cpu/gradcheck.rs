@@ -48,5 +48,6 @@ pub fn check(
         );
         worst = worst.max(err);
     }
+    println!("{name}: worst finite-difference error {worst:.1e}");
     worst
 }
