@@ -578,3 +578,114 @@ fn eval_command_is_resumable_and_traj_show_prints_it() -> Result<()> {
     }
     Ok(())
 }
+
+both_backends!(editor_and_bash_tools_behave, |backend| {
+    let f = fixture();
+    let task = &f.tasks[3];
+    let (path, _, _) = solution(task);
+    let h = harness(RolloutConfig {
+        observation_max_chars: 2000,
+        bash_timeout_secs: 1.0,
+        ..Default::default()
+    })?;
+    let edit = |args: &[(&str, &str)]| render_call("str_replace_based_edit_tool", args);
+    let turns = vec![
+        edit(&[("command", "view"), ("path", ".")]),
+        edit(&[
+            ("command", "view"),
+            ("path", &path),
+            ("view_range", "[2, 3]"),
+        ]),
+        edit(&[
+            ("command", "insert"),
+            ("path", &path),
+            ("insert_line", "0"),
+            ("new_str", "# top"),
+        ]),
+        edit(&[
+            ("command", "view"),
+            ("path", &path),
+            ("view_range", "[1, 2]"),
+        ]),
+        edit(&[("command", "undo_edit"), ("path", &path)]),
+        edit(&[
+            ("command", "view"),
+            ("path", &path),
+            ("view_range", "[1, 1]"),
+        ]),
+        edit(&[
+            ("command", "str_replace"),
+            ("path", &path),
+            ("old_str", "return"),
+            ("new_str", "yield"),
+        ]),
+        edit(&[
+            ("command", "str_replace"),
+            ("path", &path),
+            ("old_str", "no such text"),
+            ("new_str", "x"),
+        ]),
+        edit(&[
+            ("command", "create"),
+            ("path", "notes/new.txt"),
+            ("file_text", "héllo\n"),
+        ]),
+        render_call("bash", &[("command", "cat notes/new.txt")]),
+        edit(&[("command", "undo_edit"), ("path", "notes/new.txt")]),
+        edit(&[("command", "view"), ("path", "missing.py")]),
+        render_call("bash", &[("command", "sleep 5; echo never")]),
+        render_call("bash", &[("command", "seq 1 100000")]),
+        render_call("bash", &[("command", "ls notes/new.txt; exit 3")]),
+        render_call("submit", &[]),
+    ];
+    let t = roll(&h, backend.as_ref(), task, turns).await?;
+    expect(&t, Termination::Submitted, 0.0)?;
+    let obs: Vec<String> = t
+        .turns
+        .iter()
+        .map(|x| x.observation.clone().unwrap_or_default())
+        .collect();
+    ensure!(
+        obs[0].contains("tests/test_basic.py") && !obs[0].contains(".git"),
+        "{}",
+        obs[0]
+    );
+    ensure!(
+        obs[1].contains("     2\t") && obs[1].contains("     3\t") && !obs[1].contains("     4\t"),
+        "{}",
+        obs[1]
+    );
+    ensure!(obs[3].contains("     1\t# top"), "{}", obs[3]);
+    ensure!(
+        !obs[5].contains("# top"),
+        "undo restored the file: {}",
+        obs[5]
+    );
+    ensure!(
+        obs[6].contains("occurs") && obs[6].contains("exactly once"),
+        "{}",
+        obs[6]
+    );
+    ensure!(obs[7].contains("occurs 0 times"), "{}", obs[7]);
+    ensure!(obs[9].contains("héllo"), "{}", obs[9]);
+    ensure!(obs[11].starts_with("Error:"), "{}", obs[11]);
+    ensure!(
+        obs[12].contains("timed out") && !obs[12].contains("never"),
+        "{}",
+        obs[12]
+    );
+    ensure!(
+        obs[13].contains("characters truncated") && obs[13].contains("100000"),
+        "{}",
+        obs[13]
+    );
+    ensure!(
+        obs[14].contains("No such file") && obs[14].contains("[exit code"),
+        "undo removed the created file: {}",
+        obs[14]
+    );
+    ensure!(!obs[13].is_empty() && obs[13].chars().count() < 2200);
+    // Nothing changed: the diff is empty.
+    ensure!(t.diff.as_deref() == Some(""), "{:?}", t.diff);
+    Ok(())
+});
