@@ -12,6 +12,7 @@ use arcticd_engine::engine::EngineConfig;
 use arcticd_engine::router::Router;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_engine::{ParamStore, Qwen3_5};
+use axum::serve::ListenerExt;
 use clap::Args;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -91,6 +92,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("binding {}:{}", args.host, args.port))?;
         let addr = listener.local_addr()?;
         eprintln!("arcticd serve: listening on http://{addr}");
+        // Small SSE writes must not wait for ACKs (Nagle).
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(listener, app(state))
             .with_graceful_shutdown(async move {
                 shutdown_signal().await;

@@ -6,8 +6,9 @@ end-of-sequence ignored):
 
 - decode throughput, generated tokens/s, with 1, 8 and 32 concurrent
   sequences of a 16-token prompt and --new-tokens new tokens each;
-- time to first token of a 1,024-token prompt, cold and again with the same
-  prompt (a prefix-cache hit).
+- time to first token (the latency of a one-token completion) of a
+  1,024-token prompt, cold and again with the same prompt (a prefix-cache
+  hit).
 
 Then runs the same throughput workload with transformers' `generate` (fp32,
 a batch of 1, 8 and 32, same threads) and prints both and the ratios as JSON.
@@ -28,12 +29,10 @@ import time
 import urllib.request
 
 
-def post(url, body, stream=False):
+def post(url, body):
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-    resp = urllib.request.urlopen(req, timeout=600)
-    if not stream:
+    with urllib.request.urlopen(req, timeout=600) as resp:
         return json.loads(resp.read())
-    return resp
 
 
 def prompt(n, salt):
@@ -51,14 +50,11 @@ def arcticd_throughput(base, conc, new_tokens, salt):
 
 
 def ttft(base, ids):
+    """Latency of a one-token completion: prefill plus the first token."""
     t0 = time.perf_counter()
-    resp = post(base + "/v1/completions", {"prompt": ids, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True}, stream=True)
-    for line in resp:
-        if line.startswith(b"data: ") and b"[DONE]" not in line:
-            dt = time.perf_counter() - t0
-            resp.read()
-            return dt
-    raise RuntimeError("no token streamed")
+    out = post(base + "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
+    assert out["usage"]["completion_tokens"] == 1
+    return time.perf_counter() - t0
 
 
 def main():
@@ -97,6 +93,10 @@ def main():
         results["arcticd"]["ttft_1k_cold_s"] = cold
         results["arcticd"]["ttft_1k_prefix_hit_s"] = hit
         results["ratio"]["ttft_cold_over_hit"] = cold / hit
+        with urllib.request.urlopen(base + "/metrics") as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("arcticd_prefix_cache_hit_rate"):
+                    results["arcticd"]["prefix_cache_hit_rate"] = float(line.split()[1])
     finally:
         server.terminate()
         server.wait(timeout=60)
