@@ -3,30 +3,49 @@
 //! with SIGTERM, which must end it cleanly.
 //!
 //! Python: `$ARCTICD_PYTHON`, else `.venv/bin/python` in the repository,
-//! else `python3`; it needs `pip install openai`. Without the package the
-//! test is skipped with a message, except under CI (`CI` set), where it
-//! fails.
+//! else `python3`, the first that can import `openai`. If none can, the test
+//! makes a virtual environment under target/ and installs `openai` from PyPI
+//! into it. If that fails too, the test is skipped with a message, except
+//! under CI (`CI` set), where it fails.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+fn has_openai(py: &Path) -> bool {
+    Command::new(py)
+        .args(["-c", "import openai"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 fn python() -> Option<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let venv = root.join("target/openai-venv");
     let candidates = [
         std::env::var_os("ARCTICD_PYTHON").map(PathBuf::from),
         Some(root.join(".venv/bin/python")),
+        Some(venv.join("bin/python")),
         Some(PathBuf::from("python3")),
     ];
-    candidates.into_iter().flatten().find(|p| {
-        Command::new(p)
-            .args(["-c", "import openai"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+    if let Some(p) = candidates.into_iter().flatten().find(|p| has_openai(p)) {
+        return Some(p);
+    }
+    eprintln!("installing the openai package into {}", venv.display());
+    let made = Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .status()
+        .is_ok_and(|s| s.success())
+        && Command::new(venv.join("bin/pip"))
+            .args(["install", "-q", "openai"])
             .status()
-            .is_ok_and(|s| s.success())
-    })
+            .is_ok_and(|s| s.success());
+    let py = venv.join("bin/python");
+    (made && has_openai(&py)).then_some(py)
 }
 
 #[test]
@@ -42,7 +61,14 @@ fn openai_python_client_against_arcticd_serve() {
     arcticd_engine::init::init_model(arcticd_engine::init::TINY, &dir, 11).unwrap();
     let mut server = Command::new(env!("CARGO_BIN_EXE_arcticd"))
         .args(["serve", "--port", "0", "--served-model-name", "tiny"])
-        .args(["--max-model-len", "2048", "--cache-memory", "32", "--replicas", "2"])
+        .args([
+            "--max-model-len",
+            "2048",
+            "--cache-memory",
+            "32",
+            "--replicas",
+            "2",
+        ])
         .arg("--model")
         .arg(&dir)
         .stderr(Stdio::piped())
