@@ -1077,10 +1077,13 @@ fn stream_events(
                     while end > d.sent && !text.is_char_boundary(end) {
                         end -= 1;
                     }
-                    if !text.ends_with('\u{fffd}') && end > d.sent {
+                    // `get` and not indexing: decoding is not always
+                    // prefix-stable, and a bad cut must not end the stream.
+                    let piece = text.get(d.sent..end).filter(|p| !p.is_empty());
+                    if let (false, Some(piece)) = (text.ends_with('\u{fffd}'), piece) {
                         items.push(StreamItem::Text {
                             index: t.index,
-                            text: text[d.sent..end].to_string(),
+                            text: piece.to_string(),
                             tokens: std::mem::take(&mut d.pending),
                         });
                         d.sent = end;
