@@ -11,12 +11,19 @@
 
 use crate::cli_sandbox::BackendKind;
 use anyhow::{bail, Context, Result};
+use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_sandbox::docker::DockerBackend;
 use arcticd_sandbox::image;
 use arcticd_sandbox::local::LocalBackend;
 use arcticd_sandbox::tasks::{self, audit, toy, validate, Format, Task};
 use arcticd_sandbox::{Backend, Policy};
+use arcticd_trainer::harness::openai::{OpenAiConfig, OpenAiPolicy};
+use arcticd_trainer::harness::policy::Policy as ModelPolicy;
+use arcticd_trainer::harness::{wrong_patch, Harness, RolloutConfig, ScriptedPolicy};
+use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(clap::Args)]
 pub struct TasksArgs {
@@ -97,16 +104,102 @@ pub struct AuditArgs {
     /// Where to write the full report (JSON); printed to stdout otherwise.
     #[arg(long)]
     pub report: Option<PathBuf>,
-    /// An OpenAI-compatible endpoint for agent-written wrong patches (not
-    /// implemented yet: only mechanical variants are tried).
+    /// An OpenAI-compatible endpoint: an agent shown the gold patch and the
+    /// tests also tries to write a wrong patch that passes them.
     #[arg(long)]
     pub endpoint: Option<String>,
     /// Model name at the endpoint.
+    #[arg(long, default_value = "default")]
+    pub model: String,
+    /// Folder with the tokenizer and chat template for the agent.
     #[arg(long)]
-    pub model: Option<String>,
-    /// Ask the agent for extra tests (needs --endpoint; not implemented yet).
+    pub tokenizer: Option<PathBuf>,
+    /// Scripted agent turns instead of an endpoint: JSON object task id ->
+    /// list of raw assistant turns (demos and tests).
+    #[arg(long)]
+    pub agent_script: Option<PathBuf>,
+    /// Agent attempts per task.
+    #[arg(long, default_value_t = 1)]
+    pub agent_attempts: usize,
+    /// Agent rollout settings as JSON (see RolloutConfig).
+    #[arg(long)]
+    pub agent_config: Option<String>,
+    /// Ask the agent for extra tests (not implemented yet).
     #[arg(long)]
     pub strengthen: bool,
+}
+
+/// The audit's agent: a harness and the policy per task.
+/// Picks the policy that attempts a task.
+type PolicyFactory = Box<dyn Fn(&Task) -> Arc<dyn ModelPolicy> + Sync>;
+
+struct Agent {
+    harness: Harness,
+    policy_for: PolicyFactory,
+    attempts: usize,
+}
+
+fn agent(a: &AuditArgs) -> Result<Option<Agent>> {
+    if a.endpoint.is_none() && a.agent_script.is_none() {
+        return Ok(None);
+    }
+    let Some(dir) = &a.tokenizer else {
+        bail!("an audit agent needs --tokenizer DIR (the model's tokenizer and chat template)");
+    };
+    let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
+    let template = ChatTemplate::from_dir(dir)?.unwrap_or_else(ChatTemplate::qwen35);
+    let mut cfg = match &a.agent_config {
+        Some(j) => serde_json::from_str::<RolloutConfig>(j).context("parsing --agent-config")?,
+        None => RolloutConfig::default(),
+    };
+    cfg.image = a.common.image.clone();
+    let harness = Harness::new(tokenizer.clone(), template, cfg)?;
+    let policy_for: PolicyFactory = match (&a.agent_script, &a.endpoint) {
+        (Some(p), _) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let scripts: HashMap<String, Vec<String>> =
+                serde_json::from_str(&text).with_context(|| {
+                    format!(
+                        "{}: expected an object of task id -> list of turns",
+                        p.display()
+                    )
+                })?;
+            let by_task: HashMap<String, Arc<dyn ModelPolicy>> = scripts
+                .into_iter()
+                .map(|(id, turns)| {
+                    let p: Arc<dyn ModelPolicy> =
+                        Arc::new(ScriptedPolicy::new(tokenizer.clone(), turns));
+                    (id, p)
+                })
+                .collect();
+            let empty: Arc<dyn ModelPolicy> =
+                Arc::new(ScriptedPolicy::new(tokenizer.clone(), vec![]));
+            Box::new(move |t: &Task| {
+                by_task
+                    .get(&t.instance_id)
+                    .cloned()
+                    .unwrap_or_else(|| empty.clone())
+            })
+        }
+        (None, Some(endpoint)) => {
+            let policy: Arc<dyn ModelPolicy> = Arc::new(OpenAiPolicy::new(
+                OpenAiConfig {
+                    endpoint: endpoint.clone(),
+                    model: a.model.clone(),
+                    ..OpenAiConfig::default()
+                },
+                tokenizer,
+            )?);
+            Box::new(move |_: &Task| policy.clone())
+        }
+        (None, None) => return Ok(None),
+    };
+    Ok(Some(Agent {
+        harness,
+        policy_for,
+        attempts: a.agent_attempts.max(1),
+    }))
 }
 
 pub fn main(args: TasksArgs) -> Result<()> {
@@ -142,10 +235,10 @@ pub fn main(args: TasksArgs) -> Result<()> {
             })
         }
         TasksCommand::Audit(a) => {
-            if a.endpoint.is_some() || a.strengthen {
-                bail!("agent-written wrong patches and --strengthen are not implemented yet; run without --endpoint/--strengthen for the mechanical audit");
+            if a.strengthen {
+                bail!("--strengthen is not implemented yet");
             }
-            let _ = &a.model;
+            let agent = agent(&a)?;
             let rt = arcticd_sandbox::runtime()?;
             rt.block_on(async {
                 let (backend, tasks, policy, vcfg) = setup(&a.common).await?;
@@ -154,7 +247,19 @@ pub fn main(args: TasksArgs) -> Result<()> {
                     validate_first: !a.no_validate,
                     max_variants: a.max_variants,
                 };
-                let report = audit::audit_tasks(backend.as_ref(), &tasks, &policy, &cfg).await;
+                let ag = agent.as_ref().map(|ag| wrong_patch::AuditAgent {
+                    harness: &ag.harness,
+                    policy_for: ag.policy_for.as_ref(),
+                    attempts: ag.attempts,
+                });
+                let report = wrong_patch::audit_tasks_with_agent(
+                    backend.as_ref(),
+                    &tasks,
+                    &policy,
+                    &cfg,
+                    ag.as_ref(),
+                )
+                .await;
                 if let Some(out) = &a.out {
                     let keep: Vec<Task> = tasks
                         .iter()

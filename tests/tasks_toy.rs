@@ -308,3 +308,86 @@ fn tasks_command_line() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn audit_takes_agent_written_wrong_patches() -> Result<()> {
+    if !usable(false) {
+        return Ok(());
+    }
+    let (dir, tasks) = pool("agent", 1, 0.0)?;
+    let model = dir.0.join("model");
+    let r = arcticd(&[
+        "init-model",
+        "--preset",
+        "tiny",
+        "--out",
+        &model.display().to_string(),
+    ]);
+    ensure!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let t = &tasks[0];
+    let s = &t.meta["toy"]["solution"];
+    let (path, old, new) = (
+        s["path"].as_str().unwrap_or_default(),
+        s["old_str"].as_str().unwrap_or_default(),
+        s["new_str"].as_str().unwrap_or_default(),
+    );
+    // The "agent" (scripted) submits a patch other than the gold one that
+    // passes the tests: the audit must take it as evidence.
+    let call = arcticd_trainer::harness::format::render_call(
+        "str_replace_based_edit_tool",
+        &[
+            ("command", "str_replace"),
+            ("path", path),
+            ("old_str", old),
+            ("new_str", &format!("{new}  # special-cased")),
+        ],
+    );
+    let submit = arcticd_trainer::harness::format::render_call("submit", &[]);
+    let script = dir.0.join("agent.json");
+    std::fs::write(
+        &script,
+        serde_json::json!({ t.instance_id.clone(): [call, submit] }).to_string(),
+    )?;
+    let file = dir.0.join("tasks.jsonl").display().to_string();
+    let report = dir.0.join("report.json");
+    let base = [
+        "tasks",
+        "audit",
+        "--tasks",
+        &file,
+        "--backend",
+        "local",
+        "--no-validate",
+        "--max-variants",
+        "0",
+    ];
+    let r = arcticd(&base);
+    ensure!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout)?;
+    ensure!(v["tight"] == 1, "{v}");
+    let mut args: Vec<String> = base.iter().map(|s| s.to_string()).collect();
+    for x in [
+        "--agent-script",
+        &script.display().to_string(),
+        "--tokenizer",
+        &model.display().to_string(),
+        "--report",
+        &report.display().to_string(),
+    ] {
+        args.push(x.to_string());
+    }
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let r = arcticd(&argv);
+    ensure!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let full: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report)?)?;
+    let res = &full["results"][0];
+    ensure!(
+        res["verdict"] == "loose" && res["accepted"]["name"] == "agent_0",
+        "{full}"
+    );
+    ensure!(res["accepted"]["patch"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("special-cased"));
+    Ok(())
+}

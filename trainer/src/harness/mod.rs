@@ -10,6 +10,7 @@
 //! - [`rollout`]: the agent loop with gated reward.
 //! - [`trajectory`]: the record and its transcript view.
 //! - [`eval`]: pass@1 over K attempts, resumable.
+//! - [`wrong_patch`]: agent-written wrong patches for the task audit.
 //!
 //! Not for: losses, batching, the async orchestrator.
 
@@ -21,6 +22,7 @@ pub mod policy;
 pub mod rollout;
 pub mod tools;
 pub mod trajectory;
+pub mod wrong_patch;
 
 pub use format::{check as check_format, ToolCall};
 pub use policy::{Completion, FinishReason, GenerateRequest, Policy, ScriptedPolicy};
