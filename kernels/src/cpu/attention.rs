@@ -419,6 +419,34 @@ pub fn attention_backward(
     if nq == 0 || hd == 0 || n_heads == 0 {
         return Ok(());
     }
+    if nq >= MIN_BLOCKED_NQ {
+        attention_backward_blocked(dq, dk, dv, dout, q, k, v, dims, scale);
+    } else {
+        attention_backward_rows(dq, dk, dv, dout, q, k, v, dims, scale);
+    }
+    Ok(())
+}
+
+/// Row-wise backward (short query runs); outputs zeroed by the caller.
+#[allow(clippy::too_many_arguments)]
+fn attention_backward_rows(
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    dout: &[f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    scale: f32,
+) {
+    let AttnDims {
+        nq,
+        nk,
+        n_heads,
+        n_kv_heads,
+        head_dim: hd,
+    } = dims;
     let group = n_heads / n_kv_heads;
     let row = n_heads * hd;
     let kv_row = n_kv_heads * hd;
@@ -487,7 +515,156 @@ pub fn attention_backward(
             dv[dst..dst + hd].copy_from_slice(&dv_h[j * hd..(j + 1) * hd]);
         }
     }
-    Ok(())
+}
+
+/// Prefill backward as matrix products, one rayon task per query head (so
+/// MQA still has `n_heads` tasks), query rows in blocks of [`BLOCK_Q`]
+/// reading only keys up to the block's causal frontier, as the forward's
+/// blocked path does. Per block: `S = scale Q K^T`, masked softmax `P`,
+/// `dP = dO V^T`, `dS = scale P (dP - rowsum(P dP))`, then `dQ = dS K`,
+/// `dK += dS^T Q`, `dV += P^T dO`. Each head's `dK`/`dV` is private and
+/// summed into its kv head afterwards. Outputs zeroed by the caller.
+#[allow(clippy::too_many_arguments)]
+fn attention_backward_blocked(
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    dout: &[f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    scale: f32,
+) {
+    let AttnDims {
+        nq,
+        nk,
+        n_heads,
+        n_kv_heads,
+        head_dim: hd,
+    } = dims;
+    let group = n_heads / n_kv_heads;
+    let row = n_heads * hd;
+    let kv_row = n_kv_heads * hd;
+    let heads: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..n_heads)
+        .into_par_iter()
+        .map(|h| {
+            let kvh = h / group;
+            let (qo, ko) = (h * hd, kvh * hd);
+            let mut dq_h = vec![0.0f32; nq * hd];
+            let mut dk_h = vec![0.0f32; nk * hd];
+            let mut dv_h = vec![0.0f32; nk * hd];
+            let mut p = vec![0.0f32; BLOCK_Q * nk];
+            let mut ds = vec![0.0f32; BLOCK_Q * nk];
+            let mut i0 = 0;
+            while i0 < nq {
+                let b = BLOCK_Q.min(nq - i0);
+                let kn = nk - nq + i0 + b;
+                let q_blk = MatRef {
+                    data: &q[i0 * row + qo..],
+                    rows: b,
+                    cols: hd,
+                    rs: row,
+                    cs: 1,
+                };
+                let do_blk = MatRef {
+                    data: &dout[i0 * row + qo..],
+                    rows: b,
+                    cols: hd,
+                    rs: row,
+                    cs: 1,
+                };
+                let k_t = MatRef {
+                    data: &k[ko..],
+                    rows: hd,
+                    cols: kn,
+                    rs: 1,
+                    cs: kv_row,
+                };
+                let v_t = MatRef {
+                    data: &v[ko..],
+                    rows: hd,
+                    cols: kn,
+                    rs: 1,
+                    cs: kv_row,
+                };
+                gemm_serial(&mut p[..b * kn], kn, None, q_blk, k_t, scale);
+                gemm_serial(&mut ds[..b * kn], kn, None, do_blk, v_t, 1.0);
+                for i in 0..b {
+                    let last = nk - nq + i0 + i; // inclusive
+                    let pr = &mut p[i * kn..(i + 1) * kn];
+                    let dr = &mut ds[i * kn..(i + 1) * kn];
+                    let max = pr[..=last]
+                        .iter()
+                        .cloned()
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    let mut sum = 0.0f32;
+                    for x in pr[..=last].iter_mut() {
+                        *x = (*x - max).exp();
+                        sum += *x;
+                    }
+                    let inv = 1.0 / sum;
+                    let mut d_o = 0.0f32;
+                    for (x, d) in pr[..=last].iter_mut().zip(&dr[..=last]) {
+                        *x *= inv;
+                        d_o += *x * d;
+                    }
+                    pr[last + 1..].fill(0.0);
+                    for (d, x) in dr.iter_mut().zip(pr.iter()) {
+                        *d = x * (*d - d_o) * scale;
+                    }
+                }
+                let ds_m = MatRef {
+                    data: &ds[..b * kn],
+                    rows: b,
+                    cols: kn,
+                    rs: kn,
+                    cs: 1,
+                };
+                let k_m = MatRef {
+                    data: &k[ko..],
+                    rows: kn,
+                    cols: hd,
+                    rs: kv_row,
+                    cs: 1,
+                };
+                gemm_serial(&mut dq_h[i0 * hd..(i0 + b) * hd], hd, None, ds_m, k_m, 1.0);
+                let ds_t = MatRef {
+                    data: &ds[..b * kn],
+                    rows: kn,
+                    cols: b,
+                    rs: 1,
+                    cs: kn,
+                };
+                gemm_serial(&mut dk_h[..kn * hd], hd, Some(1.0), ds_t, q_blk, 1.0);
+                let p_t = MatRef {
+                    data: &p[..b * kn],
+                    rows: kn,
+                    cols: b,
+                    rs: 1,
+                    cs: kn,
+                };
+                gemm_serial(&mut dv_h[..kn * hd], hd, Some(1.0), p_t, do_blk, 1.0);
+                i0 += b;
+            }
+            (dq_h, dk_h, dv_h)
+        })
+        .collect();
+    for (h, (dq_h, dk_h, dv_h)) in heads.iter().enumerate() {
+        let (qo, ko) = (h * hd, (h / group) * hd);
+        for i in 0..nq {
+            dq[i * row + qo..i * row + qo + hd].copy_from_slice(&dq_h[i * hd..(i + 1) * hd]);
+        }
+        for j in 0..nk {
+            let o = j * kv_row + ko;
+            for (d, s) in dk[o..o + hd].iter_mut().zip(&dk_h[j * hd..(j + 1) * hd]) {
+                *d += s;
+            }
+            for (d, s) in dv[o..o + hd].iter_mut().zip(&dv_h[j * hd..(j + 1) * hd]) {
+                *d += s;
+            }
+        }
+    }
 }
 
 #[inline]
@@ -604,6 +781,45 @@ mod tests {
     mod backward {
         use super::super::*;
         use crate::cpu::gradcheck::{check as fd_check, rand_vec, rng};
+
+        #[test]
+        fn blocked_backward_matches_row_backward() {
+            let mut r = rng(6);
+            // Odd sizes: a partial last block, queries that are a suffix, MQA.
+            for &(nq, nk, nh, nkv, hd) in
+                &[(70, 70, 4, 2, 5), (17, 30, 3, 1, 8), (130, 131, 2, 2, 3)]
+            {
+                let dims = AttnDims {
+                    nq,
+                    nk,
+                    n_heads: nh,
+                    n_kv_heads: nkv,
+                    head_dim: hd,
+                };
+                let q = rand_vec(&mut r, nq * nh * hd, 1.0);
+                let k = rand_vec(&mut r, nk * nkv * hd, 1.0);
+                let v = rand_vec(&mut r, nk * nkv * hd, 1.0);
+                let dout = rand_vec(&mut r, nq * nh * hd, 1.0);
+                let mut a = [vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]];
+                let mut b = a.clone();
+                {
+                    let [x, y, z] = &mut a;
+                    attention_backward_rows(x, y, z, &dout, &q, &k, &v, dims, 0.3);
+                }
+                {
+                    let [x, y, z] = &mut b;
+                    attention_backward_blocked(x, y, z, &dout, &q, &k, &v, dims, 0.3);
+                }
+                for (ga, gb) in a.iter().zip(&b) {
+                    for (x, y) in ga.iter().zip(gb) {
+                        assert!(
+                            (x - y).abs() < 1e-5 * (1.0 + x.abs()),
+                            "{nq}/{nk}: {x} vs {y}"
+                        );
+                    }
+                }
+            }
+        }
 
         #[test]
         fn backward_matches_finite_differences_prefill_and_suffix() {
