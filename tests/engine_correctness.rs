@@ -381,3 +381,48 @@ fn sampling_options_seed_n_stop_and_errors() {
     assert!(eng.submit(greedy(vec![5000], 4)).is_err());
     assert!(eng.submit(greedy(prompt(10, 1), 100_000)).is_err());
 }
+
+#[test]
+fn n_choices_share_one_prefill_and_equal_separate_requests() {
+    let dir = tiny_model("fork", 6);
+    let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+    let cfg = EngineConfig {
+        enable_prefix_cache: false,
+        ..small_config()
+    };
+    let eng = engine::start(store, None, cfg).unwrap();
+    // 150 tokens: the fork copies a partial block (150 % 16 != 0).
+    let p = prompt(150, 21);
+    let params = |seed, n| SamplingParams {
+        temperature: 1.0,
+        seed: Some(seed),
+        n,
+        max_tokens: 12,
+        ignore_eos: true,
+        top_logprobs: 1,
+        ..Default::default()
+    };
+    let forked = eng
+        .generate_blocking(Request {
+            prompt: p.clone(),
+            params: params(40, 4),
+        })
+        .unwrap();
+    let m = eng.metrics();
+    let admitted = m.prompt_tokens.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(admitted, 150, "the prompt was prefilled more than once");
+    for (i, c) in forked.iter().enumerate() {
+        let alone = eng
+            .generate_blocking(Request {
+                prompt: p.clone(),
+                params: params(40 + i as u64, 1),
+            })
+            .unwrap()
+            .remove(0);
+        assert_eq!(c.tokens, alone.tokens, "choice {i}");
+        let a: Vec<u32> = c.logprobs.iter().map(|x| x.to_bits()).collect();
+        let b: Vec<u32> = alone.logprobs.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(a, b, "choice {i}");
+    }
+    assert!(forked[0].tokens != forked[1].tokens || forked[1].tokens != forked[2].tokens);
+}

@@ -585,11 +585,14 @@ impl EngineLoop {
                 reply,
             } => {
                 let n = request.params.n;
-                for index in 0..n {
-                    let sampler = Sampler::new(&request.params, index);
-                    self.scheduler
-                        .add(Sequence::new(id, index, request.prompt.clone(), sampler));
-                }
+                // One sequence prefills the prompt; the other choices fork
+                // from it when it samples its first token.
+                let mut first =
+                    Sequence::new(id, 0, request.prompt, Sampler::new(&request.params, 0));
+                first.forks = (1..n)
+                    .map(|i| (i, Sampler::new(&request.params, i)))
+                    .collect();
+                self.scheduler.add(first);
                 self.pending.insert(
                     id,
                     Pending {
@@ -629,7 +632,7 @@ impl EngineLoop {
                 .iter()
                 .chain(self.scheduler.waiting.iter())
                 .filter(|s| s.request == id)
-                .map(|s| s.index)
+                .flat_map(|s| std::iter::once(s.index).chain(s.forks.iter().map(|f| f.0)))
                 .collect();
             if let Some(p) = self.pending.get(&id) {
                 for index in open {
@@ -766,7 +769,17 @@ impl EngineLoop {
         let vocab = logits.len() / which.len().max(1);
         let mut finished: Vec<(usize, FinishReason)> = Vec::new();
         let mut hung_up: Vec<u64> = Vec::new();
+        // Pending choices fork now and sample from their parent's row.
+        let mut targets: Vec<(usize, usize)> = Vec::with_capacity(which.len());
         for (r, &i) in which.iter().enumerate() {
+            targets.push((r, i));
+            if !self.scheduler.running[i].forks.is_empty() {
+                for c in self.scheduler.fork(i) {
+                    targets.push((r, c));
+                }
+            }
+        }
+        for (r, i) in targets {
             let seq = &mut self.scheduler.running[i];
             let sampled = match seq.sampler.sample(&logits[r * vocab..(r + 1) * vocab]) {
                 Ok(s) => s,

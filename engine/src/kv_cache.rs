@@ -224,6 +224,19 @@ impl PagedKvCache {
         }
     }
 
+    /// Copy the first `rows` positions of block `src` into block `dst`, in
+    /// every attention layer (copy-on-write of a shared partial block).
+    pub fn copy_block(&mut self, src: BlockId, dst: BlockId, rows: usize) {
+        let n = rows.min(self.block_size) * self.layout.kv_row;
+        let (s, d) = (
+            src as usize * self.block_size * self.layout.kv_row,
+            dst as usize * self.block_size * self.layout.kv_row,
+        );
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+            buf.copy_within(s..s + n, d);
+        }
+    }
+
     /// Blocks a sequence of `len` positions needs.
     pub fn blocks_for(&self, len: usize) -> usize {
         len.div_ceil(self.block_size)

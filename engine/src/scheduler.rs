@@ -49,6 +49,10 @@ pub struct Sequence {
     pub sampler: Sampler,
     /// Tokens generated so far.
     pub generated: usize,
+    /// The request's other choices (index, sampler), forked from this
+    /// sequence once its prompt is in the cache, so `n` choices prefill
+    /// their shared prompt once.
+    pub forks: Vec<(usize, Sampler)>,
 }
 
 impl Sequence {
@@ -66,6 +70,7 @@ impl Sequence {
             prefix_keys: Vec::new(),
             sampler,
             generated: 0,
+            forks: Vec::new(),
         }
     }
 
@@ -286,6 +291,78 @@ impl Scheduler {
         Some(first)
     }
 
+    /// Fork the pending choices of `running[i]`, whose prompt is all in the
+    /// cache: each child shares the parent's full blocks, gets a copy of its
+    /// last partial block (copy-on-write, done eagerly) and of its state, and
+    /// is appended to `running`. Returns the children's indices. A child
+    /// that does not fit (sequence limit, slots, blocks) waits instead and
+    /// prefills on its own (the prefix cache still helps).
+    pub fn fork(&mut self, i: usize) -> Vec<usize> {
+        let forks = std::mem::take(&mut self.running[i].forks);
+        let bs = self.cache.block_size();
+        let mut out = Vec::new();
+        for (index, sampler) in forks {
+            let parent = &self.running[i];
+            let mut child = Sequence::new(parent.request, index, parent.tokens.clone(), sampler);
+            child.prompt_len = parent.prompt_len;
+            child.prefill_target = parent.prefill_target;
+            let (computed, partial) = (parent.computed, parent.computed % bs != 0);
+            let fits = self.running.len() < self.limits.max_num_seqs
+                && self.make_room(1, usize::from(partial));
+            let slot = if fits {
+                self.cache.allocate_slot()
+            } else {
+                None
+            };
+            let (Some(slot), Some(parent_slot)) = (slot, self.running[i].slot) else {
+                if let Some(s) = slot {
+                    self.cache.free_slot(s);
+                }
+                self.waiting.push_front(child);
+                continue;
+            };
+            let parent = &self.running[i];
+            let full = computed / bs;
+            let mut table = parent.block_table[..full].to_vec();
+            let src = parent.block_table.get(full).copied();
+            child.prefix_keys = parent.prefix_keys.clone();
+            for &b in &table {
+                self.cache.pool_mut().share(b);
+            }
+            if let (true, Some(src)) = (partial, src) {
+                // make_room left a block free.
+                if let Some(dst) = self.cache.pool_mut().allocate() {
+                    self.cache.copy_block(src, dst, computed % bs);
+                    table.push(dst);
+                }
+            }
+            self.cache.copy_slot(parent_slot, slot);
+            child.block_table = table;
+            child.slot = Some(slot);
+            child.computed = computed;
+            self.running.push(child);
+            out.push(self.running.len() - 1);
+        }
+        out
+    }
+
+    /// Evict prefix-cache entries until `slots` state slots and `blocks`
+    /// blocks are free. False when that is not possible.
+    fn make_room(&mut self, slots: usize, blocks: usize) -> bool {
+        loop {
+            if self.cache.num_free_slots() >= slots && self.cache.pool().num_free() >= blocks {
+                return true;
+            }
+            let evicted = match &mut self.prefix {
+                Some(p) => p.evict_one(&mut self.cache, &[]),
+                None => false,
+            };
+            if !evicted {
+                return false;
+            }
+        }
+    }
+
     /// Drop a sequence's cache and return it to the head of the queue.
     fn preempt(&mut self, i: usize) {
         let mut seq = self.running.remove(i);
@@ -440,14 +517,23 @@ mod tests {
                 }
             }
             s.after_step(&plan);
-            let mut done = Vec::new();
+            let mut sampled: Vec<usize> = Vec::new();
             for item in &plan {
-                let seq = &mut s.running[item.seq];
+                if s.running[item.seq].computed == s.running[item.seq].tokens.len() {
+                    sampled.push(item.seq);
+                    if !s.running[item.seq].forks.is_empty() {
+                        sampled.extend(s.fork(item.seq));
+                    }
+                }
+            }
+            let mut done = Vec::new();
+            for i in sampled {
+                let seq = &mut s.running[i];
                 if seq.computed == seq.tokens.len() {
                     seq.tokens.push(1);
                     seq.generated += 1;
                     if seq.generated >= gen {
-                        done.push(item.seq);
+                        done.push(i);
                     }
                 }
             }
@@ -462,6 +548,24 @@ mod tests {
     fn add(s: &mut Scheduler, id: u64, prompt: Vec<u32>) {
         let sampler = Sampler::new(&SamplingParams::greedy(1), 0);
         s.add(Sequence::new(id, 0, prompt, sampler));
+    }
+
+    #[test]
+    fn forked_choices_share_blocks_and_release_them() {
+        // Roomy, then tight enough that some children must wait and prefill.
+        for blocks in [64, 14] {
+            let mut s = scheduler(blocks, true);
+            for id in 0..2 {
+                let sampler = Sampler::new(&SamplingParams::greedy(1), 0);
+                let mut seq = Sequence::new(id, 0, (0..18).collect(), sampler);
+                seq.forks = (1..4)
+                    .map(|i| (i, Sampler::new(&SamplingParams::greedy(1), i)))
+                    .collect();
+                s.add(seq);
+            }
+            drive(&mut s, 6);
+            check_nothing_leaked(&s);
+        }
     }
 
     fn check_nothing_leaked(s: &Scheduler) {
