@@ -306,7 +306,7 @@ impl Scheduler {
             let mut child = Sequence::new(parent.request, index, parent.tokens.clone(), sampler);
             child.prompt_len = parent.prompt_len;
             child.prefill_target = parent.prefill_target;
-            let (computed, partial) = (parent.computed, parent.computed % bs != 0);
+            let (computed, partial) = (parent.computed, !parent.computed.is_multiple_of(bs));
             let fits = self.running.len() < self.limits.max_num_seqs
                 && self.make_room(1, usize::from(partial));
             let slot = if fits {
