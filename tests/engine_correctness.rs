@@ -11,10 +11,26 @@ use arcticd_engine::{ParamStore, Qwen3_5, SeqInput};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-fn tiny_model(tag: &str, seed: u64) -> PathBuf {
+/// A tiny model directory, removed when dropped.
+struct TinyModel(PathBuf);
+
+impl std::ops::Deref for TinyModel {
+    type Target = PathBuf;
+    fn deref(&self) -> &PathBuf {
+        &self.0
+    }
+}
+
+impl Drop for TinyModel {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tiny_model(tag: &str, seed: u64) -> TinyModel {
     let dir = std::env::temp_dir().join(format!("arcticd-engine-{tag}-{}", std::process::id()));
     arcticd_engine::init::init_model(arcticd_engine::init::TINY, &dir, seed).unwrap();
-    dir
+    TinyModel(dir)
 }
 
 fn prompt(len: usize, salt: u32) -> Vec<u32> {

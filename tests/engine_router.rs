@@ -13,6 +13,7 @@ fn least_loaded_routing_balances_an_uneven_workload() {
     let dir = std::env::temp_dir().join(format!("arcticd-engine-router-{}", std::process::id()));
     arcticd_engine::init::init_model(arcticd_engine::init::TINY, &dir, 7).unwrap();
     let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
     let config = EngineConfig {
         cache_memory: 8 << 20,
         max_num_seqs: 16,
