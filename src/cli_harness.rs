@@ -198,19 +198,13 @@ pub fn eval(a: EvalArgs) -> Result<()> {
                     p.display()
                 )
             })?;
-        let by_task: HashMap<String, Arc<dyn Policy>> = scripts
-            .into_iter()
-            .map(|(id, turns)| {
-                let p: Arc<dyn Policy> = Arc::new(ScriptedPolicy::new(tokenizer.clone(), turns));
-                (id, p)
-            })
-            .collect();
-        let empty: Arc<dyn Policy> = Arc::new(ScriptedPolicy::new(tokenizer.clone(), vec![]));
+        // A fresh policy per rollout: each attempt replays its script from
+        // the start.
+        let tok = tokenizer.clone();
         Box::new(move |t: &tasks::Task| {
-            by_task
-                .get(&t.instance_id)
-                .cloned()
-                .unwrap_or_else(|| empty.clone())
+            let turns = scripts.get(&t.instance_id).cloned().unwrap_or_default();
+            let p: Arc<dyn Policy> = Arc::new(ScriptedPolicy::new(tok.clone(), turns));
+            p
         })
     } else if let Some(endpoint) = &a.endpoint {
         let policy: Arc<dyn Policy> = Arc::new(OpenAiPolicy::new(

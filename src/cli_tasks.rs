@@ -165,21 +165,12 @@ fn agent(a: &AuditArgs) -> Result<Option<Agent>> {
                         p.display()
                     )
                 })?;
-            let by_task: HashMap<String, Arc<dyn ModelPolicy>> = scripts
-                .into_iter()
-                .map(|(id, turns)| {
-                    let p: Arc<dyn ModelPolicy> =
-                        Arc::new(ScriptedPolicy::new(tokenizer.clone(), turns));
-                    (id, p)
-                })
-                .collect();
-            let empty: Arc<dyn ModelPolicy> =
-                Arc::new(ScriptedPolicy::new(tokenizer.clone(), vec![]));
+            // A fresh policy per rollout: each attempt replays its script.
             Box::new(move |t: &Task| {
-                by_task
-                    .get(&t.instance_id)
-                    .cloned()
-                    .unwrap_or_else(|| empty.clone())
+                let turns = scripts.get(&t.instance_id).cloned().unwrap_or_default();
+                let p: Arc<dyn ModelPolicy> =
+                    Arc::new(ScriptedPolicy::new(tokenizer.clone(), turns));
+                p
             })
         }
         (None, Some(endpoint)) => {

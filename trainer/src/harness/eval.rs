@@ -182,7 +182,8 @@ pub fn summarize(tasks: &[Task], records: &[AttemptRecord]) -> EvalSummary {
     }
 }
 
-/// The policy that attempts a task (usually the same one for every task).
+/// The policy for one attempt at a task, called once per rollout (usually
+/// the same shared policy for every task).
 pub type PolicyFor<'a> = &'a (dyn Fn(&Task) -> Arc<dyn Policy> + Sync);
 
 /// Runs the attempts of `tasks` not yet in `out` (unmasked), appending each

@@ -12,6 +12,7 @@ use crate::{Error, Result};
 use arcticd_engine::tokenizer::Tokenizer;
 pub use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// One generation request.
@@ -80,12 +81,11 @@ pub trait Policy: Send + Sync {
 /// ended with the end-of-turn token). Runs out into empty turns, which the
 /// format gate rejects. Log-probabilities are 0 and the weight version 0.
 ///
-/// Stateless across rollouts: the turn to play is read from the prompt
-/// (end-of-turn tokens after the system and user turns, two per finished
-/// turn), so concurrent and repeated attempts each replay from the start.
+/// Plays its turns in order, one per call: use one instance per rollout.
 pub struct ScriptedPolicy {
     tokenizer: Arc<Tokenizer>,
     turns: Vec<String>,
+    next: AtomicUsize,
     /// Finish every turn with `Length` instead (to exercise that gate).
     pub truncate: bool,
     seen: Mutex<Vec<usize>>,
@@ -96,6 +96,7 @@ impl ScriptedPolicy {
         ScriptedPolicy {
             tokenizer,
             turns,
+            next: AtomicUsize::new(0),
             truncate: false,
             seen: Mutex::new(Vec::new()),
         }
@@ -113,11 +114,7 @@ impl Policy for ScriptedPolicy {
         if let Ok(mut v) = self.seen.lock() {
             v.push(req.prompt_ids.len());
         }
-        let ends = match req.stop_token_ids.first() {
-            Some(stop) => req.prompt_ids.iter().filter(|t| *t == stop).count(),
-            None => 0,
-        };
-        let i = ends.saturating_sub(2) / 2;
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
         let text = self.turns.get(i).cloned().unwrap_or_default();
         let mut ids = self.tokenizer.encode(&text)?;
         let finish = if self.truncate || ids.len() > req.max_new_tokens {

@@ -99,8 +99,9 @@ pub async fn audit_tasks_with_agent(
         futures_util::stream::iter(tasks.iter().map(|t| async move {
             let mut extra = Vec::new();
             if let Some(ag) = agent {
-                let p = (ag.policy_for)(t);
                 for k in 0..ag.attempts.max(1) {
+                    // One policy per rollout (scripted policies replay from the start).
+                    let p = (ag.policy_for)(t);
                     if let Some(v) = agent_wrong_patch(ag.harness, p.as_ref(), backend, t, k).await
                     {
                         extra.push(v);
