@@ -5,9 +5,9 @@ use clap::{Parser, Subcommand};
 mod cli_harness;
 mod cli_model;
 mod cli_sandbox;
+mod cli_serve;
 mod cli_tasks;
 mod cli_train;
-mod cli_serve;
 mod server;
 
 #[derive(Parser)]
@@ -41,10 +41,10 @@ enum Command {
     Traj(cli_harness::TrajArgs),
     /// pass@1 over K attempts per task through the rollout harness, resumable.
     Eval(cli_harness::EvalArgs),
-    /// Supervised fine-tuning (AdamW, torch semantics); writes a Hugging Face checkpoint.
-    Sft(cli_train::SftArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(cli_serve::ServeArgs),
+    /// Supervised fine-tuning (AdamW, torch semantics); writes a Hugging Face checkpoint.
+    Sft(cli_train::SftArgs),
 }
 
 fn main() {
@@ -63,8 +63,8 @@ fn main() {
         Command::CheckFormat(args) => cli_harness::check_format(args),
         Command::Traj(args) => cli_harness::traj(args),
         Command::Eval(args) => cli_harness::eval(args),
-        Command::Sft(args) => cli_train::sft(args),
         Command::Serve(args) => cli_serve::serve(args),
+        Command::Sft(args) => cli_train::sft(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
