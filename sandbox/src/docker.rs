@@ -8,20 +8,26 @@
 //! from a second exec, when its timeout fires, so no process of a command
 //! outlives it unless it starts a session of its own. Files move through the archive API. Containers carry
 //! [`LABEL`] and their owner's identity, and [`reap_orphans`] removes those
-//! of dead owners when a backend is created. Not for building images (see
-//! [`crate::image`]). The image must have `sh`, util-linux `setsid`, `find`
-//! and `git`.
+//! of dead owners when a backend is created. A task image that already
+//! holds its repository at the workdir (SWE-bench style) is exported once
+//! into a [`Snapshot`] ([`Backend::snapshot_from_image`]); every sandbox
+//! gets an empty anonymous volume at the workdir (removed with the
+//! container), so the image's own copy there, `.git` and all, is hidden
+//! and the image's history never reaches the agent. Not for building
+//! images (see [`crate::image`]). The image must have `sh`, util-linux
+//! `setsid`, `find` and `git`.
 
 use crate::output::CappedOutput;
 use crate::procs;
 use crate::sandbox::{next_token, resolve_path};
+use crate::snapshot::SnapshotCache;
 use crate::{
     with_timeout, Backend, Error, ExecRequest, ExecResult, Policy, Result, Sandbox, Snapshot,
 };
 use async_trait::async_trait;
 use bollard::container::LogOutput;
 use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
-use bollard::models::{ContainerCreateBody, HostConfig};
+use bollard::models::{ContainerCreateBody, HostConfig, Mount, MountType, MountVolumeOptions};
 use bollard::query_parameters::{
     CreateContainerOptionsBuilder, DownloadFromContainerOptionsBuilder,
     ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, UploadToContainerOptionsBuilder,
@@ -42,6 +48,17 @@ pub const OWNER_LABEL: &str = "arcticd.owner";
 pub const HOST_LABEL: &str = "arcticd.host";
 
 const PATH_ENV: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// Limit of exporting one image's repository, seconds.
+const EXPORT_TIMEOUT_SECS: f64 = 900.0;
+
+/// The labels of every container this crate creates.
+fn labels() -> HashMap<String, String> {
+    HashMap::from([
+        (LABEL.to_string(), "1".to_string()),
+        (OWNER_LABEL.to_string(), procs::self_owner()),
+        (HOST_LABEL.to_string(), procs::host_name()),
+    ])
+}
 
 /// Connects to the local Docker daemon, with the API version negotiated
 /// down to the daemon's.
@@ -136,10 +153,172 @@ async fn remove(docker: &Docker, id: &str) -> Result<()> {
     }
 }
 
+/// Removes a container from a private thread and runtime: for `Drop`,
+/// which cannot await and may run while the caller's runtime shuts down.
+/// If even this fails, the next start's reaper removes it.
+fn remove_detached(id: String) {
+    let handle = std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        rt.block_on(async {
+            let removal = async {
+                let docker = connect().await?;
+                remove(&docker, &id).await
+            };
+            if let Err(e) = with_timeout("removing a container", 30.0, removal).await {
+                tracing::warn!(container = %id, "could not remove container: {e}");
+            }
+        });
+    });
+    let _ = handle.join();
+}
+
+/// A created, never started container whose files are read; removed on
+/// drop, so a cancelled or failed export leaves nothing behind.
+struct ExportContainer {
+    docker: Docker,
+    id: String,
+    removed: bool,
+}
+
+impl ExportContainer {
+    async fn remove(mut self) -> Result<()> {
+        self.removed = true;
+        remove(&self.docker, &self.id).await
+    }
+}
+
+impl Drop for ExportContainer {
+    fn drop(&mut self) {
+        if !self.removed {
+            remove_detached(self.id.clone());
+        }
+    }
+}
+
+/// Copies `workdir` of `image` into a fresh snapshot: a container is
+/// created from the image (never started, so nothing of the image runs),
+/// the archive of `workdir` downloaded to a private folder and unpacked,
+/// the container removed, and the folder snapshotted (its `.git` dropped).
+async fn export_workdir(docker: &Docker, image: &str, workdir: &str) -> Result<Snapshot> {
+    let workdir = workdir.trim_end_matches('/');
+    let Some(base) = std::path::Path::new(workdir).file_name() else {
+        return Err(Error::InvalidInput(format!(
+            "workdir {workdir:?} cannot be a repository"
+        )));
+    };
+    if !workdir.starts_with('/') || workdir.split('/').any(|c| c == "..") {
+        return Err(Error::InvalidInput(format!(
+            "workdir {workdir:?} must be an absolute path without `..`"
+        )));
+    }
+    let base = base.to_owned();
+    let body = ContainerCreateBody {
+        image: Some(image.to_string()),
+        cmd: Some(vec!["true".into()]),
+        entrypoint: Some(vec![]),
+        labels: Some(labels()),
+        network_disabled: Some(true),
+        host_config: Some(HostConfig {
+            network_mode: Some("none".into()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let name = format!("arcticd-export-{}-{}", procs::self_owner(), next_token());
+    let created = match docker
+        .create_container(
+            Some(CreateContainerOptionsBuilder::new().name(&name).build()),
+            body,
+        )
+        .await
+    {
+        Ok(c) => c,
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404,
+            message,
+        }) => {
+            return Err(Error::Image(format!(
+                "image {image} is not available locally ({message}); pull or build it first"
+            )))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let container = ExportContainer {
+        docker: docker.clone(),
+        id: created.id,
+        removed: false,
+    };
+    let dir = tempfile::Builder::new()
+        .prefix("arcticd-export-")
+        .tempdir()
+        .map_err(|e| Error::io("creating the export folder", e))?;
+    let tar_path = dir.path().join("tree.tar");
+    let mut file = tokio::fs::File::create(&tar_path)
+        .await
+        .map_err(|e| Error::io("creating the export archive", e))?;
+    let mut stream = docker.download_from_container(
+        &container.id,
+        Some(
+            DownloadFromContainerOptionsBuilder::new()
+                .path(workdir)
+                .build(),
+        ),
+    );
+    while let Some(chunk) = stream.next().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(bollard::errors::Error::DockerResponseServerError {
+                status_code: 404, ..
+            }) => {
+                return Err(Error::Image(format!(
+                    "image {image} has no repository folder {workdir}"
+                )))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        file.write_all(&chunk)
+            .await
+            .map_err(|e| Error::io("writing the export archive", e))?;
+    }
+    file.flush()
+        .await
+        .map_err(|e| Error::io("writing the export archive", e))?;
+    drop(file);
+    container.remove().await?;
+    let (image, workdir) = (image.to_string(), workdir.to_string());
+    tokio::task::spawn_blocking(move || {
+        let root = dir.path().join("root");
+        let io = |e| Error::io(format!("unpacking {workdir} of image {image}"), e);
+        std::fs::create_dir(&root).map_err(io)?;
+        let f = std::fs::File::open(&tar_path).map_err(io)?;
+        let mut ar = tar::Archive::new(std::io::BufReader::new(f));
+        // Modes matter (executable scripts); owners do not (the snapshot
+        // is re-owned by the sandbox user).
+        ar.set_preserve_permissions(true);
+        ar.unpack(&root).map_err(io)?;
+        std::fs::remove_file(&tar_path).map_err(io)?;
+        let tree = root.join(&base);
+        match std::fs::symlink_metadata(&tree) {
+            Ok(m) if m.is_dir() => Snapshot::from_dir(&tree),
+            _ => Err(Error::Image(format!(
+                "{workdir} in image {image} is not a folder"
+            ))),
+        }
+    })
+    .await
+    .map_err(|e| Error::Snapshot(format!("export worker failed: {e}")))?
+}
+
 /// Starts Docker sandboxes.
 #[derive(Clone)]
 pub struct DockerBackend {
     docker: Docker,
+    snapshots: SnapshotCache,
 }
 
 impl DockerBackend {
@@ -154,7 +333,10 @@ impl DockerBackend {
                     .map(|_| ())
             })
             .await?;
-        Ok(DockerBackend { docker })
+        Ok(DockerBackend {
+            docker,
+            snapshots: SnapshotCache::default(),
+        })
     }
 
     pub fn client(&self) -> &Docker {
@@ -179,6 +361,19 @@ impl Backend for DockerBackend {
         "docker"
     }
 
+    async fn snapshot_from_image(&self, image: &str, workdir: &str) -> Result<Arc<Snapshot>> {
+        let op = format!("exporting {workdir} of image {image}");
+        self.snapshots
+            .get_or_make(image, workdir, || {
+                with_timeout(
+                    &op,
+                    EXPORT_TIMEOUT_SECS,
+                    export_workdir(&self.docker, image, workdir),
+                )
+            })
+            .await
+    }
+
     async fn start(
         &self,
         snapshot: &Arc<Snapshot>,
@@ -200,11 +395,6 @@ impl Backend for DockerBackend {
                 .map_err(|e| Error::Sandbox(format!("snapshot archiver failed: {e}")))??;
 
             let name = format!("arcticd-{}-{}", procs::self_owner(), next_token());
-            let labels = HashMap::from([
-                (LABEL.to_string(), "1".to_string()),
-                (OWNER_LABEL.to_string(), procs::self_owner()),
-                (HOST_LABEL.to_string(), procs::host_name()),
-            ]);
             let memory = i64::try_from(policy.memory_bytes)
                 .map_err(|_| Error::InvalidInput("memory_bytes too large".into()))?;
             let body = ContainerCreateBody {
@@ -217,10 +407,24 @@ impl Backend for DockerBackend {
                     "HOME=/tmp".into(),
                     "LANG=C.UTF-8".into(),
                 ]),
-                labels: Some(labels),
+                labels: Some(labels()),
                 network_disabled: Some(true),
                 host_config: Some(HostConfig {
                     network_mode: Some("none".into()),
+                    // The snapshot goes into an empty volume: whatever the
+                    // image holds at the workdir (a task image's repository
+                    // with its history) stays hidden below it. `no_copy`
+                    // keeps Docker from seeding the volume from the image.
+                    mounts: Some(vec![Mount {
+                        target: Some(policy.workdir.clone()),
+                        typ: Some(MountType::VOLUME),
+                        volume_options: Some(MountVolumeOptions {
+                            no_copy: Some(true),
+                            labels: Some(labels()),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }]),
                     memory: Some(memory),
                     memory_swap: Some(memory),
                     nano_cpus: Some((policy.cpus * 1e9) as i64),
@@ -593,28 +797,7 @@ impl Drop for DockerSandbox {
         if self.closed.swap(true, Ordering::SeqCst) {
             return;
         }
-        // Not closed: remove it from a private thread and runtime, since drop
-        // cannot await and the caller's runtime may be shutting down. If even
-        // this fails, the next start's reaper removes it.
-        let id = self.id.clone();
-        let handle = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async {
-                let removal = async {
-                    let docker = connect().await?;
-                    remove(&docker, &id).await
-                };
-                if let Err(e) = with_timeout("removing a container", 30.0, removal).await {
-                    tracing::warn!(container = %id, "could not remove sandbox container: {e}");
-                }
-            });
-        });
-        let _ = handle.join();
+        remove_detached(self.id.clone());
     }
 }
 

@@ -19,6 +19,9 @@
 //! - **History**: the working tree is a single root commit made by
 //!   [`Snapshot`]; no other commits, branches, tags, remotes, reflog, stash,
 //!   packed refs or dangling objects exist, so `git log --all` shows one commit.
+//!   A task image's own repository (history included) is only read to make
+//!   the snapshot; in the sandbox it lies hidden beneath the workdir's
+//!   empty volume (Docker) or bind mount (local).
 //! - **Hidden tests**: the task's test patch never enters the agent's sandbox.
 //!   [`grading::grade`] applies only the agent's diff, plus the test patch, in
 //!   a fresh sandbox from the same snapshot, and throws it away.

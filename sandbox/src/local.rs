@@ -22,7 +22,7 @@
 use crate::output::CappedOutput;
 use crate::procs;
 use crate::sandbox::{next_token, resolve_path};
-use crate::snapshot::copy_staged;
+use crate::snapshot::{copy_staged, folder_below, SnapshotCache};
 use crate::{
     with_timeout, Backend, Error, ExecRequest, ExecResult, Policy, Result, Sandbox, Snapshot,
 };
@@ -54,6 +54,7 @@ enum Cgroups {
 pub struct LocalBackend {
     state_dir: PathBuf,
     cgroups: Cgroups,
+    snapshots: SnapshotCache,
 }
 
 impl LocalBackend {
@@ -77,7 +78,11 @@ impl LocalBackend {
         std::fs::create_dir_all(&state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
         let cgroups = find_cgroups()?;
-        let backend = LocalBackend { state_dir, cgroups };
+        let backend = LocalBackend {
+            state_dir,
+            cgroups,
+            snapshots: SnapshotCache::default(),
+        };
         static REAPED: std::sync::Once = std::sync::Once::new();
         REAPED.call_once(|| {
             backend.reap_orphans();
@@ -387,6 +392,28 @@ impl Backend for LocalBackend {
         })
         .await?;
         Ok(Box::new(sb))
+    }
+
+    /// The image is a root file system folder: the snapshot is made from
+    /// its `workdir` folder.
+    async fn snapshot_from_image(&self, image: &str, workdir: &str) -> Result<Arc<Snapshot>> {
+        let rootfs = crate::image::resolve_rootfs(image)?;
+        let (image_name, wd) = (image.to_string(), workdir.to_string());
+        self.snapshots
+            .get_or_make(image, workdir, || async move {
+                tokio::task::spawn_blocking(move || {
+                    let src = folder_below(&rootfs, &wd).map_err(|e| match e {
+                        Error::Image(m) => Error::Image(format!(
+                            "image {image_name} has no repository folder {wd}: {m}"
+                        )),
+                        other => other,
+                    })?;
+                    Snapshot::from_dir(&src)
+                })
+                .await
+                .map_err(|e| Error::Snapshot(format!("snapshot worker failed: {e}")))?
+            })
+            .await
     }
 }
 

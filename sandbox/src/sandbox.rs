@@ -43,6 +43,13 @@ pub trait Backend: Send + Sync {
         image: &str,
         policy: &Policy,
     ) -> Result<Box<dyn Sandbox>>;
+
+    /// The repository that `image` holds at `workdir`, as a snapshot: its
+    /// files only, any `.git` dropped and one root commit made, as
+    /// [`Snapshot::from_dir`] does (the agent never sees the image's
+    /// history). Made once per (image, workdir) and cached by the backend.
+    /// Errors say whether the image or the folder is missing.
+    async fn snapshot_from_image(&self, image: &str, workdir: &str) -> Result<Arc<Snapshot>>;
 }
 
 /// One isolated working copy of a repository and the commands run in it.

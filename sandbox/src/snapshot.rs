@@ -7,8 +7,10 @@
 //! makes the only history, and the reflog is deleted. Not a task loader.
 
 use crate::{Error, Result};
+use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Arc, Mutex};
 
 /// A staged repository: the working tree plus a `.git` holding exactly one
 /// commit. Deleted from disk when dropped.
@@ -67,6 +69,115 @@ impl Snapshot {
         b.into_inner()
             .map_err(|e| Error::io("writing the snapshot tar", e))
     }
+}
+
+/// Snapshots of images' repositories, made once per (image, workdir) and
+/// shared, so a task set whose tasks share an image exports it once. Holds
+/// at most [`SnapshotCache::CAPACITY`] entries (each is a copy of a
+/// repository on disk); the oldest is dropped first, and sandboxes still
+/// using it keep it alive through their `Arc`. Concurrent requests for the
+/// same key wait for one export; a failed export is not cached.
+#[derive(Debug, Default, Clone)]
+pub struct SnapshotCache {
+    inner: Arc<Mutex<CacheEntries>>,
+}
+
+type CacheKey = (String, String);
+type CacheCell = Arc<tokio::sync::OnceCell<Arc<Snapshot>>>;
+
+#[derive(Debug, Default)]
+struct CacheEntries {
+    cells: HashMap<CacheKey, CacheCell>,
+    order: VecDeque<CacheKey>,
+}
+
+impl SnapshotCache {
+    /// Most snapshots kept.
+    pub const CAPACITY: usize = 16;
+
+    /// The cached snapshot of (`image`, `workdir`), made with `make` when
+    /// absent.
+    pub async fn get_or_make<F, Fut>(
+        &self,
+        image: &str,
+        workdir: &str,
+        make: F,
+    ) -> Result<Arc<Snapshot>>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<Snapshot>>,
+    {
+        let key = (image.to_string(), workdir.to_string());
+        let cell = {
+            // A panic elsewhere while holding the lock leaves the map
+            // consistent (every step below is a single insert or remove).
+            let mut e = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            match e.cells.get(&key) {
+                Some(c) => c.clone(),
+                None => {
+                    let c = CacheCell::default();
+                    e.cells.insert(key.clone(), c.clone());
+                    e.order.push_back(key);
+                    while e.order.len() > Self::CAPACITY {
+                        if let Some(old) = e.order.pop_front() {
+                            e.cells.remove(&old);
+                        }
+                    }
+                    c
+                }
+            }
+        };
+        cell.get_or_try_init(|| async { make().await.map(Arc::new) })
+            .await
+            .cloned()
+    }
+
+    /// Snapshots held now.
+    pub fn len(&self) -> usize {
+        let e = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        e.cells.values().filter(|c| c.initialized()).count()
+    }
+
+    /// Whether no snapshot is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The folder at `workdir` (absolute, plain names only) below `root`,
+/// checked to be a real folder at every step: a symlink in an image folder
+/// must not lead the snapshot to host files.
+pub(crate) fn folder_below(root: &Path, workdir: &str) -> Result<PathBuf> {
+    let rel = Path::new(workdir)
+        .strip_prefix("/")
+        .map_err(|_| Error::InvalidInput(format!("workdir {workdir:?} is not absolute")))?;
+    let mut p = root.to_path_buf();
+    let mut any = false;
+    for c in rel.components() {
+        let std::path::Component::Normal(name) = c else {
+            return Err(Error::InvalidInput(format!(
+                "workdir {workdir:?} must name a folder with plain components"
+            )));
+        };
+        any = true;
+        p.push(name);
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(Error::Image(format!(
+                    "{} is not a folder (symlinks are not followed)",
+                    p.display()
+                )))
+            }
+            Err(_) => return Err(Error::Image(format!("{} does not exist", p.display()))),
+        }
+    }
+    if !any {
+        return Err(Error::InvalidInput(
+            "workdir / cannot be a repository".into(),
+        ));
+    }
+    Ok(p)
 }
 
 fn append_tree(
@@ -255,6 +366,54 @@ mod tests {
             .collect();
         assert!(names.iter().any(|n| n == "testbed/pkg/b.py"));
         assert!(names.iter().any(|n| n == "testbed/.git/HEAD"));
+    }
+
+    #[test]
+    fn finds_folders_below_a_root_without_following_links() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        std::fs::create_dir_all(r.join("srv/app")).unwrap();
+        std::os::unix::fs::symlink("/etc", r.join("link")).unwrap();
+        assert_eq!(folder_below(r, "/srv/app").unwrap(), r.join("srv/app"));
+        assert!(folder_below(r, "/link").is_err());
+        assert!(folder_below(r, "/srv/../..").is_err());
+        assert!(folder_below(r, "/missing").is_err());
+        assert!(folder_below(r, "/").is_err());
+        assert!(folder_below(r, "srv").is_err());
+    }
+
+    #[test]
+    fn cache_makes_each_snapshot_once() {
+        let src = tempfile::tempdir().unwrap();
+        std::fs::write(src.path().join("a.py"), "x = 1\n").unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let cache = SnapshotCache::default();
+        let made = std::sync::atomic::AtomicUsize::new(0);
+        rt.block_on(async {
+            for _ in 0..3 {
+                let s = cache
+                    .get_or_make("img", "/testbed", || async {
+                        made.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        Snapshot::from_dir(src.path())
+                    })
+                    .await
+                    .unwrap();
+                assert!(s.path().join("a.py").exists());
+            }
+            // A failure is not cached.
+            let e = cache
+                .get_or_make("img", "/other", || async { Err(Error::Image("no".into())) })
+                .await;
+            assert!(e.is_err());
+            let again = cache
+                .get_or_make("img", "/other", || async { Snapshot::from_dir(src.path()) })
+                .await;
+            assert!(again.is_ok());
+        });
+        assert_eq!(made.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(cache.len(), 2);
     }
 
     #[test]

@@ -468,14 +468,15 @@ pub async fn audit_task(
             return result;
         }
     }
-    let (snapshot, image, policy) = match task_env(task, &cfg.validate.image, policy) {
+    let (snapshot, image, policy) = match task_env(backend, task, &cfg.validate.image, policy).await
+    {
         Ok(x) => x,
         Err(e) => {
             result.verdict = "invalid";
             result.validation = Some(Verdict {
                 instance_id: task.instance_id.clone(),
                 verdict: "invalid",
-                reason: Some("unsupported".into()),
+                reason: Some("environment".into()),
                 detail: e.to_string(),
             });
             return result;

@@ -6,8 +6,9 @@
 //! SWE-bench field names (`instance_id`, `problem_statement`, `patch`,
 //! `test_patch`, `FAIL_TO_PASS`, `PASS_TO_PASS`; the test lists may be lists
 //! or the JSON-encoded strings SWE-bench ships) plus the environment: a
-//! Docker `image` with the repository at `workdir`, or a local `repo` folder
-//! (relative to the task file) that becomes the snapshot; `test_cmd`;
+//! Docker `image` with the repository at `workdir` (exported into the
+//! snapshot, its history dropped), or a local `repo` folder (relative to
+//! the task file) that becomes the snapshot; `test_cmd`;
 //! `log_parser`. [`load_tasks`] also maps SWE-bench and R2E-Gym /
 //! SWE-rebench style records onto it ([`Format`]). Every schema error names
 //! the record (line and id) and the field.
@@ -42,7 +43,11 @@ pub struct Task {
     /// Tests that pass before and after.
     #[serde(rename = "PASS_TO_PASS")]
     pub pass_to_pass: Vec<String>,
-    /// Docker image holding the repository at `workdir` (SWE-bench style).
+    /// Docker image holding the repository at `workdir` (SWE-bench style;
+    /// for the local backend a root file system folder or a tag built by
+    /// [`crate::image`]). Without `repo`, the snapshot is the image's
+    /// `workdir` folder, exported once per image with its history dropped;
+    /// with `repo`, the image only runs the commands.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
     /// Local folder holding the repository snapshot; relative paths are

@@ -51,7 +51,8 @@ pub struct Verdict {
     pub verdict: &'static str,
     /// Why invalid: `no_tests_parsed`, `gold_patch_does_not_apply`,
     /// `gold_fails`, `f2p_passes_before`, `p2p_fails_before`, `flaky`,
-    /// `test_ids_differ`, `infra`, `unsupported`.
+    /// `test_ids_differ`, `infra`, `environment` (the repository could not
+    /// be prepared: image or its workdir missing, unreadable `repo`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// Human-readable evidence.
@@ -75,20 +76,33 @@ impl Verdict {
 }
 
 /// The snapshot and image a task's sandboxes start from, and the policy
-/// with the task's workdir.
-pub fn task_env(
+/// with the task's workdir. The snapshot is the task's local `repo` folder
+/// when it has one; otherwise the repository its `image` holds at `workdir`
+/// (exported once per image by the backend). Errors name the task.
+pub async fn task_env(
+    backend: &dyn Backend,
     task: &Task,
     default_image: &str,
     policy: &Policy,
 ) -> Result<(Arc<Snapshot>, String, Policy)> {
-    let Some(repo) = &task.repo else {
-        return Err(Error::InvalidInput(format!(
-            "task {}: only tasks with a local `repo` folder can run; export the repository of image {:?} to a folder first",
-            task.instance_id,
-            task.image.as_deref().unwrap_or("")
-        )));
+    let id = &task.instance_id;
+    let named = |e: Error| match e {
+        Error::Image(m) => Error::Image(format!("task {id}: {m}")),
+        Error::InvalidInput(m) => Error::InvalidInput(format!("task {id}: {m}")),
+        other => Error::Snapshot(format!("task {id}: {other}")),
     };
-    let snapshot = Arc::new(Snapshot::from_dir(repo)?);
+    let snapshot = match (&task.repo, &task.image) {
+        (Some(repo), _) => Arc::new(Snapshot::from_dir(repo).map_err(named)?),
+        (None, Some(image)) => backend
+            .snapshot_from_image(image, &task.workdir)
+            .await
+            .map_err(named)?,
+        (None, None) => {
+            return Err(Error::InvalidInput(format!(
+                "task {id}: neither `repo` nor `image` is given"
+            )))
+        }
+    };
     let image = task
         .image
         .clone()
@@ -108,9 +122,9 @@ pub async fn validate_task(
     cfg: &ValidateConfig,
 ) -> Verdict {
     let id = task.instance_id.as_str();
-    let (snapshot, image, policy) = match task_env(task, &cfg.image, policy) {
+    let (snapshot, image, policy) = match task_env(backend, task, &cfg.image, policy).await {
         Ok(x) => x,
-        Err(e) => return Verdict::invalid(id, "unsupported", e.to_string()),
+        Err(e) => return Verdict::invalid(id, "environment", e.to_string()),
     };
     let spec = task.test_spec(cfg.test_timeout_secs);
     let mut before: Vec<GradeReport> = Vec::new();

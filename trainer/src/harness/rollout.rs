@@ -249,7 +249,7 @@ impl Harness {
         t.prompt_len = ids.len();
         self.push_env(t, &ids);
         let (snapshot, image, sb_policy) =
-            match task_env(task, &self.cfg.image, &self.sandbox_policy) {
+            match task_env(backend, task, &self.cfg.image, &self.sandbox_policy).await {
                 Ok(x) => x,
                 Err(e) => return (Termination::Infra, e.to_string()),
             };
