@@ -4,10 +4,11 @@
 //! `tasks toy --count N --seed S --out DIR` writes DIR/tasks.jsonl and the
 //! repositories; `tasks validate --tasks FILE --backend docker|local` prints
 //! one JSON verdict per task; `tasks audit --tasks FILE --backend ...
-//! [--out FILE] [--report FILE]` prints per-task audit lines and a summary
-//! (precision / recall against the toy pool's ground truth) and writes the
-//! curated set (valid and not loose). Thin wiring over
-//! `arcticd_sandbox::tasks`.
+//! [--out FILE] [--report FILE] [--strengthen]` prints per-task audit lines
+//! and a summary (precision / recall against the toy pool's ground truth)
+//! and writes the curated set (valid and not loose, strengthened tasks in
+//! their new form). Thin wiring over `arcticd_sandbox::tasks` and the
+//! harness's audit agents.
 
 use crate::cli_sandbox::BackendKind;
 use anyhow::{bail, Context, Result};
@@ -20,7 +21,7 @@ use arcticd_sandbox::tasks::{self, audit, toy, validate, Format, Task};
 use arcticd_sandbox::{Backend, Policy};
 use arcticd_trainer::harness::openai::{OpenAiConfig, OpenAiPolicy};
 use arcticd_trainer::harness::policy::Policy as ModelPolicy;
-use arcticd_trainer::harness::{wrong_patch, Harness, RolloutConfig, ScriptedPolicy};
+use arcticd_trainer::harness::{strengthen, wrong_patch, Harness, RolloutConfig, ScriptedPolicy};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -115,7 +116,8 @@ pub struct AuditArgs {
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Scripted agent turns instead of an endpoint: JSON object task id ->
-    /// list of raw assistant turns (demos and tests).
+    /// list of raw assistant turns (demos and tests); the strengthening
+    /// agent's turns for task X are keyed `strengthen/X`.
     #[arg(long)]
     pub agent_script: Option<PathBuf>,
     /// Agent attempts per task.
@@ -124,7 +126,11 @@ pub struct AuditArgs {
     /// Agent rollout settings as JSON (see RolloutConfig).
     #[arg(long)]
     pub agent_config: Option<String>,
-    /// Ask the agent for extra tests (not implemented yet).
+    /// Ask the agent for extra tests for each loose task: accepted only when
+    /// they pass on the gold patch and fail on the accepted wrong patch, and
+    /// the strengthened task validates and is no longer loose. Needs an
+    /// agent (--endpoint or --agent-script). Attempts per task:
+    /// --agent-attempts.
     #[arg(long)]
     pub strengthen: bool,
 }
@@ -135,6 +141,8 @@ type PolicyFactory = Box<dyn Fn(&Task) -> Arc<dyn ModelPolicy> + Sync>;
 
 struct Agent {
     harness: Harness,
+    /// The same model and settings, asked for tests instead of a fix.
+    strengthen_harness: Harness,
     policy_for: PolicyFactory,
     attempts: usize,
 }
@@ -147,13 +155,21 @@ fn agent(a: &AuditArgs) -> Result<Option<Agent>> {
         bail!("an audit agent needs --tokenizer DIR (the model's tokenizer and chat template)");
     };
     let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
-    let template = ChatTemplate::from_dir(dir)?.unwrap_or_else(ChatTemplate::qwen35);
+    // Two harnesses (fixing and strengthening), each with its template.
+    let template = || -> Result<ChatTemplate> {
+        Ok(ChatTemplate::from_dir(dir)?.unwrap_or_else(ChatTemplate::qwen35))
+    };
     let mut cfg = match &a.agent_config {
         Some(j) => serde_json::from_str::<RolloutConfig>(j).context("parsing --agent-config")?,
         None => RolloutConfig::default(),
     };
     cfg.image = a.common.image.clone();
-    let harness = Harness::new(tokenizer.clone(), template, cfg)?;
+    let strengthen_cfg = RolloutConfig {
+        instruction: strengthen::STRENGTHEN_INSTRUCTION.to_string(),
+        ..cfg.clone()
+    };
+    let strengthen_harness = Harness::new(tokenizer.clone(), template()?, strengthen_cfg)?;
+    let harness = Harness::new(tokenizer.clone(), template()?, cfg)?;
     let policy_for: PolicyFactory = match (&a.agent_script, &a.endpoint) {
         (Some(p), _) => {
             let text =
@@ -188,6 +204,7 @@ fn agent(a: &AuditArgs) -> Result<Option<Agent>> {
     };
     Ok(Some(Agent {
         harness,
+        strengthen_harness,
         policy_for,
         attempts: a.agent_attempts.max(1),
     }))
@@ -226,10 +243,13 @@ pub fn main(args: TasksArgs) -> Result<()> {
             })
         }
         TasksCommand::Audit(a) => {
-            if a.strengthen {
-                bail!("--strengthen is not implemented yet");
-            }
             let agent = agent(&a)?;
+            if a.strengthen && agent.is_none() {
+                bail!(
+                    "--strengthen needs an agent to write the tests: --endpoint URL or \
+                     --agent-script FILE, with --tokenizer DIR"
+                );
+            }
             let rt = arcticd_sandbox::runtime()?;
             rt.block_on(async {
                 let (backend, tasks, policy, vcfg) = setup(&a.common).await?;
@@ -243,20 +263,29 @@ pub fn main(args: TasksArgs) -> Result<()> {
                     policy_for: ag.policy_for.as_ref(),
                     attempts: ag.attempts,
                 });
+                let sa =
+                    agent
+                        .as_ref()
+                        .filter(|_| a.strengthen)
+                        .map(|ag| wrong_patch::AuditAgent {
+                            harness: &ag.strengthen_harness,
+                            policy_for: ag.policy_for.as_ref(),
+                            attempts: ag.attempts,
+                        });
                 let report = wrong_patch::audit_tasks_with_agent(
                     backend.as_ref(),
                     &tasks,
                     &policy,
                     &cfg,
                     ag.as_ref(),
+                    sa.as_ref(),
                 )
                 .await;
                 if let Some(out) = &a.out {
                     let keep: Vec<Task> = tasks
                         .iter()
                         .zip(&report.results)
-                        .filter(|(_, r)| r.verdict == "tight")
-                        .map(|(t, _)| t.clone())
+                        .filter_map(|(t, r)| r.curated(t))
                         .collect();
                     tasks::write_tasks(out, &keep)?;
                 }
@@ -268,6 +297,7 @@ pub fn main(args: TasksArgs) -> Result<()> {
                         let summary = serde_json::json!({
                             "tasks": report.tasks, "invalid": report.invalid,
                             "loose": report.loose, "tight": report.tight,
+                            "strengthened": report.strengthened,
                             "precision": report.precision, "recall": report.recall,
                         });
                         println!("{summary}");

@@ -7,9 +7,11 @@
 //! added statement with a no-op, invert an added condition. Each is graded
 //! like an agent's diff; the first that resolves the task is kept as
 //! evidence. Agent-written wrong patches (an external model shown the gold
-//! patch) plug in at [`audit_task`]'s `extra` argument. Not for: validity
-//! (see [`super::validate`], run first).
+//! patch) plug in at [`audit_task`]'s `extra` argument; a loose task's
+//! tests can then be strengthened ([`super::strengthen`]), which the report
+//! records. Not for: validity (see [`super::validate`], run first).
 
+use super::strengthen::Strengthening;
 use super::validate::{task_env, validate_task, ValidateConfig, Verdict};
 use super::Task;
 use crate::grading::{self, GradeOutcome};
@@ -425,7 +427,9 @@ impl Default for AuditConfig {
 #[derive(Debug, Clone, Serialize)]
 pub struct AuditResult {
     pub instance_id: String,
-    /// `loose`, `tight`, or `invalid` (validation failed; see `validation`).
+    /// `loose`, `tight`, `invalid` (validation failed; see `validation`),
+    /// or `strengthened` (was loose; new tests made it tight, see
+    /// `strengthening`).
     pub verdict: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub validation: Option<Verdict>,
@@ -439,6 +443,21 @@ pub struct AuditResult {
     /// Ground truth of toy tasks (`meta.toy.loose`), when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expected_loose: Option<bool>,
+    /// What strengthening a loose task did, when it was tried.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strengthening: Option<Strengthening>,
+}
+
+impl AuditResult {
+    /// The task to keep in the curated set: the task itself when tight,
+    /// its strengthened version when strengthened, none otherwise.
+    pub fn curated(&self, task: &Task) -> Option<Task> {
+        match self.verdict {
+            "tight" => Some(task.clone()),
+            "strengthened" => self.strengthening.as_ref()?.task.clone(),
+            _ => None,
+        }
+    }
 }
 
 /// Audits one task with the mechanical variants plus `extra` wrong patches
@@ -458,6 +477,7 @@ pub async fn audit_task(
         infra_errors: 0,
         accepted: None,
         expected_loose: task.toy_loose(),
+        strengthening: None,
     };
     if cfg.validate_first {
         let v = validate_task(backend, task, policy, &cfg.validate).await;
@@ -509,7 +529,10 @@ pub struct AuditReport {
     pub invalid: usize,
     pub loose: usize,
     pub tight: usize,
-    /// Of the tasks flagged loose, the share that truly are (toy tasks only;
+    /// Loose tasks whose strengthened tests made them tight.
+    pub strengthened: usize,
+    /// Of the tasks flagged loose (strengthened ones included: the audit
+    /// flagged them first), the share that truly are (toy tasks only;
     /// null without ground truth or flags).
     pub precision: Option<f64>,
     /// Of the truly loose tasks, the share flagged.
@@ -542,11 +565,13 @@ pub fn report(results: Vec<AuditResult>) -> AuditReport {
         .iter()
         .filter(|r| r.verdict != "invalid" && r.expected_loose.is_some())
         .collect();
+    let flagged_loose = |r: &&&AuditResult| matches!(r.verdict, "loose" | "strengthened");
     let tp = judged
         .iter()
-        .filter(|r| r.verdict == "loose" && r.expected_loose == Some(true))
+        .filter(flagged_loose)
+        .filter(|r| r.expected_loose == Some(true))
         .count();
-    let flagged = judged.iter().filter(|r| r.verdict == "loose").count();
+    let flagged = judged.iter().filter(flagged_loose).count();
     let truly = judged
         .iter()
         .filter(|r| r.expected_loose == Some(true))
@@ -556,6 +581,7 @@ pub fn report(results: Vec<AuditResult>) -> AuditReport {
         invalid: count("invalid"),
         loose: count("loose"),
         tight: count("tight"),
+        strengthened: count("strengthened"),
         precision: (flagged > 0).then(|| tp as f64 / flagged as f64),
         recall: (truly > 0).then(|| tp as f64 / truly as f64),
         results,

@@ -13,10 +13,12 @@
 //! SWE-rebench style records onto it ([`Format`]). Every schema error names
 //! the record (line and id) and the field.
 //!
-//! Not for: running tasks (see [`crate::grading`], [`validate`], [`audit`])
+//! Not for: running tasks (see [`crate::grading`], [`validate`], [`audit`],
+//! [`strengthen`])
 //! or token-level anything.
 
 pub mod audit;
+pub mod strengthen;
 pub mod toy;
 pub mod validate;
 

@@ -10,7 +10,8 @@
 //! - [`rollout`]: the agent loop with gated reward.
 //! - [`trajectory`]: the record and its transcript view.
 //! - [`eval`]: pass@1 over K attempts, resumable.
-//! - [`wrong_patch`]: agent-written wrong patches for the task audit.
+//! - [`wrong_patch`]: agent-written wrong patches for the task audit;
+//!   [`strengthen`]: agent-written tests for the tasks it finds loose.
 //!
 //! Not for: losses, batching, the async orchestrator.
 
@@ -20,6 +21,7 @@ pub mod format;
 pub mod openai;
 pub mod policy;
 pub mod rollout;
+pub mod strengthen;
 pub mod tools;
 pub mod trajectory;
 pub mod wrong_patch;

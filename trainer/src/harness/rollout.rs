@@ -37,6 +37,10 @@ The repository is checked out in the current working directory. Use the tools to
 reproduce the issue, edit the code and check your change. Every reply must be exactly one tool \
 call and nothing after it. When the fix is complete, call submit; only submitted changes count.";
 
+/// The default instruction after the issue.
+pub const DEFAULT_INSTRUCTION: &str =
+    "Fix the issue by editing the source code (not the tests), then call submit.";
+
 /// Settings of a rollout. A budget of 0 is switched off.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
@@ -74,6 +78,10 @@ pub struct RolloutConfig {
     pub image: String,
     /// System prompt. Default [`DEFAULT_SYSTEM_PROMPT`].
     pub system_prompt: String,
+    /// What the user turn asks for after the issue and the repository's
+    /// place (the audit's agents get their own). Default
+    /// [`DEFAULT_INSTRUCTION`].
+    pub instruction: String,
 }
 
 impl Default for RolloutConfig {
@@ -94,6 +102,7 @@ impl Default for RolloutConfig {
             test_timeout_secs: 600.0,
             image: arcticd_sandbox::image::DEFAULT_TAG.to_string(),
             system_prompt: DEFAULT_SYSTEM_PROMPT.to_string(),
+            instruction: DEFAULT_INSTRUCTION.to_string(),
         }
     }
 }
@@ -156,10 +165,10 @@ impl Harness {
     /// The initial prompt of a task, as text and tokens.
     pub fn initial_prompt(&self, task: &Task) -> Result<(String, Vec<u32>)> {
         let user = format!(
-            "<issue>\n{}\n</issue>\n\nThe repository is at {}. Fix the issue by editing the source code \
-             (not the tests), then call submit.",
+            "<issue>\n{}\n</issue>\n\nThe repository is at {}. {}",
             task.problem_statement.trim(),
-            task.workdir
+            task.workdir,
+            self.cfg.instruction.trim()
         );
         let messages = [
             json!({"role": "system", "content": self.cfg.system_prompt}),

@@ -85,13 +85,17 @@ pub struct AuditAgent<'a> {
 }
 
 /// [`arcticd_sandbox::tasks::audit::audit_tasks`] with agent-written wrong
-/// patches added to each task's mechanical ones (when `agent` is given).
+/// patches added to each task's mechanical ones (when `agent` is given),
+/// and each task found loose then strengthened with agent-written tests
+/// (when `strengthen` is given; its harness should carry
+/// [`super::strengthen::STRENGTHEN_INSTRUCTION`]).
 pub async fn audit_tasks_with_agent(
     backend: &dyn Backend,
     tasks: &[Task],
     policy: &arcticd_sandbox::Policy,
     cfg: &arcticd_sandbox::tasks::audit::AuditConfig,
     agent: Option<&AuditAgent<'_>>,
+    strengthen: Option<&AuditAgent<'_>>,
 ) -> arcticd_sandbox::tasks::audit::AuditReport {
     use arcticd_sandbox::tasks::audit;
     use futures_util::StreamExt;
@@ -109,7 +113,16 @@ pub async fn audit_tasks_with_agent(
                     }
                 }
             }
-            audit::audit_task(backend, t, policy, cfg, extra).await
+            let mut r = audit::audit_task(backend, t, policy, cfg, extra).await;
+            if let (Some(sa), "loose", Some(wrong)) = (strengthen, r.verdict, r.accepted.clone()) {
+                let s =
+                    super::strengthen::strengthen_task(sa, backend, t, &wrong, policy, cfg).await;
+                if s.status == "strengthened" {
+                    r.verdict = "strengthened";
+                }
+                r.strengthening = Some(s);
+            }
+            r
         }))
         .buffered(cfg.validate.concurrency.max(1))
         .collect()
