@@ -298,8 +298,10 @@ async fn export_workdir(docker: &Docker, image: &str, workdir: &str) -> Result<S
         let f = std::fs::File::open(&tar_path).map_err(io)?;
         let mut ar = tar::Archive::new(std::io::BufReader::new(f));
         // Modes matter (executable scripts); owners do not (the snapshot
-        // is re-owned by the sandbox user).
+        // is re-owned by the sandbox user). Set-id bits and group / other
+        // write are dropped: these files sit on the host until snapshotted.
         ar.set_preserve_permissions(true);
+        ar.set_mask(0o7022);
         ar.unpack(&root).map_err(io)?;
         std::fs::remove_file(&tar_path).map_err(io)?;
         let tree = root.join(&base);
