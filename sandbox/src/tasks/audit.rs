@@ -637,6 +637,45 @@ mod tests {
     }
 
     #[test]
+    fn report_counts_strengthened_tasks_as_flagged() {
+        let r = |id: &str, verdict: &'static str, loose: bool| AuditResult {
+            instance_id: id.into(),
+            verdict,
+            validation: None,
+            tried: 1,
+            infra_errors: 0,
+            accepted: None,
+            expected_loose: Some(loose),
+            strengthening: None,
+        };
+        let rep = report(vec![
+            r("a", "strengthened", true),
+            r("b", "loose", true),
+            r("c", "tight", false),
+            r("d", "tight", true),
+        ]);
+        assert_eq!(
+            (rep.loose, rep.tight, rep.strengthened, rep.invalid),
+            (1, 2, 1, 0)
+        );
+        assert_eq!(rep.precision, Some(1.0));
+        assert_eq!(rep.recall, Some(2.0 / 3.0));
+        // A strengthened result without its task keeps nothing.
+        let task = crate::tasks::parse_record(
+            &serde_json::json!({
+                "instance_id": "c", "problem_statement": "x", "patch": "p",
+                "FAIL_TO_PASS": ["t::a"], "repo": "r", "test_cmd": "pytest"
+            }),
+            crate::tasks::Format::Native,
+            "r",
+        )
+        .unwrap();
+        assert_eq!(rep.results[2].curated(&task), Some(task.clone()));
+        assert_eq!(rep.results[0].curated(&task), None);
+        assert_eq!(rep.results[1].curated(&task), None);
+    }
+
+    #[test]
     fn symbol_only_stubs_new_functions() {
         let gold = "--- a/m.py\n+++ b/m.py\n@@ -1,2 +1,5 @@\n x = 1\n+def helper(a):\n+    b = a + 1\n+    return b\n \n";
         let v = variants(gold);
