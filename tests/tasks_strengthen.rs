@@ -5,19 +5,33 @@
 //! FAIL_TO_PASS, and a plain audit of the curated set finds it tight); a
 //! "test" the wrong patch passes too, or a diff that touches source files,
 //! is rejected with its reason and the task stays loose and out of the
-//! curated set. Without an agent, `--strengthen` is a clear error.
+//! curated set. Without an agent, `--strengthen` is a clear error. When
+//! new tests reject the wrong patch but a fresh audit finds another one
+//! they still accept, the next attempt targets that one, from the
+//! strengthened task, until the task is tight.
 //!
 //! A backend that is unavailable fails the test when `CI` is set and is
 //! skipped loudly otherwise.
 
 use anyhow::{ensure, Context, Result};
+use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_sandbox::docker::DockerBackend;
 use arcticd_sandbox::image;
+use arcticd_sandbox::local::LocalBackend;
+use arcticd_sandbox::tasks::audit::{audit_task, AuditConfig};
+use arcticd_sandbox::tasks::validate::ValidateConfig;
 use arcticd_sandbox::tasks::{load_tasks, toy, Format, Task};
 use arcticd_trainer::harness::format::render_call;
+use arcticd_trainer::harness::policy::Policy as ModelPolicy;
+use arcticd_trainer::harness::strengthen::{strengthen_task, STRENGTHEN_INSTRUCTION};
+use arcticd_trainer::harness::wrong_patch::AuditAgent;
+use arcticd_trainer::harness::{Harness, RolloutConfig, ScriptedPolicy};
 use serde_json::Value;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 struct TempDir(PathBuf);
 
@@ -96,18 +110,32 @@ fn loose_assertion(t: &Task) -> Result<String> {
 
 /// Turns that write `tests/test_extra.py` with `body` and submit.
 fn writes_test(pkg: &str, f: &str, body: &str) -> Vec<String> {
+    writes_test_to("tests/test_extra.py", pkg, f, body)
+}
+
+/// Turns that write test `test_F_strong` with `body` to `path` and submit.
+fn writes_test_to(path: &str, pkg: &str, f: &str, body: &str) -> Vec<String> {
     let text = format!("from {pkg}.core import {f}\n\n\ndef test_{f}_strong():\n{body}");
     vec![
         render_call(
             "str_replace_based_edit_tool",
-            &[
-                ("command", "create"),
-                ("path", "tests/test_extra.py"),
-                ("file_text", &text),
-            ],
+            &[("command", "create"), ("path", path), ("file_text", &text)],
         ),
         render_call("submit", &[]),
     ]
+}
+
+fn init_model(dir: &Path) -> Result<PathBuf> {
+    let model = dir.join("model");
+    let m = arcticd(&[
+        "init-model",
+        "--preset",
+        "tiny",
+        "--out",
+        &model.display().to_string(),
+    ]);
+    ensure!(m.status.success(), "{}", String::from_utf8_lossy(&m.stderr));
+    Ok(model)
 }
 
 #[test]
@@ -166,15 +194,7 @@ fn strengthen_makes_loose_tasks_tight_only_with_real_tests() -> Result<()> {
         })
         .to_string(),
     )?;
-    let model = dir.0.join("model");
-    let m = arcticd(&[
-        "init-model",
-        "--preset",
-        "tiny",
-        "--out",
-        &model.display().to_string(),
-    ]);
-    ensure!(m.status.success(), "{}", String::from_utf8_lossy(&m.stderr));
+    let model = init_model(&dir.0)?;
 
     let file = dir.0.join("pool/tasks.jsonl").display().to_string();
     let curated = dir.0.join("curated.jsonl");
@@ -286,4 +306,120 @@ fn strengthen_makes_loose_tasks_tight_only_with_real_tests() -> Result<()> {
     let again: Value = serde_json::from_slice(&r.stdout)?;
     ensure!(again["tight"] == 1 && again["invalid"] == 0, "{again:#}");
     Ok(())
+}
+
+#[test]
+fn strengthen_follows_the_next_wrong_patch_until_tight() -> Result<()> {
+    if !usable() {
+        return Ok(());
+    }
+    let dir = TempDir::new("rounds")?;
+    let cfg = toy::ToyConfig {
+        count: 1,
+        seed: 0,
+        loose_share: 1.0,
+    };
+    let tasks = toy::generate(&cfg, &dir.0.join("pool"))?;
+    let task = &tasks[0];
+    ensure!(task.instance_id.ends_with("wrong_operator"));
+    let (pkg, f) = names(task)?;
+    let model = init_model(&dir.0)?;
+    let tok = Arc::new(Tokenizer::from_dir(&model)?);
+    let template = ChatTemplate::from_dir(&model)?.unwrap_or_else(ChatTemplate::qwen35);
+    let harness = Harness::new(
+        tok.clone(),
+        template,
+        RolloutConfig {
+            instruction: STRENGTHEN_INSTRUCTION.into(),
+            ..Default::default()
+        },
+    )?;
+    // The loose test is `f(2, -1) == 1`; the audit's wrong patch is
+    // `return 1`. Round 1 rejects exactly the int 1, so `return True`
+    // (equal to 1) still passes; round 2 checks the value.
+    let scripts = [
+        writes_test_to(
+            "tests/test_extra.py",
+            &pkg,
+            &f,
+            &format!("    one = 1\n    assert {f}(3, 4) is not one\n"),
+        ),
+        writes_test_to(
+            "tests/test_extra2.py",
+            &pkg,
+            &f,
+            &format!("    assert {f}(3, 4) == 7\n"),
+        ),
+    ];
+    let calls = AtomicUsize::new(0);
+    let policy_for = move |_: &Task| -> Arc<dyn ModelPolicy> {
+        let k = calls.fetch_add(1, Ordering::SeqCst).min(1);
+        Arc::new(ScriptedPolicy::new(tok.clone(), scripts[k].clone()))
+    };
+    let agent = AuditAgent {
+        harness: &harness,
+        policy_for: &policy_for,
+        attempts: 3,
+    };
+    let rt = arcticd_sandbox::runtime()?;
+    rt.block_on(async {
+        let backend = match LocalBackend::new().await {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("SKIPPED: local sandbox backend unavailable: {e}");
+                ensure!(std::env::var_os("CI").is_none(), "{e}");
+                return Ok(());
+            }
+        };
+        let policy = arcticd_sandbox::Policy::default();
+        let cfg = AuditConfig {
+            validate: ValidateConfig {
+                repeats: 1,
+                test_timeout_secs: 120.0,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let audit = audit_task(&backend, task, &policy, &cfg, vec![]).await;
+        let wrong = audit
+            .accepted
+            .clone()
+            .context("the loose task was not flagged")?;
+        ensure!(wrong.patch.contains("+    return 1\n"), "{}", wrong.patch);
+
+        let s = strengthen_task(&agent, &backend, task, &wrong, &policy, &cfg).await;
+        let json = serde_json::to_string_pretty(&s)?;
+        ensure!(
+            s.status == "strengthened" && s.attempts.len() == 2,
+            "{json}"
+        );
+        let first = s.attempts[0].check.as_ref().context("no check")?;
+        let next = first
+            .still_accepted
+            .as_ref()
+            .context("no next wrong patch")?;
+        ensure!(
+            first.outcome == "still_loose" && next.patch.contains("+    return True\n"),
+            "{json}"
+        );
+        let second = s.attempts[1].check.as_ref().context("no check")?;
+        ensure!(
+            s.attempts[1].target == next.name && second.outcome == "accepted",
+            "{json}"
+        );
+        // Round 1's test passes before the fix (-1 is not 1); round 2's
+        // fails before it.
+        ensure!(
+            s.new_pass_to_pass == [format!("tests/test_extra.py::test_{f}_strong")]
+                && s.new_fail_to_pass == [format!("tests/test_extra2.py::test_{f}_strong")],
+            "{json}"
+        );
+        let done = s.task.as_ref().context("no strengthened task")?;
+        ensure!(
+            done.test_patch.contains("tests/test_extra.py")
+                && done.test_patch.contains("tests/test_extra2.py")
+        );
+        ensure!(done.meta["strengthened"].as_array().map(Vec::len) == Some(2));
+        Ok(())
+    })
 }
