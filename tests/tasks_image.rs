@@ -5,7 +5,8 @@
 //! the real harness with reward 1, the image's git history never reaches
 //! the sandbox, and a missing image or workdir is a clear, named verdict.
 //! The local backend's counterpart (a root file system folder as the
-//! image) is checked on its snapshot.
+//! image) is checked on its snapshot, and on a workdir deep inside an
+//! image folder.
 //!
 //! The test image is derived from the sandbox base image without a
 //! registry (`docker create` + `docker cp` + `docker commit`) and removed
@@ -373,6 +374,29 @@ fn local_backend_snapshots_an_image_folder() -> Result<()> {
             .snapshot_from_image("arcticd-no-such-image:0", "/testbed")
             .await;
         ensure!(missing.is_err());
+
+        // A workdir deep inside an image folder (`/usr/local` of the base
+        // image): the copy is bound over the image's own folder, and the
+        // rest of `/usr` (python) stays.
+        let policy = Policy {
+            workdir: "/usr/local".into(),
+            ..Policy::default()
+        };
+        let sb = backend.start(&s, image::DEFAULT_TAG, &policy).await?;
+        let r = sb
+            .exec(ExecRequest::shell(
+                "ls; touch new.py && python3 -c 'print(40 + 2)'",
+            ))
+            .await;
+        let closed = sb.close().await;
+        let r = r?;
+        closed?;
+        let out = r.stdout.text();
+        ensure!(
+            r.success() && out.lines().collect::<Vec<_>>() == ["main.py", "42"],
+            "{out} {}",
+            r.stderr.text()
+        );
         Ok(())
     })
 }

@@ -444,14 +444,24 @@ impl LocalSandbox {
 
     fn bwrap_args(&self, workdir: &str) -> Result<Vec<String>> {
         let s = |p: &Path| p.to_string_lossy().into_owned();
-        let top_of_workdir = self
+        // The image folder holding the workdir is left out, so the working
+        // copy can be bound where nothing is (`/testbed`). A deeper workdir
+        // that the image has (a task image's `/usr/src/app`) keeps its
+        // folder: the copy is bound over the image's own, hiding it, and
+        // `/usr` stays.
+        let parts: Vec<&str> = self
             .policy
             .workdir
-            .trim_start_matches('/')
             .split('/')
-            .next()
-            .unwrap_or("")
-            .to_string();
+            .filter(|c| !c.is_empty())
+            .collect();
+        let image_has_workdir = parts.len() > 1
+            && crate::snapshot::folder_below(&self.rootfs, &self.policy.workdir).is_ok();
+        let top_of_workdir = if image_has_workdir {
+            String::new()
+        } else {
+            parts.first().copied().unwrap_or("").to_string()
+        };
         let mut a: Vec<String> = [
             "--unshare-all",
             "--unshare-user",
