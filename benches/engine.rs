@@ -1,8 +1,7 @@
 //! Criterion benchmarks of the engine on the `small` preset: decode
 //! throughput (generated tokens/s) at 1, 8 and 32 concurrent sequences, and
 //! time to first token of a 1,024-token prompt cold and on a prefix-cache
-//! hit. Each deterministic engine pads small batches (see `engine.rs`,
-//! `min_rows`); the `fast` variants turn that off to show its cost.
+//! hit.
 //! `tests/ref/bench_engine.py` compares the same workload with transformers.
 
 use arcticd_engine::engine::{self, Choice, EngineConfig, EngineHandle, Request};
@@ -50,12 +49,11 @@ fn bench_decode(c: &mut Criterion) {
     let store = small_store();
     let mut g = c.benchmark_group("engine_decode_small");
     g.sample_size(10);
-    for (name, deterministic) in [("deterministic", true), ("fast", false)] {
+    {
         let eng = engine::start(
             store.clone(),
             None,
             EngineConfig {
-                deterministic,
                 max_model_len: 4096,
                 ..Default::default()
             },
@@ -63,7 +61,7 @@ fn bench_decode(c: &mut Criterion) {
         .unwrap();
         for conc in [1usize, 8, 32] {
             g.throughput(Throughput::Elements((conc * NEW_TOKENS) as u64));
-            g.bench_function(BenchmarkId::new(name, conc), |b| {
+            g.bench_function(BenchmarkId::new("sequences", conc), |b| {
                 let mut salt = 0;
                 b.iter_custom(|iters| {
                     let mut total = Duration::ZERO;

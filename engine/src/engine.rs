@@ -57,11 +57,6 @@ pub struct EngineConfig {
     pub enable_prefix_cache: bool,
     /// Longest prompt plus completion, in tokens. Default 32768.
     pub max_model_len: usize,
-    /// Pad small batches so every row is computed the same way whatever
-    /// the packing (see `min_rows`): prefix hits, preemption and batching
-    /// then change no bit of any result. Costs extra rows on batches of few
-    /// tokens. Default true.
-    pub deterministic: bool,
 }
 
 impl Default for EngineConfig {
@@ -75,7 +70,6 @@ impl Default for EngineConfig {
             prefix_snapshots: 64,
             enable_prefix_cache: true,
             max_model_len: 32768,
-            deterministic: true,
         }
     }
 }
@@ -447,19 +441,7 @@ pub fn start(
     let scheduler = Scheduler::new(cache, limits, config.enable_prefix_cache);
     let (tx, rx) = mpsc::channel();
     let version = store.weight_version();
-    let (pad_cache, min_rows) = {
-        let model = store.read();
-        let rows = if config.deterministic {
-            min_rows(&model.config)
-        } else {
-            1
-        };
-        (model.new_cache(), rows)
-    };
     let mut engine = EngineLoop {
-        pad_cache,
-        pad_tokens: Vec::new(),
-        min_rows,
         store,
         tokenizer,
         eos,
@@ -477,55 +459,7 @@ pub fn start(
     Ok(EngineHandle { tx, shared })
 }
 
-/// The `gemm` crate picks its algorithm for `out[rows, oc] = x W^T` from
-/// the shape: one row goes through a matrix-vector kernel, `rows * oc <=
-/// 256` through dot-product kernels, larger products through the blocked
-/// microkernel. The three sum in different orders, so a row's result would
-/// depend on how many other rows were packed with it. With `deterministic`
-/// on, every packed forward gets at least `256 / (narrowest output) + 1`
-/// rows (small batches are padded with a throwaway sequence), so every
-/// product takes the microkernel and each row is computed the same way
-/// whatever the packing: a prefix-cache hit, a preempted sequence or a lone
-/// request then reproduce a batched run bit for bit. Logits rows are padded
-/// to two by repetition for the same reason.
-fn min_rows(c: &crate::ModelConfig) -> usize {
-    let mut outs = vec![
-        c.hidden_size,
-        c.intermediate_size,
-        c.num_heads * c.head_dim * 2,
-        c.num_kv_heads * c.head_dim,
-    ];
-    if c.layer_types
-        .contains(&crate::config::LayerType::LinearAttention)
-    {
-        outs.push(c.linear_conv_dim());
-        outs.push(c.linear_num_value_heads * c.linear_value_head_dim);
-        outs.push(c.linear_num_value_heads);
-    }
-    let narrowest = outs.into_iter().filter(|&o| o > 0).min().unwrap_or(1);
-    (256 / narrowest + 1).max(2)
-}
-
-/// Rows of a logits product (the vocabulary is wide: two rows suffice).
-const MIN_LOGIT_ROWS: usize = 2;
-
-/// Empty a cache made by `new_cache` (zero state, no positions).
-fn reset_cache(c: &mut SeqCache) {
-    for v in c.conv_state.iter_mut().chain(c.recurrent_state.iter_mut()) {
-        v.fill(0.0);
-    }
-    for v in c.k.iter_mut().chain(c.v.iter_mut()) {
-        v.clear();
-    }
-    c.len = 0;
-}
-
 struct EngineLoop {
-    /// The throwaway sequence that pads small batches, and the fewest rows
-    /// a packed forward gets (1 when not deterministic). See `min_rows`.
-    pad_cache: SeqCache,
-    pad_tokens: Vec<u32>,
-    min_rows: usize,
     store: Arc<ParamStore>,
     tokenizer: Option<Arc<Tokenizer>>,
     eos: Vec<u32>,
@@ -698,16 +632,6 @@ impl EngineLoop {
                     }
                 })
                 .collect();
-            // Pad small batches with a throwaway sequence: see `min_rows`.
-            let total: usize = plan.iter().map(|p| p.n).sum();
-            if total < self.min_rows {
-                reset_cache(&mut self.pad_cache);
-                self.pad_tokens.resize(self.min_rows - total, 0);
-                batch.push(SeqInput {
-                    tokens: &self.pad_tokens,
-                    cache: &mut self.pad_cache,
-                });
-            }
             model.forward(&mut batch)
         };
         for (j, item) in plan.iter().enumerate() {
@@ -749,14 +673,7 @@ impl EngineLoop {
         let logits = if which.is_empty() {
             Ok(Vec::new())
         } else {
-            let real = rows.len();
-            while rows.len() < MIN_LOGIT_ROWS * h {
-                rows.extend_from_within(real - h..real);
-            }
-            model.logits(&rows).map(|mut l| {
-                l.truncate(which.len() * model.config.vocab_size);
-                l
-            })
+            model.logits(&rows)
         };
         drop(model);
         let logits = match logits {

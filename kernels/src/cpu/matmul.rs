@@ -5,6 +5,7 @@
 //! The backward (`dinp += dout @ weight`, `dweight += dout^T @ inp`,
 //! `dbias += sum dout`) sits beside the forward; all three accumulate.
 
+use super::sgemm::{self, Strided};
 use crate::{Error, Result};
 use gemm::Parallelism;
 
@@ -26,7 +27,29 @@ fn check(name: &str, got: usize, want: usize) -> Result<()> {
     Ok(())
 }
 
+/// Depth of one `gemm` call in [`matmul_forward`]: the crate blocks the
+/// reduction dimension itself above 512, with a block size that depends on
+/// the row count, so the forward cuts it into 512-deep slices of its own.
+const K_SLICE: usize = 512;
+
+/// Fewest rows [`matmul_forward`] hands `gemm` for `oc` output columns.
+/// Below it the crate takes other algorithms (one row: a matrix-vector
+/// kernel; `rows * oc <= 256`: dot-product kernels) that sum in another
+/// order than its blocked microkernel.
+fn min_rows(oc: usize) -> usize {
+    (256 / oc.max(1) + 1).max(2)
+}
+
 /// `out[n, oc] = inp[n, c] @ weight[oc, c]^T (+ bias[oc])`. Overwrites `out`.
+///
+/// Batch-invariant: a row's result is bit-identical however many rows are
+/// computed with it. The engine relies on this (a prefix-cache hit, a
+/// preempted sequence, a lone request and a batched one give the same bits)
+/// and so does the trainer (its log-probs are the engine's). With AVX-512
+/// the product runs on [`sgemm`] (invariant by construction); elsewhere on
+/// the `gemm` crate, with small products padded with zero rows up to
+/// [`min_rows`] and the reduction cut into [`K_SLICE`]-deep slices, so every
+/// row goes through the same microkernel with the same summation order.
 pub fn matmul_forward(
     out: &mut [f32],
     inp: &[f32],
@@ -47,34 +70,20 @@ pub fn matmul_forward(
     }
     if c == 0 {
         out.fill(0.0);
+    } else if sgemm::available() {
+        let a = Strided {
+            data: inp,
+            rs: c,
+            cs: 1,
+        };
+        let w = Strided {
+            data: weight,
+            rs: 1,
+            cs: c,
+        };
+        sgemm::sgemm(n, oc, c, a, w, out, oc, false, true)?;
     } else {
-        // SAFETY: the lengths are checked above; dst is [n, oc] row-major
-        // (col stride 1, row stride oc); lhs is [n, c] row-major; rhs is
-        // weight^T, i.e. element (k, j) = weight[j * c + k]: col stride c,
-        // row stride 1.
-        unsafe {
-            gemm::gemm(
-                n,
-                oc,
-                c,
-                out.as_mut_ptr(),
-                1,
-                oc as isize,
-                false,
-                inp.as_ptr(),
-                1,
-                c as isize,
-                weight.as_ptr(),
-                c as isize,
-                1,
-                0.0f32,
-                1.0f32,
-                false,
-                false,
-                false,
-                parallelism(n * c * oc),
-            );
-        }
+        linear_portable(out, inp, weight, n, c, oc);
     }
     if let Some(b) = bias {
         for row in out.chunks_exact_mut(oc) {
@@ -84,6 +93,59 @@ pub fn matmul_forward(
         }
     }
     Ok(())
+}
+
+/// The forward's product without AVX-512, on the `gemm` crate: padded to
+/// [`min_rows`] and sliced along the reduction (see [`matmul_forward`]).
+fn linear_portable(out: &mut [f32], inp: &[f32], weight: &[f32], n: usize, c: usize, oc: usize) {
+    if n < min_rows(oc) {
+        let rows = min_rows(oc);
+        let mut padded = vec![0.0f32; rows * c];
+        padded[..n * c].copy_from_slice(inp);
+        let mut wide = vec![0.0f32; rows * oc];
+        linear_sliced(&mut wide, &padded, weight, rows, c, oc);
+        out.copy_from_slice(&wide[..n * oc]);
+    } else {
+        linear_sliced(out, inp, weight, n, c, oc);
+    }
+}
+
+/// `out = inp @ weight^T` as one `gemm` call per [`K_SLICE`] of the
+/// reduction, each after the first accumulating. Lengths are the caller's.
+fn linear_sliced(out: &mut [f32], inp: &[f32], weight: &[f32], n: usize, c: usize, oc: usize) {
+    debug_assert!(out.len() == n * oc && inp.len() == n * c && weight.len() == oc * c);
+    let mut k0 = 0;
+    while k0 < c {
+        let kb = K_SLICE.min(c - k0);
+        // SAFETY: the caller checked the lengths; dst is [n, oc] row-major
+        // (col stride 1, row stride oc); lhs is columns k0..k0+kb of [n, c]
+        // row-major; rhs is rows k0..k0+kb of weight^T, i.e. element
+        // (k, j) = weight[j * c + k0 + k]: col stride c, row stride 1.
+        unsafe {
+            gemm::gemm(
+                n,
+                oc,
+                kb,
+                out.as_mut_ptr(),
+                1,
+                oc as isize,
+                k0 > 0,
+                inp.as_ptr().add(k0),
+                1,
+                c as isize,
+                weight.as_ptr().add(k0),
+                c as isize,
+                1,
+                1.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                parallelism(n * kb * oc),
+            );
+        }
+        k0 += kb;
+    }
 }
 
 /// `out[m, n] = a[m, k] @ b[k, n]`, all row-major. Overwrites `out`.
@@ -104,6 +166,21 @@ pub fn matmul_nn(
     if k == 0 {
         out.fill(0.0);
         return Ok(());
+    }
+    if sgemm::available() {
+        let (a, b) = (
+            Strided {
+                data: a,
+                rs: k,
+                cs: 1,
+            },
+            Strided {
+                data: b,
+                rs: n,
+                cs: 1,
+            },
+        );
+        return sgemm::sgemm(m, n, k, a, b, out, n, false, true);
     }
     // SAFETY: lengths checked above; all three are row-major.
     unsafe {
@@ -162,6 +239,32 @@ pub fn matmul_backward(
     }
     if n == 0 || c == 0 || oc == 0 {
         return Ok(());
+    }
+    if sgemm::available() {
+        let dout_v = Strided {
+            data: dout,
+            rs: oc,
+            cs: 1,
+        };
+        // dinp[n, c] += dout[n, oc] @ weight[oc, c].
+        let w = Strided {
+            data: weight,
+            rs: c,
+            cs: 1,
+        };
+        sgemm::sgemm(n, c, oc, dout_v, w, dinp, c, true, true)?;
+        // dweight[oc, c] += dout^T[oc, n] @ inp[n, c].
+        let dout_t = Strided {
+            data: dout,
+            rs: 1,
+            cs: oc,
+        };
+        let x = Strided {
+            data: inp,
+            rs: c,
+            cs: 1,
+        };
+        return sgemm::sgemm(oc, c, n, dout_t, x, dweight, c, true, true);
     }
     // SAFETY: lengths checked above. dinp [n, c] row-major; dout [n, oc]
     // row-major; weight [oc, c] row-major. read_dst with alpha 1 accumulates.
@@ -253,6 +356,47 @@ mod tests {
                     "{n}x{c}x{oc} at {i}: {} vs {expect}",
                     out[i]
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn rows_do_not_depend_on_their_batch() {
+        let mut rng = StdRng::seed_from_u64(4);
+        // Narrow and wide outputs, reductions below, at and above a slice.
+        for &(c, oc) in &[
+            (64, 4),
+            (256, 32),
+            (600, 48),
+            (700, 96),
+            (1100, 300),
+            (96, 1),
+        ] {
+            let w: Vec<f32> = (0..oc * c).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let big = 150;
+            let inp: Vec<f32> = (0..big * c).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            // The dispatching forward and the portable path on its own.
+            let forward = |o: &mut [f32], x: &[f32], n: usize| {
+                matmul_forward(o, x, &w, None, n, c, oc).unwrap()
+            };
+            let portable = |o: &mut [f32], x: &[f32], n: usize| linear_portable(o, x, &w, n, c, oc);
+            let paths: [(&str, &dyn Fn(&mut [f32], &[f32], usize)); 2] =
+                [("forward", &forward), ("portable", &portable)];
+            for (name, f) in paths {
+                let mut all = vec![0.0f32; big * oc];
+                f(&mut all, &inp, big);
+                for n in [1, 2, 3, 17, 64, 65, 100] {
+                    let mut part = vec![0.0f32; n * oc];
+                    f(&mut part, &inp[..n * c], n);
+                    assert!(
+                        part.iter().zip(&all).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{name} c {c} oc {oc}: {n} rows differ from the same rows in a batch of {big}"
+                    );
+                }
+                let want = naive(&inp, &w, big, c, oc);
+                for (a, b) in all.iter().zip(&want) {
+                    assert!((a - b).abs() < 1e-3, "{name}: {a} vs {b}");
+                }
             }
         }
     }

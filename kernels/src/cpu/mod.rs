@@ -17,3 +17,4 @@ pub mod logsoftmax;
 pub mod matmul;
 pub mod rmsnorm;
 pub mod rope;
+pub mod sgemm;

@@ -1,0 +1,477 @@
+//! Single-precision matrix product on AVX-512: `C[m, n] (+)= A[m, k] B[k, n]`
+//! with A and B read through any strides and C row-major.
+//!
+//! Every element of C is one chain of fused multiply-adds over `k` in
+//! order, starting from zero (or from C's value when accumulating). Blocking,
+//! packing, tile edges and threads never change that chain, so a row's
+//! result is bit-identical however many other rows are computed with it
+//! (the batch invariance the engine and the trainer rely on, by
+//! construction rather than by steering another library's choices).
+//!
+//! Layout follows the usual packed-panel scheme: B is packed per
+//! `KC x NC` block into `NR`-column panels (`[panel][p][NR]`), A per `MC x
+//! KC` block into `MR`-row panels (`[panel][p][MR]`), zero-padded at the
+//! edges; a `MR x NR` microkernel keeps its tile in 24 zmm registers. The
+//! threads split a block's row blocks and column panels; each owns the C
+//! tiles it writes.
+//!
+//! Not for: machines without AVX-512 ([`available`] says so and callers
+//! fall back to the `gemm` crate, see `matmul.rs`), or anything but f32.
+
+use crate::{Error, Result};
+use rayon::prelude::*;
+
+/// Rows of the microkernel's tile.
+const MR: usize = 12;
+/// Columns of the microkernel's tile (two 16-lane registers).
+const NR: usize = 32;
+/// Depth of a packed block: a B panel (`KC x NR`) is 32 KiB and stays in L1.
+const KC: usize = 256;
+/// Rows of a packed A block (a multiple of MR; 120 KiB at KC).
+const MC: usize = 120;
+/// Columns of a packed B block (a multiple of NR; 1 MiB at KC).
+const NC: usize = 1024;
+/// Products below this many multiply-adds run on one thread.
+const PARALLEL_MIN: usize = 1 << 18;
+
+/// A read-only matrix: element `(i, j)` is `data[i * rs + j * cs]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Strided<'a> {
+    pub data: &'a [f32],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+/// Whether this CPU runs [`sgemm`].
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+fn covers(name: &str, len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> Result<()> {
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let last = (rows - 1)
+        .checked_mul(rs)
+        .and_then(|x| (cols - 1).checked_mul(cs).and_then(|y| x.checked_add(y)));
+    match last {
+        Some(l) if l < len => Ok(()),
+        _ => Err(Error::Shape(format!(
+            "sgemm: {name} [{rows}, {cols}] with strides ({rs}, {cs}) needs more than {len} elements"
+        ))),
+    }
+}
+
+/// A raw pointer the row-block tasks share; each writes only its own tiles.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: tasks write disjoint tiles of C (see `sgemm`), and C outlives them.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// `C[m, n] = A[m, k] B[k, n]`, or `C += A B` with `accumulate`. C is
+/// row-major with leading dimension `ldc >= n`. `parallel` allows rayon
+/// threads (large products only). Errors when AVX-512 is missing or a view
+/// is too short for its shape.
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Strided<'_>,
+    b: Strided<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    parallel: bool,
+) -> Result<()> {
+    if !available() {
+        return Err(Error::NoDevice("a CPU with AVX-512 (sgemm)".into()));
+    }
+    covers("A", a.data.len(), m, k, a.rs, a.cs)?;
+    covers("B", b.data.len(), k, n, b.rs, b.cs)?;
+    if m > 0 && n > 0 && (ldc < n || (m - 1) * ldc + n > c.len()) {
+        return Err(Error::Shape(format!(
+            "sgemm: C [{m}, {n}] with leading dimension {ldc} does not fit {} elements",
+            c.len()
+        )));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        if !accumulate {
+            for row in c.chunks_mut(ldc).take(m) {
+                row[..n].fill(0.0);
+            }
+        }
+        return Ok(());
+    }
+    let threads = if parallel && m * n * k >= PARALLEL_MIN {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    let cp = SendPtr(c.as_mut_ptr());
+    let mut bpack = vec![0.0f32; KC * n.min(NC).next_multiple_of(NR)];
+    for jc in (0..n).step_by(NC) {
+        let nc = NC.min(n - jc);
+        let npan = nc.div_ceil(NR);
+        for pc in (0..k).step_by(KC) {
+            let kc = KC.min(k - pc);
+            pack_b(&mut bpack[..npan * NR * kc], b, pc, kc, jc, nc, threads > 1);
+            let load = pc > 0 || accumulate;
+            let n_ic = m.div_ceil(MC);
+            let groups = npan.min((2 * threads).div_ceil(n_ic)).max(1);
+            let per = npan.div_ceil(groups);
+            let tasks: Vec<(usize, usize)> = (0..n_ic)
+                .flat_map(|i| (0..groups).map(move |g| (i, g)))
+                .filter(|&(_, g)| g * per < npan)
+                .collect();
+            let bp = &bpack;
+            let run = |&(ib, g): &(usize, usize)| {
+                let ic = ib * MC;
+                let mc = MC.min(m - ic);
+                let mpan = mc.div_ceil(MR);
+                let mut apack = vec![0.0f32; mpan * MR * kc];
+                pack_a(&mut apack, a, ic, mc, pc, kc);
+                for jp in g * per..((g + 1) * per).min(npan) {
+                    let j0 = jc + jp * NR;
+                    let nr = NR.min(n - j0);
+                    for ip in 0..mpan {
+                        let i0 = ic + ip * MR;
+                        let mr = MR.min(m - i0);
+                        // SAFETY: the panels hold MR (NR) x kc values; the
+                        // tile (i0.., j0..) of mr x nr lies inside C (checked
+                        // above) and belongs to this task alone.
+                        unsafe {
+                            tile(
+                                kc,
+                                apack.as_ptr().add(ip * MR * kc),
+                                bp.as_ptr().add(jp * NR * kc),
+                                cp,
+                                i0 * ldc + j0,
+                                ldc,
+                                mr,
+                                nr,
+                                load,
+                            );
+                        }
+                    }
+                }
+            };
+            if threads > 1 && tasks.len() > 1 {
+                tasks.par_iter().for_each(run);
+            } else {
+                tasks.iter().for_each(run);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Rows `i0..i0 + mc`, depth `p0..p0 + kc` of A into MR-row panels.
+fn pack_a(dst: &mut [f32], a: Strided<'_>, i0: usize, mc: usize, p0: usize, kc: usize) {
+    for (ip, panel) in dst.chunks_exact_mut(MR * kc).enumerate() {
+        let rows = MR.min(mc - ip * MR);
+        if rows < MR {
+            panel.fill(0.0);
+        }
+        let base = (i0 + ip * MR) * a.rs + p0 * a.cs;
+        // SAFETY: `sgemm` checked that A covers rows i0..i0+mc, columns
+        // p0..p0+kc; the panel holds kc x MR values.
+        unsafe {
+            pack(
+                panel.as_mut_ptr(),
+                MR,
+                a.data.as_ptr().add(base),
+                a.rs,
+                a.cs,
+                rows,
+                kc,
+            )
+        }
+    }
+}
+
+/// Depth `p0..p0 + kc`, columns `j0..j0 + nc` of B into NR-column panels,
+/// the panels shared out among threads when `parallel`.
+fn pack_b(
+    dst: &mut [f32],
+    b: Strided<'_>,
+    p0: usize,
+    kc: usize,
+    j0: usize,
+    nc: usize,
+    parallel: bool,
+) {
+    let one = |(jp, panel): (usize, &mut [f32])| {
+        let cols = NR.min(nc - jp * NR);
+        if cols < NR {
+            panel.fill(0.0);
+        }
+        let base = p0 * b.rs + (j0 + jp * NR) * b.cs;
+        // SAFETY: as in `pack_a`, for B's depth and columns.
+        unsafe {
+            pack(
+                panel.as_mut_ptr(),
+                NR,
+                b.data.as_ptr().add(base),
+                b.cs,
+                b.rs,
+                cols,
+                kc,
+            )
+        }
+    };
+    if parallel && dst.len() > NR * kc {
+        dst.par_chunks_exact_mut(NR * kc).enumerate().for_each(one);
+    } else {
+        dst.chunks_exact_mut(NR * kc).enumerate().for_each(one);
+    }
+}
+
+/// `dst[p * width + x] = src[x * xs + p * ps]` for `x < lanes`, `p < depth`:
+/// one panel. Reads run along whichever source stride is 1.
+///
+/// # Safety
+/// Every index read and written is in bounds of its buffer.
+unsafe fn pack(
+    dst: *mut f32,
+    width: usize,
+    src: *const f32,
+    xs: usize,
+    ps: usize,
+    lanes: usize,
+    depth: usize,
+) {
+    if xs == 1 {
+        for p in 0..depth {
+            std::ptr::copy_nonoverlapping(src.add(p * ps), dst.add(p * width), lanes);
+        }
+    } else {
+        // Sixteen steps of depth per source line at a time (reads along
+        // `ps` stay in few cache lines, writes in the panel).
+        for p0 in (0..depth).step_by(16) {
+            let pn = 16.min(depth - p0);
+            for x in 0..lanes {
+                let s = src.add(x * xs + p0 * ps);
+                let d = dst.add(p0 * width + x);
+                for p in 0..pn {
+                    *d.add(p * width) = *s.add(p * ps);
+                }
+            }
+        }
+    }
+}
+
+/// One `mr x nr` tile of C at `c.0 + off`: straight into C when whole,
+/// through a zero-padded copy at the edges.
+///
+/// # Safety
+/// `a` and `b` point at packed panels of `kc` steps; the tile lies inside C.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: SendPtr,
+    off: usize,
+    ldc: usize,
+    mr: usize,
+    nr: usize,
+    load: bool,
+) {
+    let dst = c.0.add(off);
+    if mr == MR && nr == NR {
+        kernel(kc, a, b, dst, ldc, load);
+        return;
+    }
+    let mut buf = [0.0f32; MR * NR];
+    if load {
+        for i in 0..mr {
+            std::ptr::copy_nonoverlapping(dst.add(i * ldc), buf.as_mut_ptr().add(i * NR), nr);
+        }
+    }
+    kernel(kc, a, b, buf.as_mut_ptr(), NR, load);
+    for i in 0..mr {
+        std::ptr::copy_nonoverlapping(buf.as_ptr().add(i * NR), dst.add(i * ldc), nr);
+    }
+}
+
+/// The `MR x NR` tile: `acc = C or 0; for p: acc += a[p] (x) b[p]`.
+///
+/// # Safety
+/// AVX-512F is present; `a` holds `kc * MR`, `b` `kc * NR` floats; `c` is a
+/// writable `MR x NR` tile with row stride `ldc`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_ps(); 2 * MR];
+    if load {
+        for i in 0..MR {
+            acc[2 * i] = _mm512_loadu_ps(c.add(i * ldc));
+            acc[2 * i + 1] = _mm512_loadu_ps(c.add(i * ldc + 16));
+        }
+    }
+    let (mut a, mut b) = (a, b);
+    for _ in 0..kc {
+        let b0 = _mm512_loadu_ps(b);
+        let b1 = _mm512_loadu_ps(b.add(16));
+        for i in 0..MR {
+            let ai = _mm512_set1_ps(*a.add(i));
+            acc[2 * i] = _mm512_fmadd_ps(ai, b0, acc[2 * i]);
+            acc[2 * i + 1] = _mm512_fmadd_ps(ai, b1, acc[2 * i + 1]);
+        }
+        a = a.add(MR);
+        b = b.add(NR);
+    }
+    for i in 0..MR {
+        _mm512_storeu_ps(c.add(i * ldc), acc[2 * i]);
+        _mm512_storeu_ps(c.add(i * ldc + 16), acc[2 * i + 1]);
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn kernel(_: usize, _: *const f32, _: *const f32, _: *mut f32, _: usize, _: bool) {
+    unreachable!("sgemm runs only where `available()` is true")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    /// The chain the kernel promises, element by element.
+    fn chain(m: usize, n: usize, k: usize, a: Strided, b: Strided, c0: Option<&[f32]>) -> Vec<f32> {
+        let mut out = vec![0.0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = c0.map_or(0.0, |c| c[i * n + j]);
+                for p in 0..k {
+                    s = a.data[i * a.rs + p * a.cs].mul_add(b.data[p * b.rs + j * b.cs], s);
+                }
+                out[i * n + j] = s;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn equals_the_fma_chain_bit_for_bit_at_every_shape_and_layout() {
+        if !available() {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(7);
+        let shapes = [
+            (1, 1, 1),
+            (1, 33, 5),
+            (12, 32, 256),
+            (13, 31, 257),
+            (130, 70, 600),
+            (121, 1030, 40),
+            (3, 2100, 20),
+        ];
+        for &(m, n, k) in &shapes {
+            let av: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let bv: Vec<f32> = (0..k * n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let c0: Vec<f32> = (0..m * n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            // A row-major or column-major, B row-major or column-major.
+            for (a, b) in [
+                (
+                    Strided {
+                        data: &av,
+                        rs: k,
+                        cs: 1,
+                    },
+                    Strided {
+                        data: &bv,
+                        rs: n,
+                        cs: 1,
+                    },
+                ),
+                (
+                    Strided {
+                        data: &av,
+                        rs: 1,
+                        cs: m,
+                    },
+                    Strided {
+                        data: &bv,
+                        rs: 1,
+                        cs: k,
+                    },
+                ),
+            ] {
+                for accumulate in [false, true] {
+                    for parallel in [false, true] {
+                        let mut c = c0.clone();
+                        sgemm(m, n, k, a, b, &mut c, n, accumulate, parallel).unwrap();
+                        let want = chain(m, n, k, a, b, accumulate.then_some(&c0[..]));
+                        assert!(
+                            c.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "m {m} n {n} k {k} acc {accumulate} par {parallel} rs {}",
+                            a.rs
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn leading_dimension_leaves_other_columns_alone() {
+        if !available() {
+            return;
+        }
+        let (m, n, k, ldc) = (5, 7, 9, 11);
+        let av = vec![1.0f32; m * k];
+        let bv = vec![2.0f32; k * n];
+        let mut c = vec![-1.0f32; (m - 1) * ldc + n];
+        let a = Strided {
+            data: &av,
+            rs: k,
+            cs: 1,
+        };
+        let b = Strided {
+            data: &bv,
+            rs: n,
+            cs: 1,
+        };
+        sgemm(m, n, k, a, b, &mut c, ldc, false, false).unwrap();
+        for (idx, x) in c.iter().enumerate() {
+            let want = if idx % ldc < n { 18.0 } else { -1.0 };
+            assert_eq!(*x, want, "element {idx}");
+        }
+    }
+
+    #[test]
+    fn short_views_are_errors() {
+        if !available() {
+            return;
+        }
+        let v = vec![0.0f32; 10];
+        let mut c = vec![0.0f32; 4];
+        let a = Strided {
+            data: &v,
+            rs: 5,
+            cs: 1,
+        };
+        let b = Strided {
+            data: &v,
+            rs: 2,
+            cs: 1,
+        };
+        assert!(sgemm(3, 2, 5, a, b, &mut c, 2, false, false).is_err());
+        assert!(sgemm(2, 2, 5, a, b, &mut c[..3], 2, false, false).is_err());
+    }
+}
