@@ -21,7 +21,7 @@
 //! Not for: HTTP or text (the server), routing across replicas (`router.rs`).
 
 use crate::kv_cache::PagedKvCache;
-use crate::model::{SeqCache, SeqInput};
+use crate::model::{Qwen3_5, SeqCache, SeqInput};
 use crate::params::ParamStore;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::scheduler::{Limits, Scheduled, Scheduler, Sequence};
@@ -632,7 +632,12 @@ impl EngineLoop {
                     }
                 })
                 .collect();
-            model.forward(&mut batch)
+            // On a pool thread, so the kernels' parallel loops start from
+            // inside the pool instead of each handing its work over to it
+            // and sleeping until it is done (two context switches per loop,
+            // most of a decode step's time before this).
+            let m: &Qwen3_5 = &model;
+            rayon::scope(|_| m.forward(&mut batch))
         };
         for (j, item) in plan.iter().enumerate() {
             let seq = &sched.running[item.seq];
@@ -673,7 +678,8 @@ impl EngineLoop {
         let logits = if which.is_empty() {
             Ok(Vec::new())
         } else {
-            model.logits(&rows)
+            let m: &Qwen3_5 = &model;
+            rayon::scope(|_| m.logits(&rows))
         };
         drop(model);
         let logits = match logits {

@@ -28,6 +28,7 @@ use arcticd_kernels::cpu::{
     rope::rope_forward,
 };
 use arcticd_kernels::Tensor;
+use rayon::prelude::*;
 use std::path::Path;
 
 /// A linear layer's weight `[out, in]` and optional bias.
@@ -73,6 +74,22 @@ impl Linear {
         )?;
         Ok(out)
     }
+}
+
+/// `buf` cut into one piece of `n * row` floats per span `(start, n, _)`;
+/// the spans tile it in order.
+fn split_rows<'a>(
+    mut buf: &'a mut [f32],
+    spans: &[(usize, usize, usize)],
+    row: usize,
+) -> Vec<&'a mut [f32]> {
+    let mut pieces = Vec::with_capacity(spans.len());
+    for &(_, n, _) in spans {
+        let (head, tail) = std::mem::take(&mut buf).split_at_mut(n * row);
+        pieces.push(head);
+        buf = tail;
+    }
+    pieces
 }
 
 fn rmsnorm(inp: &[f32], weight: &Tensor, c: usize, eps: f32) -> Result<Vec<f32>> {
@@ -397,34 +414,39 @@ impl Qwen3_5 {
             .collect();
 
         let mut core = vec![0.0f32; t * vd];
-        for (&(start, n, _), seq) in spans.iter().zip(batch.iter_mut()) {
-            let dims = GatedDeltaDims {
-                t: n,
-                nk,
-                nv,
-                dk,
-                dv,
-            };
-            let args = (
-                &q[start * qd..(start + n) * qd],
-                &k[start * qd..(start + n) * qd],
-                &v[start * vd..(start + n) * vd],
-                &g[start * nv..(start + n) * nv],
-                &beta[start * nv..(start + n) * nv],
-            );
-            let out = &mut core[start * vd..(start + n) * vd];
-            let state = &mut seq.cache.recurrent_state[li];
-            // The recurrent form for every length: on the CPU it is the faster
-            // one at these head sizes (benches/kernels.rs: ~0.45 ms vs ~1.0 ms
-            // for the chunked form at t=512, d=64), and one form everywhere
-            // makes prefill, decode and scoring of the same tokens bit-identical,
-            // which the engine's prefix cache and the trainer's log-prob
-            // agreement rely on. The chunked form (held to 1e-5 of this one in
-            // the kernel tests) is the GPU prefill path.
-            gated_delta_recurrent_forward(
-                out, state, args.0, args.1, args.2, args.3, args.4, dims,
-            )?;
-        }
+        let outs = split_rows(&mut core, spans, vd);
+        let jobs: Vec<_> = spans.iter().zip(batch.iter_mut()).zip(outs).collect();
+        // Sequences in parallel (their states are independent); each one's
+        // arithmetic is the same whatever runs beside it.
+        jobs.into_par_iter()
+            .try_for_each(|((&(start, n, _), seq), out)| -> Result<()> {
+                let dims = GatedDeltaDims {
+                    t: n,
+                    nk,
+                    nv,
+                    dk,
+                    dv,
+                };
+                let args = (
+                    &q[start * qd..(start + n) * qd],
+                    &k[start * qd..(start + n) * qd],
+                    &v[start * vd..(start + n) * vd],
+                    &g[start * nv..(start + n) * nv],
+                    &beta[start * nv..(start + n) * nv],
+                );
+                let state = &mut seq.cache.recurrent_state[li];
+                // The recurrent form for every length: on the CPU it is the faster
+                // one at these head sizes (benches/kernels.rs: ~0.45 ms vs ~1.0 ms
+                // for the chunked form at t=512, d=64), and one form everywhere
+                // makes prefill, decode and scoring of the same tokens bit-identical,
+                // which the engine's prefix cache and the trainer's log-prob
+                // agreement rely on. The chunked form (held to 1e-5 of this one in
+                // the kernel tests) is the GPU prefill path.
+                gated_delta_recurrent_forward(
+                    out, state, args.0, args.1, args.2, args.3, args.4, dims,
+                )?;
+                Ok(())
+            })?;
         let mut normed = vec![0.0f32; t * vd];
         let mut rstd = vec![0.0f32; t * nv];
         gated_rmsnorm_forward(
@@ -470,32 +492,37 @@ impl Qwen3_5 {
         let (qrow, kvrow) = (nh * hd, nkv * hd);
         let mut out = vec![0.0f32; t * qrow];
         let scale = 1.0 / (hd as f32).sqrt();
-        for (&(start, n, past), seq) in spans.iter().zip(batch.iter_mut()) {
-            let kc = &mut seq.cache.k[li];
-            let vc = &mut seq.cache.v[li];
-            if kc.len() != past * kvrow {
-                return Err(Error::Input(format!(
-                    "cache of layer {li} holds {} positions, the sequence says {past}",
-                    kc.len() / kvrow.max(1)
-                )));
-            }
-            kc.extend_from_slice(&k[start * kvrow..(start + n) * kvrow]);
-            vc.extend_from_slice(&v[start * kvrow..(start + n) * kvrow]);
-            attention_forward(
-                &mut out[start * qrow..(start + n) * qrow],
-                &q[start * qrow..(start + n) * qrow],
-                kc,
-                vc,
-                AttnDims {
-                    nq: n,
-                    nk: past + n,
-                    n_heads: nh,
-                    n_kv_heads: nkv,
-                    head_dim: hd,
-                },
-                scale,
-            )?;
-        }
+        let outs = split_rows(&mut out, spans, qrow);
+        let jobs: Vec<_> = spans.iter().zip(batch.iter_mut()).zip(outs).collect();
+        // Sequences in parallel, as in the linear layers.
+        jobs.into_par_iter()
+            .try_for_each(|((&(start, n, past), seq), o)| -> Result<()> {
+                let kc = &mut seq.cache.k[li];
+                let vc = &mut seq.cache.v[li];
+                if kc.len() != past * kvrow {
+                    return Err(Error::Input(format!(
+                        "cache of layer {li} holds {} positions, the sequence says {past}",
+                        kc.len() / kvrow.max(1)
+                    )));
+                }
+                kc.extend_from_slice(&k[start * kvrow..(start + n) * kvrow]);
+                vc.extend_from_slice(&v[start * kvrow..(start + n) * kvrow]);
+                attention_forward(
+                    o,
+                    &q[start * qrow..(start + n) * qrow],
+                    kc,
+                    vc,
+                    AttnDims {
+                        nq: n,
+                        nk: past + n,
+                        n_heads: nh,
+                        n_kv_heads: nkv,
+                        head_dim: hd,
+                    },
+                    scale,
+                )?;
+                Ok(())
+            })?;
         sigmoid_gate_forward(&mut out, &gate)?;
         fa.o_proj.forward(&out, t)
     }

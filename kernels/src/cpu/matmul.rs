@@ -380,7 +380,8 @@ mod tests {
                 matmul_forward(o, x, &w, None, n, c, oc).unwrap()
             };
             let portable = |o: &mut [f32], x: &[f32], n: usize| linear_portable(o, x, &w, n, c, oc);
-            let paths: [(&str, &dyn Fn(&mut [f32], &[f32], usize)); 2] =
+            type LinearFn<'a> = dyn Fn(&mut [f32], &[f32], usize) + 'a;
+            let paths: [(&str, &LinearFn<'_>); 2] =
                 [("forward", &forward), ("portable", &portable)];
             for (name, f) in paths {
                 let mut all = vec![0.0f32; big * oc];

@@ -120,7 +120,7 @@ pub fn sgemm(
         1
     };
     let cp = SendPtr(c.as_mut_ptr());
-    let mut bpack = vec![0.0f32; KC * n.min(NC).next_multiple_of(NR)];
+    let mut bpack = take_scratch(&B_SCRATCH, KC * n.min(NC).next_multiple_of(NR));
     for jc in (0..n).step_by(NC) {
         let nc = NC.min(n - jc);
         let npan = nc.div_ceil(NR);
@@ -140,8 +140,8 @@ pub fn sgemm(
                 let ic = ib * MC;
                 let mc = MC.min(m - ic);
                 let mpan = mc.div_ceil(MR);
-                let mut apack = vec![0.0f32; mpan * MR * kc];
-                pack_a(&mut apack, a, ic, mc, pc, kc);
+                let mut apack = take_scratch(&A_SCRATCH, mpan * MR * kc);
+                pack_a(&mut apack[..mpan * MR * kc], a, ic, mc, pc, kc);
                 for jp in g * per..((g + 1) * per).min(npan) {
                     let j0 = jc + jp * NR;
                     let nr = NR.min(n - j0);
@@ -166,6 +166,7 @@ pub fn sgemm(
                         }
                     }
                 }
+                A_SCRATCH.with(|s| s.replace(apack));
             };
             if threads > 1 && tasks.len() > 1 {
                 tasks.par_iter().for_each(run);
@@ -174,7 +175,30 @@ pub fn sgemm(
             }
         }
     }
+    B_SCRATCH.with(|s| s.replace(bpack));
     Ok(())
+}
+
+thread_local! {
+    /// Packing buffers kept per thread between calls (packing overwrites
+    /// every value it hands the kernel, padding included, so they are never
+    /// cleared).
+    static A_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static B_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// This thread's buffer from `slot`, at least `len` long (only growth is
+/// zero-filled). Put it back when done; a nested call meanwhile simply
+/// allocates its own.
+fn take_scratch(
+    slot: &'static std::thread::LocalKey<std::cell::RefCell<Vec<f32>>>,
+    len: usize,
+) -> Vec<f32> {
+    let mut v = slot.with(|s| s.take());
+    if v.len() < len {
+        v.resize(len, 0.0);
+    }
+    v
 }
 
 /// Rows `i0..i0 + mc`, depth `p0..p0 + kc` of A into MR-row panels.
@@ -256,6 +280,20 @@ unsafe fn pack(
         for p in 0..depth {
             std::ptr::copy_nonoverlapping(src.add(p * ps), dst.add(p * width), lanes);
         }
+    } else if ps == 1 && lanes.is_multiple_of(16) {
+        // A transpose (e.g. an `nn.Linear` weight read as B), 16 x 16 at a
+        // time in registers.
+        let full = depth - depth % 16;
+        for p0 in (0..full).step_by(16) {
+            for x0 in (0..lanes).step_by(16) {
+                transpose16(src.add(x0 * xs + p0), xs, dst.add(p0 * width + x0), width);
+            }
+        }
+        for x in 0..lanes {
+            for p in full..depth {
+                *dst.add(p * width + x) = *src.add(x * xs + p);
+            }
+        }
     } else {
         // Sixteen steps of depth per source line at a time (reads along
         // `ps` stay in few cache lines, writes in the panel).
@@ -270,6 +308,66 @@ unsafe fn pack(
             }
         }
     }
+}
+
+/// `dst[r * ds + c] = src[c * ss + r]` for r, c < 16: a 16 x 16 transpose
+/// through registers (pairs of rows interleaved by 32 bits, then 64 bits,
+/// then 128-bit lanes twice).
+///
+/// # Safety
+/// AVX-512F is present; the 16 source rows of 16 floats and the 16
+/// destination rows of 16 floats are in bounds.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose16(src: *const f32, ss: usize, dst: *mut f32, ds: usize) {
+    use std::arch::x86_64::*;
+    let mut r = [_mm512_setzero_ps(); 16];
+    for (i, row) in r.iter_mut().enumerate() {
+        *row = _mm512_loadu_ps(src.add(i * ss));
+    }
+    // t[2i], t[2i+1]: rows 2i, 2i+1 interleaved (columns 4L, 4L+1 / 4L+2, 4L+3
+    // of each 128-bit lane L).
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4g + o]: rows 4g..4g+4 at column 4L + o of each lane L.
+    let mut u = [_mm512_setzero_ps(); 16];
+    for g in 0..4 {
+        let (a, b, c, d) = (t[4 * g], t[4 * g + 2], t[4 * g + 1], t[4 * g + 3]);
+        let (a, b) = (_mm512_castps_pd(a), _mm512_castps_pd(b));
+        let (c, d) = (_mm512_castps_pd(c), _mm512_castps_pd(d));
+        u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for o in 0..4 {
+        // Lanes (col o, col 8+o) of row groups 0,1 and 2,3; then (4+o, 12+o).
+        let x01 = _mm512_shuffle_f32x4::<0x88>(u[o], u[4 + o]);
+        let y01 = _mm512_shuffle_f32x4::<0xdd>(u[o], u[4 + o]);
+        let x23 = _mm512_shuffle_f32x4::<0x88>(u[8 + o], u[12 + o]);
+        let y23 = _mm512_shuffle_f32x4::<0xdd>(u[8 + o], u[12 + o]);
+        _mm512_storeu_ps(dst.add(o * ds), _mm512_shuffle_f32x4::<0x88>(x01, x23));
+        _mm512_storeu_ps(
+            dst.add((8 + o) * ds),
+            _mm512_shuffle_f32x4::<0xdd>(x01, x23),
+        );
+        _mm512_storeu_ps(
+            dst.add((4 + o) * ds),
+            _mm512_shuffle_f32x4::<0x88>(y01, y23),
+        );
+        _mm512_storeu_ps(
+            dst.add((12 + o) * ds),
+            _mm512_shuffle_f32x4::<0xdd>(y01, y23),
+        );
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn transpose16(_: *const f32, _: usize, _: *mut f32, _: usize) {
+    unreachable!("sgemm runs only where `available()` is true")
 }
 
 /// One `mr x nr` tile of C at `c.0 + off`: straight into C when whole,
@@ -380,6 +478,8 @@ mod tests {
             (130, 70, 600),
             (121, 1030, 40),
             (3, 2100, 20),
+            (2, 64, 300),
+            (40, 96, 37),
         ];
         for &(m, n, k) in &shapes {
             let av: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
