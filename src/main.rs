@@ -48,6 +48,7 @@ enum Command {
 }
 
 fn main() {
+    arcticd_kernels::host::retain_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)

@@ -9,6 +9,7 @@
 pub mod cpu;
 pub mod device;
 pub mod error;
+pub mod host;
 pub mod tensor;
 
 pub use device::Device;

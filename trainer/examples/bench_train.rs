@@ -24,6 +24,7 @@ fn arg(args: &[String], name: &str) -> Option<String> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    arcticd_kernels::host::retain_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let batch: usize = arg(&args, "--batch").map_or(Ok(8), |s| s.parse())?;
     let seq_len: usize = arg(&args, "--seq-len").map_or(Ok(512), |s| s.parse())?;

@@ -1,0 +1,24 @@
+//! Process-wide settings of the host the kernels run on.
+//!
+//! Not for: anything numeric.
+
+/// Keep freed heap memory for reuse instead of handing it back to the OS.
+///
+/// A training step allocates and frees activation and gradient buffers of
+/// several MiB per op. glibc serves blocks above its mmap threshold with a
+/// fresh mapping and unmaps them on free, and trims the heap top above its
+/// trim threshold, so every step page-faults and zeroes the same memory
+/// again (about a fifth of a `small` training step on 2 cores, measured
+/// with `perf`). This raises the mmap threshold to its ceiling (32 MiB),
+/// turns trimming off and pads heap growth, so freed blocks are reused.
+/// Call it once at start-up, before threads start; a no-op off glibc.
+pub fn retain_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tunables; called before other
+    // threads allocate.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
+    }
+}
