@@ -600,20 +600,28 @@ impl DockerSandbox {
     }
 
     /// Kills the process group recorded in `pidfile`, repeating until it is
-    /// empty (a fork bomb keeps refilling it for a moment).
+    /// empty (a fork bomb keeps refilling it for a moment). The killer is
+    /// itself a process in the sandbox: while a bomb holds every slot of the
+    /// pids limit it may fail to start, so it is retried until it reports
+    /// the group gone (exit 0).
     async fn kill_group(&self, pidfile: &str) -> Result<()> {
         let script = r#"i=0
 while [ ! -s "$0" ] && [ $i -lt 20 ]; do i=$((i+1)); sleep 0.05; done
 p=$(cat "$0" 2>/dev/null) || exit 0
 i=0
-while kill -9 -"$p" 2>/dev/null && [ $i -lt 400 ]; do i=$((i+1)); sleep 0.02; done
-rm -f "$0""#;
-        let cmd = vec!["sh".into(), "-c".into(), script.into(), pidfile.to_string()];
-        let r = self.raw_exec(cmd, "/", None, 30.0, 4096).await?;
-        if r.timed_out {
-            return Err(Error::Sandbox("could not kill a timed-out command".into()));
+while kill -9 -"$p" 2>/dev/null; do
+  i=$((i+1)); [ $i -lt 400 ] || exit 3; sleep 0.02
+done
+rm -f "$0"; exit 0"#;
+        for _ in 0..50 {
+            let cmd = vec!["sh".into(), "-c".into(), script.into(), pidfile.to_string()];
+            let r = self.raw_exec(cmd, "/", None, 30.0, 4096).await;
+            if matches!(&r, Ok(r) if !r.timed_out && r.exit_code == Some(0)) {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        Ok(())
+        Err(Error::Sandbox("could not kill a timed-out command".into()))
     }
 
     /// Whether the container's memory cgroup recorded a new OOM kill.
