@@ -872,6 +872,41 @@ fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
+/// One step of the recurrence for the backward's recomputation:
+/// `delta = b (v - decay S^T k)`, `S_next = decay S + k delta^T`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn recurrence_step(
+    s_prev: &[f32],
+    s_next: &mut [f32],
+    delta: &mut [f32],
+    kt: &[f32],
+    vt: &[f32],
+    decay: f32,
+    b: f32,
+    dvd: usize,
+) {
+    delta.fill(0.0);
+    for (ka, srow) in kt.iter().zip(s_prev.chunks_exact(dvd)) {
+        let w = ka * decay;
+        for (d, sv) in delta.iter_mut().zip(srow) {
+            *d += w * sv;
+        }
+    }
+    for (d, vv) in delta.iter_mut().zip(vt) {
+        *d = b * (vv - *d);
+    }
+    for ((ka, srow), nrow) in kt
+        .iter()
+        .zip(s_prev.chunks_exact(dvd))
+        .zip(s_next.chunks_exact_mut(dvd))
+    {
+        for ((nv_, sv), d) in nrow.iter_mut().zip(srow).zip(delta.iter()) {
+            *nv_ = decay * sv + ka * d;
+        }
+    }
+}
+
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn head_backward(
@@ -898,31 +933,19 @@ fn head_backward(
     let key = |ti: usize| (ti * nk + kh) * dkd..(ti * nk + kh + 1) * dkd;
     let val = |ti: usize| (ti * nv + h) * dvd..(ti * nv + h + 1) * dvd;
 
-    // One recurrence step: s (S_{t-1}) -> S_t, with S' in `sd` and delta out.
+    // One recurrence step: s (S_{t-1}) -> S_t, with delta out.
     let step = |s_prev: &[f32], s_next: &mut [f32], delta: &mut [f32], ti: usize| {
-        let decay = g[ti * nv + h].exp();
-        let b = beta[ti * nv + h];
-        let kt = &k[key(ti)];
-        let vt = &v[val(ti)];
-        delta.fill(0.0);
-        for (ka, srow) in kt.iter().zip(s_prev.chunks_exact(dvd)) {
-            let w = ka * decay;
-            for (d, sv) in delta.iter_mut().zip(srow) {
-                *d += w * sv;
-            }
-        }
-        for (d, vv) in delta.iter_mut().zip(vt) {
-            *d = b * (vv - *d);
-        }
-        for ((ka, srow), nrow) in kt
-            .iter()
-            .zip(s_prev.chunks_exact(dvd))
-            .zip(s_next.chunks_exact_mut(dvd))
-        {
-            for ((nv_, sv), d) in nrow.iter_mut().zip(srow).zip(delta.iter()) {
-                *nv_ = decay * sv + ka * d;
-            }
-        }
+        let (decay, b) = (g[ti * nv + h].exp(), beta[ti * nv + h]);
+        recurrence_step(
+            s_prev,
+            s_next,
+            delta,
+            &k[key(ti)],
+            &v[val(ti)],
+            decay,
+            b,
+            dvd,
+        )
     };
 
     // Forward pass over the head, keeping the state at every chunk start.

@@ -212,9 +212,8 @@ fn pack_a(dst: &mut [f32], a: Strided<'_>, i0: usize, mc: usize, p0: usize, kc: 
         // SAFETY: `sgemm` checked that A covers rows i0..i0+mc, columns
         // p0..p0+kc; the panel holds kc x MR values.
         unsafe {
-            pack(
+            pack::<MR>(
                 panel.as_mut_ptr(),
-                MR,
                 a.data.as_ptr().add(base),
                 a.rs,
                 a.cs,
@@ -244,9 +243,8 @@ fn pack_b(
         let base = p0 * b.rs + (j0 + jp * NR) * b.cs;
         // SAFETY: as in `pack_a`, for B's depth and columns.
         unsafe {
-            pack(
+            pack::<NR>(
                 panel.as_mut_ptr(),
-                NR,
                 b.data.as_ptr().add(base),
                 b.cs,
                 b.rs,
@@ -262,14 +260,13 @@ fn pack_b(
     }
 }
 
-/// `dst[p * width + x] = src[x * xs + p * ps]` for `x < lanes`, `p < depth`:
+/// `dst[p * W + x] = src[x * xs + p * ps]` for `x < lanes`, `p < depth`:
 /// one panel. Reads run along whichever source stride is 1.
 ///
 /// # Safety
 /// Every index read and written is in bounds of its buffer.
-unsafe fn pack(
+unsafe fn pack<const W: usize>(
     dst: *mut f32,
-    width: usize,
     src: *const f32,
     xs: usize,
     ps: usize,
@@ -278,7 +275,12 @@ unsafe fn pack(
 ) {
     if xs == 1 {
         for p in 0..depth {
-            std::ptr::copy_nonoverlapping(src.add(p * ps), dst.add(p * width), lanes);
+            if lanes == W {
+                // A fixed-size copy: inlined moves, not a memcpy call per row.
+                std::ptr::copy_nonoverlapping(src.add(p * ps), dst.add(p * W), W);
+            } else {
+                std::ptr::copy_nonoverlapping(src.add(p * ps), dst.add(p * W), lanes);
+            }
         }
     } else if ps == 1 && lanes.is_multiple_of(16) {
         // A transpose (e.g. an `nn.Linear` weight read as B), 16 x 16 at a
@@ -286,12 +288,12 @@ unsafe fn pack(
         let full = depth - depth % 16;
         for p0 in (0..full).step_by(16) {
             for x0 in (0..lanes).step_by(16) {
-                transpose16(src.add(x0 * xs + p0), xs, dst.add(p0 * width + x0), width);
+                transpose16(src.add(x0 * xs + p0), xs, dst.add(p0 * W + x0), W);
             }
         }
         for x in 0..lanes {
             for p in full..depth {
-                *dst.add(p * width + x) = *src.add(x * xs + p);
+                *dst.add(p * W + x) = *src.add(x * xs + p);
             }
         }
     } else {
@@ -301,9 +303,9 @@ unsafe fn pack(
             let pn = 16.min(depth - p0);
             for x in 0..lanes {
                 let s = src.add(x * xs + p0 * ps);
-                let d = dst.add(p0 * width + x);
+                let d = dst.add(p0 * W + x);
                 for p in 0..pn {
-                    *d.add(p * width) = *s.add(p * ps);
+                    *d.add(p * W) = *s.add(p * ps);
                 }
             }
         }
