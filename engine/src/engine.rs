@@ -21,7 +21,7 @@
 //! Not for: HTTP or text (the server), routing across replicas (`router.rs`).
 
 use crate::kv_cache::PagedKvCache;
-use crate::model::{Qwen3_5, SeqCache, SeqInput};
+use crate::model::{LinearPacks, Qwen3_5, SeqCache, SeqInput};
 use crate::params::ParamStore;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::scheduler::{Limits, Scheduled, Scheduler, Sequence};
@@ -450,6 +450,8 @@ pub fn start(
         scratch: Vec::new(),
         shared: shared.clone(),
         version,
+        packs: LinearPacks::default(),
+        packs_version: None,
         max_model_len: config.max_model_len,
     };
     std::thread::Builder::new()
@@ -470,6 +472,9 @@ struct EngineLoop {
     shared: Arc<Shared>,
     /// Weight version the cached states were computed with.
     version: u64,
+    /// The weights packed for the matrix product, and their version.
+    packs: LinearPacks,
+    packs_version: Option<u64>,
     max_model_len: usize,
 }
 
@@ -607,6 +612,15 @@ impl EngineLoop {
         if plan.is_empty() {
             return;
         }
+        if self.packs_version != Some(version) {
+            // Weights packed once per version (see `LinearPacks`); without
+            // them the products are the same, only slower.
+            self.packs = model.pack_linears().unwrap_or_else(|e| {
+                tracing::warn!("cannot pack the weights ({e}); products pack per call");
+                LinearPacks::default()
+            });
+            self.packs_version = Some(version);
+        }
         while self.scratch.len() < plan.len() {
             self.scratch.push(model.new_cache());
         }
@@ -636,8 +650,8 @@ impl EngineLoop {
             // inside the pool instead of each handing its work over to it
             // and sleeping until it is done (two context switches per loop,
             // most of a decode step's time before this).
-            let m: &Qwen3_5 = &model;
-            rayon::scope(|_| m.forward(&mut batch))
+            let (m, packs): (&Qwen3_5, &LinearPacks) = (&model, &self.packs);
+            rayon::scope(|_| m.forward_with(&mut batch, Some(packs)))
         };
         for (j, item) in plan.iter().enumerate() {
             let seq = &sched.running[item.seq];
@@ -678,8 +692,8 @@ impl EngineLoop {
         let logits = if which.is_empty() {
             Ok(Vec::new())
         } else {
-            let m: &Qwen3_5 = &model;
-            rayon::scope(|_| m.logits(&rows))
+            let (m, packs): (&Qwen3_5, &LinearPacks) = (&model, &self.packs);
+            rayon::scope(|_| m.logits_with(&rows, Some(packs)))
         };
         drop(model);
         let logits = match logits {

@@ -23,12 +23,14 @@ use arcticd_kernels::cpu::{
     gated_delta::{gated_delta_recurrent_forward, GatedDeltaDims},
     l2norm::l2norm_forward,
     logsoftmax::logprob_gather_forward,
-    matmul::matmul_forward,
+    matmul::{matmul_forward, matmul_forward_packed, pack_linear},
     rmsnorm::{gated_rmsnorm_forward, rmsnorm_forward},
     rope::rope_forward,
+    sgemm::PackedB,
 };
 use arcticd_kernels::Tensor;
 use rayon::prelude::*;
+use std::collections::HashMap;
 use std::path::Path;
 
 /// A linear layer's weight `[out, in]` and optional bias.
@@ -58,21 +60,54 @@ impl Linear {
 
     /// `out[n, out] = inp[n, in] @ W^T + b`.
     pub fn forward(&self, inp: &[f32], n: usize) -> Result<Vec<f32>> {
+        self.forward_with(inp, n, None)
+    }
+
+    /// [`forward`](Self::forward), with the weight from `packs` when it is
+    /// there (the same bits; see [`LinearPacks`]).
+    pub fn forward_with(
+        &self,
+        inp: &[f32],
+        n: usize,
+        packs: Option<&LinearPacks>,
+    ) -> Result<Vec<f32>> {
         let mut out = vec![0.0f32; n * self.out_features];
         let bias = match &self.bias {
             Some(b) => Some(b.as_f32()?),
             None => None,
         };
+        let weight = self.weight.as_f32()?;
+        if let Some(p) = packs.and_then(|p| p.get(weight)) {
+            matmul_forward_packed(&mut out, inp, p, bias, n)?;
+            return Ok(out);
+        }
         matmul_forward(
             &mut out,
             inp,
-            self.weight.as_f32()?,
+            weight,
             bias,
             n,
             self.in_features,
             self.out_features,
         )?;
         Ok(out)
+    }
+}
+
+/// The model's matrices (linear weights, the output head) packed once for
+/// the matrix product, so decoding steps, which multiply every weight by a
+/// few rows, do not re-pack each weight every step. Found by the weight's
+/// address; built by [`Qwen3_5::pack_linears`] and valid only until the
+/// weights change (the engine rebuilds it on a new weight version). Empty
+/// where the packed product does not run (no AVX-512).
+#[derive(Debug, Default)]
+pub struct LinearPacks(HashMap<usize, PackedB>);
+
+impl LinearPacks {
+    fn get(&self, weight: &[f32]) -> Option<&PackedB> {
+        self.0
+            .get(&(weight.as_ptr() as usize))
+            .filter(|p| p.dims().0 * p.dims().1 == weight.len())
     }
 }
 
@@ -298,6 +333,15 @@ impl Qwen3_5 {
     /// Run the packed batch; returns the final hidden states (after the final
     /// norm) `[sum of new tokens, hidden]`, sequences in order. Caches advance.
     pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<f32>> {
+        self.forward_with(batch, None)
+    }
+
+    /// [`forward`](Self::forward) with packed weights (the same bits).
+    pub fn forward_with(
+        &self,
+        batch: &mut [SeqInput<'_>],
+        packs: Option<&LinearPacks>,
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
         let h = c.hidden_size;
         let mut ids = Vec::new();
@@ -321,18 +365,20 @@ impl Qwen3_5 {
         for (li, layer) in self.layers.iter().enumerate() {
             let xn = rmsnorm(&x, &layer.input_layernorm, h, c.rms_norm_eps)?;
             let mixed = match &layer.mixer {
-                Mixer::Linear(la) => self.linear_attention(la, li, &xn, &spans, batch)?,
-                Mixer::Full(fa) => self.full_attention(fa, li, &xn, &spans, &positions, batch)?,
+                Mixer::Linear(la) => self.linear_attention(la, li, &xn, &spans, batch, packs)?,
+                Mixer::Full(fa) => {
+                    self.full_attention(fa, li, &xn, &spans, &positions, batch, packs)?
+                }
             };
             for (a, b) in x.iter_mut().zip(&mixed) {
                 *a += b;
             }
             let xn = rmsnorm(&x, &layer.post_attention_layernorm, h, c.rms_norm_eps)?;
-            let gate = layer.gate_proj.forward(&xn, t)?;
-            let up = layer.up_proj.forward(&xn, t)?;
+            let gate = layer.gate_proj.forward_with(&xn, t, packs)?;
+            let up = layer.up_proj.forward_with(&xn, t, packs)?;
             let mut act = vec![0.0f32; gate.len()];
             silu_mul_forward(&mut act, &gate, &up, t, c.intermediate_size)?;
-            let mlp = layer.down_proj.forward(&act, t)?;
+            let mlp = layer.down_proj.forward_with(&act, t, packs)?;
             for (a, b) in x.iter_mut().zip(&mlp) {
                 *a += b;
             }
@@ -350,6 +396,7 @@ impl Qwen3_5 {
         xn: &[f32],
         spans: &[(usize, usize, usize)],
         batch: &mut [SeqInput<'_>],
+        packs: Option<&LinearPacks>,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
         let t = xn.len() / c.hidden_size;
@@ -361,10 +408,10 @@ impl Qwen3_5 {
         );
         let conv_dim = c.linear_conv_dim();
         let kc = c.conv_kernel;
-        let qkv = la.in_proj_qkv.forward(xn, t)?;
-        let z = la.in_proj_z.forward(xn, t)?;
-        let b = la.in_proj_b.forward(xn, t)?;
-        let a = la.in_proj_a.forward(xn, t)?;
+        let qkv = la.in_proj_qkv.forward_with(xn, t, packs)?;
+        let z = la.in_proj_z.forward_with(xn, t, packs)?;
+        let b = la.in_proj_b.forward_with(xn, t, packs)?;
+        let a = la.in_proj_a.forward_with(xn, t, packs)?;
 
         // Causal conv per sequence, continuing from each sequence's conv state.
         let mut conv = vec![0.0f32; t * conv_dim];
@@ -459,9 +506,10 @@ impl Qwen3_5 {
             dv,
             c.rms_norm_eps,
         )?;
-        la.out_proj.forward(&normed, t)
+        la.out_proj.forward_with(&normed, t, packs)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn full_attention(
         &self,
         fa: &FullAttention,
@@ -470,11 +518,12 @@ impl Qwen3_5 {
         spans: &[(usize, usize, usize)],
         positions: &[u32],
         batch: &mut [SeqInput<'_>],
+        packs: Option<&LinearPacks>,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
         let t = xn.len() / c.hidden_size;
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let qg = fa.q_proj.forward(xn, t)?;
+        let qg = fa.q_proj.forward_with(xn, t, packs)?;
         // Per head: head_dim query values, then head_dim gate values.
         let mut q_raw = Vec::with_capacity(t * nh * hd);
         let mut gate = Vec::with_capacity(t * nh * hd);
@@ -482,8 +531,8 @@ impl Qwen3_5 {
             q_raw.extend_from_slice(&head[..hd]);
             gate.extend_from_slice(&head[hd..]);
         }
-        let k_raw = fa.k_proj.forward(xn, t)?;
-        let v = fa.v_proj.forward(xn, t)?;
+        let k_raw = fa.k_proj.forward_with(xn, t, packs)?;
+        let v = fa.v_proj.forward_with(xn, t, packs)?;
         let mut q = rmsnorm(&q_raw, &fa.q_norm, hd, c.rms_norm_eps)?;
         let mut k = rmsnorm(&k_raw, &fa.k_norm, hd, c.rms_norm_eps)?;
         rope_forward(&mut q, positions, nh, hd, c.rotary_dim, c.rope_theta)?;
@@ -524,23 +573,25 @@ impl Qwen3_5 {
                 Ok(())
             })?;
         sigmoid_gate_forward(&mut out, &gate)?;
-        fa.o_proj.forward(&out, t)
+        fa.o_proj.forward_with(&out, t, packs)
     }
 
     /// Logits `[n, vocab]` for hidden rows `[n, hidden]`.
     pub fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
+        self.logits_with(hidden, None)
+    }
+
+    /// [`logits`](Self::logits) with packed weights (the same bits).
+    pub fn logits_with(&self, hidden: &[f32], packs: Option<&LinearPacks>) -> Result<Vec<f32>> {
         let (h, vsz) = (self.config.hidden_size, self.config.vocab_size);
         let n = hidden.len() / h;
         let mut out = vec![0.0f32; n * vsz];
-        matmul_forward(
-            &mut out,
-            hidden,
-            self.lm_head_weight().as_f32()?,
-            None,
-            n,
-            h,
-            vsz,
-        )?;
+        let weight = self.lm_head_weight().as_f32()?;
+        if let Some(p) = packs.and_then(|p| p.get(weight)) {
+            matmul_forward_packed(&mut out, hidden, p, None, n)?;
+            return Ok(out);
+        }
+        matmul_forward(&mut out, hidden, weight, None, n, h, vsz)?;
         Ok(out)
     }
 
@@ -666,6 +717,28 @@ impl Qwen3_5 {
     /// Every parameter with its Hugging Face name (under `weight_prefix`, and
     /// `lm_head.weight` when untied), in a fixed order. The trainer's
     /// optimizer and checkpoint writer walk this list.
+    /// Every two-dimensional parameter (linear weights, embeddings / output
+    /// head) packed for the matrix product; see [`LinearPacks`].
+    pub fn pack_linears(&self) -> Result<LinearPacks> {
+        let mut packs = HashMap::new();
+        let head = self.lm_head_weight().as_f32()?.as_ptr();
+        for (_, t) in self.named_params() {
+            // The embedding table is looked up, not multiplied, unless it
+            // is also the output head.
+            if std::ptr::eq(t, &self.embed_tokens) && self.embed_tokens.as_f32()?.as_ptr() != head {
+                continue;
+            }
+            if let [rows, cols] = *t.shape() {
+                let w = t.as_f32()?;
+                match pack_linear(w, cols, rows)? {
+                    Some(p) => packs.insert(w.as_ptr() as usize, p),
+                    None => return Ok(LinearPacks::default()),
+                };
+            }
+        }
+        Ok(LinearPacks(packs))
+    }
+
     pub fn named_params(&self) -> Vec<(String, &Tensor)> {
         let mut out = Vec::new();
         walk_params!(self, out,);

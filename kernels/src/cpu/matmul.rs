@@ -95,6 +95,60 @@ pub fn matmul_forward(
     Ok(())
 }
 
+/// An `nn.Linear` weight `[oc, c]` packed for [`matmul_forward_packed`], or
+/// `None` where [`sgemm`] does not run (no AVX-512): callers then use
+/// [`matmul_forward`].
+pub fn pack_linear(weight: &[f32], c: usize, oc: usize) -> Result<Option<sgemm::PackedB>> {
+    check("weight", weight.len(), oc * c)?;
+    if !sgemm::available() {
+        return Ok(None);
+    }
+    let w = Strided {
+        data: weight,
+        rs: 1,
+        cs: c,
+    };
+    sgemm::PackedB::new(w, c, oc).map(Some)
+}
+
+/// [`matmul_forward`] with the weight packed by [`pack_linear`]: the same
+/// bits without re-packing the weight on every call.
+pub fn matmul_forward_packed(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &sgemm::PackedB,
+    bias: Option<&[f32]>,
+    n: usize,
+) -> Result<()> {
+    let (c, oc) = weight.dims();
+    check("out", out.len(), n * oc)?;
+    check("inp", inp.len(), n * c)?;
+    if let Some(b) = bias {
+        check("bias", b.len(), oc)?;
+    }
+    if n == 0 || oc == 0 {
+        return Ok(());
+    }
+    if c == 0 {
+        out.fill(0.0);
+    } else {
+        let a = Strided {
+            data: inp,
+            rs: c,
+            cs: 1,
+        };
+        sgemm::sgemm_packed(n, a, weight, out, oc, false, true)?;
+    }
+    if let Some(b) = bias {
+        for row in out.chunks_exact_mut(oc) {
+            for (o, bb) in row.iter_mut().zip(b) {
+                *o += bb;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The forward's product without AVX-512, on the `gemm` crate: padded to
 /// [`min_rows`] and sliced along the reduction (see [`matmul_forward`]).
 fn linear_portable(out: &mut [f32], inp: &[f32], weight: &[f32], n: usize, c: usize, oc: usize) {

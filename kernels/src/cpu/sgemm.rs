@@ -95,8 +95,121 @@ pub fn sgemm(
     if !available() {
         return Err(Error::NoDevice("a CPU with AVX-512 (sgemm)".into()));
     }
-    covers("A", a.data.len(), m, k, a.rs, a.cs)?;
     covers("B", b.data.len(), k, n, b.rs, b.cs)?;
+    run(
+        m,
+        n,
+        k,
+        a,
+        BSource::Strided(b),
+        c,
+        ldc,
+        accumulate,
+        parallel,
+    )
+}
+
+/// [`sgemm`] with B packed beforehand ([`PackedB`]): the same panels, so
+/// the same bits, without packing B on every call (a weight used by a few
+/// rows at a time, as in decoding).
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm_packed(
+    m: usize,
+    a: Strided<'_>,
+    b: &PackedB,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    parallel: bool,
+) -> Result<()> {
+    run(
+        m,
+        b.n,
+        b.k,
+        a,
+        BSource::Packed(b),
+        c,
+        ldc,
+        accumulate,
+        parallel,
+    )
+}
+
+/// B `[k, n]` in the panels [`sgemm`] packs it into, every block at once.
+#[derive(Debug, Clone)]
+pub struct PackedB {
+    k: usize,
+    n: usize,
+    /// Start of block (column block jb, depth block pb) at `jb * n_pc + pb`.
+    offsets: Vec<usize>,
+    data: Vec<f32>,
+}
+
+impl PackedB {
+    /// Packs `b` (`[k, n]`). Errors when AVX-512 is missing or `b` is short.
+    pub fn new(b: Strided<'_>, k: usize, n: usize) -> Result<PackedB> {
+        if !available() {
+            return Err(Error::NoDevice("a CPU with AVX-512 (sgemm)".into()));
+        }
+        covers("B", b.data.len(), k, n, b.rs, b.cs)?;
+        let mut offsets = Vec::new();
+        let mut len = 0;
+        for jc in (0..n).step_by(NC) {
+            let npan = NC.min(n - jc).div_ceil(NR);
+            for pc in (0..k).step_by(KC) {
+                offsets.push(len);
+                len += npan * NR * KC.min(k - pc);
+            }
+        }
+        let mut data = vec![0.0f32; len];
+        let mut i = 0;
+        for jc in (0..n).step_by(NC) {
+            let nc = NC.min(n - jc);
+            for pc in (0..k).step_by(KC) {
+                let kc = KC.min(k - pc);
+                let start = offsets[i];
+                let end = start + nc.div_ceil(NR) * NR * kc;
+                pack_b(&mut data[start..end], b, pc, kc, jc, nc, true);
+                i += 1;
+            }
+        }
+        Ok(PackedB {
+            k,
+            n,
+            offsets,
+            data,
+        })
+    }
+
+    /// Depth (rows) and width (columns) of the packed matrix.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.k, self.n)
+    }
+}
+
+/// Where a product's B comes from.
+#[derive(Clone, Copy)]
+enum BSource<'a> {
+    Strided(Strided<'a>),
+    Packed(&'a PackedB),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Strided<'_>,
+    b: BSource<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    parallel: bool,
+) -> Result<()> {
+    if !available() {
+        return Err(Error::NoDevice("a CPU with AVX-512 (sgemm)".into()));
+    }
+    covers("A", a.data.len(), m, k, a.rs, a.cs)?;
     if m > 0 && n > 0 && (ldc < n || (m - 1) * ldc + n > c.len()) {
         return Err(Error::Shape(format!(
             "sgemm: C [{m}, {n}] with leading dimension {ldc} does not fit {} elements",
@@ -120,13 +233,27 @@ pub fn sgemm(
         1
     };
     let cp = SendPtr(c.as_mut_ptr());
-    let mut bpack = take_scratch(&B_SCRATCH, KC * n.min(NC).next_multiple_of(NR));
+    let mut bpack = match b {
+        BSource::Strided(_) => take_scratch(&B_SCRATCH, KC * n.min(NC).next_multiple_of(NR)),
+        BSource::Packed(_) => Vec::new(),
+    };
+    let mut block = 0;
     for jc in (0..n).step_by(NC) {
         let nc = NC.min(n - jc);
         let npan = nc.div_ceil(NR);
         for pc in (0..k).step_by(KC) {
             let kc = KC.min(k - pc);
-            pack_b(&mut bpack[..npan * NR * kc], b, pc, kc, jc, nc, threads > 1);
+            let bp: &[f32] = match b {
+                BSource::Strided(b) => {
+                    pack_b(&mut bpack[..npan * NR * kc], b, pc, kc, jc, nc, threads > 1);
+                    &bpack[..npan * NR * kc]
+                }
+                BSource::Packed(p) => {
+                    let start = p.offsets[block];
+                    &p.data[start..start + npan * NR * kc]
+                }
+            };
+            block += 1;
             let load = pc > 0 || accumulate;
             let n_ic = m.div_ceil(MC);
             let groups = npan.min((2 * threads).div_ceil(n_ic)).max(1);
@@ -135,8 +262,7 @@ pub fn sgemm(
                 .flat_map(|i| (0..groups).map(move |g| (i, g)))
                 .filter(|&(_, g)| g * per < npan)
                 .collect();
-            let bp = &bpack;
-            let run = |&(ib, g): &(usize, usize)| {
+            let task = |&(ib, g): &(usize, usize)| {
                 let ic = ib * MC;
                 let mc = MC.min(m - ic);
                 let mpan = mc.div_ceil(MR);
@@ -169,13 +295,15 @@ pub fn sgemm(
                 A_SCRATCH.with(|s| s.replace(apack));
             };
             if threads > 1 && tasks.len() > 1 {
-                tasks.par_iter().for_each(run);
+                tasks.par_iter().for_each(task);
             } else {
-                tasks.iter().for_each(run);
+                tasks.iter().for_each(task);
             }
         }
     }
-    B_SCRATCH.with(|s| s.replace(bpack));
+    if let BSource::Strided(_) = b {
+        B_SCRATCH.with(|s| s.replace(bpack));
+    }
     Ok(())
 }
 
@@ -390,8 +518,8 @@ unsafe fn tile(
     load: bool,
 ) {
     let dst = c.0.add(off);
-    if mr == MR && nr == NR {
-        kernel(kc, a, b, dst, ldc, load);
+    if nr == NR {
+        rows_kernel(mr, kc, a, b, dst, ldc, load);
         return;
     }
     let mut buf = [0.0f32; MR * NR];
@@ -400,24 +528,63 @@ unsafe fn tile(
             std::ptr::copy_nonoverlapping(dst.add(i * ldc), buf.as_mut_ptr().add(i * NR), nr);
         }
     }
-    kernel(kc, a, b, buf.as_mut_ptr(), NR, load);
+    rows_kernel(mr, kc, a, b, buf.as_mut_ptr(), NR, load);
     for i in 0..mr {
         std::ptr::copy_nonoverlapping(buf.as_ptr().add(i * NR), dst.add(i * ldc), nr);
     }
 }
 
-/// The `MR x NR` tile: `acc = C or 0; for p: acc += a[p] (x) b[p]`.
+/// The kernel for the first `mr` rows of a panel (a decode step multiplies
+/// a weight by one or a few rows; the padding rows are not computed).
+///
+/// # Safety
+/// As [`kernel`], with `1 <= mr <= MR` rows of C.
+unsafe fn rows_kernel(
+    mr: usize,
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+) {
+    match mr {
+        1 => kernel::<1>(kc, a, b, c, ldc, load),
+        2 => kernel::<2>(kc, a, b, c, ldc, load),
+        3 => kernel::<3>(kc, a, b, c, ldc, load),
+        4 => kernel::<4>(kc, a, b, c, ldc, load),
+        5 => kernel::<5>(kc, a, b, c, ldc, load),
+        6 => kernel::<6>(kc, a, b, c, ldc, load),
+        7 => kernel::<7>(kc, a, b, c, ldc, load),
+        8 => kernel::<8>(kc, a, b, c, ldc, load),
+        9 => kernel::<9>(kc, a, b, c, ldc, load),
+        10 => kernel::<10>(kc, a, b, c, ldc, load),
+        11 => kernel::<11>(kc, a, b, c, ldc, load),
+        _ => kernel::<MR>(kc, a, b, c, ldc, load),
+    }
+}
+
+/// An `R x NR` tile (`R <= MR` rows of an MR-row panel): `acc = C or 0;
+/// for p: acc += a[p] (x) b[p]`. Every row's arithmetic is the same for
+/// every `R`.
 ///
 /// # Safety
 /// AVX-512F is present; `a` holds `kc * MR`, `b` `kc * NR` floats; `c` is a
-/// writable `MR x NR` tile with row stride `ldc`.
+/// writable `R x NR` tile with row stride `ldc`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool) {
+unsafe fn kernel<const R: usize>(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+) {
     use std::arch::x86_64::*;
     let mut acc = [_mm512_setzero_ps(); 2 * MR];
     if load {
-        for i in 0..MR {
+        for i in 0..R {
             acc[2 * i] = _mm512_loadu_ps(c.add(i * ldc));
             acc[2 * i + 1] = _mm512_loadu_ps(c.add(i * ldc + 16));
         }
@@ -426,7 +593,7 @@ unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usiz
     for _ in 0..kc {
         let b0 = _mm512_loadu_ps(b);
         let b1 = _mm512_loadu_ps(b.add(16));
-        for i in 0..MR {
+        for i in 0..R {
             let ai = _mm512_set1_ps(*a.add(i));
             acc[2 * i] = _mm512_fmadd_ps(ai, b0, acc[2 * i]);
             acc[2 * i + 1] = _mm512_fmadd_ps(ai, b1, acc[2 * i + 1]);
@@ -434,14 +601,21 @@ unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usiz
         a = a.add(MR);
         b = b.add(NR);
     }
-    for i in 0..MR {
+    for i in 0..R {
         _mm512_storeu_ps(c.add(i * ldc), acc[2 * i]);
         _mm512_storeu_ps(c.add(i * ldc + 16), acc[2 * i + 1]);
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel(_: usize, _: *const f32, _: *const f32, _: *mut f32, _: usize, _: bool) {
+unsafe fn kernel<const R: usize>(
+    _: usize,
+    _: *const f32,
+    _: *const f32,
+    _: *mut f32,
+    _: usize,
+    _: bool,
+) {
     unreachable!("sgemm runs only where `available()` is true")
 }
 
@@ -526,6 +700,43 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn packed_b_gives_the_same_bits() {
+        if !available() {
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(8);
+        for &(m, n, k) in &[(1, 40, 300), (33, 1100, 70), (5, 32, 256), (130, 4, 600)] {
+            let av: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let wv: Vec<f32> = (0..n * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let a = Strided {
+                data: &av,
+                rs: k,
+                cs: 1,
+            };
+            // An nn.Linear weight [n, k] read as B = W^T.
+            let b = Strided {
+                data: &wv,
+                rs: 1,
+                cs: k,
+            };
+            let packed = PackedB::new(b, k, n).unwrap();
+            assert_eq!(packed.dims(), (k, n));
+            for accumulate in [false, true] {
+                let mut want = vec![0.5f32; m * n];
+                let mut got = want.clone();
+                sgemm(m, n, k, a, b, &mut want, n, accumulate, true).unwrap();
+                sgemm_packed(m, a, &packed, &mut got, n, accumulate, true).unwrap();
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "m {m} n {n} k {k}"
+                );
             }
         }
     }
