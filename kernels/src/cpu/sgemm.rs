@@ -410,13 +410,14 @@ unsafe fn pack<const W: usize>(
                 std::ptr::copy_nonoverlapping(src.add(p * ps), dst.add(p * W), lanes);
             }
         }
-    } else if ps == 1 && lanes.is_multiple_of(16) {
-        // A transpose (e.g. an `nn.Linear` weight read as B), 16 x 16 at a
-        // time in registers.
+    } else if ps == 1 {
+        // A transpose (an `nn.Linear` weight read as B, row-major
+        // activations read as A), up to 16 x 16 at a time in registers.
         let full = depth - depth % 16;
         for p0 in (0..full).step_by(16) {
             for x0 in (0..lanes).step_by(16) {
-                transpose16(src.add(x0 * xs + p0), xs, dst.add(p0 * W + x0), W);
+                let n = 16.min(lanes - x0);
+                transpose16(src.add(x0 * xs + p0), xs, dst.add(p0 * W + x0), W, n);
             }
         }
         for x in 0..lanes {
@@ -440,21 +441,23 @@ unsafe fn pack<const W: usize>(
     }
 }
 
-/// `dst[r * ds + c] = src[c * ss + r]` for r, c < 16: a 16 x 16 transpose
-/// through registers (pairs of rows interleaved by 32 bits, then 64 bits,
-/// then 128-bit lanes twice).
+/// `dst[r * ds + c] = src[c * ss + r]` for r < 16, c < n <= 16: a 16 x n
+/// transpose through registers (pairs of rows interleaved by 32 bits, then
+/// 64 bits, then 128-bit lanes twice); missing source rows read as zeros and
+/// only the first n values of each destination row are written.
 ///
 /// # Safety
-/// AVX-512F is present; the 16 source rows of 16 floats and the 16
-/// destination rows of 16 floats are in bounds.
+/// AVX-512F is present; the n source rows of 16 floats and the 16
+/// destination rows of n floats are in bounds.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn transpose16(src: *const f32, ss: usize, dst: *mut f32, ds: usize) {
+unsafe fn transpose16(src: *const f32, ss: usize, dst: *mut f32, ds: usize, n: usize) {
     use std::arch::x86_64::*;
     let mut r = [_mm512_setzero_ps(); 16];
-    for (i, row) in r.iter_mut().enumerate() {
+    for (i, row) in r.iter_mut().enumerate().take(n) {
         *row = _mm512_loadu_ps(src.add(i * ss));
     }
+    let mask: __mmask16 = if n >= 16 { 0xffff } else { (1u16 << n) - 1 };
     // t[2i], t[2i+1]: rows 2i, 2i+1 interleaved (columns 4L, 4L+1 / 4L+2, 4L+3
     // of each 128-bit lane L).
     let mut t = [_mm512_setzero_ps(); 16];
@@ -479,24 +482,31 @@ unsafe fn transpose16(src: *const f32, ss: usize, dst: *mut f32, ds: usize) {
         let y01 = _mm512_shuffle_f32x4::<0xdd>(u[o], u[4 + o]);
         let x23 = _mm512_shuffle_f32x4::<0x88>(u[8 + o], u[12 + o]);
         let y23 = _mm512_shuffle_f32x4::<0xdd>(u[8 + o], u[12 + o]);
-        _mm512_storeu_ps(dst.add(o * ds), _mm512_shuffle_f32x4::<0x88>(x01, x23));
-        _mm512_storeu_ps(
+        _mm512_mask_storeu_ps(
+            dst.add(o * ds),
+            mask,
+            _mm512_shuffle_f32x4::<0x88>(x01, x23),
+        );
+        _mm512_mask_storeu_ps(
             dst.add((8 + o) * ds),
+            mask,
             _mm512_shuffle_f32x4::<0xdd>(x01, x23),
         );
-        _mm512_storeu_ps(
+        _mm512_mask_storeu_ps(
             dst.add((4 + o) * ds),
+            mask,
             _mm512_shuffle_f32x4::<0x88>(y01, y23),
         );
-        _mm512_storeu_ps(
+        _mm512_mask_storeu_ps(
             dst.add((12 + o) * ds),
+            mask,
             _mm512_shuffle_f32x4::<0xdd>(y01, y23),
         );
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn transpose16(_: *const f32, _: usize, _: *mut f32, _: usize) {
+unsafe fn transpose16(_: *const f32, _: usize, _: *mut f32, _: usize, _: usize) {
     unreachable!("sgemm runs only where `available()` is true")
 }
 
