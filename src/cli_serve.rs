@@ -37,6 +37,11 @@ pub struct ServeArgs {
     /// Cache memory per replica in MiB (KV blocks and recurrent-state slots).
     #[arg(long, default_value_t = 256)]
     pub cache_memory: usize,
+    /// Size the caches instead as this fraction (0 < F <= 0.95) of the
+    /// memory available once the model is loaded, split evenly between the
+    /// replicas; overrides --cache-memory.
+    #[arg(long)]
+    pub cache_fraction: Option<f64>,
     /// Most sequences running at once per replica.
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
@@ -65,8 +70,20 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
     });
+    let cache_memory = match args.cache_fraction {
+        None => args.cache_memory << 20,
+        Some(f) => {
+            let meminfo = std::fs::read_to_string("/proc/meminfo")
+                .context("--cache-fraction reads the available memory from /proc/meminfo")?;
+            cache_from_fraction(f, &meminfo, args.replicas.max(1))?
+        }
+    };
+    eprintln!(
+        "arcticd serve: {} MiB of cache per replica",
+        cache_memory >> 20
+    );
     let config = EngineConfig {
-        cache_memory: args.cache_memory << 20,
+        cache_memory,
         max_num_seqs: args.max_num_seqs,
         max_batched_tokens: args.max_batched_tokens,
         max_model_len: args.max_model_len,
@@ -128,5 +145,42 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+    }
+}
+
+/// Cache bytes per replica for `--cache-fraction`: `fraction` of
+/// `MemAvailable` in `meminfo` (the text of /proc/meminfo), split between
+/// `replicas`.
+fn cache_from_fraction(fraction: f64, meminfo: &str, replicas: usize) -> Result<usize> {
+    if !(fraction > 0.0 && fraction <= 0.95) {
+        anyhow::bail!("--cache-fraction must be in (0, 0.95], got {fraction}");
+    }
+    let kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no MemAvailable line in /proc/meminfo")?;
+    let bytes = (kib as f64 * 1024.0 * fraction / replicas as f64) as usize;
+    if bytes < 1 << 20 {
+        anyhow::bail!("--cache-fraction {fraction} leaves under 1 MiB of cache per replica");
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cache_from_fraction;
+
+    #[test]
+    fn cache_fraction_of_available_memory() {
+        let meminfo =
+            "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   16777216 kB\n";
+        // 16 GiB available, half of it, two replicas: 4 GiB each.
+        assert_eq!(cache_from_fraction(0.5, meminfo, 2).unwrap(), 4 << 30);
+        assert!(cache_from_fraction(0.0, meminfo, 1).is_err());
+        assert!(cache_from_fraction(0.99, meminfo, 1).is_err());
+        assert!(cache_from_fraction(f64::NAN, meminfo, 1).is_err());
+        assert!(cache_from_fraction(0.5, "MemTotal: 1 kB\n", 1).is_err());
+        assert!(cache_from_fraction(1e-9, meminfo, 1).is_err());
     }
 }
