@@ -354,7 +354,8 @@ struct SamplingFields {
     seed: Option<u64>,
     ignore_eos: Option<bool>,
     stream: Option<bool>,
-    /// Return the prompt's and each choice's token ids.
+    /// Return the prompt's and each choice's token ids, and the weight
+    /// version that produced each generated token.
     return_token_ids: Option<bool>,
 }
 
@@ -593,6 +594,7 @@ async fn completions(State(s): State<AppState>, body: Bytes) -> AppResult<Respon
             });
             if return_ids {
                 choice["token_ids"] = json!(c.tokens);
+                choice["weight_versions"] = json!(c.weight_versions);
                 choice["prompt_token_ids"] = json!(prompt);
             }
             all_choices.push(choice);
@@ -940,6 +942,7 @@ async fn chat_completions(State(s): State<AppState>, body: Bytes) -> AppResult<R
         });
         if return_ids {
             choice["token_ids"] = json!(c.tokens);
+            choice["weight_versions"] = json!(c.weight_versions);
         }
         out.push(choice);
     }
@@ -1316,6 +1319,7 @@ mod tests {
         assert_eq!(st, StatusCode::OK, "{v}");
         let c = &v["choices"][0];
         assert_eq!(c["token_ids"].as_array().unwrap().len(), 4);
+        assert_eq!(c["weight_versions"], json!([0, 0, 0, 0]));
         assert_eq!(c["prompt_token_ids"], json!([11, 12, 13, 14]));
         assert_eq!(c["logprobs"]["token_logprobs"].as_array().unwrap().len(), 4);
         assert_eq!(c["finish_reason"], "length");
