@@ -29,14 +29,20 @@ pub fn log_softmax_forward(out: &mut [f32], logits: &[f32], n: usize, v: usize) 
     if v == 0 {
         return Ok(());
     }
-    out.par_chunks_mut(v)
-        .zip(logits.par_chunks(v))
-        .for_each(|(o, x)| {
-            let lse = logsumexp(x);
-            for (a, b) in o.iter_mut().zip(x) {
-                *a = b - lse;
-            }
-        });
+    let row = |(o, x): (&mut [f32], &[f32])| {
+        let lse = logsumexp(x);
+        for (a, b) in o.iter_mut().zip(x) {
+            *a = b - lse;
+        }
+    };
+    if n == 1 {
+        // One row (a sampler's): not worth handing to the thread pool.
+        row((out, logits));
+    } else {
+        out.par_chunks_mut(v)
+            .zip(logits.par_chunks(v))
+            .for_each(row);
+    }
     Ok(())
 }
 
