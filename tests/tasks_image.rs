@@ -24,52 +24,15 @@ use arcticd_sandbox::tasks::{toy, write_tasks, Task};
 use arcticd_sandbox::{Backend, ExecRequest, Policy};
 use arcticd_trainer::harness::format::render_call;
 use arcticd_trainer::harness::{Harness, RolloutConfig, ScriptedPolicy, Termination};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 /// Words only the image's git history holds; never visible to the agent.
 const SECRET: &str = "history-only-secret-4711";
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Result<Self> {
-        let p = std::env::temp_dir().join(format!("arcticd-image-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p)?;
-        Ok(TempDir(p))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn base_image() -> Result<bool, String> {
-    static BUILT: OnceLock<Result<bool, String>> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let rt = arcticd_sandbox::runtime().map_err(|e| e.to_string())?;
-            rt.block_on(async {
-                let docker_ok = DockerBackend::new().await.is_ok();
-                image::build_base_image(image::DEFAULT_TAG, docker_ok, false)
-                    .await
-                    .map(|_| docker_ok)
-                    .map_err(|e| e.to_string())
-            })
-        })
-        .clone()
-}
-
-fn skip(what: &str, why: &str) {
-    if std::env::var_os("CI").is_some() {
-        panic!("{what} backend unavailable in CI: {why}");
-    }
-    eprintln!("SKIPPED: {what} sandbox backend unavailable: {why}");
-}
+mod common;
+use common::{base_image, skip, TempDir};
 
 fn run(cmd: &mut Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;

@@ -10,53 +10,13 @@
 
 use anyhow::{ensure, Result};
 use arcticd_sandbox::docker::DockerBackend;
-use arcticd_sandbox::image;
 use arcticd_sandbox::local::LocalBackend;
 use arcticd_sandbox::tasks::{audit, toy, validate, Task};
 use arcticd_sandbox::{Backend, Policy};
-use std::path::PathBuf;
 use std::process::Command;
-use std::sync::OnceLock;
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Result<Self> {
-        let p = std::env::temp_dir().join(format!("arcticd-tasks-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p)?;
-        Ok(TempDir(p))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn base_image() -> Result<bool, String> {
-    static BUILT: OnceLock<Result<bool, String>> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let rt = arcticd_sandbox::runtime().map_err(|e| e.to_string())?;
-            rt.block_on(async {
-                let docker_ok = DockerBackend::new().await.is_ok();
-                image::build_base_image(image::DEFAULT_TAG, docker_ok, false)
-                    .await
-                    .map(|_| docker_ok)
-                    .map_err(|e| e.to_string())
-            })
-        })
-        .clone()
-}
-
-fn skip(what: &str, why: &str) {
-    if std::env::var_os("CI").is_some() {
-        panic!("{what} backend unavailable in CI: {why}");
-    }
-    eprintln!("SKIPPED: {what} sandbox backend unavailable: {why}");
-}
+mod common;
+use common::{base_image, skip, TempDir};
 
 /// Whether the backend can run here (builds the base image first; call
 /// outside any runtime), reporting when not.

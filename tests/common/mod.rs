@@ -1,0 +1,54 @@
+//! Setup shared by the integration tests that run tasks in sandboxes: a
+//! temporary folder, the sandbox base image (built once per test binary),
+//! and the skip rule (a missing backend fails under CI, is skipped
+//! elsewhere).
+
+#![allow(dead_code)]
+
+use arcticd_sandbox::docker::DockerBackend;
+use arcticd_sandbox::image;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// A folder removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> anyhow::Result<Self> {
+        let p = std::env::temp_dir().join(format!("arcticd-test-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p)?;
+        Ok(TempDir(p))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Builds the base image once; whether Docker is reachable, or why not.
+pub fn base_image() -> Result<bool, String> {
+    static BUILT: OnceLock<Result<bool, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let rt = arcticd_sandbox::runtime().map_err(|e| e.to_string())?;
+            rt.block_on(async {
+                let docker_ok = DockerBackend::new().await.is_ok();
+                image::build_base_image(image::DEFAULT_TAG, docker_ok, false)
+                    .await
+                    .map(|_| docker_ok)
+                    .map_err(|e| e.to_string())
+            })
+        })
+        .clone()
+}
+
+/// A backend is unavailable: fail under CI, skip elsewhere.
+pub fn skip(what: &str, why: &str) {
+    if std::env::var_os("CI").is_some() {
+        panic!("{what} backend unavailable in CI: {why}");
+    }
+    eprintln!("SKIPPED: {what} sandbox backend unavailable: {why}");
+}
