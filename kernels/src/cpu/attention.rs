@@ -80,42 +80,134 @@ pub fn attention_forward(
         attention_blocked(out, q, k, v, dims, scale);
         return Ok(());
     }
-    let group = n_heads / n_kv_heads;
     let row_len = n_heads * hd;
-    let kv_row = n_kv_heads * hd;
     out.par_chunks_mut(row_len).enumerate().for_each_init(
         || vec![0.0f32; nk],
         |scores, (i, o)| {
-            let last = nk - nq + i; // inclusive
-            for h in 0..n_heads {
-                let kvh = h / group;
-                let qh = &q[i * row_len + h * hd..i * row_len + (h + 1) * hd];
-                let mut max = f32::NEG_INFINITY;
-                for (j, s) in scores.iter_mut().enumerate().take(last + 1) {
-                    let kj = &k[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
-                    let dot: f32 = qh.iter().zip(kj).map(|(a, b)| a * b).sum();
-                    *s = dot * scale;
-                    max = max.max(*s);
-                }
-                let mut sum = 0.0f32;
-                for s in scores.iter_mut().take(last + 1) {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let inv = 1.0 / sum;
-                let oh = &mut o[h * hd..(h + 1) * hd];
-                oh.fill(0.0);
-                for (j, s) in scores.iter().enumerate().take(last + 1) {
-                    let p = s * inv;
-                    let vj = &v[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
-                    for (a, b) in oh.iter_mut().zip(vj) {
-                        *a += p * b;
-                    }
-                }
-            }
+            let q_row = &q[i * row_len..(i + 1) * row_len];
+            // Keys 0..=last, the row's own position included.
+            let live = nk - nq + i + 1;
+            attend_row(o, q_row, k, v, &mut scores[..live], dims, scale);
         },
     );
     Ok(())
+}
+
+/// One query row, all heads, over the keys `0..scores.len()`: scores in
+/// [`DOT_LANES`] split sums, [`softmax_in_place`], then the weighted sum of
+/// values. The loops vectorise; where the CPU has AVX-512 (or AVX2) they run
+/// from a copy compiled for it.
+fn attend_row(
+    o: &mut [f32],
+    q_row: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scores: &mut [f32],
+    dims: AttnDims,
+    scale: f32,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU supports AVX-512F, checked just above.
+        return unsafe { attend_row_avx512(o, q_row, k, v, scores, dims, scale) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        return unsafe { attend_row_avx2(o, q_row, k, v, scores, dims, scale) };
+    }
+    attend_row_body(o, q_row, k, v, scores, dims, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn attend_row_avx512(
+    o: &mut [f32],
+    q_row: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scores: &mut [f32],
+    dims: AttnDims,
+    scale: f32,
+) {
+    attend_row_body(o, q_row, k, v, scores, dims, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn attend_row_avx2(
+    o: &mut [f32],
+    q_row: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scores: &mut [f32],
+    dims: AttnDims,
+    scale: f32,
+) {
+    attend_row_body(o, q_row, k, v, scores, dims, scale)
+}
+
+#[inline(always)]
+fn attend_row_body(
+    o: &mut [f32],
+    q_row: &[f32],
+    k: &[f32],
+    v: &[f32],
+    scores: &mut [f32],
+    dims: AttnDims,
+    scale: f32,
+) {
+    let (hd, n_heads) = (dims.head_dim, dims.n_heads);
+    let group = n_heads / dims.n_kv_heads;
+    let kv_row = dims.n_kv_heads * hd;
+    for h in 0..n_heads {
+        let kvh = h / group;
+        let qh = &q_row[h * hd..(h + 1) * hd];
+        for (j, s) in scores.iter_mut().enumerate() {
+            let kj = &k[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
+            *s = dot_split(qh, kj) * scale;
+        }
+        softmax_body(scores);
+        let oh = &mut o[h * hd..(h + 1) * hd];
+        oh.fill(0.0);
+        for (j, &p) in scores.iter().enumerate() {
+            let vj = &v[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
+            for (a, b) in oh.iter_mut().zip(vj) {
+                *a += p * b;
+            }
+        }
+    }
+}
+
+/// Partial sums of [`dot_split`]: one AVX-512 register.
+const DOT_LANES: usize = 16;
+
+/// `sum_i a_i b_i` in [`DOT_LANES`] interleaved partials, so it vectorises.
+#[inline(always)]
+fn dot_split(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let full = n - n % DOT_LANES;
+    let mut acc = [0.0f32; DOT_LANES];
+    for (x, y) in a[..full]
+        .chunks_exact(DOT_LANES)
+        .zip(b[..full].chunks_exact(DOT_LANES))
+    {
+        for l in 0..DOT_LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut half = DOT_LANES / 2;
+    while half > 0 {
+        for l in 0..half {
+            acc[l] += acc[l + half];
+        }
+        half /= 2;
+    }
+    let mut sum = acc[0];
+    for i in full..n {
+        sum += a[i] * b[i];
+    }
+    sum
 }
 
 /// Prefill attention as matrix products. Query rows are cut into blocks of

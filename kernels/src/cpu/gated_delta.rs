@@ -264,10 +264,35 @@ fn recurrent_head(
     h: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU supports AVX-512F, checked just above.
+        return unsafe { recurrent_head_avx512(out_h, s, q, k, v, g, beta, layout, h) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
         return unsafe { recurrent_head_avx2(out_h, s, q, k, v, g, beta, layout, h) };
     }
+    recurrent_head_body(out_h, s, q, k, v, g, beta, layout, h)
+}
+
+/// [`recurrent_head_body`] for AVX-512: a [`TILE`] of columns is one
+/// register. No multiply-add is contracted (Rust never fuses them), so the
+/// bits are those of the other copies.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn recurrent_head_avx512(
+    out_h: &mut [f32],
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    layout: &Layout,
+    h: usize,
+) {
     recurrent_head_body(out_h, s, q, k, v, g, beta, layout, h)
 }
 
