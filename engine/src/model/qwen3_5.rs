@@ -100,15 +100,84 @@ impl Linear {
 /// address; built by [`Qwen3_5::pack_linears`] and valid only until the
 /// weights change (the engine rebuilds it on a new weight version). Empty
 /// where the packed product does not run (no AVX-512).
+///
+/// Linears that read the same input (a linear layer's four input
+/// projections, an attention layer's q, k and v, the MLP's gate and up) are
+/// also packed side by side as one matrix, so a step multiplies the input
+/// once for all of them ([`project`]). Each output column is still the same
+/// sequential sum over the input, so the bits do not change.
 #[derive(Debug, Default)]
-pub struct LinearPacks(HashMap<usize, PackedB>);
+pub struct LinearPacks {
+    single: HashMap<usize, PackedB>,
+    /// Keyed by the first member's weight address; the members' widths.
+    fused: HashMap<usize, (PackedB, Vec<usize>)>,
+}
 
 impl LinearPacks {
     fn get(&self, weight: &[f32]) -> Option<&PackedB> {
-        self.0
+        self.single
             .get(&(weight.as_ptr() as usize))
             .filter(|p| p.dims().0 * p.dims().1 == weight.len())
     }
+
+    /// The side-by-side pack of `group`, when there is one for exactly
+    /// these widths.
+    fn get_fused(&self, group: &[&Linear]) -> Option<&PackedB> {
+        let first = group.first()?.weight.as_f32().ok()?;
+        let (p, widths) = self.fused.get(&(first.as_ptr() as usize))?;
+        let same = widths.len() == group.len()
+            && widths.iter().zip(group).all(|(w, l)| *w == l.out_features);
+        same.then_some(p)
+    }
+
+    /// Packs `group` side by side (biasless linears over one input width).
+    fn add_fused(&mut self, group: &[&Linear]) -> Result<()> {
+        let c = group[0].in_features;
+        if group.iter().any(|l| l.bias.is_some() || l.in_features != c) {
+            return Ok(());
+        }
+        let mut joined = Vec::new();
+        for l in group {
+            joined.extend_from_slice(l.weight.as_f32()?);
+        }
+        let widths: Vec<usize> = group.iter().map(|l| l.out_features).collect();
+        if let Some(p) = pack_linear(&joined, c, widths.iter().sum())? {
+            let key = group[0].weight.as_f32()?.as_ptr() as usize;
+            self.fused.insert(key, (p, widths));
+        }
+        Ok(())
+    }
+}
+
+/// `[l.forward(inp) for l in group]`, in one product when `packs` holds the
+/// group side by side.
+fn project(
+    group: &[&Linear],
+    inp: &[f32],
+    n: usize,
+    packs: Option<&LinearPacks>,
+) -> Result<Vec<Vec<f32>>> {
+    let Some(p) = packs.and_then(|p| p.get_fused(group)) else {
+        return group
+            .iter()
+            .map(|l| l.forward_with(inp, n, packs))
+            .collect();
+    };
+    let total = p.dims().1;
+    let mut joined = vec![0.0f32; n * total];
+    matmul_forward_packed(&mut joined, inp, p, None, n)?;
+    let mut outs: Vec<Vec<f32>> = group
+        .iter()
+        .map(|l| Vec::with_capacity(n * l.out_features))
+        .collect();
+    for row in joined.chunks_exact(total) {
+        let mut at = 0;
+        for (o, l) in outs.iter_mut().zip(group) {
+            o.extend_from_slice(&row[at..at + l.out_features]);
+            at += l.out_features;
+        }
+    }
+    Ok(outs)
 }
 
 /// `buf` cut into one piece of `n * row` floats per span `(start, n, _)`;
@@ -152,6 +221,18 @@ pub struct LinearAttention {
     pub out_proj: Linear,
 }
 
+impl LinearAttention {
+    /// The projections of the layer input, in the order [`project`] returns them.
+    fn input_projections(&self) -> [&Linear; 4] {
+        [
+            &self.in_proj_qkv,
+            &self.in_proj_z,
+            &self.in_proj_b,
+            &self.in_proj_a,
+        ]
+    }
+}
+
 /// Gated full-attention mixer weights.
 #[derive(Debug, Clone)]
 pub struct FullAttention {
@@ -162,6 +243,13 @@ pub struct FullAttention {
     pub o_proj: Linear,
     pub q_norm: Tensor,
     pub k_norm: Tensor,
+}
+
+impl FullAttention {
+    /// The projections of the layer input, in the order [`project`] returns them.
+    fn input_projections(&self) -> [&Linear; 3] {
+        [&self.q_proj, &self.k_proj, &self.v_proj]
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -374,8 +462,10 @@ impl Qwen3_5 {
                 *a += b;
             }
             let xn = rmsnorm(&x, &layer.post_attention_layernorm, h, c.rms_norm_eps)?;
-            let gate = layer.gate_proj.forward_with(&xn, t, packs)?;
-            let up = layer.up_proj.forward_with(&xn, t, packs)?;
+            let [gate, up]: [Vec<f32>; 2] =
+                project(&[&layer.gate_proj, &layer.up_proj], &xn, t, packs)?
+                    .try_into()
+                    .expect("two projections");
             let mut act = vec![0.0f32; gate.len()];
             silu_mul_forward(&mut act, &gate, &up, t, c.intermediate_size)?;
             let mlp = layer.down_proj.forward_with(&act, t, packs)?;
@@ -408,10 +498,9 @@ impl Qwen3_5 {
         );
         let conv_dim = c.linear_conv_dim();
         let kc = c.conv_kernel;
-        let qkv = la.in_proj_qkv.forward_with(xn, t, packs)?;
-        let z = la.in_proj_z.forward_with(xn, t, packs)?;
-        let b = la.in_proj_b.forward_with(xn, t, packs)?;
-        let a = la.in_proj_a.forward_with(xn, t, packs)?;
+        let [qkv, z, b, a]: [Vec<f32>; 4] = project(&la.input_projections(), xn, t, packs)?
+            .try_into()
+            .expect("four projections");
 
         // Causal conv per sequence, continuing from each sequence's conv state.
         let mut conv = vec![0.0f32; t * conv_dim];
@@ -523,7 +612,9 @@ impl Qwen3_5 {
         let c = &self.config;
         let t = xn.len() / c.hidden_size;
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let qg = fa.q_proj.forward_with(xn, t, packs)?;
+        let [qg, k_raw, v]: [Vec<f32>; 3] = project(&fa.input_projections(), xn, t, packs)?
+            .try_into()
+            .expect("three projections");
         // Per head: head_dim query values, then head_dim gate values.
         let mut q_raw = Vec::with_capacity(t * nh * hd);
         let mut gate = Vec::with_capacity(t * nh * hd);
@@ -531,8 +622,6 @@ impl Qwen3_5 {
             q_raw.extend_from_slice(&head[..hd]);
             gate.extend_from_slice(&head[hd..]);
         }
-        let k_raw = fa.k_proj.forward_with(xn, t, packs)?;
-        let v = fa.v_proj.forward_with(xn, t, packs)?;
         let mut q = rmsnorm(&q_raw, &fa.q_norm, hd, c.rms_norm_eps)?;
         let mut k = rmsnorm(&k_raw, &fa.k_norm, hd, c.rms_norm_eps)?;
         rope_forward(&mut q, positions, nh, hd, c.rotary_dim, c.rope_theta)?;
@@ -720,7 +809,7 @@ impl Qwen3_5 {
     /// Every two-dimensional parameter (linear weights, embeddings / output
     /// head) packed for the matrix product; see [`LinearPacks`].
     pub fn pack_linears(&self) -> Result<LinearPacks> {
-        let mut packs = HashMap::new();
+        let mut packs = LinearPacks::default();
         let head = self.lm_head_weight().as_f32()?.as_ptr();
         for (_, t) in self.named_params() {
             // The embedding table is looked up, not multiplied, unless it
@@ -731,12 +820,19 @@ impl Qwen3_5 {
             if let [rows, cols] = *t.shape() {
                 let w = t.as_f32()?;
                 match pack_linear(w, cols, rows)? {
-                    Some(p) => packs.insert(w.as_ptr() as usize, p),
+                    Some(p) => packs.single.insert(w.as_ptr() as usize, p),
                     None => return Ok(LinearPacks::default()),
                 };
             }
         }
-        Ok(LinearPacks(packs))
+        for layer in &self.layers {
+            match &layer.mixer {
+                Mixer::Linear(la) => packs.add_fused(&la.input_projections())?,
+                Mixer::Full(fa) => packs.add_fused(&fa.input_projections())?,
+            }
+            packs.add_fused(&[&layer.gate_proj, &layer.up_proj])?;
+        }
+        Ok(packs)
     }
 
     pub fn named_params(&self) -> Vec<(String, &Tensor)> {
@@ -751,5 +847,59 @@ impl Qwen3_5 {
         let mut out: Vec<(String, &mut Tensor)> = Vec::new();
         walk_params!(self, out, mut);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::init::{init_model, TINY};
+
+    /// Packed weights, single and side by side, give the unpacked bits, in
+    /// a prefill of two sequences and in the decode step after it.
+    #[test]
+    fn packed_weights_give_the_same_bits() {
+        let dir = std::env::temp_dir().join(format!("arcticd-packs-{}", std::process::id()));
+        init_model(TINY, &dir, 3).unwrap();
+        let model = Qwen3_5::load(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        let packs = model.pack_linears().unwrap();
+        let mut runs = Vec::new();
+        for p in [None, Some(&packs)] {
+            let mut caches = [model.new_cache(), model.new_cache()];
+            let [c0, c1] = &mut caches;
+            let mut out = Vec::new();
+            let prompts: [Vec<u32>; 2] = [(1..20).collect(), (30..36).collect()];
+            let mut batch = [
+                SeqInput {
+                    tokens: &prompts[0],
+                    cache: c0,
+                },
+                SeqInput {
+                    tokens: &prompts[1],
+                    cache: c1,
+                },
+            ];
+            let hidden = model.forward_with(&mut batch, p).unwrap();
+            out.extend(model.logits_with(&hidden, p).unwrap());
+            let [c0, c1] = &mut caches;
+            let mut batch = [
+                SeqInput {
+                    tokens: &[7],
+                    cache: c0,
+                },
+                SeqInput {
+                    tokens: &[9],
+                    cache: c1,
+                },
+            ];
+            let hidden = model.forward_with(&mut batch, p).unwrap();
+            out.extend(model.logits_with(&hidden, p).unwrap());
+            runs.push(out.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
+        }
+        if arcticd_kernels::cpu::sgemm::available() {
+            assert!(!packs.fused.is_empty() && !packs.single.is_empty());
+        }
+        assert_eq!(runs[0], runs[1]);
     }
 }
