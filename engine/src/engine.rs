@@ -23,10 +23,11 @@
 use crate::kv_cache::PagedKvCache;
 use crate::model::{LinearPacks, Qwen3_5, SeqCache, SeqInput};
 use crate::params::ParamStore;
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::{Sampled, Sampler, SamplingParams};
 use crate::scheduler::{Limits, Scheduled, Scheduler, Sequence};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -716,9 +717,35 @@ impl EngineLoop {
                 }
             }
         }
-        for (r, i) in targets {
+        // Each target is a different sequence with its own sampler, so the
+        // rows are sampled in parallel; what each draws does not depend on
+        // the others.
+        let samples: Vec<Result<Sampled>> = {
+            let mut samplers: Vec<Option<&mut Sampler>> = self
+                .scheduler
+                .running
+                .iter_mut()
+                .map(|s| Some(&mut s.sampler))
+                .collect();
+            let jobs: Vec<(usize, Option<&mut Sampler>)> = targets
+                .iter()
+                .map(|&(r, i)| (r, samplers[i].take()))
+                .collect();
+            let logits = &logits;
+            rayon::scope(|_| {
+                jobs.into_par_iter()
+                    .map(|(r, s)| match s {
+                        Some(s) => s.sample(&logits[r * vocab..(r + 1) * vocab]),
+                        None => Err(Error::Input(
+                            "a sequence was sampled twice in one step".into(),
+                        )),
+                    })
+                    .collect()
+            })
+        };
+        for ((_, i), sampled) in targets.into_iter().zip(samples) {
             let seq = &mut self.scheduler.running[i];
-            let sampled = match seq.sampler.sample(&logits[r * vocab..(r + 1) * vocab]) {
+            let sampled = match sampled {
                 Ok(s) => s,
                 Err(e) => {
                     hung_up.push(seq.request);

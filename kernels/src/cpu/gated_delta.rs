@@ -346,31 +346,97 @@ fn recurrent_head_body(
     // cur: S^T k_t, then delta_t in place; next: S^T k_{t+1}.
     let (mut cur, mut next) = scratch.split_at_mut(dv);
 
-    let k0 = layout.key_row(k, 0, h);
-    cur.fill(0.0);
-    for (ki, s_i) in k0.iter().zip(s.chunks_exact(dv)) {
-        for (c, x) in cur.iter_mut().zip(s_i) {
-            *c += ki * x;
-        }
-    }
     for ti in 0..t {
         let kt = layout.key_row(k, ti, h);
         let qt = layout.key_row(q, ti, h);
         let vt = layout.value_row(v, ti, h);
         let decay = layout.head_scalar(g, ti, h).exp();
         let b = layout.head_scalar(beta, ti, h);
-        // delta = beta (v - (exp(g) S_old)^T k)
-        for (d, vj) in cur.iter_mut().zip(vt) {
-            *d = b * (vj - decay * *d);
-        }
         let o = &mut out_h[ti * dv..(ti + 1) * dv];
-        if ti + 1 < t {
-            let kn = layout.key_row(k, ti + 1, h);
-            fused_pass::<true>(s, kt, qt, kn, decay, cur, o, next);
+        let kn = layout.key_row(k, (ti + 1).min(t - 1), h);
+        if ti == 0 {
+            // The first token's S^T k is taken tile by tile inside the pass,
+            // so each tile of S is read from memory once (a decode step is
+            // this pass alone).
+            if t > 1 {
+                first_pass::<true>(s, kt, qt, kn, vt, decay, b, o, next);
+            } else {
+                first_pass::<false>(s, kt, qt, kn, vt, decay, b, o, next);
+            }
         } else {
-            fused_pass::<false>(s, kt, qt, kt, decay, cur, o, next);
+            // delta = beta (v - (exp(g) S_old)^T k)
+            for (d, vj) in cur.iter_mut().zip(vt) {
+                *d = b * (vj - decay * *d);
+            }
+            if ti + 1 < t {
+                fused_pass::<true>(s, kt, qt, kn, decay, cur, o, next);
+            } else {
+                fused_pass::<false>(s, kt, qt, kn, decay, cur, o, next);
+            }
         }
         std::mem::swap(&mut cur, &mut next);
+    }
+}
+
+/// [`fused_pass`] for a call's first token, whose `S^T k` is not known yet:
+/// per tile of columns, first `S^T k` over the tile's rows (in order, so the
+/// same sums as a separate pass), then `delta` and the tile's update. The
+/// tile stays in L1 between the two, so `S` is read once instead of twice.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn first_pass<const NEXT: bool>(
+    s: &mut [f32],
+    kt: &[f32],
+    qt: &[f32],
+    kn: &[f32],
+    vt: &[f32],
+    decay: f32,
+    b: f32,
+    o: &mut [f32],
+    next: &mut [f32],
+) {
+    let dv = vt.len();
+    let full = dv - dv % TILE;
+    let delta_of = |cur: f32, vj: f32| b * (vj - decay * cur);
+    for j0 in (0..full).step_by(TILE) {
+        let mut d = [0.0f32; TILE];
+        for (ki, s_i) in kt.iter().zip(s.chunks_exact(dv)) {
+            for j in 0..TILE {
+                d[j] += ki * s_i[j0 + j];
+            }
+        }
+        for j in 0..TILE {
+            d[j] = delta_of(d[j], vt[j0 + j]);
+        }
+        let mut oa = [0.0f32; TILE];
+        let mut na = [0.0f32; TILE];
+        for (((ki, qi), kni), s_i) in kt.iter().zip(qt).zip(kn).zip(s.chunks_exact_mut(dv)) {
+            let x = &mut s_i[j0..j0 + TILE];
+            for j in 0..TILE {
+                let y = decay * x[j] + ki * d[j];
+                x[j] = y;
+                oa[j] += qi * y;
+                if NEXT {
+                    na[j] += kni * y;
+                }
+            }
+        }
+        o[j0..j0 + TILE].copy_from_slice(&oa);
+        if NEXT {
+            next[j0..j0 + TILE].copy_from_slice(&na);
+        }
+    }
+    if full < dv {
+        let mut d = vec![0.0f32; dv - full];
+        for (ki, s_i) in kt.iter().zip(s.chunks_exact(dv)) {
+            for (dj, x) in d.iter_mut().zip(&s_i[full..]) {
+                *dj += ki * x;
+            }
+        }
+        for (dj, vj) in d.iter_mut().zip(&vt[full..]) {
+            *dj = delta_of(*dj, *vj);
+        }
+        fused_columns::<NEXT>(s, kt, qt, kn, decay, &d, full, o, next);
     }
 }
 
@@ -418,7 +484,29 @@ fn fused_pass<const NEXT: bool>(
         }
     }
     if full < dv {
-        let (o, next, delta) = (&mut o[full..], &mut next[full..], &delta[full..]);
+        fused_columns::<NEXT>(s, kt, qt, kn, decay, &delta[full..], full, o, next);
+    }
+}
+
+/// [`fused_pass`] over the columns `from..` of `S` (`delta` holds theirs),
+/// one row at a time: the ragged edge past the last full tile.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn fused_columns<const NEXT: bool>(
+    s: &mut [f32],
+    kt: &[f32],
+    qt: &[f32],
+    kn: &[f32],
+    decay: f32,
+    delta: &[f32],
+    from: usize,
+    o: &mut [f32],
+    next: &mut [f32],
+) {
+    let dv = from + delta.len();
+    let full = from;
+    {
+        let (o, next) = (&mut o[full..], &mut next[full..]);
         o.fill(0.0);
         next.fill(0.0);
         for (((ki, qi), kni), s_i) in kt.iter().zip(qt).zip(kn).zip(s.chunks_exact_mut(dv)) {
@@ -1346,6 +1434,45 @@ mod tests {
     /// Two halves with the state carried between them equal one run over the
     /// whole sequence, for both forms (and mixing them: chunked prefill, then
     /// recurrent decode).
+    /// Decoding token by token gives the bits of one call over all the
+    /// tokens (the engine's prefix cache and prefill/decode agreement rely
+    /// on it), with full tiles and a ragged edge, one head and many.
+    #[test]
+    fn decode_steps_are_bit_identical_to_one_call() {
+        for (nv, dv) in [(4, 2 * TILE + 3), (1, TILE), (2, 5)] {
+            let d = |t| GatedDeltaDims {
+                t,
+                nk: 1,
+                nv,
+                dk: 24,
+                dv,
+            };
+            let t = 9;
+            let inp = random_inputs(d(t), 7);
+            let (want_out, want_state) = run(&inp, d(t), None);
+            let mut state = inp.state.clone();
+            let mut out = Vec::new();
+            for ti in 0..t {
+                let step = Inputs {
+                    q: inp.q[ti * 24..(ti + 1) * 24].to_vec(),
+                    k: inp.k[ti * 24..(ti + 1) * 24].to_vec(),
+                    v: inp.v[ti * nv * dv..(ti + 1) * nv * dv].to_vec(),
+                    g: inp.g[ti * nv..(ti + 1) * nv].to_vec(),
+                    beta: inp.beta[ti * nv..(ti + 1) * nv].to_vec(),
+                    state,
+                };
+                let (o, s) = run(&step, d(1), None);
+                out.extend(o);
+                state = s;
+            }
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(bits(&out), bits(&want_out), "dv {dv}");
+            assert_eq!(bits(&state), bits(&want_state), "dv {dv}");
+            let (naive_out, _) = naive(&inp, d(t));
+            assert!(max_abs_diff(&out, &naive_out) <= 1e-5);
+        }
+    }
+
     #[test]
     fn state_carries_across_calls() {
         let t = 130;
