@@ -651,8 +651,27 @@ impl EngineLoop {
             // inside the pool instead of each handing its work over to it
             // and sleeping until it is done (two context switches per loop,
             // most of a decode step's time before this).
+            //
+            // The batch is cut into one run of sequences per thread, about
+            // equal in tokens, and each thread runs the whole model on its
+            // run: a decode step then synchronises once instead of in every
+            // kernel. The kernels' own loops still share out work a busy
+            // thread has not started. A row's arithmetic does not depend on
+            // the rows beside it (every kernel is batch-invariant), so the
+            // bits are those of one call over the whole batch.
             let (m, packs): (&Qwen3_5, &LinearPacks) = (&model, &self.packs);
-            rayon::scope(|_| m.forward_with(&mut batch, Some(packs)))
+            let runs = split_by_tokens(&mut batch, rayon::current_num_threads());
+            rayon::scope(|_| {
+                let outs: Vec<Result<Vec<f32>>> = runs
+                    .into_par_iter()
+                    .map(|run| m.forward_with(run, Some(packs)))
+                    .collect();
+                outs.into_iter()
+                    .try_fold(Vec::new(), |mut all, out| -> Result<Vec<f32>> {
+                        all.extend_from_slice(&out?);
+                        Ok(all)
+                    })
+            })
         };
         for (j, item) in plan.iter().enumerate() {
             let seq = &sched.running[item.seq];
@@ -846,5 +865,105 @@ impl EngineLoop {
             }
             self.drop_request(id);
         }
+    }
+}
+
+/// `batch` cut into at most `parts` consecutive runs of sequences with about
+/// the same number of tokens each (fewer runs when there are fewer
+/// sequences; never an empty run).
+fn split_by_tokens<'a, 'b>(
+    batch: &'a mut [SeqInput<'b>],
+    parts: usize,
+) -> Vec<&'a mut [SeqInput<'b>]> {
+    let total: usize = batch.iter().map(|s| s.tokens.len()).sum();
+    let parts = parts.clamp(1, batch.len().max(1));
+    let mut runs = Vec::with_capacity(parts);
+    let mut rest = batch;
+    let mut done = 0;
+    for p in 1..parts {
+        // End this run where the running total first reaches p/parts of
+        // all tokens, leaving at least one sequence for each later run.
+        let goal = total * p / parts;
+        let mut acc = done;
+        let mut cut = 0;
+        while cut < rest.len() && (cut == 0 || acc < goal) {
+            acc += rest[cut].tokens.len();
+            cut += 1;
+        }
+        let cut = cut.min(rest.len() - (parts - p)).max(1);
+        done += rest[..cut].iter().map(|s| s.tokens.len()).sum::<usize>();
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(cut);
+        runs.push(head);
+        rest = tail;
+    }
+    if !rest.is_empty() {
+        runs.push(rest);
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn empty_cache() -> SeqCache {
+        SeqCache {
+            conv_state: Vec::new(),
+            recurrent_state: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+            len: 0,
+        }
+    }
+
+    #[test]
+    fn runs_cover_the_batch_in_order_with_balanced_tokens() {
+        let cases: [(&[usize], usize); 6] = [
+            (&[1; 32], 2),
+            (&[1; 3], 8),
+            (&[512, 1, 1, 1], 2),
+            (&[1, 1, 1, 512], 2),
+            (&[5, 9, 2, 7, 7, 1, 30], 3),
+            (&[4], 1),
+        ];
+        for (lens, parts) in cases {
+            let tokens: Vec<Vec<u32>> = lens.iter().map(|&n| vec![0; n]).collect();
+            let mut caches: Vec<SeqCache> = lens.iter().map(|_| empty_cache()).collect();
+            let mut batch: Vec<SeqInput<'_>> = tokens
+                .iter()
+                .zip(caches.iter_mut())
+                .map(|(t, cache)| SeqInput { tokens: t, cache })
+                .collect();
+            let runs = split_by_tokens(&mut batch, parts);
+            assert!(!runs.is_empty() && runs.len() <= parts, "{lens:?}");
+            assert!(runs.iter().all(|r| !r.is_empty()), "{lens:?}");
+            let seen: Vec<usize> = runs
+                .iter()
+                .flat_map(|r| r.iter().map(|s| s.tokens.len()))
+                .collect();
+            assert_eq!(seen, lens, "runs keep every sequence, in order");
+            let total: usize = lens.iter().sum();
+            let longest = *lens.iter().max().unwrap();
+            for r in &runs {
+                let n: usize = r.iter().map(|s| s.tokens.len()).sum();
+                assert!(
+                    n <= total.div_ceil(parts) + longest,
+                    "{lens:?}: a run of {n}"
+                );
+            }
+        }
+        // Equal decode rows split evenly.
+        let tokens = vec![vec![0u32]; 32];
+        let mut caches: Vec<SeqCache> = (0..32).map(|_| empty_cache()).collect();
+        let mut batch: Vec<SeqInput<'_>> = tokens
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(t, cache)| SeqInput { tokens: t, cache })
+            .collect();
+        let sizes: Vec<usize> = split_by_tokens(&mut batch, 2)
+            .iter()
+            .map(|r| r.len())
+            .collect();
+        assert_eq!(sizes, [16, 16]);
     }
 }
