@@ -21,7 +21,7 @@
 //! Not for: HTTP or text (the server), routing across replicas (`router.rs`).
 
 use crate::kv_cache::PagedKvCache;
-use crate::model::{LinearPacks, Qwen3_5, SeqCache, SeqInput};
+use crate::model::{LinearPacks, PagedPast, Qwen3_5, SeqCache, SeqInput};
 use crate::params::ParamStore;
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 use crate::scheduler::{Limits, Scheduled, Scheduler, Sequence};
@@ -631,9 +631,10 @@ impl EngineLoop {
             let Some(slot) = seq.slot else {
                 continue;
             };
+            // Past K/V stay in their blocks: the forward reads them there.
             sched
                 .cache
-                .load(&mut self.scratch[j], &seq.block_table, seq.computed, slot);
+                .load_states(&mut self.scratch[j], seq.computed, slot);
         }
         let result = {
             let mut batch: Vec<SeqInput<'_>> = plan
@@ -660,11 +661,33 @@ impl EngineLoop {
             // the rows beside it (every kernel is batch-invariant), so the
             // bits are those of one call over the whole batch.
             let (m, packs): (&Qwen3_5, &LinearPacks) = (&model, &self.packs);
+            let pools = sched.cache.pages();
+            let block_size = sched.cache.block_size();
+            let pasts: Vec<Option<PagedPast<'_>>> = plan
+                .iter()
+                .map(|item| {
+                    let seq = &sched.running[item.seq];
+                    seq.slot.map(|_| PagedPast {
+                        blocks: &seq.block_table,
+                        block_size,
+                        pools: &pools,
+                    })
+                })
+                .collect();
             let runs = split_by_tokens(&mut batch, rayon::current_num_threads());
+            let mut rest: &[Option<PagedPast<'_>>] = &pasts;
+            let runs: Vec<_> = runs
+                .into_iter()
+                .map(|run| {
+                    let (mine, tail) = rest.split_at(run.len());
+                    rest = tail;
+                    (run, mine)
+                })
+                .collect();
             rayon::scope(|_| {
                 let outs: Vec<Result<Vec<f32>>> = runs
                     .into_par_iter()
-                    .map(|run| m.forward_with(run, Some(packs)))
+                    .map(|(run, pasts)| m.forward_paged(run, Some(pasts), Some(packs)))
                     .collect();
                 outs.into_iter()
                     .try_fold(Vec::new(), |mut all, out| -> Result<Vec<f32>> {

@@ -5,12 +5,13 @@
 //! per linear layer). A running sequence holds one state slot; the prefix
 //! cache holds slots as snapshots of the state at a cached prefix's end.
 //!
-//! The model's packed forward works on a contiguous per-sequence
-//! [`SeqCache`]; [`PagedKvCache::load`] fills one from the blocks (the state
-//! vectors are moved, not copied) and [`PagedKvCache::store`] writes the new
-//! positions back. The gather is a copy of the sequence's K/V once per step,
-//! the same order of work as attention itself on the CPU; a paged attention
-//! kernel would remove it on the GPU path.
+//! The engine's forward reads a sequence's past K/V in place from the blocks
+//! ([`PagedKvCache::pages`] and the model's `forward_paged`; decode attention
+//! walks the block table, a long prefill run gathers its past once).
+//! [`PagedKvCache::load_states`] moves the sequence's state vectors into its
+//! per-step [`SeqCache`] (moved, not copied) and [`PagedKvCache::store`]
+//! writes the new positions back. [`PagedKvCache::load`] also gathers the
+//! K/V into the `SeqCache`, for callers that want the sequence in one piece.
 //!
 //! Not for: policy (the scheduler decides who gets blocks) or hashing
 //! (`prefix_cache.rs`).
@@ -274,6 +275,32 @@ impl PagedKvCache {
         cache.len = past;
     }
 
+    /// [`load`](Self::load) without the K/V gather: for a forward that reads
+    /// the past in place ([`Qwen3_5::forward_paged`](crate::Qwen3_5::forward_paged)
+    /// with [`pages`](Self::pages)). The cache's K/V are left empty.
+    pub fn load_states(&mut self, cache: &mut SeqCache, past: usize, slot: SlotId) {
+        for &li in &self.layout.attn_layers {
+            cache.k[li].clear();
+            cache.v[li].clear();
+        }
+        let s = &mut self.slots[slot as usize];
+        for &li in &self.layout.linear_layers {
+            std::mem::swap(&mut cache.conv_state[li], &mut s.conv[li]);
+            std::mem::swap(&mut cache.recurrent_state[li], &mut s.rec[li]);
+        }
+        cache.len = past;
+    }
+
+    /// The K and V block pools by model layer index (empty slices for the
+    /// linear layers), for [`PagedPast`](crate::model::PagedPast).
+    pub fn pages(&self) -> Vec<(&[f32], &[f32])> {
+        let mut pools: Vec<(&[f32], &[f32])> = vec![(&[], &[]); self.layout.num_layers];
+        for (ai, &li) in self.layout.attn_layers.iter().enumerate() {
+            pools[li] = (&self.k[ai], &self.v[ai]);
+        }
+        pools
+    }
+
     /// Write positions `past..past + n` of `cache` into the blocks of
     /// `table` (which must cover them) and move the state back into `slot`.
     pub fn store(
@@ -290,13 +317,17 @@ impl PagedKvCache {
                 (&cache.k[li], &mut self.k[ai]),
                 (&cache.v[li], &mut self.v[ai]),
             ] {
+                // The cache holds every position, or (after a paged
+                // forward) only the `n` new ones.
+                let first = if src.len() == n * row { past } else { 0 };
                 let mut pos = past;
                 while pos < past + n {
                     let b = table[pos / bs] as usize;
                     let within = pos % bs;
                     let m = (bs - within).min(past + n - pos);
                     let off = (b * bs + within) * row;
-                    dst[off..off + m * row].copy_from_slice(&src[pos * row..(pos + m) * row]);
+                    let from = (pos - first) * row;
+                    dst[off..off + m * row].copy_from_slice(&src[from..from + m * row]);
                     pos += m;
                 }
             }
@@ -361,6 +392,41 @@ mod tests {
         c.load(&mut u, &table, 6, slot);
         assert_eq!(&u.k[1][15..], &[7.0, 7.0, 7.0]);
         assert_eq!(&u.k[1][..15], &rows[..]);
+    }
+
+    /// A paged forward loads only the states and stores only the new
+    /// positions; the pools then hold what a gather-based step would.
+    #[test]
+    fn paged_steps_store_only_new_positions() {
+        let mut c = PagedKvCache::new(layout(), 2, 4, 2);
+        let table = [3, 0, 2];
+        let slot = c.allocate_slot().unwrap();
+        let mut s = scratch(c.layout());
+        c.load_states(&mut s, 0, slot);
+        let rows: Vec<f32> = (0..15).map(|x| x as f32).collect();
+        s.k[1] = rows.clone();
+        s.v[1] = rows.iter().map(|x| -x).collect();
+        s.recurrent_state[0] = vec![1.0, 2.0, 3.0, 4.0];
+        c.store(&mut s, &table, 0, 5, slot);
+        // Next step: the cache gets no K/V, the new position only.
+        let mut t = scratch(c.layout());
+        c.load_states(&mut t, 5, slot);
+        assert!(t.k[1].is_empty() && t.v[1].is_empty());
+        assert_eq!(t.recurrent_state[0], vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(t.len, 5);
+        t.k[1] = vec![7.0, 7.0, 7.0];
+        t.v[1] = vec![8.0, 8.0, 8.0];
+        c.store(&mut t, &table, 5, 1, slot);
+        let (k_pool, v_pool) = c.pages()[1];
+        assert!(c.pages()[0].0.is_empty());
+        // Position 5 is row 1 of block 2; position 2 row 0 of block 0.
+        assert_eq!(&k_pool[(2 * 2 + 1) * 3..(2 * 2 + 2) * 3], &[7.0, 7.0, 7.0]);
+        assert_eq!(&v_pool[(2 * 2 + 1) * 3..(2 * 2 + 2) * 3], &[8.0, 8.0, 8.0]);
+        assert_eq!(&k_pool[0..3], &rows[6..9]);
+        let mut u = scratch(c.layout());
+        c.load(&mut u, &table, 6, slot);
+        assert_eq!(&u.k[1][..15], &rows[..]);
+        assert_eq!(&u.k[1][15..], &[7.0, 7.0, 7.0]);
     }
 
     #[test]

@@ -3,4 +3,4 @@
 
 pub mod qwen3_5;
 
-pub use qwen3_5::{LinearPacks, Qwen3_5, SeqCache, SeqInput};
+pub use qwen3_5::{LinearPacks, PagedPast, Qwen3_5, SeqCache, SeqInput};

@@ -17,7 +17,7 @@ use crate::weights::Checkpoint;
 use crate::{Error, Result};
 use arcticd_kernels::cpu::{
     activation::{sigmoid, sigmoid_gate_forward, silu_forward, silu_mul_forward, softplus},
-    attention::{attention_forward, AttnDims},
+    attention::{attention_forward, attention_forward_paged, AttnDims, PagedKv, MIN_BLOCKED_NQ},
     conv1d::conv1d_forward,
     embedding::embedding_forward,
     gated_delta::{gated_delta_recurrent_forward, GatedDeltaDims},
@@ -292,6 +292,23 @@ pub struct SeqCache {
     pub len: usize,
 }
 
+/// Where a sequence's past keys and values lie in a paged cache (see
+/// [`Qwen3_5::forward_paged`]): positions `0..past` in the blocks of
+/// `blocks`, `block_size` positions each, of the pools `pools[layer]` (the K
+/// and V pools `[num_blocks, block_size, kv_row]` of each full-attention
+/// layer, by model layer index; empty for the others).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedPast<'a> {
+    pub blocks: &'a [u32],
+    pub block_size: usize,
+    pub pools: &'a [(&'a [f32], &'a [f32])],
+}
+
+/// Query runs shorter than this read a paged past in place (the attention
+/// kernel's row path, whose bits they then share); longer ones gather it
+/// once for the blocked path.
+const PAGED_MAX_NQ: usize = MIN_BLOCKED_NQ;
+
 /// One sequence of a packed batch: new tokens, appended to what `cache` holds.
 pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
@@ -430,6 +447,27 @@ impl Qwen3_5 {
         batch: &mut [SeqInput<'_>],
         packs: Option<&LinearPacks>,
     ) -> Result<Vec<f32>> {
+        self.forward_paged(batch, None, packs)
+    }
+
+    /// [`forward_with`](Self::forward_with) where sequence `s` may read its
+    /// past keys and values in place from a paged cache, `pasts[s]`, instead
+    /// of from its [`SeqCache`]: its cache then holds no K/V (it receives
+    /// only the positions this call adds, for the caller to write back).
+    /// The bits are those of the same K/V held in the cache.
+    pub fn forward_paged(
+        &self,
+        batch: &mut [SeqInput<'_>],
+        pasts: Option<&[Option<PagedPast<'_>>]>,
+        packs: Option<&LinearPacks>,
+    ) -> Result<Vec<f32>> {
+        if pasts.is_some_and(|p| p.len() != batch.len()) {
+            return Err(Error::Input(format!(
+                "{} paged pasts for {} sequences",
+                pasts.map_or(0, |p| p.len()),
+                batch.len()
+            )));
+        }
         let c = &self.config;
         let h = c.hidden_size;
         let mut ids = Vec::new();
@@ -455,7 +493,7 @@ impl Qwen3_5 {
             let mixed = match &layer.mixer {
                 Mixer::Linear(la) => self.linear_attention(la, li, &xn, &spans, batch, packs)?,
                 Mixer::Full(fa) => {
-                    self.full_attention(fa, li, &xn, &spans, &positions, batch, packs)?
+                    self.full_attention(fa, li, &xn, &spans, &positions, batch, pasts, packs)?
                 }
             };
             for (a, b) in x.iter_mut().zip(&mixed) {
@@ -607,6 +645,7 @@ impl Qwen3_5 {
         spans: &[(usize, usize, usize)],
         positions: &[u32],
         batch: &mut [SeqInput<'_>],
+        pasts: Option<&[Option<PagedPast<'_>>]>,
         packs: Option<&LinearPacks>,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
@@ -631,12 +670,65 @@ impl Qwen3_5 {
         let mut out = vec![0.0f32; t * qrow];
         let scale = 1.0 / (hd as f32).sqrt();
         let outs = split_rows(&mut out, spans, qrow);
-        let jobs: Vec<_> = spans.iter().zip(batch.iter_mut()).zip(outs).collect();
+        let jobs: Vec<_> = spans
+            .iter()
+            .zip(batch.iter_mut())
+            .zip(outs)
+            .enumerate()
+            .collect();
+        let dims = |n: usize, past: usize| AttnDims {
+            nq: n,
+            nk: past + n,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+        };
         // Sequences in parallel, as in the linear layers.
         jobs.into_par_iter()
-            .try_for_each(|((&(start, n, past), seq), o)| -> Result<()> {
+            .try_for_each(|(s, ((&(start, n, past), seq), o))| -> Result<()> {
                 let kc = &mut seq.cache.k[li];
                 let vc = &mut seq.cache.v[li];
+                if let Some(p) = pasts.and_then(|p| p[s].as_ref()) {
+                    let (k_pool, v_pool) = p.pools.get(li).copied().unwrap_or_default();
+                    let paged = PagedKv {
+                        k_pool,
+                        v_pool,
+                        blocks: p.blocks,
+                        block_size: p.block_size,
+                        past,
+                        new_k: &k[start * kvrow..(start + n) * kvrow],
+                        new_v: &v[start * kvrow..(start + n) * kvrow],
+                        kv_row: kvrow,
+                    };
+                    kc.clear();
+                    vc.clear();
+                    if n < PAGED_MAX_NQ {
+                        // Decode: the past is read where it lies.
+                        kc.extend_from_slice(paged.new_k);
+                        vc.extend_from_slice(paged.new_v);
+                        let q = &q[start * qrow..(start + n) * qrow];
+                        return attention_forward_paged(o, q, &paged, dims(n, past), scale)
+                            .map_err(|e| Error::Input(e.to_string()));
+                    }
+                    // A long run of queries is matrix products over one
+                    // piece: gather the past once.
+                    for pos in 0..past {
+                        let Some(&b) = p.blocks.get(pos / p.block_size.max(1)) else {
+                            return Err(Error::Input(format!(
+                                "block table of {} blocks does not cover {past} positions",
+                                p.blocks.len()
+                            )));
+                        };
+                        let at = (b as usize * p.block_size + pos % p.block_size) * kvrow;
+                        let (Some(kr), Some(vr)) =
+                            (k_pool.get(at..at + kvrow), v_pool.get(at..at + kvrow))
+                        else {
+                            return Err(Error::Input(format!("block {b} is outside the cache")));
+                        };
+                        kc.extend_from_slice(kr);
+                        vc.extend_from_slice(vr);
+                    }
+                }
                 if kc.len() != past * kvrow {
                     return Err(Error::Input(format!(
                         "cache of layer {li} holds {} positions, the sequence says {past}",
@@ -650,13 +742,7 @@ impl Qwen3_5 {
                     &q[start * qrow..(start + n) * qrow],
                     kc,
                     vc,
-                    AttnDims {
-                        nq: n,
-                        nk: past + n,
-                        n_heads: nh,
-                        n_kv_heads: nkv,
-                        head_dim: hd,
-                    },
+                    dims(n, past),
                     scale,
                 )?;
                 Ok(())

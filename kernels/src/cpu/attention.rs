@@ -24,7 +24,7 @@ use rayon::prelude::*;
 /// Query runs at least this long take the gemm-blocked path; shorter ones
 /// (decode, short appends) the row-wise one, whose per-row cost is already
 /// minimal and which allocates nothing per head.
-const MIN_BLOCKED_NQ: usize = 16;
+pub const MIN_BLOCKED_NQ: usize = 16;
 
 /// Query rows per block of the blocked path: a block's score matrix is
 /// `BLOCK_Q x nk` f32s per rayon task, so memory stays bounded on long
@@ -80,28 +80,160 @@ pub fn attention_forward(
         attention_blocked(out, q, k, v, dims, scale);
         return Ok(());
     }
-    let row_len = n_heads * hd;
+    let kv = Contiguous {
+        k,
+        v,
+        kv_row: n_kv_heads * hd,
+    };
+    attend_rows(out, q, &kv, dims, scale);
+    Ok(())
+}
+
+/// Where the rows of the row path find position `j`'s keys and values (all
+/// key/value heads, `n_kv_heads * head_dim` floats each).
+trait KvRows: Sync {
+    fn k(&self, j: usize) -> &[f32];
+    fn v(&self, j: usize) -> &[f32];
+}
+
+/// Keys and values `[nk, n_kv_heads, hd]`, one after another.
+struct Contiguous<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+    kv_row: usize,
+}
+
+impl KvRows for Contiguous<'_> {
+    #[inline(always)]
+    fn k(&self, j: usize) -> &[f32] {
+        &self.k[j * self.kv_row..(j + 1) * self.kv_row]
+    }
+    #[inline(always)]
+    fn v(&self, j: usize) -> &[f32] {
+        &self.v[j * self.kv_row..(j + 1) * self.kv_row]
+    }
+}
+
+/// A sequence's keys and values read in place from a paged cache: positions
+/// `0..past` from the blocks of `blocks` (position `p` is row `p %
+/// block_size` of block `blocks[p / block_size]`, in pools laid out
+/// `[num_blocks, block_size, kv_row]`), positions `past..` from `new_k`,
+/// `new_v` (the rows this call adds, `[nk - past, kv_row]`).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKv<'a> {
+    pub k_pool: &'a [f32],
+    pub v_pool: &'a [f32],
+    pub blocks: &'a [u32],
+    pub block_size: usize,
+    pub past: usize,
+    pub new_k: &'a [f32],
+    pub new_v: &'a [f32],
+    pub kv_row: usize,
+}
+
+impl PagedKv<'_> {
+    #[inline(always)]
+    fn row<'b>(&self, pool: &'b [f32], new: &'b [f32], j: usize) -> &'b [f32] {
+        let r = self.kv_row;
+        if j < self.past {
+            let b = self.blocks[j / self.block_size] as usize;
+            let at = (b * self.block_size + j % self.block_size) * r;
+            &pool[at..at + r]
+        } else {
+            &new[(j - self.past) * r..(j - self.past + 1) * r]
+        }
+    }
+}
+
+impl KvRows for PagedKv<'_> {
+    #[inline(always)]
+    fn k(&self, j: usize) -> &[f32] {
+        self.row(self.k_pool, self.new_k, j)
+    }
+    #[inline(always)]
+    fn v(&self, j: usize) -> &[f32] {
+        self.row(self.v_pool, self.new_v, j)
+    }
+}
+
+/// [`attention_forward`] with the keys and values in a paged cache (see
+/// [`PagedKv`]), for short query runs (decode): the row path, so the bits are
+/// those of [`attention_forward`] on the same keys and values gathered
+/// into one piece, whenever that takes its row path (`nq <` 16).
+pub fn attention_forward_paged(
+    out: &mut [f32],
+    q: &[f32],
+    kv: &PagedKv<'_>,
+    dims: AttnDims,
+    scale: f32,
+) -> Result<()> {
+    let AttnDims {
+        nq,
+        nk,
+        n_heads,
+        n_kv_heads,
+        head_dim: hd,
+    } = dims;
+    let r = kv.kv_row;
+    let bad = n_kv_heads == 0
+        || n_heads % n_kv_heads != 0
+        || nq > nk
+        || kv.past > nk
+        || r != n_kv_heads * hd
+        || out.len() != nq * n_heads * hd
+        || q.len() != nq * n_heads * hd
+        || kv.new_k.len() != (nk - kv.past.min(nk)) * r
+        || kv.new_v.len() != kv.new_k.len()
+        || (kv.past > 0
+            && (kv.block_size == 0
+                || kv.blocks.len() * kv.block_size < kv.past
+                || kv.blocks[..kv.past.div_ceil(kv.block_size)]
+                    .iter()
+                    .any(|&b| {
+                        (b as usize + 1) * kv.block_size * r > kv.k_pool.len().min(kv.v_pool.len())
+                    })));
+    if bad {
+        return Err(Error::Shape(format!(
+            "paged attention: {dims:?} with past {}, {} blocks of {}, kv_row {r}, out {} q {} new k {} new v {}",
+            kv.past,
+            kv.blocks.len(),
+            kv.block_size,
+            out.len(),
+            q.len(),
+            kv.new_k.len(),
+            kv.new_v.len()
+        )));
+    }
+    if nq == 0 || hd == 0 || n_heads == 0 {
+        return Ok(());
+    }
+    attend_rows(out, q, kv, dims, scale);
+    Ok(())
+}
+
+/// The row path: every query row, all heads, parallel over rows.
+fn attend_rows<K: KvRows>(out: &mut [f32], q: &[f32], kv: &K, dims: AttnDims, scale: f32) {
+    let AttnDims { nq, nk, .. } = dims;
+    let row_len = dims.n_heads * dims.head_dim;
     out.par_chunks_mut(row_len).enumerate().for_each_init(
         || vec![0.0f32; nk],
         |scores, (i, o)| {
             let q_row = &q[i * row_len..(i + 1) * row_len];
             // Keys 0..=last, the row's own position included.
             let live = nk - nq + i + 1;
-            attend_row(o, q_row, k, v, &mut scores[..live], dims, scale);
+            attend_row(o, q_row, kv, &mut scores[..live], dims, scale);
         },
     );
-    Ok(())
 }
 
 /// One query row, all heads, over the keys `0..scores.len()`: scores in
 /// [`DOT_LANES`] split sums, [`softmax_in_place`], then the weighted sum of
 /// values. The loops vectorise; where the CPU has AVX-512 (or AVX2) they run
 /// from a copy compiled for it.
-fn attend_row(
+fn attend_row<K: KvRows>(
     o: &mut [f32],
     q_row: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: &K,
     scores: &mut [f32],
     dims: AttnDims,
     scale: f32,
@@ -109,69 +241,65 @@ fn attend_row(
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU supports AVX-512F, checked just above.
-        return unsafe { attend_row_avx512(o, q_row, k, v, scores, dims, scale) };
+        return unsafe { attend_row_avx512(o, q_row, kv, scores, dims, scale) };
     }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
-        return unsafe { attend_row_avx2(o, q_row, k, v, scores, dims, scale) };
+        return unsafe { attend_row_avx2(o, q_row, kv, scores, dims, scale) };
     }
-    attend_row_body(o, q_row, k, v, scores, dims, scale)
+    attend_row_body(o, q_row, kv, scores, dims, scale)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn attend_row_avx512(
+unsafe fn attend_row_avx512<K: KvRows>(
     o: &mut [f32],
     q_row: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: &K,
     scores: &mut [f32],
     dims: AttnDims,
     scale: f32,
 ) {
-    attend_row_body(o, q_row, k, v, scores, dims, scale)
+    attend_row_body(o, q_row, kv, scores, dims, scale)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn attend_row_avx2(
+unsafe fn attend_row_avx2<K: KvRows>(
     o: &mut [f32],
     q_row: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: &K,
     scores: &mut [f32],
     dims: AttnDims,
     scale: f32,
 ) {
-    attend_row_body(o, q_row, k, v, scores, dims, scale)
+    attend_row_body(o, q_row, kv, scores, dims, scale)
 }
 
 #[inline(always)]
-fn attend_row_body(
+fn attend_row_body<K: KvRows>(
     o: &mut [f32],
     q_row: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: &K,
     scores: &mut [f32],
     dims: AttnDims,
     scale: f32,
 ) {
     let (hd, n_heads) = (dims.head_dim, dims.n_heads);
     let group = n_heads / dims.n_kv_heads;
-    let kv_row = dims.n_kv_heads * hd;
     for h in 0..n_heads {
         let kvh = h / group;
         let qh = &q_row[h * hd..(h + 1) * hd];
         for (j, s) in scores.iter_mut().enumerate() {
-            let kj = &k[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
+            let kj = &kv.k(j)[kvh * hd..(kvh + 1) * hd];
             *s = dot_split(qh, kj) * scale;
         }
         softmax_body(scores);
         let oh = &mut o[h * hd..(h + 1) * hd];
         oh.fill(0.0);
         for (j, &p) in scores.iter().enumerate() {
-            let vj = &v[j * kv_row + kvh * hd..j * kv_row + (kvh + 1) * hd];
+            let vj = &kv.v(j)[kvh * hd..(kvh + 1) * hd];
             for (a, b) in oh.iter_mut().zip(vj) {
                 *a += p * b;
             }
@@ -801,6 +929,70 @@ mod tests {
             let want = naive(&q, &k, &v, d, 0.4);
             for (a, b) in out.iter().zip(&want) {
                 assert!((*a as f64 - b).abs() < 1e-5, "{nq}/{nk}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// Keys read in place from shuffled blocks give the bits of the same
+    /// keys in one piece; a table that does not cover the past is an error.
+    #[test]
+    fn paged_rows_match_contiguous_bit_for_bit() {
+        let mut rng = StdRng::seed_from_u64(9);
+        let (n_heads, n_kv_heads, hd, bs) = (4, 2, 8, 4);
+        let r = n_kv_heads * hd;
+        for &(nq, nk) in &[(1, 1), (1, 10), (3, 11), (2, 8), (1, 4)] {
+            let past = nk - nq;
+            let d = AttnDims {
+                nq,
+                nk,
+                n_heads,
+                n_kv_heads,
+                head_dim: hd,
+            };
+            let q: Vec<f32> = (0..nq * n_heads * hd)
+                .map(|_| rng.gen_range(-2.0..2.0))
+                .collect();
+            let k: Vec<f32> = (0..nk * r).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let v: Vec<f32> = (0..nk * r).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let mut want = vec![0.0; nq * n_heads * hd];
+            attention_forward(&mut want, &q, &k, &v, d, 0.3).unwrap();
+            // Past positions scattered over blocks 5, 2, 7 of a pool of 8.
+            let blocks: Vec<u32> = [5u32, 2, 7][..past.div_ceil(bs)].to_vec();
+            let mut k_pool = vec![f32::NAN; 8 * bs * r];
+            let mut v_pool = vec![f32::NAN; 8 * bs * r];
+            for p in 0..past {
+                let at = (blocks[p / bs] as usize * bs + p % bs) * r;
+                k_pool[at..at + r].copy_from_slice(&k[p * r..(p + 1) * r]);
+                v_pool[at..at + r].copy_from_slice(&v[p * r..(p + 1) * r]);
+            }
+            let kv = PagedKv {
+                k_pool: &k_pool,
+                v_pool: &v_pool,
+                blocks: &blocks,
+                block_size: bs,
+                past,
+                new_k: &k[past * r..],
+                new_v: &v[past * r..],
+                kv_row: r,
+            };
+            let mut out = vec![0.0; nq * n_heads * hd];
+            attention_forward_paged(&mut out, &q, &kv, d, 0.3).unwrap();
+            let bits = |x: &[f32]| x.iter().map(|a| a.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(bits(&out), bits(&want), "{nq}/{nk}");
+            if past > 0 {
+                let short = PagedKv {
+                    blocks: &blocks[..blocks.len() - 1],
+                    ..kv
+                };
+                if short.blocks.len() * bs < past {
+                    assert!(attention_forward_paged(&mut out, &q, &short, d, 0.3).is_err());
+                }
+                let outside = [8u32, 0, 0];
+                let bad = PagedKv {
+                    blocks: &outside[..blocks.len()],
+                    ..kv
+                };
+                assert!(attention_forward_paged(&mut out, &q, &bad, d, 0.3).is_err());
             }
         }
     }
