@@ -29,7 +29,10 @@ use arcticd_kernels::cpu::{
     attention::{attention_backward, attention_forward, AttnDims},
     conv1d::{conv1d_backward, conv1d_forward},
     embedding::{embedding_backward, embedding_forward},
-    gated_delta::{gated_delta_backward, gated_delta_recurrent_forward, GatedDeltaDims},
+    gated_delta::{
+        gated_delta_backward_from_checkpoints, gated_delta_recurrent_forward_checkpointed,
+        GatedDeltaDims, CHECKPOINT_EVERY,
+    },
     l2norm::{l2norm_backward, l2norm_forward},
     logsoftmax::{
         entropy_backward, entropy_forward, logprob_gather_backward, logprob_gather_forward,
@@ -103,6 +106,8 @@ struct LinearActs {
     core: Vec<f32>,
     rstd: Vec<f32>,
     normed: Vec<f32>,
+    /// Per sequence, the recurrent state every `CHECKPOINT_EVERY` tokens.
+    checkpoints: Vec<Vec<f32>>,
 }
 
 /// Saved activations of a gated full-attention mixer.
@@ -382,6 +387,7 @@ fn linear_attention_fwd(
         .collect();
 
     let mut core = vec![0.0f32; t * vd];
+    let mut checkpoints = Vec::with_capacity(packed.spans.len());
     for &(start, n) in &packed.spans {
         let dims = GatedDeltaDims {
             t: n,
@@ -391,6 +397,7 @@ fn linear_attention_fwd(
             dv,
         };
         let mut state = vec![0.0f32; nv * dk * dv];
+        let mut cps = vec![0.0f32; n.div_ceil(CHECKPOINT_EVERY).max(1) * nv * dk * dv];
         let (qs, ks, vs) = (
             &q[start * qd..(start + n) * qd],
             &k[start * qd..(start + n) * qd],
@@ -402,8 +409,12 @@ fn linear_attention_fwd(
         );
         let out = &mut core[start * vd..(start + n) * vd];
         // The recurrent form at every length, as the engine runs it, so the
-        // numbers are the engine's.
-        gated_delta_recurrent_forward(out, &mut state, qs, ks, vs, gs, bs, dims)?;
+        // numbers are the engine's; the states it passes every
+        // CHECKPOINT_EVERY tokens are kept for the backward.
+        gated_delta_recurrent_forward_checkpointed(
+            out, &mut state, qs, ks, vs, gs, bs, dims, &mut cps,
+        )?;
+        checkpoints.push(cps);
     }
     let mut normed = vec![0.0f32; t * vd];
     let mut rstd = vec![0.0f32; t * nv];
@@ -437,6 +448,7 @@ fn linear_attention_fwd(
             core,
             rstd,
             normed,
+            checkpoints,
         },
     ))
 }
@@ -819,8 +831,7 @@ fn linear_attention_bwd(
     let mut dv_ = vec![0.0f32; t * vd];
     let mut dg = vec![0.0f32; t * nv];
     let mut dbeta = vec![0.0f32; t * nv];
-    let state0 = vec![0.0f32; nv * dk * dv];
-    for &(st, n) in &packed.spans {
+    for (&(st, n), cps) in packed.spans.iter().zip(&s.checkpoints) {
         let dims = GatedDeltaDims {
             t: n,
             nk,
@@ -833,7 +844,7 @@ fn linear_attention_bwd(
             st * vd..(st + n) * vd,
             st * nv..(st + n) * nv,
         );
-        gated_delta_backward(
+        gated_delta_backward_from_checkpoints(
             &mut dq[kq.clone()],
             &mut dk_[kq.clone()],
             &mut dv_[kv.clone()],
@@ -841,7 +852,7 @@ fn linear_attention_bwd(
             &mut dbeta[kh.clone()],
             None,
             &dcore[kv.clone()],
-            &state0,
+            cps,
             &s.q[kq.clone()],
             &s.k[kq],
             &s.v[kv],

@@ -82,6 +82,52 @@ pub fn gated_delta_recurrent_forward(
     Ok(())
 }
 
+/// [`gated_delta_recurrent_forward`] that also saves the state before every
+/// [`CHECKPOINT_EVERY`]-th token into `checkpoints` (`[ceil(t /
+/// CHECKPOINT_EVERY)` (at least 1)`, nv, dk, dv]`; the first is the incoming state), for
+/// [`gated_delta_backward_from_checkpoints`]. The same bits as one call.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_recurrent_forward_checkpointed(
+    out: &mut [f32],
+    state: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    dims: GatedDeltaDims,
+    checkpoints: &mut [f32],
+) -> Result<()> {
+    Layout::check(out, state, q, k, v, g, beta, dims)?;
+    let GatedDeltaDims { t, nk, nv, dk, dv } = dims;
+    let sn = nv * dk * dv;
+    if checkpoints.len() != t.div_ceil(CHECKPOINT_EVERY).max(1) * sn {
+        return Err(Error::Shape(format!(
+            "gated delta checkpoints: {} floats for {dims:?}",
+            checkpoints.len()
+        )));
+    }
+    if t == 0 {
+        checkpoints.copy_from_slice(state);
+        return Ok(());
+    }
+    for (c, cp) in checkpoints.chunks_exact_mut(sn.max(1)).enumerate() {
+        let (t0, t1) = (c * CHECKPOINT_EVERY, ((c + 1) * CHECKPOINT_EVERY).min(t));
+        cp.copy_from_slice(state);
+        gated_delta_recurrent_forward(
+            &mut out[t0 * nv * dv..t1 * nv * dv],
+            state,
+            &q[t0 * nk * dk..t1 * nk * dk],
+            &k[t0 * nk * dk..t1 * nk * dk],
+            &v[t0 * nv * dv..t1 * nv * dv],
+            &g[t0 * nv..t1 * nv],
+            &beta[t0 * nv..t1 * nv],
+            GatedDeltaDims { t: t1 - t0, ..dims },
+        )?;
+    }
+    Ok(())
+}
+
 /// Chunked gated delta rule (WY representation, `chunk` tokens per step);
 /// computes the same function as [`gated_delta_recurrent_forward`] up to
 /// rounding. A final partial chunk is handled; `chunk` must be positive.
@@ -848,6 +894,10 @@ fn chunk_step(
 /// Tokens between re-computation checkpoints of the state.
 const RECOMPUTE_CHUNK: usize = 64;
 
+/// Tokens between the states [`gated_delta_recurrent_forward_checkpointed`]
+/// saves: the backward's re-computation chunk.
+pub const CHECKPOINT_EVERY: usize = RECOMPUTE_CHUNK;
+
 /// Gradients of one value head: dq, dk `[t, dk]`, dv `[t, dv]`, dg, dbeta `[t]`,
 /// dstate0 `[dk, dv]`.
 type HeadGrads = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
@@ -865,6 +915,77 @@ pub fn gated_delta_backward(
     dstate0: Option<&mut [f32]>,
     dout: &[f32],
     state0: &[f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    dims: GatedDeltaDims,
+) -> Result<()> {
+    backward(
+        dq, dk, dv, dg, dbeta, dstate0, dout, state0, None, q, k, v, g, beta, dims,
+    )
+}
+
+/// [`gated_delta_backward`] starting from the states the forward saved
+/// ([`gated_delta_recurrent_forward_checkpointed`]), which saves the
+/// backward's own forward pass over the sequence. The first checkpoint is
+/// the initial state.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_backward_from_checkpoints(
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    dg: &mut [f32],
+    dbeta: &mut [f32],
+    dstate0: Option<&mut [f32]>,
+    dout: &[f32],
+    checkpoints: &[f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    dims: GatedDeltaDims,
+) -> Result<()> {
+    let sn = dims.nv * dims.dk * dims.dv;
+    if checkpoints.len() != dims.t.div_ceil(CHECKPOINT_EVERY).max(1) * sn {
+        return Err(Error::Shape(format!(
+            "gated delta checkpoints: {} floats for {dims:?}",
+            checkpoints.len()
+        )));
+    }
+    let state0 = &checkpoints[..sn];
+    backward(
+        dq,
+        dk,
+        dv,
+        dg,
+        dbeta,
+        dstate0,
+        dout,
+        state0,
+        Some(checkpoints),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        dims,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward(
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    dg: &mut [f32],
+    dbeta: &mut [f32],
+    dstate0: Option<&mut [f32]>,
+    dout: &[f32],
+    state0: &[f32],
+    checkpoints: Option<&[f32]>,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -916,9 +1037,11 @@ pub fn gated_delta_backward(
                 && std::arch::is_x86_feature_detected!("fma")
             {
                 // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-                return unsafe { head_backward_avx2(h, r, dout, state0, q, k, v, g, beta, dims) };
+                return unsafe {
+                    head_backward_avx2(h, r, dout, state0, checkpoints, q, k, v, g, beta, dims)
+                };
             }
-            head_backward(h, r, dout, state0, q, k, v, g, beta, dims)
+            head_backward(h, r, dout, state0, checkpoints, q, k, v, g, beta, dims)
         })
         .collect();
     dq.fill(0.0);
@@ -954,6 +1077,7 @@ unsafe fn head_backward_avx2(
     r: usize,
     dout: &[f32],
     state0: &[f32],
+    checkpoints: Option<&[f32]>,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -961,7 +1085,7 @@ unsafe fn head_backward_avx2(
     beta: &[f32],
     dims: GatedDeltaDims,
 ) -> HeadGrads {
-    head_backward(h, r, dout, state0, q, k, v, g, beta, dims)
+    head_backward(h, r, dout, state0, checkpoints, q, k, v, g, beta, dims)
 }
 
 /// `sum_i a_i b_i` in eight interleaved partial sums, so the loop
@@ -1027,6 +1151,7 @@ fn head_backward(
     r: usize,
     dout: &[f32],
     state0: &[f32],
+    checkpoints: Option<&[f32]>,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -1061,20 +1186,27 @@ fn head_backward(
         )
     };
 
-    // Forward pass over the head, keeping the state at every chunk start.
+    // The state at every chunk start: the forward's, or from a forward pass
+    // over the head here.
     let n_chunks = t.div_ceil(RECOMPUTE_CHUNK);
     let mut starts = vec![0.0f32; n_chunks.max(1) * ss];
-    starts[..ss].copy_from_slice(&state0[h * ss..(h + 1) * ss]);
-    let mut cur = state0[h * ss..(h + 1) * ss].to_vec();
-    let mut next = vec![0.0f32; ss];
     let mut delta = vec![0.0f32; dvd];
-    for ti in 0..t {
-        if ti % RECOMPUTE_CHUNK == 0 && ti > 0 {
-            starts[(ti / RECOMPUTE_CHUNK) * ss..(ti / RECOMPUTE_CHUNK + 1) * ss]
-                .copy_from_slice(&cur);
+    if let Some(cp) = checkpoints {
+        for (c, dst) in starts.chunks_exact_mut(ss).enumerate() {
+            dst.copy_from_slice(&cp[(c * nv + h) * ss..(c * nv + h + 1) * ss]);
         }
-        step(&cur, &mut next, &mut delta, ti);
-        std::mem::swap(&mut cur, &mut next);
+    } else {
+        starts[..ss].copy_from_slice(&state0[h * ss..(h + 1) * ss]);
+        let mut cur = state0[h * ss..(h + 1) * ss].to_vec();
+        let mut next = vec![0.0f32; ss];
+        for ti in 0..t {
+            if ti % RECOMPUTE_CHUNK == 0 && ti > 0 {
+                starts[(ti / RECOMPUTE_CHUNK) * ss..(ti / RECOMPUTE_CHUNK + 1) * ss]
+                    .copy_from_slice(&cur);
+            }
+            step(&cur, &mut next, &mut delta, ti);
+            std::mem::swap(&mut cur, &mut next);
+        }
     }
 
     let mut hq = vec![0.0f32; t * dkd];
@@ -1471,6 +1603,119 @@ mod tests {
             let (naive_out, _) = naive(&inp, d(t));
             assert!(max_abs_diff(&out, &naive_out) <= 1e-5);
         }
+    }
+
+    /// The checkpointed forward is the plain forward bit for bit, its
+    /// checkpoints are the states at chunk starts, and the backward from
+    /// them matches the backward that recomputes them.
+    #[test]
+    fn checkpointed_forward_and_backward_agree_with_plain() {
+        let t = 2 * CHECKPOINT_EVERY + 9;
+        let d = dims(t);
+        let GatedDeltaDims { nk, nv, dk, dv, .. } = d;
+        let inp = random_inputs(d, 5);
+        let (want_out, want_state) = run(&inp, d, None);
+        let sn = nv * dk * dv;
+        let mut cps = vec![0.0f32; 3 * sn];
+        let mut out = vec![0.0f32; t * nv * dv];
+        let mut state = inp.state.clone();
+        gated_delta_recurrent_forward_checkpointed(
+            &mut out, &mut state, &inp.q, &inp.k, &inp.v, &inp.g, &inp.beta, d, &mut cps,
+        )
+        .unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(bits(&out), bits(&want_out));
+        assert_eq!(bits(&state), bits(&want_state));
+        assert_eq!(&cps[..sn], &inp.state[..]);
+        let (_, mid) = run(
+            &Inputs {
+                q: inp.q[..CHECKPOINT_EVERY * nk * dk].to_vec(),
+                k: inp.k[..CHECKPOINT_EVERY * nk * dk].to_vec(),
+                v: inp.v[..CHECKPOINT_EVERY * nv * dv].to_vec(),
+                g: inp.g[..CHECKPOINT_EVERY * nv].to_vec(),
+                beta: inp.beta[..CHECKPOINT_EVERY * nv].to_vec(),
+                state: inp.state.clone(),
+            },
+            dims(CHECKPOINT_EVERY),
+            None,
+        );
+        assert_eq!(bits(&cps[sn..2 * sn]), bits(&mid));
+        let dout: Vec<f32> = (0..t * nv * dv)
+            .map(|i| ((i * 37 % 11) as f32 - 5.0) / 7.0)
+            .collect();
+        let grads = |from_cps: bool| {
+            let (mut dq, mut dk_, mut dv_) = (
+                vec![0.0; t * nk * dk],
+                vec![0.0; t * nk * dk],
+                vec![0.0; t * nv * dv],
+            );
+            let (mut dg, mut db, mut ds) = (vec![0.0; t * nv], vec![0.0; t * nv], vec![0.0; sn]);
+            if from_cps {
+                gated_delta_backward_from_checkpoints(
+                    &mut dq,
+                    &mut dk_,
+                    &mut dv_,
+                    &mut dg,
+                    &mut db,
+                    Some(&mut ds),
+                    &dout,
+                    &cps,
+                    &inp.q,
+                    &inp.k,
+                    &inp.v,
+                    &inp.g,
+                    &inp.beta,
+                    d,
+                )
+                .unwrap();
+            } else {
+                gated_delta_backward(
+                    &mut dq,
+                    &mut dk_,
+                    &mut dv_,
+                    &mut dg,
+                    &mut db,
+                    Some(&mut ds),
+                    &dout,
+                    &inp.state,
+                    &inp.q,
+                    &inp.k,
+                    &inp.v,
+                    &inp.g,
+                    &inp.beta,
+                    d,
+                )
+                .unwrap();
+            }
+            [dq, dk_, dv_, dg, db, ds]
+        };
+        for (a, b) in grads(true).iter().zip(grads(false).iter()) {
+            let scale = b.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+            assert!(
+                max_abs_diff(a, b) <= 1e-5 * scale,
+                "{} vs scale {scale}",
+                max_abs_diff(a, b)
+            );
+        }
+        let short = vec![0.0f32; 2 * sn];
+        let mut z = vec![0.0f32; t * nk * dk];
+        assert!(gated_delta_backward_from_checkpoints(
+            &mut z.clone(),
+            &mut z,
+            &mut vec![0.0; t * nv * dv],
+            &mut vec![0.0; t * nv],
+            &mut vec![0.0; t * nv],
+            None,
+            &dout,
+            &short,
+            &inp.q,
+            &inp.k,
+            &inp.v,
+            &inp.g,
+            &inp.beta,
+            d,
+        )
+        .is_err());
     }
 
     #[test]
