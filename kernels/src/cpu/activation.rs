@@ -65,9 +65,11 @@ pub(crate) fn exp_poly(x: f32) -> f32 {
 
 /// In place `x = silu(x)`.
 pub fn silu_forward(x: &mut [f32]) {
-    for v in x.iter_mut() {
-        *v = silu(*v);
-    }
+    super::widest(|| {
+        for v in x.iter_mut() {
+            *v = silu(*v);
+        }
+    })
 }
 
 /// `out[n, h] = silu(gate[n, h]) * up[n, h]`: the MLP's activation.
@@ -86,9 +88,11 @@ pub fn silu_mul_forward(
             up.len()
         )));
     }
-    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-        *o = silu(*g) * u;
-    }
+    super::widest(|| {
+        for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+            *o = silu(*g) * u;
+        }
+    });
     Ok(())
 }
 
@@ -101,9 +105,11 @@ pub fn sigmoid_gate_forward(x: &mut [f32], gate: &[f32]) -> Result<()> {
             gate.len()
         )));
     }
-    for (v, g) in x.iter_mut().zip(gate) {
-        *v *= sigmoid(*g);
-    }
+    super::widest(|| {
+        for (v, g) in x.iter_mut().zip(gate) {
+            *v *= sigmoid(*g);
+        }
+    });
     Ok(())
 }
 

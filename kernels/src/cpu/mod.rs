@@ -18,3 +18,23 @@ pub mod matmul;
 pub mod rmsnorm;
 pub mod rope;
 pub mod sgemm;
+
+/// Runs `f` from a copy compiled for AVX-512 where the CPU has it (the crate
+/// itself is built for baseline x86-64), so pointwise loops inlined into it
+/// run sixteen lanes wide. Only the instructions change, never the order of
+/// the arithmetic, so the bits are the same either way.
+#[inline(always)]
+pub(crate) fn widest<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU supports AVX-512F, checked just above.
+        return unsafe { avx512(f) };
+    }
+    f()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
