@@ -9,17 +9,18 @@
 //! skipped loudly otherwise (as in sandbox_isolation.rs). Not for: model
 //! quality.
 
+mod common;
 use anyhow::{ensure, Context, Result};
 use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_sandbox::docker::DockerBackend;
-use arcticd_sandbox::image;
 use arcticd_sandbox::local::LocalBackend;
 use arcticd_sandbox::tasks::{toy, Task};
 use arcticd_sandbox::Backend;
 use arcticd_trainer::harness::format::render_call;
 use arcticd_trainer::harness::policy::{Completion, FinishReason, GenerateRequest, Policy};
 use arcticd_trainer::harness::{Harness, RolloutConfig, ScriptedPolicy, Termination, Trajectory};
+use common::{base_image, skip, TempDir};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, OnceLock};
@@ -28,27 +29,6 @@ use std::sync::{Arc, OnceLock};
 enum Kind {
     Docker,
     Local,
-}
-
-/// A unique folder removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Result<Self> {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let p =
-            std::env::temp_dir().join(format!("arcticd-harness-{tag}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p)?;
-        Ok(TempDir(p))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// A tiny model folder (tokenizer and chat template) and a toy pool, made
@@ -98,27 +78,8 @@ fn harness(cfg: RolloutConfig) -> Result<Harness> {
     Ok(Harness::new(tok, template, cfg)?)
 }
 
-fn base_image() -> Result<bool, String> {
-    static BUILT: OnceLock<Result<bool, String>> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let rt = arcticd_sandbox::runtime().map_err(|e| e.to_string())?;
-            rt.block_on(async {
-                let docker_ok = DockerBackend::new().await.is_ok();
-                image::build_base_image(image::DEFAULT_TAG, docker_ok, false)
-                    .await
-                    .map(|_| docker_ok)
-                    .map_err(|e| e.to_string())
-            })
-        })
-        .clone()
-}
-
 fn unavailable(kind: Kind, why: &str) {
-    if std::env::var_os("CI").is_some() {
-        panic!("{kind:?} backend unavailable in CI: {why}");
-    }
-    eprintln!("SKIPPED: {kind:?} sandbox backend unavailable: {why}");
+    skip(&format!("{kind:?}"), why);
 }
 
 type Body = Box<

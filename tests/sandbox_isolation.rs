@@ -7,17 +7,19 @@
 //! skipped loudly otherwise. The base image is built once (cached by tag).
 //! Not a benchmark (see benches/sandbox.rs).
 
+mod common;
 use anyhow::{ensure, Context, Result};
 use arcticd_sandbox::docker::{self, DockerBackend};
 use arcticd_sandbox::grading::{self, GradeOutcome, TestSpec};
 use arcticd_sandbox::image;
 use arcticd_sandbox::local::LocalBackend;
 use arcticd_sandbox::{Backend, ExecRequest, Policy, Sandbox, Snapshot};
+use common::{base_image, skip, TempDir};
 use std::future::Future;
 use std::path::Path;
 use std::pin::Pin;
 use std::process::Command;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -44,29 +46,8 @@ impl Ctx {
     }
 }
 
-/// Builds the base image once per test process (the image module's file
-/// lock serializes test processes). Returns whether Docker is usable.
-fn base_image() -> Result<bool, String> {
-    static BUILT: OnceLock<Result<bool, String>> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let rt = arcticd_sandbox::runtime().map_err(|e| e.to_string())?;
-            rt.block_on(async {
-                let docker_ok = DockerBackend::new().await.is_ok();
-                image::build_base_image(image::DEFAULT_TAG, docker_ok, false)
-                    .await
-                    .map(|_| docker_ok)
-                    .map_err(|e| e.to_string())
-            })
-        })
-        .clone()
-}
-
 fn unavailable(kind: Kind, why: &str) {
-    if std::env::var_os("CI").is_some() {
-        panic!("{kind:?} backend unavailable in CI: {why}");
-    }
-    eprintln!("SKIPPED: {kind:?} sandbox backend unavailable: {why}");
+    skip(&format!("{kind:?}"), why);
 }
 
 type Body = Box<dyn FnOnce(Ctx) -> Pin<Box<dyn Future<Output = Result<()>>>>>;
@@ -118,29 +99,6 @@ macro_rules! both_backends {
     };
 }
 
-/// A unique folder removed on drop (the root package has no tempfile dep).
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new() -> Result<Self> {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let p = std::env::temp_dir().join(format!("arcticd-test-repo-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p)?;
-        Ok(TempDir(p))
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn git(dir: &Path, args: &[&str]) -> Result<String> {
     let out = Command::new("git")
         .args(args)
@@ -162,7 +120,7 @@ fn git(dir: &Path, args: &[&str]) -> Result<String> {
 /// A small Python repository with history that must not leak: a buggy
 /// `calc.add`, a passing test, and a "gold fix" commit later reset away.
 fn fixture_repo() -> Result<TempDir> {
-    let d = TempDir::new()?;
+    let d = TempDir::new("repo")?;
     let p = d.path();
     std::fs::create_dir(p.join("tests"))?;
     std::fs::write(

@@ -13,11 +13,10 @@
 //! A backend that is unavailable fails the test when `CI` is set and is
 //! skipped loudly otherwise.
 
+mod common;
 use anyhow::{ensure, Context, Result};
 use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::tokenizer::Tokenizer;
-use arcticd_sandbox::docker::DockerBackend;
-use arcticd_sandbox::image;
 use arcticd_sandbox::local::LocalBackend;
 use arcticd_sandbox::tasks::audit::{audit_task, AuditConfig};
 use arcticd_sandbox::tasks::validate::ValidateConfig;
@@ -27,50 +26,20 @@ use arcticd_trainer::harness::policy::Policy as ModelPolicy;
 use arcticd_trainer::harness::strengthen::{strengthen_task, STRENGTHEN_INSTRUCTION};
 use arcticd_trainer::harness::wrong_patch::AuditAgent;
 use arcticd_trainer::harness::{Harness, RolloutConfig, ScriptedPolicy};
+use common::{base_image, skip, TempDir};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Result<Self> {
-        let p =
-            std::env::temp_dir().join(format!("arcticd-strengthen-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p)?;
-        Ok(TempDir(p))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Whether the local backend's image exists (built here when it can be),
 /// reporting when not.
 fn usable() -> bool {
-    let built = arcticd_sandbox::runtime()
-        .map_err(|e| e.to_string())
-        .and_then(|rt| {
-            rt.block_on(async {
-                let docker_ok = DockerBackend::new().await.is_ok();
-                image::build_base_image(image::DEFAULT_TAG, docker_ok, false)
-                    .await
-                    .map_err(|e| e.to_string())
-            })
-        });
-    match built {
+    match base_image() {
         Ok(_) => true,
         Err(e) => {
-            if std::env::var_os("CI").is_some() {
-                panic!("local backend unavailable in CI: {e}");
-            }
-            eprintln!("SKIPPED: local sandbox backend unavailable: {e}");
+            skip("local", &e);
             false
         }
     }

@@ -14,11 +14,19 @@ use std::sync::OnceLock;
 pub struct TempDir(pub PathBuf);
 
 impl TempDir {
+    /// A fresh folder, unique within the process (a counter) and across
+    /// processes (the pid).
     pub fn new(tag: &str) -> anyhow::Result<Self> {
-        let p = std::env::temp_dir().join(format!("arcticd-test-{tag}-{}", std::process::id()));
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("arcticd-test-{tag}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&p);
         std::fs::create_dir_all(&p)?;
         Ok(TempDir(p))
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
     }
 }
 
