@@ -130,22 +130,24 @@ impl LinearPacks {
         same.then_some(p)
     }
 
-    /// Packs `group` side by side (biasless linears over one input width).
-    fn add_fused(&mut self, group: &[&Linear]) -> Result<()> {
+    /// Packs `group` side by side (biasless linears over one input width);
+    /// whether it did.
+    fn add_fused(&mut self, group: &[&Linear]) -> Result<bool> {
         let c = group[0].in_features;
         if group.iter().any(|l| l.bias.is_some() || l.in_features != c) {
-            return Ok(());
+            return Ok(false);
         }
         let mut joined = Vec::new();
         for l in group {
             joined.extend_from_slice(l.weight.as_f32()?);
         }
         let widths: Vec<usize> = group.iter().map(|l| l.out_features).collect();
-        if let Some(p) = pack_linear(&joined, c, widths.iter().sum())? {
-            let key = group[0].weight.as_f32()?.as_ptr() as usize;
-            self.fused.insert(key, (p, widths));
-        }
-        Ok(())
+        let Some(p) = pack_linear(&joined, c, widths.iter().sum())? else {
+            return Ok(false);
+        };
+        let key = group[0].weight.as_f32()?.as_ptr() as usize;
+        self.fused.insert(key, (p, widths));
+        Ok(true)
     }
 }
 
@@ -896,6 +898,22 @@ impl Qwen3_5 {
     /// head) packed for the matrix product; see [`LinearPacks`].
     pub fn pack_linears(&self) -> Result<LinearPacks> {
         let mut packs = LinearPacks::default();
+        // Groups side by side first; their members need no pack of their own.
+        let mut covered = std::collections::HashSet::new();
+        for layer in &self.layers {
+            let mut groups = vec![vec![&layer.gate_proj, &layer.up_proj]];
+            match &layer.mixer {
+                Mixer::Linear(la) => groups.push(la.input_projections().to_vec()),
+                Mixer::Full(fa) => groups.push(fa.input_projections().to_vec()),
+            }
+            for g in groups {
+                if packs.add_fused(&g)? {
+                    for l in g {
+                        covered.insert(l.weight.as_f32()?.as_ptr() as usize);
+                    }
+                }
+            }
+        }
         let head = self.lm_head_weight().as_f32()?.as_ptr();
         for (_, t) in self.named_params() {
             // The embedding table is looked up, not multiplied, unless it
@@ -905,18 +923,14 @@ impl Qwen3_5 {
             }
             if let [rows, cols] = *t.shape() {
                 let w = t.as_f32()?;
+                if covered.contains(&(w.as_ptr() as usize)) {
+                    continue;
+                }
                 match pack_linear(w, cols, rows)? {
                     Some(p) => packs.single.insert(w.as_ptr() as usize, p),
                     None => return Ok(LinearPacks::default()),
                 };
             }
-        }
-        for layer in &self.layers {
-            match &layer.mixer {
-                Mixer::Linear(la) => packs.add_fused(&la.input_projections())?,
-                Mixer::Full(fa) => packs.add_fused(&fa.input_projections())?,
-            }
-            packs.add_fused(&[&layer.gate_proj, &layer.up_proj])?;
         }
         Ok(packs)
     }

@@ -454,23 +454,7 @@ fn first_pass<const NEXT: bool>(
         for j in 0..TILE {
             d[j] = delta_of(d[j], vt[j0 + j]);
         }
-        let mut oa = [0.0f32; TILE];
-        let mut na = [0.0f32; TILE];
-        for (((ki, qi), kni), s_i) in kt.iter().zip(qt).zip(kn).zip(s.chunks_exact_mut(dv)) {
-            let x = &mut s_i[j0..j0 + TILE];
-            for j in 0..TILE {
-                let y = decay * x[j] + ki * d[j];
-                x[j] = y;
-                oa[j] += qi * y;
-                if NEXT {
-                    na[j] += kni * y;
-                }
-            }
-        }
-        o[j0..j0 + TILE].copy_from_slice(&oa);
-        if NEXT {
-            next[j0..j0 + TILE].copy_from_slice(&na);
-        }
+        update_tile::<NEXT>(s, kt, qt, kn, decay, &d, j0, o, next);
     }
     if full < dv {
         let mut d = vec![0.0f32; dv - full];
@@ -483,6 +467,42 @@ fn first_pass<const NEXT: bool>(
             *dj = delta_of(*dj, *vj);
         }
         fused_columns::<NEXT>(s, kt, qt, kn, decay, &d, full, o, next);
+    }
+}
+
+/// The update of [`fused_pass`] on the tile of columns `j0..j0 + TILE`,
+/// whose `delta` is `d`: down the rows of `S`, accumulating the tile's `o`
+/// (and `next`) in registers.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn update_tile<const NEXT: bool>(
+    s: &mut [f32],
+    kt: &[f32],
+    qt: &[f32],
+    kn: &[f32],
+    decay: f32,
+    d: &[f32; TILE],
+    j0: usize,
+    o: &mut [f32],
+    next: &mut [f32],
+) {
+    let dv = o.len();
+    let mut oa = [0.0f32; TILE];
+    let mut na = [0.0f32; TILE];
+    for (((ki, qi), kni), s_i) in kt.iter().zip(qt).zip(kn).zip(s.chunks_exact_mut(dv)) {
+        let x = &mut s_i[j0..j0 + TILE];
+        for j in 0..TILE {
+            let y = decay * x[j] + ki * d[j];
+            x[j] = y;
+            oa[j] += qi * y;
+            if NEXT {
+                na[j] += kni * y;
+            }
+        }
+    }
+    o[j0..j0 + TILE].copy_from_slice(&oa);
+    if NEXT {
+        next[j0..j0 + TILE].copy_from_slice(&na);
     }
 }
 
@@ -511,23 +531,7 @@ fn fused_pass<const NEXT: bool>(
     for j0 in (0..full).step_by(TILE) {
         let mut d = [0.0f32; TILE];
         d.copy_from_slice(&delta[j0..j0 + TILE]);
-        let mut oa = [0.0f32; TILE];
-        let mut na = [0.0f32; TILE];
-        for (((ki, qi), kni), s_i) in kt.iter().zip(qt).zip(kn).zip(s.chunks_exact_mut(dv)) {
-            let x = &mut s_i[j0..j0 + TILE];
-            for j in 0..TILE {
-                let y = decay * x[j] + ki * d[j];
-                x[j] = y;
-                oa[j] += qi * y;
-                if NEXT {
-                    na[j] += kni * y;
-                }
-            }
-        }
-        o[j0..j0 + TILE].copy_from_slice(&oa);
-        if NEXT {
-            next[j0..j0 + TILE].copy_from_slice(&na);
-        }
+        update_tile::<NEXT>(s, kt, qt, kn, decay, &d, j0, o, next);
     }
     if full < dv {
         fused_columns::<NEXT>(s, kt, qt, kn, decay, &delta[full..], full, o, next);
@@ -550,24 +554,21 @@ fn fused_columns<const NEXT: bool>(
     next: &mut [f32],
 ) {
     let dv = from + delta.len();
-    let full = from;
-    {
-        let (o, next) = (&mut o[full..], &mut next[full..]);
-        o.fill(0.0);
-        next.fill(0.0);
-        for (((ki, qi), kni), s_i) in kt.iter().zip(qt).zip(kn).zip(s.chunks_exact_mut(dv)) {
-            for (((x, dj), oj), nj) in s_i[full..]
-                .iter_mut()
-                .zip(delta)
-                .zip(o.iter_mut())
-                .zip(next.iter_mut())
-            {
-                let y = decay * *x + ki * dj;
-                *x = y;
-                *oj += qi * y;
-                if NEXT {
-                    *nj += kni * y;
-                }
+    let (o, next) = (&mut o[from..], &mut next[from..]);
+    o.fill(0.0);
+    next.fill(0.0);
+    for (((ki, qi), kni), s_i) in kt.iter().zip(qt).zip(kn).zip(s.chunks_exact_mut(dv)) {
+        for (((x, dj), oj), nj) in s_i[from..]
+            .iter_mut()
+            .zip(delta)
+            .zip(o.iter_mut())
+            .zip(next.iter_mut())
+        {
+            let y = decay * *x + ki * dj;
+            *x = y;
+            *oj += qi * y;
+            if NEXT {
+                *nj += kni * y;
             }
         }
     }
