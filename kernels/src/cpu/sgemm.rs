@@ -265,10 +265,19 @@ fn run(
                 let mpan = mc.div_ceil(MR);
                 let mut apack = take_scratch(&A_SCRATCH, mpan * MR * kc);
                 pack_a(&mut apack[..mpan * MR * kc], a, ic, mc, pc, kc);
-                for jp in g * per..((g + 1) * per).min(npan) {
+                let last = ((g + 1) * per).min(npan);
+                for jp in g * per..last {
                     let j0 = jc + jp * NR;
                     let nr = NR.min(n - j0);
                     for ip in 0..mpan {
+                        // The first row panel's pass over this B panel
+                        // fetches the next one (a packed weight's blocks
+                        // lie end to end, so past a block's last panel is
+                        // the next block's first): B streams from L3 or
+                        // memory (a weight read by a few decode rows), and
+                        // without this the kernel waited on it half its
+                        // time.
+                        let fetch_next = ip == 0;
                         let i0 = ic + ip * MR;
                         let mr = MR.min(m - i0);
                         // SAFETY: the panels hold MR (NR) x kc values; the
@@ -285,6 +294,7 @@ fn run(
                                 mr,
                                 nr,
                                 load,
+                                fetch_next,
                             );
                         }
                     }
@@ -508,10 +518,12 @@ unsafe fn transpose16(_: *const f32, _: usize, _: *mut f32, _: usize, _: usize) 
 }
 
 /// One `mr x nr` tile of C at `c.0 + off`: straight into C when whole,
-/// through a zero-padded copy at the edges.
+/// through a zero-padded copy at the edges. With `fetch_next`, the B panel
+/// after this one is prefetched while the tile runs.
 ///
 /// # Safety
-/// `a` and `b` point at packed panels of `kc` steps; the tile lies inside C.
+/// `a` and `b` point at packed panels of `kc` steps (with `fetch_next`, a
+/// next one follows `b`); the tile lies inside C.
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile(
     kc: usize,
@@ -523,10 +535,11 @@ unsafe fn tile(
     mr: usize,
     nr: usize,
     load: bool,
+    fetch_next: bool,
 ) {
     let dst = c.0.add(off);
     if nr == NR {
-        rows_kernel(mr, kc, a, b, dst, ldc, load);
+        rows_kernel(mr, kc, a, b, dst, ldc, load, fetch_next);
         return;
     }
     let mut buf = [0.0f32; MR * NR];
@@ -535,7 +548,7 @@ unsafe fn tile(
             std::ptr::copy_nonoverlapping(dst.add(i * ldc), buf.as_mut_ptr().add(i * NR), nr);
         }
     }
-    rows_kernel(mr, kc, a, b, buf.as_mut_ptr(), NR, load);
+    rows_kernel(mr, kc, a, b, buf.as_mut_ptr(), NR, load, fetch_next);
     for i in 0..mr {
         std::ptr::copy_nonoverlapping(buf.as_ptr().add(i * NR), dst.add(i * ldc), nr);
     }
@@ -546,7 +559,29 @@ unsafe fn tile(
 ///
 /// # Safety
 /// As [`kernel`], with `1 <= mr <= MR` rows of C.
+#[allow(clippy::too_many_arguments)]
 unsafe fn rows_kernel(
+    mr: usize,
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+    fetch_next: bool,
+) {
+    if fetch_next {
+        rows_kernel_with::<true>(mr, kc, a, b, c, ldc, load)
+    } else {
+        rows_kernel_with::<false>(mr, kc, a, b, c, ldc, load)
+    }
+}
+
+/// [`rows_kernel`] with the prefetch decided.
+///
+/// # Safety
+/// As [`rows_kernel`].
+unsafe fn rows_kernel_with<const FETCH: bool>(
     mr: usize,
     kc: usize,
     a: *const f32,
@@ -556,31 +591,33 @@ unsafe fn rows_kernel(
     load: bool,
 ) {
     match mr {
-        1 => kernel::<1>(kc, a, b, c, ldc, load),
-        2 => kernel::<2>(kc, a, b, c, ldc, load),
-        3 => kernel::<3>(kc, a, b, c, ldc, load),
-        4 => kernel::<4>(kc, a, b, c, ldc, load),
-        5 => kernel::<5>(kc, a, b, c, ldc, load),
-        6 => kernel::<6>(kc, a, b, c, ldc, load),
-        7 => kernel::<7>(kc, a, b, c, ldc, load),
-        8 => kernel::<8>(kc, a, b, c, ldc, load),
-        9 => kernel::<9>(kc, a, b, c, ldc, load),
-        10 => kernel::<10>(kc, a, b, c, ldc, load),
-        11 => kernel::<11>(kc, a, b, c, ldc, load),
-        _ => kernel::<MR>(kc, a, b, c, ldc, load),
+        1 => kernel::<1, FETCH>(kc, a, b, c, ldc, load),
+        2 => kernel::<2, FETCH>(kc, a, b, c, ldc, load),
+        3 => kernel::<3, FETCH>(kc, a, b, c, ldc, load),
+        4 => kernel::<4, FETCH>(kc, a, b, c, ldc, load),
+        5 => kernel::<5, FETCH>(kc, a, b, c, ldc, load),
+        6 => kernel::<6, FETCH>(kc, a, b, c, ldc, load),
+        7 => kernel::<7, FETCH>(kc, a, b, c, ldc, load),
+        8 => kernel::<8, FETCH>(kc, a, b, c, ldc, load),
+        9 => kernel::<9, FETCH>(kc, a, b, c, ldc, load),
+        10 => kernel::<10, FETCH>(kc, a, b, c, ldc, load),
+        11 => kernel::<11, FETCH>(kc, a, b, c, ldc, load),
+        _ => kernel::<MR, FETCH>(kc, a, b, c, ldc, load),
     }
 }
 
 /// An `R x NR` tile (`R <= MR` rows of an MR-row panel): `acc = C or 0;
 /// for p: acc += a[p] (x) b[p]`. Every row's arithmetic is the same for
-/// every `R`.
+/// every `R`. With `FETCH`, each step also prefetches the same step of the
+/// next B panel (`kc * NR` floats on), so it arrives before it is needed;
+/// a prefetch never faults and changes no value.
 ///
 /// # Safety
 /// AVX-512F is present; `a` holds `kc * MR`, `b` `kc * NR` floats; `c` is a
 /// writable `R x NR` tile with row stride `ldc`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn kernel<const R: usize>(
+unsafe fn kernel<const R: usize, const FETCH: bool>(
     kc: usize,
     a: *const f32,
     b: *const f32,
@@ -597,7 +634,12 @@ unsafe fn kernel<const R: usize>(
         }
     }
     let (mut a, mut b) = (a, b);
+    let ahead = kc * NR;
     for _ in 0..kc {
+        if FETCH {
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(ahead) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(ahead + 16) as *const i8);
+        }
         let b0 = _mm512_loadu_ps(b);
         let b1 = _mm512_loadu_ps(b.add(16));
         for i in 0..R {
@@ -615,7 +657,7 @@ unsafe fn kernel<const R: usize>(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel<const R: usize>(
+unsafe fn kernel<const R: usize, const FETCH: bool>(
     _: usize,
     _: *const f32,
     _: *const f32,
