@@ -259,12 +259,31 @@ fn run(
                 .flat_map(|i| (0..groups).map(move |g| (i, g)))
                 .filter(|&(_, g)| g * per < npan)
                 .collect();
+            // A's row blocks are packed once, before the tasks that share
+            // them (a decode product's few rows were packed once per task).
+            let a_len = (n_ic - 1) * MC * kc + (m - (n_ic - 1) * MC).div_ceil(MR) * MR * kc;
+            let mut apack = take_scratch(&A_SCRATCH, a_len);
+            let pack_block = |(ib, dst): (usize, &mut [f32])| {
+                let ic = ib * MC;
+                pack_a(dst, a, ic, MC.min(m - ic), pc, kc);
+            };
+            if threads > 1 && n_ic > 1 {
+                apack[..a_len]
+                    .par_chunks_mut(MC * kc)
+                    .enumerate()
+                    .for_each(pack_block);
+            } else {
+                apack[..a_len]
+                    .chunks_mut(MC * kc)
+                    .enumerate()
+                    .for_each(pack_block);
+            }
+            let apack_all: &[f32] = &apack[..a_len];
             let task = |&(ib, g): &(usize, usize)| {
                 let ic = ib * MC;
                 let mc = MC.min(m - ic);
                 let mpan = mc.div_ceil(MR);
-                let mut apack = take_scratch(&A_SCRATCH, mpan * MR * kc);
-                pack_a(&mut apack[..mpan * MR * kc], a, ic, mc, pc, kc);
+                let apack = &apack_all[ib * MC * kc..];
                 let last = ((g + 1) * per).min(npan);
                 for jp in g * per..last {
                     let j0 = jc + jp * NR;
@@ -299,13 +318,13 @@ fn run(
                         }
                     }
                 }
-                A_SCRATCH.with(|s| s.replace(apack));
             };
             if threads > 1 && tasks.len() > 1 {
                 tasks.par_iter().for_each(task);
             } else {
                 tasks.iter().for_each(task);
             }
+            A_SCRATCH.with(|s| s.replace(apack));
         }
     }
     if let BSource::Strided(_) = b {
