@@ -1051,6 +1051,49 @@ mod tests {
     }
 
     #[test]
+    fn vector_row_path_has_the_portable_bits() {
+        let mut rng = StdRng::seed_from_u64(12);
+        for (n_heads, n_kv_heads, hd) in [(4, 2, 16), (4, 2, 64), (8, 2, 32), (4, 4, 40)] {
+            for live in [1, 7, 33] {
+                let dims = AttnDims {
+                    nq: 1,
+                    nk: live,
+                    n_heads,
+                    n_kv_heads,
+                    head_dim: hd,
+                };
+                let kv_row = n_kv_heads * hd;
+                let mut r =
+                    |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-2.0..2.0)).collect() };
+                let (q, k, v) = (r(n_heads * hd), r(live * kv_row), r(live * kv_row));
+                let kv = Contiguous {
+                    k: &k,
+                    v: &v,
+                    kv_row,
+                };
+                let mut fast = vec![0.0f32; n_heads * hd];
+                attend_row(&mut fast, &q, &kv, &mut vec![0.0; live], dims, 0.125);
+                let mut slow = vec![0.0f32; n_heads * hd];
+                attend_row_body(
+                    &mut slow,
+                    &q,
+                    &kv,
+                    &mut vec![0.0; live],
+                    dims,
+                    0.125,
+                    dot_split,
+                );
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&fast),
+                    bits(&slow),
+                    "heads {n_heads}/{n_kv_heads}, hd {hd}, live {live}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn paged_rows_match_contiguous_bit_for_bit() {
         let mut rng = StdRng::seed_from_u64(9);
         let (n_heads, n_kv_heads, hd, bs) = (4, 2, 8, 4);
