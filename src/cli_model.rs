@@ -3,6 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::sampler::argmax;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_engine::{Qwen3_5, SeqInput};
 use clap::Args;
@@ -106,16 +107,6 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     }
     writeln!(stdout)?;
     Ok(())
-}
-
-fn argmax(x: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, v) in x.iter().enumerate() {
-        if *v > x[best] {
-            best = i;
-        }
-    }
-    best
 }
 
 #[derive(Args)]

@@ -13,7 +13,7 @@
 //! fixes its tokens (choice `i` of `n` uses `seed + i`).
 
 use crate::{Error, Result};
-use arcticd_kernels::cpu::logsoftmax::log_softmax_forward;
+use arcticd_kernels::cpu::logsoftmax::{log_softmax_forward, logprob_gather_forward};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -156,8 +156,20 @@ impl Sampler {
         if v == 0 {
             return Err(Error::Input("sampling from an empty vocabulary".into()));
         }
-        self.logp.resize(v, 0.0);
         let greedy = self.params.is_greedy();
+        if greedy && self.params.top_logprobs == 0 {
+            // Only the chosen token's log-prob is needed: the same
+            // `x - logsumexp(x)` as the full log-softmax's entry.
+            let token = argmax(logits) as u32;
+            let mut logprob = [0.0f32];
+            logprob_gather_forward(&mut logprob, logits, &[token], 1, v)?;
+            return Ok(Sampled {
+                token,
+                logprob: logprob[0],
+                top: Vec::new(),
+            });
+        }
+        self.logp.resize(v, 0.0);
         if greedy || self.params.temperature == 1.0 {
             log_softmax_forward(&mut self.logp, logits, 1, v)?;
         } else {
@@ -245,15 +257,29 @@ impl Sampler {
 }
 
 /// Index of the largest value (the first on ties), as greedy decoding and
-/// the reference argmax use.
+/// the reference argmax use: what a scan from 0 keeping the first strictly
+/// larger value finds, so NaNs are passed over (and a NaN at 0 is kept).
+/// The maximum is taken in 16 lanes first (the loop vectorises), then found.
 pub fn argmax(x: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, v) in x.iter().enumerate() {
-        if *v > x[best] {
-            best = i;
+    const LANES: usize = 16;
+    match x.first() {
+        None => return 0,
+        Some(v) if v.is_nan() => return 0,
+        Some(_) => {}
+    }
+    let mut m = [f32::NEG_INFINITY; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (a, b) in m.iter_mut().zip(c) {
+            *a = a.max(*b);
         }
     }
-    best
+    let max = chunks
+        .remainder()
+        .iter()
+        .chain(&m)
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    x.iter().position(|&v| v == max).unwrap_or(0)
 }
 
 /// The `k` largest entries of `logp` with their indices, largest first.
@@ -286,6 +312,48 @@ mod tests {
             seed: Some(7),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn argmax_is_the_first_strictly_larger_scan() {
+        fn scan(x: &[f32]) -> usize {
+            let mut best = 0;
+            for (i, v) in x.iter().enumerate() {
+                if *v > x[best] {
+                    best = i;
+                }
+            }
+            best
+        }
+        let mut rng = StdRng::seed_from_u64(5);
+        let special = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1.0];
+        for len in [0, 1, 2, 15, 16, 17, 100, 4096] {
+            for _ in 0..50 {
+                // Few distinct values, so ties are common; some specials.
+                let x: Vec<f32> = (0..len)
+                    .map(|_| {
+                        if rng.gen_bool(0.05) {
+                            special[rng.gen_range(0..special.len())]
+                        } else {
+                            rng.gen_range(0..8) as f32
+                        }
+                    })
+                    .collect();
+                assert_eq!(argmax(&x), scan(&x), "{x:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn greedy_logprob_is_the_log_softmax_entry() {
+        let mut rng = StdRng::seed_from_u64(6);
+        let logits: Vec<f32> = (0..1000).map(|_| rng.gen_range(-5.0..5.0)).collect();
+        let out = Sampler::new(&SamplingParams::greedy(4), 0)
+            .sample(&logits)
+            .unwrap();
+        let mut full = vec![0.0f32; logits.len()];
+        log_softmax_forward(&mut full, &logits, 1, logits.len()).unwrap();
+        assert_eq!(out.logprob.to_bits(), full[out.token as usize].to_bits());
     }
 
     #[test]
