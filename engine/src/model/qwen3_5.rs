@@ -20,10 +20,11 @@ use arcticd_kernels::cpu::{
     attention::{attention_forward, attention_forward_paged, AttnDims, PagedKv, MIN_BLOCKED_NQ},
     conv1d::conv1d_forward,
     embedding::embedding_forward,
-    gated_delta::{gated_delta_recurrent_forward, GatedDeltaDims},
+    gated_delta::{gated_delta_recurrent_forward, warm_state, GatedDeltaDims},
     l2norm::l2norm_forward,
     logsoftmax::logprob_gather_forward,
     matmul::{matmul_forward, matmul_forward_packed, pack_linear},
+    prefetch_rows,
     rmsnorm::{gated_rmsnorm_forward, rmsnorm_forward},
     rope::rope_forward,
     sgemm::PackedB,
@@ -544,7 +545,24 @@ impl Qwen3_5 {
 
         // Causal conv per sequence, continuing from each sequence's conv state.
         let mut conv = vec![0.0f32; t * conv_dim];
-        for (&(start, n, _), seq) in spans.iter().zip(batch.iter_mut()) {
+        // A decode step reads every sequence's states from memory: each
+        // sequence's are fetched while the one before it runs (addresses,
+        // only ever prefetched, never read through).
+        let states: Vec<(usize, usize, usize)> = batch
+            .iter()
+            .map(|seq| {
+                let conv = &seq.cache.conv_state[li];
+                (
+                    conv.as_ptr() as usize,
+                    conv.len(),
+                    seq.cache.recurrent_state[li].as_ptr() as usize,
+                )
+            })
+            .collect();
+        for (i, (&(start, n, _), seq)) in spans.iter().zip(batch.iter_mut()).enumerate() {
+            if let Some(&(next, len, _)) = states.get(i + 1) {
+                prefetch_rows(next as *const f32, 1, 0, len);
+            }
             conv1d_forward(
                 &mut conv[start * conv_dim..(start + n) * conv_dim],
                 &mut seq.cache.conv_state[li],
@@ -591,11 +609,17 @@ impl Qwen3_5 {
 
         let mut core = vec![0.0f32; t * vd];
         let outs = split_rows(&mut core, spans, vd);
-        let jobs: Vec<_> = spans.iter().zip(batch.iter_mut()).zip(outs).collect();
+        let jobs: Vec<_> = spans
+            .iter()
+            .zip(batch.iter_mut())
+            .zip(outs)
+            .enumerate()
+            .collect();
         // Sequences in parallel (their states are independent); each one's
         // arithmetic is the same whatever runs beside it.
+        let states = &states;
         jobs.into_par_iter()
-            .try_for_each(|((&(start, n, _), seq), out)| -> Result<()> {
+            .try_for_each(|(i, ((&(start, n, _), seq), out))| -> Result<()> {
                 let dims = GatedDeltaDims {
                     t: n,
                     nk,
@@ -603,6 +627,9 @@ impl Qwen3_5 {
                     dk,
                     dv,
                 };
+                if let Some(&(_, _, next)) = states.get(i + 1) {
+                    warm_state(next as *const f32, dims);
+                }
                 let args = (
                     &q[start * qd..(start + n) * qd],
                     &k[start * qd..(start + n) * qd],

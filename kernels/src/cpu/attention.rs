@@ -17,6 +17,7 @@
 //! dk and dv.
 
 use super::activation::exp_poly;
+use super::prefetch_rows;
 use crate::{Error, Result};
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -329,14 +330,19 @@ fn attend_row_body<K: KvRows>(
         let fetch = h % group == 0;
         for (j, s) in scores.iter_mut().enumerate() {
             if fetch && j + ROWS_AHEAD < live {
-                prefetch_row(kv.row_ptr(j + ROWS_AHEAD, false).wrapping_add(kvh * hd), hd);
+                prefetch_rows(
+                    kv.row_ptr(j + ROWS_AHEAD, false).wrapping_add(kvh * hd),
+                    1,
+                    0,
+                    hd,
+                );
             }
             let kj = &kv.k(j)[kvh * hd..(kvh + 1) * hd];
             *s = dot(qh, kj) * scale;
         }
         if fetch {
             for j in 0..ROWS_AHEAD.min(live) {
-                prefetch_row(kv.row_ptr(j, true).wrapping_add(kvh * hd), hd);
+                prefetch_rows(kv.row_ptr(j, true).wrapping_add(kvh * hd), 1, 0, hd);
             }
         }
         softmax_body(scores);
@@ -344,7 +350,12 @@ fn attend_row_body<K: KvRows>(
         oh.fill(0.0);
         for (j, &p) in scores.iter().enumerate() {
             if fetch && j + ROWS_AHEAD < live {
-                prefetch_row(kv.row_ptr(j + ROWS_AHEAD, true).wrapping_add(kvh * hd), hd);
+                prefetch_rows(
+                    kv.row_ptr(j + ROWS_AHEAD, true).wrapping_add(kvh * hd),
+                    1,
+                    0,
+                    hd,
+                );
             }
             let vj = &kv.v(j)[kvh * hd..(kvh + 1) * hd];
             for (a, b) in oh.iter_mut().zip(vj) {
@@ -352,23 +363,6 @@ fn attend_row_body<K: KvRows>(
             }
         }
     }
-}
-
-/// Prefetches the cache lines of `len` floats from `p` (a hint: never
-/// faults, changes no value).
-#[inline(always)]
-fn prefetch_row(p: *const f32, len: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for off in (0..len).step_by(16) {
-        // SAFETY: a prefetch reads nothing the program sees and cannot fault.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                p.wrapping_add(off) as *const i8,
-            )
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, len);
 }
 
 /// Partial sums of [`dot_split`]: one AVX-512 register.

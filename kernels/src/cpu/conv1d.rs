@@ -63,13 +63,13 @@ pub fn conv1d_forward(
             }
         }
     }
-    // New state: the last K-1 rows of [state; inp].
-    let total = hist + t;
-    let mut new_state = vec![0.0f32; hist * c];
-    for r in 0..hist {
-        new_state[r * c..(r + 1) * c].copy_from_slice(row(total - hist + r));
+    // New state: the last K-1 rows of [state; inp], shifted in place.
+    if t < hist {
+        state.copy_within(t * c.., 0);
+        state[(hist - t) * c..].copy_from_slice(inp);
+    } else {
+        state.copy_from_slice(&inp[(t - hist) * c..]);
     }
-    state.copy_from_slice(&new_state);
     Ok(())
 }
 

@@ -47,6 +47,7 @@
 use rayon::prelude::*;
 
 use crate::cpu::attention::{gemm_serial, MatRef};
+use crate::cpu::{prefetch_line, prefetch_rows};
 use crate::{Error, Result};
 
 /// Sizes of one gated-delta call: `t` tokens, `nk` key heads of width `dk`,
@@ -80,6 +81,14 @@ pub fn gated_delta_recurrent_forward(
         recurrent_head(out_h, s, q, k, v, g, beta, &layout, h)
     });
     Ok(())
+}
+
+/// Prefetches what a one-token [`gated_delta_recurrent_forward`] on `state`
+/// reads first (the first two column tiles of head 0; the call fetches the
+/// rest ahead of itself), so a caller can start it for the next sequence's
+/// state while this one runs. A hint: `state` is never read through.
+pub fn warm_state(state: *const f32, dims: GatedDeltaDims) {
+    prefetch_rows(state, dims.dk, dims.dv, (2 * TILE).min(dims.dv));
 }
 
 /// [`gated_delta_recurrent_forward`] that also saves the state before every
@@ -455,7 +464,7 @@ fn first_pass<const NEXT: bool>(
         let ahead = if on < full { on } else { head + on - full };
         let mut d = [0.0f32; TILE];
         for (ki, s_i) in kt.iter().zip(s.chunks_exact(dv)) {
-            prefetch(s_i.as_ptr().wrapping_add(ahead));
+            prefetch_line(s_i.as_ptr().wrapping_add(ahead));
             for j in 0..TILE {
                 d[j] += ki * s_i[j0 + j];
             }
@@ -477,19 +486,6 @@ fn first_pass<const NEXT: bool>(
         }
         fused_columns::<NEXT>(s, kt, qt, kn, decay, &d, full, o, next);
     }
-}
-
-/// Asks for the cache line holding `p` (a hint: never faults, changes no
-/// value, may point anywhere).
-#[inline(always)]
-fn prefetch(p: *const f32) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch reads nothing the program sees and cannot fault.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// The update of [`fused_pass`] on the tile of columns `j0..j0 + TILE`,

@@ -38,3 +38,27 @@ pub(crate) fn widest<R>(f: impl FnOnce() -> R) -> R {
 unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
+
+/// Asks for the cache line holding `p`: a hint, so it never faults, reads
+/// nothing the program sees and changes no value (`p` may point anywhere).
+#[inline(always)]
+pub fn prefetch_line(p: *const f32) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing the program sees and cannot fault.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// [`prefetch_line`] over `rows` rows of `width` floats, `stride` floats
+/// apart, from `p`: for data a coming call will stream from memory.
+#[inline(always)]
+pub fn prefetch_rows(p: *const f32, rows: usize, stride: usize, width: usize) {
+    for r in 0..rows {
+        for off in (0..width).step_by(16) {
+            prefetch_line(p.wrapping_add(r * stride + off));
+        }
+    }
+}
