@@ -32,7 +32,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 /// Engine configuration. Flat; every field has a default.
@@ -648,18 +648,15 @@ impl EngineLoop {
                     }
                 })
                 .collect();
-            // On a pool thread, so the kernels' parallel loops start from
-            // inside the pool instead of each handing its work over to it
-            // and sleeping until it is done (two context switches per loop,
-            // most of a decode step's time before this).
-            //
-            // The batch is cut into one run of sequences per thread, about
-            // equal in tokens, and each thread runs the whole model on its
-            // run: a decode step then synchronises once instead of in every
-            // kernel. The kernels' own loops still share out work a busy
-            // thread has not started. A row's arithmetic does not depend on
-            // the rows beside it (every kernel is batch-invariant), so the
-            // bits are those of one call over the whole batch.
+            // The batch is cut into one run of sequences per pool thread,
+            // about equal in tokens, and each thread runs the whole model on
+            // its run, then makes the logits of its rows that are sampled: a
+            // decode step synchronises once instead of in every kernel, and
+            // the kernels' parallel loops start from inside the pool. Their
+            // loops still share out work a busy thread has not started. A
+            // row's arithmetic does not depend on the rows beside it (every
+            // kernel is batch-invariant), so the bits are those of one call
+            // over the whole batch.
             let (m, packs): (&Qwen3_5, &LinearPacks) = (&model, &self.packs);
             let pools = sched.cache.pages();
             let block_size = sched.cache.block_size();
@@ -674,27 +671,67 @@ impl EngineLoop {
                     })
                 })
                 .collect();
+            // Sequences with every token in the cache after this step are
+            // sampled: their last row's logits are made by the run's own
+            // thread (a row's logits do not depend on the rows beside it).
+            let wants: Vec<bool> = plan
+                .iter()
+                .map(|item| {
+                    let seq = &sched.running[item.seq];
+                    seq.computed + item.n == seq.tokens.len()
+                })
+                .collect();
             let runs = split_by_tokens(&mut batch, rayon::current_num_threads());
-            let mut rest: &[Option<PagedPast<'_>>] = &pasts;
+            let (mut rest, mut rest_wants): (&[Option<PagedPast<'_>>], &[bool]) = (&pasts, &wants);
             let runs: Vec<_> = runs
                 .into_iter()
                 .map(|run| {
                     let (mine, tail) = rest.split_at(run.len());
-                    rest = tail;
-                    (run, mine)
+                    let (my_wants, wants_tail) = rest_wants.split_at(run.len());
+                    (rest, rest_wants) = (tail, wants_tail);
+                    (run, mine, my_wants)
                 })
                 .collect();
-            rayon::scope(|_| {
-                let outs: Vec<Result<Vec<f32>>> = runs
-                    .into_par_iter()
-                    .map(|(run, pasts)| m.forward_paged(run, Some(pasts), Some(packs)))
-                    .collect();
-                outs.into_iter()
-                    .try_fold(Vec::new(), |mut all, out| -> Result<Vec<f32>> {
-                        all.extend_from_slice(&out?);
-                        Ok(all)
-                    })
-            })
+            // Every pool thread is handed its run by name (a broadcast):
+            // left to work stealing, a thread that was asleep sometimes did
+            // not wake before the other had finished its own run and taken
+            // the second too, and the step took twice as long.
+            let runs: Vec<Mutex<Option<_>>> =
+                runs.into_iter().map(|run| Mutex::new(Some(run))).collect();
+            let h = model.config.hidden_size;
+            let outs: Vec<Option<Result<Vec<f32>>>> = rayon::broadcast(|ctx| {
+                let run = runs
+                    .get(ctx.index())?
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .take();
+                let (run, pasts, wants) = run?;
+                let lens: Vec<usize> = run.iter().map(|seq| seq.tokens.len()).collect();
+                let logits = m
+                    .forward_paged(run, Some(pasts), Some(packs))
+                    .and_then(|hidden| {
+                        let mut rows = Vec::new();
+                        let mut end = 0;
+                        for (n, &want) in lens.iter().zip(wants) {
+                            end += n;
+                            if want {
+                                rows.extend_from_slice(&hidden[(end - 1) * h..end * h]);
+                            }
+                        }
+                        if rows.is_empty() {
+                            Ok(Vec::new())
+                        } else {
+                            m.logits_with(&rows, Some(packs))
+                        }
+                    });
+                Some(logits)
+            });
+            outs.into_iter()
+                .flatten()
+                .try_fold(Vec::new(), |mut all, out| -> Result<Vec<f32>> {
+                    all.extend_from_slice(&out?);
+                    Ok(all)
+                })
         };
         for (j, item) in plan.iter().enumerate() {
             let seq = &sched.running[item.seq];
@@ -708,8 +745,8 @@ impl EngineLoop {
                 );
             }
         }
-        let hidden = match result {
-            Ok(h) => h,
+        let logits = match result {
+            Ok(l) => l,
             Err(e) => {
                 tracing::error!("engine forward failed: {e}");
                 self.fail_plan(&plan, &format!("internal error: {e}"));
@@ -718,34 +755,27 @@ impl EngineLoop {
         };
         sched.after_step(&plan);
 
-        // Rows whose sequence has every token in the cache: sample there.
-        let h = model.config.hidden_size;
-        let mut rows = Vec::new();
-        let mut which = Vec::new();
-        let mut offset = 0;
-        for item in &plan {
-            let seq = &sched.running[item.seq];
-            if seq.computed == seq.tokens.len() {
-                let r = offset + item.n - 1;
-                rows.extend_from_slice(&hidden[r * h..(r + 1) * h]);
-                which.push(item.seq);
-            }
-            offset += item.n;
-        }
-        let logits = if which.is_empty() {
-            Ok(Vec::new())
-        } else {
-            let (m, packs): (&Qwen3_5, &LinearPacks) = (&model, &self.packs);
-            rayon::scope(|_| m.logits_with(&rows, Some(packs)))
-        };
+        // Sequences with every token in the cache, whose logits the runs
+        // made (in plan order): sample there.
+        let which: Vec<usize> = plan
+            .iter()
+            .filter(|item| {
+                let seq = &sched.running[item.seq];
+                seq.computed == seq.tokens.len()
+            })
+            .map(|item| item.seq)
+            .collect();
+        let vocab_size = model.config.vocab_size;
         drop(model);
-        let logits = match logits {
-            Ok(l) => l,
-            Err(e) => {
-                self.fail_plan(&plan, &format!("internal error: {e}"));
-                return;
-            }
-        };
+        if logits.len() != which.len() * vocab_size {
+            let msg = format!(
+                "internal error: {} logits for {} sampled rows of {vocab_size}",
+                logits.len(),
+                which.len()
+            );
+            self.fail_plan(&plan, &msg);
+            return;
+        }
         let vocab = logits.len() / which.len().max(1);
         let mut finished: Vec<(usize, FinishReason)> = Vec::new();
         let mut hung_up: Vec<u64> = Vec::new();
