@@ -84,11 +84,11 @@ pub fn gated_delta_recurrent_forward(
 }
 
 /// Prefetches what a one-token [`gated_delta_recurrent_forward`] on `state`
-/// reads first (the first two column tiles of head 0; the call fetches the
-/// rest ahead of itself), so a caller can start it for the next sequence's
-/// state while this one runs. A hint: `state` is never read through.
+/// reads first (head 0; the call fetches each next head ahead of itself),
+/// so a caller can start it for the next sequence's state while this one
+/// runs. A hint: `state` is never read through.
 pub fn warm_state(state: *const f32, dims: GatedDeltaDims) {
-    prefetch_rows(state, dims.dk, dims.dv, (2 * TILE).min(dims.dv));
+    prefetch_rows(state, 1, 0, dims.dk * dims.dv);
 }
 
 /// [`gated_delta_recurrent_forward`] that also saves the state before every
@@ -348,7 +348,85 @@ unsafe fn recurrent_head_avx512(
     layout: &Layout,
     h: usize,
 ) {
+    let GatedDeltaDims { t, dv, .. } = layout.dims;
+    if t == 1 && dv % 16 == 0 {
+        let args = (
+            layout.key_row(q, 0, h),
+            layout.key_row(k, 0, h),
+            layout.value_row(v, 0, h),
+            layout.head_scalar(g, 0, h).exp(),
+            layout.head_scalar(beta, 0, h),
+        );
+        // SAFETY (each arm): AVX-512F is present (this function's
+        // contract); dv is 16 times the const.
+        match dv / 16 {
+            1 => return unsafe { decode_head_avx512::<1>(out_h, s, args) },
+            2 => return unsafe { decode_head_avx512::<2>(out_h, s, args) },
+            4 => return unsafe { decode_head_avx512::<4>(out_h, s, args) },
+            8 => return unsafe { decode_head_avx512::<8>(out_h, s, args) },
+            _ => {}
+        }
+    }
     recurrent_head_body(out_h, s, q, k, v, g, beta, layout, h)
+}
+
+/// One value head, one token (a decode step), `dv = 16 NC`, in AVX-512
+/// registers: the same arithmetic as [`first_pass`] with the same bits (no
+/// product fused into an add), but over whole rows of `S` (`S` read along
+/// memory, and the NC column sums are independent chains where a tile had
+/// one): `S^T k` down the rows, then `delta`, then a second pass down the
+/// rows (now in L1) applying the update and summing the readout, while the
+/// next head's rows are fetched.
+///
+/// # Safety
+/// AVX-512F is present; `o` holds `dv`, `s` `dk x dv` values (`dk` the
+/// length of `q` and `k`), `v` `dv`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn decode_head_avx512<const NC: usize>(
+    o: &mut [f32],
+    s: &mut [f32],
+    (q, k, v, decay, b): (&[f32], &[f32], &[f32], f32, f32),
+) {
+    use std::arch::x86_64::*;
+    let dv = 16 * NC;
+    let dk = k.len();
+    assert!(o.len() == dv && v.len() == dv && q.len() == dk && s.len() == dk * dv);
+    let head = s.len();
+    let sp = s.as_mut_ptr();
+    // SAFETY (loads and stores below): rows i < dk of dv floats lie in `s`,
+    // and `o`, `v` hold dv floats (asserted above).
+    let mut d = [_mm512_setzero_ps(); NC];
+    for (i, &ki) in k.iter().enumerate() {
+        let row = unsafe { sp.add(i * dv) };
+        let ki = _mm512_set1_ps(ki);
+        for (c, dc) in d.iter_mut().enumerate() {
+            let x = unsafe { _mm512_loadu_ps(row.add(16 * c)) };
+            *dc = _mm512_add_ps(*dc, _mm512_mul_ps(ki, x));
+        }
+    }
+    let (vb, vdecay) = (_mm512_set1_ps(b), _mm512_set1_ps(decay));
+    for (c, dc) in d.iter_mut().enumerate() {
+        let vc = unsafe { _mm512_loadu_ps(v.as_ptr().add(16 * c)) };
+        *dc = _mm512_mul_ps(vb, _mm512_sub_ps(vc, _mm512_mul_ps(vdecay, *dc)));
+    }
+    let mut oa = [_mm512_setzero_ps(); NC];
+    for (i, (&ki, &qi)) in k.iter().zip(q).enumerate() {
+        let row = unsafe { sp.add(i * dv) };
+        for c in 0..NC {
+            prefetch_line(row.wrapping_add(head + 16 * c));
+        }
+        let (ki, qi) = (_mm512_set1_ps(ki), _mm512_set1_ps(qi));
+        for c in 0..NC {
+            let x = unsafe { _mm512_loadu_ps(row.add(16 * c)) };
+            let y = _mm512_add_ps(_mm512_mul_ps(vdecay, x), _mm512_mul_ps(ki, d[c]));
+            unsafe { _mm512_storeu_ps(row.add(16 * c), y) };
+            oa[c] = _mm512_add_ps(oa[c], _mm512_mul_ps(qi, y));
+        }
+    }
+    for (c, oc) in oa.iter().enumerate() {
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(16 * c), *oc) };
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -1590,7 +1668,14 @@ mod tests {
     /// on it), with full tiles and a ragged edge, one head and many.
     #[test]
     fn decode_steps_are_bit_identical_to_one_call() {
-        for (nv, dv) in [(4, 2 * TILE + 3), (1, TILE), (2, 5)] {
+        for (nv, dv) in [
+            (4, 2 * TILE + 3),
+            (1, TILE),
+            (2, 5),
+            (2, 64),
+            (3, 32),
+            (1, 128),
+        ] {
             let d = |t| GatedDeltaDims {
                 t,
                 nk: 1,
