@@ -732,7 +732,24 @@ impl Qwen3_5 {
                     kc.clear();
                     vc.clear();
                     if n < PAGED_MAX_NQ {
-                        // Decode: the past is read where it lies.
+                        // Decode: the past is read where it lies, the next
+                        // sequence's first keys fetched meanwhile.
+                        if let (Some(Some(next)), Some(&(_, _, next_past))) =
+                            (pasts.and_then(|p| p.get(s + 1)), spans.get(s + 1))
+                        {
+                            let (k_pool, v_pool) = next.pools.get(li).copied().unwrap_or_default();
+                            PagedKv {
+                                k_pool,
+                                v_pool,
+                                blocks: next.blocks,
+                                block_size: next.block_size,
+                                past: next_past,
+                                new_k: &[],
+                                new_v: &[],
+                                kv_row: kvrow,
+                            }
+                            .warm();
+                        }
                         kc.extend_from_slice(paged.new_k);
                         vc.extend_from_slice(paged.new_v);
                         let q = &q[start * qrow..(start + n) * qrow];

@@ -141,6 +141,19 @@ pub struct PagedKv<'a> {
 }
 
 impl PagedKv<'_> {
+    /// Prefetches the key rows a decode call reads first (the call fetches
+    /// the rest ahead of itself), so a caller can start it for the next
+    /// sequence while this one runs. A hint: nothing is read through.
+    pub fn warm(&self) {
+        for j in 0..ROWS_AHEAD.min(self.past) {
+            let Some(&b) = self.blocks.get(j / self.block_size.max(1)) else {
+                return;
+            };
+            let at = (b as usize * self.block_size + j % self.block_size) * self.kv_row;
+            prefetch_rows(self.k_pool.as_ptr().wrapping_add(at), 1, 0, self.kv_row);
+        }
+    }
+
     #[inline(always)]
     fn row<'b>(&self, pool: &'b [f32], new: &'b [f32], j: usize) -> &'b [f32] {
         let r = self.kv_row;
@@ -241,55 +254,159 @@ fn attend_rows<K: KvRows>(out: &mut [f32], q: &[f32], kv: &K, dims: AttnDims, sc
     let AttnDims { nq, nk, .. } = dims;
     let row_len = dims.n_heads * dims.head_dim;
     out.par_chunks_mut(row_len).enumerate().for_each_init(
-        || vec![0.0f32; nk],
-        |scores, (i, o)| {
+        || vec![0.0f32; 2 * nk],
+        |scratch, (i, o)| {
             let q_row = &q[i * row_len..(i + 1) * row_len];
             // Keys 0..=last, the row's own position included.
             let live = nk - nq + i + 1;
-            attend_row(o, q_row, kv, &mut scores[..live], dims, scale);
+            attend_row(o, q_row, kv, &mut scratch[..2 * live], dims, scale);
         },
     );
 }
 
-/// One query row, all heads, over the keys `0..scores.len()`: scores in
-/// [`DOT_LANES`] split sums, [`softmax_in_place`], then the weighted sum of
-/// values. The loops vectorise; where the CPU has AVX-512 (or AVX2) they run
-/// from a copy compiled for it.
+/// One query row, all heads, over the keys `0..scratch.len() / 2`
+/// (`scratch` holds two heads' scores): scores in [`DOT_LANES`] split sums,
+/// [`softmax_in_place`], then the weighted sum of values. The loops
+/// vectorise; where the CPU has AVX-512 (or AVX2) they run from a copy
+/// compiled for it.
 fn attend_row<K: KvRows>(
     o: &mut [f32],
     q_row: &[f32],
     kv: &K,
-    scores: &mut [f32],
+    scratch: &mut [f32],
     dims: AttnDims,
     scale: f32,
 ) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU supports AVX-512F, checked just above.
-        return unsafe { attend_row_avx512(o, q_row, kv, scores, dims, scale) };
+        return unsafe { attend_row_avx512(o, q_row, kv, scratch, dims, scale) };
     }
+    let live = scratch.len() / 2;
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
-        return unsafe { attend_row_avx2(o, q_row, kv, scores, dims, scale) };
+        return unsafe { attend_row_avx2(o, q_row, kv, &mut scratch[..live], dims, scale) };
     }
-    attend_row_body(o, q_row, kv, scores, dims, scale, dot_split)
+    attend_row_body(o, q_row, kv, &mut scratch[..live], dims, scale, dot_split)
 }
 
+/// [`attend_row`] on AVX-512: head widths of 16 to 128 with an even number
+/// of query heads per key/value head take [`attend_pairs`], the rest the
+/// portable body with [`dot_split_avx512`]. The same bits either way.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn attend_row_avx512<K: KvRows>(
     o: &mut [f32],
     q_row: &[f32],
     kv: &K,
-    scores: &mut [f32],
+    scratch: &mut [f32],
     dims: AttnDims,
     scale: f32,
 ) {
-    attend_row_body(o, q_row, kv, scores, dims, scale, |a, b| {
+    let (hd, group) = (dims.head_dim, dims.n_heads / dims.n_kv_heads);
+    if hd % 16 == 0 && group % 2 == 0 {
+        // SAFETY (each arm): AVX-512F is present (this function's contract);
+        // hd is 16 times the const.
+        match hd / 16 {
+            1 => return unsafe { attend_pairs::<K, 1>(o, q_row, kv, scratch, dims, scale) },
+            2 => return unsafe { attend_pairs::<K, 2>(o, q_row, kv, scratch, dims, scale) },
+            4 => return unsafe { attend_pairs::<K, 4>(o, q_row, kv, scratch, dims, scale) },
+            8 => return unsafe { attend_pairs::<K, 8>(o, q_row, kv, scratch, dims, scale) },
+            _ => {}
+        }
+    }
+    let live = scratch.len() / 2;
+    attend_row_body(o, q_row, kv, &mut scratch[..live], dims, scale, |a, b| {
         // SAFETY: this copy runs only where AVX-512F is present.
         unsafe { dot_split_avx512(a, b) }
     })
+}
+
+/// [`attend_row_body`] two query heads of one key/value head at a time,
+/// for `head_dim = 16 NC`: each key and value row is loaded once for both,
+/// and both heads' outputs stay in registers across the positions (in
+/// memory, each position's add waited on the last one's store). Every
+/// output is the same chain `0 + p_0 v_0 + p_1 v_1 + ...` as in the body,
+/// so the same bits.
+///
+/// # Safety
+/// AVX-512F is present; `head_dim == 16 * NC`; the query heads per
+/// key/value head are even; `scratch` is two heads' scores long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn attend_pairs<K: KvRows, const NC: usize>(
+    o: &mut [f32],
+    q_row: &[f32],
+    kv: &K,
+    scratch: &mut [f32],
+    dims: AttnDims,
+    scale: f32,
+) {
+    use std::arch::x86_64::*;
+    let hd = 16 * NC;
+    let group = dims.n_heads / dims.n_kv_heads;
+    let live = scratch.len() / 2;
+    let (s0, s1) = scratch.split_at_mut(live);
+    for h in (0..dims.n_heads).step_by(2) {
+        let kvh = h / group;
+        let (q0, q1) = (
+            &q_row[h * hd..(h + 1) * hd],
+            &q_row[(h + 1) * hd..(h + 2) * hd],
+        );
+        let fetch = h % group == 0;
+        for j in 0..live {
+            if fetch && j + ROWS_AHEAD < live {
+                prefetch_rows(
+                    kv.row_ptr(j + ROWS_AHEAD, false).wrapping_add(kvh * hd),
+                    1,
+                    0,
+                    hd,
+                );
+            }
+            let kj = &kv.k(j)[kvh * hd..(kvh + 1) * hd];
+            // SAFETY: AVX-512F is present.
+            unsafe {
+                s0[j] = dot_split_avx512(q0, kj) * scale;
+                s1[j] = dot_split_avx512(q1, kj) * scale;
+            }
+        }
+        if fetch {
+            for j in 0..ROWS_AHEAD.min(live) {
+                prefetch_rows(kv.row_ptr(j, true).wrapping_add(kvh * hd), 1, 0, hd);
+            }
+        }
+        softmax_body(s0);
+        softmax_body(s1);
+        let mut a0 = [_mm512_setzero_ps(); NC];
+        let mut a1 = [_mm512_setzero_ps(); NC];
+        for j in 0..live {
+            if fetch && j + ROWS_AHEAD < live {
+                prefetch_rows(
+                    kv.row_ptr(j + ROWS_AHEAD, true).wrapping_add(kvh * hd),
+                    1,
+                    0,
+                    hd,
+                );
+            }
+            let vj = &kv.v(j)[kvh * hd..(kvh + 1) * hd];
+            let (p0, p1) = (_mm512_set1_ps(s0[j]), _mm512_set1_ps(s1[j]));
+            for c in 0..NC {
+                // SAFETY: vj holds hd = 16 NC values.
+                let x = unsafe { _mm512_loadu_ps(vj.as_ptr().add(16 * c)) };
+                a0[c] = _mm512_add_ps(a0[c], _mm512_mul_ps(p0, x));
+                a1[c] = _mm512_add_ps(a1[c], _mm512_mul_ps(p1, x));
+            }
+        }
+        let (o0, o1) = o[h * hd..(h + 2) * hd].split_at_mut(hd);
+        for c in 0..NC {
+            // SAFETY: o0 and o1 hold hd = 16 NC values each.
+            unsafe {
+                _mm512_storeu_ps(o0.as_mut_ptr().add(16 * c), a0[c]);
+                _mm512_storeu_ps(o1.as_mut_ptr().add(16 * c), a1[c]);
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -307,7 +424,7 @@ unsafe fn attend_row_avx2<K: KvRows>(
 
 /// Positions ahead of the one being read whose key (value) row is
 /// prefetched: past keys and values stream from memory in a decode step.
-const ROWS_AHEAD: usize = 8;
+const ROWS_AHEAD: usize = 16;
 
 /// The row path's body; `dot` is [`dot_split`] or a copy with the same bits.
 #[inline(always)]
@@ -1045,9 +1162,17 @@ mod tests {
     }
 
     #[test]
-    fn vector_row_path_has_the_portable_bits() {
+    fn vector_row_paths_have_the_portable_bits() {
         let mut rng = StdRng::seed_from_u64(12);
-        for (n_heads, n_kv_heads, hd) in [(4, 2, 16), (4, 2, 64), (8, 2, 32), (4, 4, 40)] {
+        for (n_heads, n_kv_heads, hd) in [
+            (4, 2, 16),
+            (4, 2, 64),
+            (8, 2, 32),
+            (4, 2, 128),
+            (6, 2, 48),
+            (4, 4, 64),
+            (4, 2, 40),
+        ] {
             for live in [1, 7, 33] {
                 let dims = AttnDims {
                     nq: 1,
@@ -1066,7 +1191,7 @@ mod tests {
                     kv_row,
                 };
                 let mut fast = vec![0.0f32; n_heads * hd];
-                attend_row(&mut fast, &q, &kv, &mut vec![0.0; live], dims, 0.125);
+                attend_row(&mut fast, &q, &kv, &mut vec![0.0; 2 * live], dims, 0.125);
                 let mut slow = vec![0.0f32; n_heads * hd];
                 attend_row_body(
                     &mut slow,
