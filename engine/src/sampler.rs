@@ -13,7 +13,8 @@
 //! fixes its tokens (choice `i` of `n` uses `seed + i`).
 
 use crate::{Error, Result};
-use arcticd_kernels::cpu::logsoftmax::{log_softmax_forward, logprob_gather_forward};
+pub use arcticd_kernels::cpu::logsoftmax::argmax;
+use arcticd_kernels::cpu::logsoftmax::{greedy_pick, log_softmax_forward};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -160,12 +161,10 @@ impl Sampler {
         if greedy && self.params.top_logprobs == 0 {
             // Only the chosen token's log-prob is needed: the same
             // `x - logsumexp(x)` as the full log-softmax's entry.
-            let token = argmax(logits) as u32;
-            let mut logprob = [0.0f32];
-            logprob_gather_forward(&mut logprob, logits, &[token], 1, v)?;
+            let (token, logprob) = greedy_pick(logits)?;
             return Ok(Sampled {
-                token,
-                logprob: logprob[0],
+                token: token as u32,
+                logprob,
                 top: Vec::new(),
             });
         }
@@ -256,32 +255,6 @@ impl Sampler {
     }
 }
 
-/// Index of the largest value (the first on ties), as greedy decoding and
-/// the reference argmax use: what a scan from 0 keeping the first strictly
-/// larger value finds, so NaNs are passed over (and a NaN at 0 is kept).
-/// The maximum is taken in 16 lanes first (the loop vectorises), then found.
-pub fn argmax(x: &[f32]) -> usize {
-    const LANES: usize = 16;
-    match x.first() {
-        None => return 0,
-        Some(v) if v.is_nan() => return 0,
-        Some(_) => {}
-    }
-    let mut m = [f32::NEG_INFINITY; LANES];
-    let mut chunks = x.chunks_exact(LANES);
-    for c in &mut chunks {
-        for (a, b) in m.iter_mut().zip(c) {
-            *a = a.max(*b);
-        }
-    }
-    let max = chunks
-        .remainder()
-        .iter()
-        .chain(&m)
-        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    x.iter().position(|&v| v == max).unwrap_or(0)
-}
-
 /// The `k` largest entries of `logp` with their indices, largest first.
 pub fn top_k_of(logp: &[f32], k: usize) -> Vec<(u32, f32)> {
     let mut idx: Vec<u32> = (0..logp.len() as u32).collect();
@@ -311,36 +284,6 @@ mod tests {
             temperature: t,
             seed: Some(7),
             ..Default::default()
-        }
-    }
-
-    #[test]
-    fn argmax_is_the_first_strictly_larger_scan() {
-        fn scan(x: &[f32]) -> usize {
-            let mut best = 0;
-            for (i, v) in x.iter().enumerate() {
-                if *v > x[best] {
-                    best = i;
-                }
-            }
-            best
-        }
-        let mut rng = StdRng::seed_from_u64(5);
-        let special = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1.0];
-        for len in [0, 1, 2, 15, 16, 17, 100, 4096] {
-            for _ in 0..50 {
-                // Few distinct values, so ties are common; some specials.
-                let x: Vec<f32> = (0..len)
-                    .map(|_| {
-                        if rng.gen_bool(0.05) {
-                            special[rng.gen_range(0..special.len())]
-                        } else {
-                            rng.gen_range(0..8) as f32
-                        }
-                    })
-                    .collect();
-                assert_eq!(argmax(&x), scan(&x), "{x:?}");
-            }
         }
     }
 

@@ -45,6 +45,13 @@ unsafe fn logsumexp_avx2(row: &[f32]) -> f32 {
 
 #[inline(always)]
 fn logsumexp_body(row: &[f32]) -> f32 {
+    logsumexp_from(row, row_max(row))
+}
+
+/// The largest value of `row`, NaNs passed over (`-inf` when there is no
+/// other), in [`LANES`] partial maxima.
+#[inline(always)]
+fn row_max(row: &[f32]) -> f32 {
     let mut m = [f32::NEG_INFINITY; LANES];
     let mut chunks = row.chunks_exact(LANES);
     for c in &mut chunks {
@@ -52,11 +59,16 @@ fn logsumexp_body(row: &[f32]) -> f32 {
             *a = a.max(*b);
         }
     }
-    let max = chunks
+    chunks
         .remainder()
         .iter()
         .chain(&m)
-        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+/// [`logsumexp`] given the row's [`row_max`].
+#[inline(always)]
+fn logsumexp_from(row: &[f32], max: f32) -> f32 {
     if !max.is_finite() {
         return max;
     }
@@ -74,6 +86,37 @@ fn logsumexp_body(row: &[f32]) -> f32 {
         .sum();
     let s = acc.iter().sum::<f64>() + tail;
     max + s.ln() as f32
+}
+
+/// Index of the largest value (the first on ties), as greedy decoding and
+/// reference argmaxes use: what a scan from 0 keeping the first strictly
+/// larger value finds, so NaNs are passed over (and a NaN at 0 is kept).
+pub fn argmax(row: &[f32]) -> usize {
+    super::widest(|| first_max(row, row_max(row)))
+}
+
+/// Where `max` (the row's [`row_max`]) first occurs, with [`argmax`]'s rule.
+#[inline(always)]
+fn first_max(row: &[f32], max: f32) -> usize {
+    match row.first() {
+        Some(x) if !x.is_nan() => row.iter().position(|&x| x == max).unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// Greedy decoding's pick from one row of logits: its [`argmax`] and that
+/// entry's log-prob `x[i] - logsumexp(x)`, with the bits of
+/// [`logprob_gather_forward`] on that index; one pass finds the maximum for
+/// both. Errors on an empty row.
+pub fn greedy_pick(row: &[f32]) -> Result<(usize, f32)> {
+    if row.is_empty() {
+        return Err(Error::Shape("greedy pick from an empty row".into()));
+    }
+    Ok(super::widest(|| {
+        let max = row_max(row);
+        let i = first_max(row, max);
+        (i, row[i] - logsumexp_from(row, max))
+    }))
 }
 
 /// `out[n, v] = logits - logsumexp(logits)` per row.
@@ -286,6 +329,46 @@ pub fn entropy_backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    #[test]
+    fn argmax_is_the_first_strictly_larger_scan_and_pick_has_gather_bits() {
+        fn scan(x: &[f32]) -> usize {
+            let mut best = 0;
+            for (i, v) in x.iter().enumerate() {
+                if *v > x[best] {
+                    best = i;
+                }
+            }
+            best
+        }
+        let mut rng = StdRng::seed_from_u64(5);
+        let special = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1.0];
+        for len in [0, 1, 2, 15, 16, 17, 100, 4096] {
+            for _ in 0..50 {
+                // Few distinct values, so ties are common; some specials.
+                let x: Vec<f32> = (0..len)
+                    .map(|_| {
+                        if rng.gen_bool(0.05) {
+                            special[rng.gen_range(0..special.len())]
+                        } else {
+                            rng.gen_range(0..8) as f32 + rng.gen_range(0..2) as f32 * 0.5
+                        }
+                    })
+                    .collect();
+                assert_eq!(argmax(&x), scan(&x), "{x:?}");
+                if len == 0 {
+                    assert!(greedy_pick(&x).is_err());
+                    continue;
+                }
+                let (i, lp) = greedy_pick(&x).unwrap();
+                assert_eq!(i, scan(&x));
+                let mut want = [0.0f32];
+                logprob_gather_forward(&mut want, &x, &[i as u32], 1, len).unwrap();
+                assert_eq!(lp.to_bits(), want[0].to_bits(), "{x:?}");
+            }
+        }
+    }
 
     #[test]
     fn gather_matches_log_softmax() {
