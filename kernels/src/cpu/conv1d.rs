@@ -43,6 +43,28 @@ pub fn conv1d_forward(
             &inp[(r - hist) * c..(r - hist + 1) * c]
         }
     };
+    // From the AVX-512 copy where there is one (the same arithmetic).
+    super::widest(|| conv_rows(out, &row, weight, t, c, k));
+    // New state: the last K-1 rows of [state; inp], shifted in place.
+    if t < hist {
+        state.copy_within(t * c.., 0);
+        state[(hist - t) * c..].copy_from_slice(inp);
+    } else {
+        state.copy_from_slice(&inp[(t - hist) * c..]);
+    }
+    Ok(())
+}
+
+/// The convolution's output rows; `row(r)` is row `r` of `[state; inp]`.
+#[inline(always)]
+fn conv_rows<'a>(
+    out: &mut [f32],
+    row: &impl Fn(usize) -> &'a [f32],
+    weight: &[f32],
+    t: usize,
+    c: usize,
+    k: usize,
+) {
     for ti in 0..t {
         let o = &mut out[ti * c..(ti + 1) * c];
         if k == 4 {
@@ -63,14 +85,6 @@ pub fn conv1d_forward(
             }
         }
     }
-    // New state: the last K-1 rows of [state; inp], shifted in place.
-    if t < hist {
-        state.copy_within(t * c.., 0);
-        state[(hist - t) * c..].copy_from_slice(inp);
-    } else {
-        state.copy_from_slice(&inp[(t - hist) * c..]);
-    }
-    Ok(())
 }
 
 /// Backward of [`conv1d_forward`] for one call that started from `state0`
