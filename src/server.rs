@@ -852,11 +852,14 @@ async fn chat_completions(State(s): State<AppState>, body: Bytes) -> AppResult<R
     if req.sampling.stream.unwrap_or(false) {
         let (_, sub) = s.inner.router.submit(request)?;
         let model = s.inner.model_name.clone();
-        let buffer_tools = !matches!(mode, ToolMode::Off);
+        let with_tools = !matches!(mode, ToolMode::Off);
         let st = s.clone();
         let n = params.n;
         let mut started = vec![false; n];
-        let mut held: Vec<String> = vec![String::new(); n];
+        // With tools, text streams as content except where it may open a
+        // tool call; each call goes out as a `tool_calls` delta once it
+        // closes (see `ToolStream`).
+        let mut tool_streams: Vec<ToolStream> = (0..n).map(|_| ToolStream::new(&forced)).collect();
         let stream = stream_events(s.clone(), sub.events, params, move |ev| {
             let (index, delta, lp, finish) = match ev {
                 StreamItem::Text {
@@ -865,33 +868,19 @@ async fn chat_completions(State(s): State<AppState>, body: Bytes) -> AppResult<R
                     tokens,
                 } => {
                     let lp = want_lp.then(|| json!({"content": chat_logprobs(&st, &tokens)}));
-                    if buffer_tools {
-                        // Tool calls are only known at the end: hold the text.
-                        if let Some(h) = held.get_mut(index) {
-                            h.push_str(&text);
-                        }
-                        (index, json!({}), lp, None)
-                    } else {
-                        (index, json!({"content": text}), lp, None)
+                    match tool_streams.get_mut(index).filter(|_| with_tools) {
+                        Some(ts) => (index, ts.push(&text), lp, None),
+                        None => (index, json!({"content": text}), lp, None),
                     }
                 }
                 StreamItem::Finish { index, reason, .. } => {
-                    if buffer_tools {
-                        let full =
-                            format!("{forced}{}", held.get(index).cloned().unwrap_or_default());
-                        let (content, calls) = parse_tool_calls(&full);
-                        let finish = if calls.is_empty() {
-                            reason
-                        } else {
-                            "tool_calls"
-                        };
-                        let mut delta = json!({"content": content});
-                        if !calls.is_empty() {
-                            delta["tool_calls"] = tool_calls_json(&calls, true);
+                    match tool_streams.get_mut(index).filter(|_| with_tools) {
+                        Some(ts) => {
+                            let delta = ts.finish();
+                            let finish = if ts.calls > 0 { "tool_calls" } else { reason };
+                            (index, delta, None, Some(finish))
                         }
-                        (index, delta, None, Some(finish))
-                    } else {
-                        (index, json!({}), None, Some(reason))
+                        None => (index, json!({}), None, Some(reason)),
                     }
                 }
             };
@@ -930,7 +919,7 @@ async fn chat_completions(State(s): State<AppState>, body: Bytes) -> AppResult<R
                 json!({
                     "role": "assistant",
                     "content": if content.is_empty() { Value::Null } else { json!(content) },
-                    "tool_calls": tool_calls_json(&calls, false),
+                    "tool_calls": tool_calls_json(&calls, None),
                 })
             }
         };
@@ -964,22 +953,121 @@ async fn chat_completions(State(s): State<AppState>, body: Bytes) -> AppResult<R
     Ok(Json(resp).into_response())
 }
 
-fn tool_calls_json(calls: &[ToolCall], with_index: bool) -> Value {
+/// One streamed choice's text when tools are on: content is passed on as
+/// it comes, except a tail that may be the start of `<tool_call>`; from an
+/// opening tag the text is held until `</tool_call>`, then parsed as
+/// [`parse_tool_calls`] would and sent as one `tool_calls` delta (a block
+/// that is no call goes out as content). What is left at the end goes
+/// through [`parse_tool_calls`] too (an open call still counts).
+struct ToolStream {
+    pending: String,
+    inside: bool,
+    /// Calls sent so far (the next call's index).
+    calls: usize,
+}
+
+const TOOL_OPEN: &str = "<tool_call>";
+const TOOL_CLOSE: &str = "</tool_call>";
+
+impl ToolStream {
+    /// `forced`: text the prompt already ends with (a forced call's opening).
+    fn new(forced: &str) -> Self {
+        let mut ts = ToolStream {
+            pending: String::new(),
+            inside: false,
+            calls: 0,
+        };
+        ts.feed(forced);
+        ts
+    }
+
+    /// Adds `text`; the delta for what can be sent now.
+    fn push(&mut self, text: &str) -> Value {
+        let (content, calls) = self.feed(text);
+        self.delta(content, calls)
+    }
+
+    /// Everything still held, as a delta.
+    fn finish(&mut self) -> Value {
+        let rest = std::mem::take(&mut self.pending);
+        let (content, calls) = if self.inside {
+            parse_tool_calls(&rest)
+        } else {
+            (rest, Vec::new())
+        };
+        self.inside = false;
+        self.delta(content, calls)
+    }
+
+    fn feed(&mut self, text: &str) -> (String, Vec<ToolCall>) {
+        self.pending.push_str(text);
+        let mut content = String::new();
+        let mut calls = Vec::new();
+        loop {
+            if !self.inside {
+                if let Some(at) = self.pending.find(TOOL_OPEN) {
+                    content.extend(self.pending.drain(..at));
+                    self.inside = true;
+                    continue;
+                }
+                // Hold a tail that could begin the opening tag (ASCII, so
+                // the cut is a char boundary).
+                let keep = (1..TOOL_OPEN.len())
+                    .rev()
+                    .find(|&k| self.pending.ends_with(&TOOL_OPEN[..k]))
+                    .unwrap_or(0);
+                let cut = self.pending.len() - keep;
+                content.extend(self.pending.drain(..cut));
+                break;
+            }
+            let Some(at) = self.pending.find(TOOL_CLOSE) else {
+                break;
+            };
+            let block: String = self.pending.drain(..at + TOOL_CLOSE.len()).collect();
+            let (text, found) = parse_tool_calls(&block);
+            if found.is_empty() {
+                content.push_str(&block);
+            } else {
+                content.push_str(&text);
+                calls.extend(found);
+            }
+            self.inside = false;
+        }
+        (content, calls)
+    }
+
+    fn delta(&mut self, content: String, calls: Vec<ToolCall>) -> Value {
+        let mut delta = json!({});
+        if !content.is_empty() {
+            delta["content"] = json!(content);
+        }
+        if !calls.is_empty() {
+            delta["tool_calls"] = tool_calls_json(&calls, Some(self.calls));
+            self.calls += calls.len();
+        }
+        delta
+    }
+}
+
+/// OpenAI `tool_calls`; with `first_index`, each carries its index in the
+/// choice's calls (as stream deltas do), counting from there.
+fn tool_calls_json(calls: &[ToolCall], first_index: Option<usize>) -> Value {
     Value::Array(
         calls
             .iter()
             .enumerate()
             .map(|(i, c)| {
+                let index = first_index.unwrap_or(0) + i;
                 let mut v = json!({
-                    "id": format!("call_{i}_{:08x}", rand::random::<u32>()),
+                    "id": format!("call_{index}_{:08x}", rand::random::<u32>()),
                     "type": "function",
                     "function": {
                         "name": c.name,
                         "arguments": Value::Object(c.arguments.clone()).to_string(),
                     },
                 });
-                if with_index {
-                    v["index"] = json!(i);
+                if first_index.is_some() {
+                    v["index"] = json!(index);
                 }
                 v
             })
@@ -1147,6 +1235,7 @@ mod tests {
     use axum::body::Body;
     use axum::http::Request as HttpRequest;
     use http_body_util::BodyExt;
+    use rand::{Rng, SeedableRng};
     use std::path::PathBuf;
     use std::sync::OnceLock;
     use tower::ServiceExt;
@@ -1413,6 +1502,44 @@ mod tests {
         assert_eq!(st, StatusCode::OK, "{v}");
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn streamed_forced_tool_call_comes_as_a_tool_calls_delta() {
+        let app = app(state());
+        let tools = json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+        let body = json!({"messages": [{"role": "user", "content": "weather in Paris?"}],
+            "tools": tools, "max_tokens": 8, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
+        let (_, whole) = call_json(&app, "/v1/chat/completions", body.clone()).await;
+        let mut streamed_body = body;
+        streamed_body["stream"] = json!(true);
+        let (st, sse) = call(
+            &app,
+            "POST",
+            "/v1/chat/completions",
+            &streamed_body.to_string(),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK);
+        let chunks: Vec<Value> = sse
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let calls: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+            .flatten()
+            .collect();
+        let want = &whole["choices"][0]["message"]["tool_calls"];
+        assert_eq!(calls.len(), want.as_array().unwrap().len(), "{sse}");
+        assert_eq!(calls[0]["index"], 0);
+        assert_eq!(calls[0]["function"], want[0]["function"]);
+        let finish = chunks.last().unwrap()["choices"][0]["finish_reason"].clone();
+        assert_eq!(finish, "tool_calls");
+    }
+
     async fn wait_idle(s: &AppState) -> bool {
         for _ in 0..200 {
             let r = &s.inner.router.replicas()[0];
@@ -1466,6 +1593,66 @@ mod tests {
         assert!(text.contains("\"finish_reason\":\"abort\""), "{text}");
         assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
         assert!(wait_idle(&s).await);
+    }
+
+    /// Streamed in any pieces, the content and calls are those of the whole
+    /// text parsed at once (content not trimmed while streaming).
+    #[test]
+    fn tool_stream_matches_whole_text_parse() {
+        let texts = [
+            "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+            "<tool_call>\n<function=a>\n</function>\n</tool_call> mid <tool_call>\n<function=b>\n<parameter=x>\n{\"k\": 1}\n</parameter>",
+            "a < b and <tool_c but <tool_call>junk</tool_call> done",
+            "plain text, é and 日本 <tool_ca",
+            "x<tool_call>\n<function=f>\n<parameter=p>\nv\n</parameter>\n</function>\n</tool_call><tool_call>\n<function=g>\n</function>\n</tool_call>y",
+        ];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for text in texts {
+            let (want_content, want_calls) = parse_tool_calls(text);
+            for _ in 0..30 {
+                let mut ts = ToolStream::new("");
+                let (mut content, mut calls) = (String::new(), Vec::new());
+                let mut rest = text;
+                let take = |delta: Value, content: &mut String, calls: &mut Vec<Value>| {
+                    if let Some(c) = delta["content"].as_str() {
+                        content.push_str(c);
+                    }
+                    if let Some(cs) = delta["tool_calls"].as_array() {
+                        calls.extend(cs.iter().cloned());
+                    }
+                };
+                while !rest.is_empty() {
+                    let mut cut = rng.gen_range(1..=rest.len().min(9));
+                    while !rest.is_char_boundary(cut) {
+                        cut += 1;
+                    }
+                    take(ts.push(&rest[..cut]), &mut content, &mut calls);
+                    rest = &rest[cut..];
+                }
+                take(ts.finish(), &mut content, &mut calls);
+                assert_eq!(content.trim(), want_content, "{text:?}");
+                assert_eq!(calls.len(), want_calls.len(), "{text:?}");
+                for (i, (got, want)) in calls.iter().zip(&want_calls).enumerate() {
+                    assert_eq!(got["index"], i);
+                    assert_eq!(got["function"]["name"], want.name);
+                    let args: Value =
+                        serde_json::from_str(got["function"]["arguments"].as_str().unwrap())
+                            .unwrap();
+                    assert_eq!(args, Value::Object(want.arguments.clone()));
+                }
+                assert_eq!(ts.calls, want_calls.len());
+            }
+        }
+        // A forced call: the prompt ends with its opening.
+        let mut ts = ToolStream::new("<tool_call>\n<function=");
+        assert_eq!(ts.push("get_weather>\n<parameter=city>\nOslo"), json!({}));
+        let d = ts.push("\n</parameter>\n</function>\n</tool_call>");
+        assert_eq!(d["tool_calls"][0]["function"]["name"], "get_weather");
+        assert_eq!(
+            d["tool_calls"][0]["function"]["arguments"],
+            "{\"city\":\"Oslo\"}"
+        );
+        assert_eq!(ts.finish(), json!({}));
     }
 
     #[test]

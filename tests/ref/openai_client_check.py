@@ -70,7 +70,7 @@ def main():
     }]
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     r = client.chat.completions.create(
-        model=m, messages=ask, tools=tools, max_tokens=16,
+        model=m, messages=ask, tools=tools, max_tokens=16, temperature=0,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )
     c = r.choices[0]
@@ -85,6 +85,25 @@ def main():
     r2 = client.chat.completions.create(model=m, messages=follow, tools=tools, max_tokens=8)
     assert r2.choices[0].message.role == "assistant"
     summary["tool_call"] = call.function.arguments
+
+    # The same forced call streamed: the client puts the call back together
+    # from `tool_calls` deltas.
+    stream = client.chat.completions.create(
+        model=m, messages=ask, tools=tools, max_tokens=16, stream=True, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    got, finish = {}, None
+    for chunk in stream:
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                slot = got.setdefault(tc.index, {"name": "", "arguments": ""})
+                slot["name"] += tc.function.name or ""
+                slot["arguments"] += tc.function.arguments or ""
+            if ch.finish_reason:
+                finish = ch.finish_reason
+    assert finish == "tool_calls", finish
+    assert got[0]["name"] == "get_weather", got
+    assert json.loads(got[0]["arguments"]) == json.loads(call.function.arguments), (got, call)
 
     r = client.chat.completions.create(
         model=m, messages=user, max_tokens=6, logprobs=True, top_logprobs=3,
