@@ -1123,8 +1123,48 @@ enum StreamItem {
 /// is whole characters and cannot be the start of a stop string.
 struct Detok {
     ids: Vec<u32>,
+    /// The text of `ids[..read]`, made piece by piece.
+    text: String,
+    /// Start of the decode window: the tokens from here to `read` are
+    /// decoded again with the new ones, so text that depends on its
+    /// neighbours comes out as in a whole decode.
+    prefix: usize,
+    read: usize,
+    /// Bytes of `text` sent.
     sent: usize,
     pending: Vec<TokenLp>,
+}
+
+impl Detok {
+    fn new() -> Self {
+        Detok {
+            ids: Vec::new(),
+            text: String::new(),
+            prefix: 0,
+            read: 0,
+            sent: 0,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Extends `text` with the text of the tokens past `read`, decoding a
+    /// window of a few tokens instead of the whole sequence (which made a
+    /// long stream quadratic); waits while the window ends inside a
+    /// character.
+    fn advance(&mut self, s: &AppState) {
+        let before = s
+            .decode(&self.ids[self.prefix..self.read])
+            .unwrap_or_default();
+        let after = s.decode(&self.ids[self.prefix..]).unwrap_or_default();
+        if after.ends_with('\u{fffd}') {
+            return;
+        }
+        if let Some(new) = after.get(before.len()..).filter(|n| !n.is_empty()) {
+            self.text.push_str(new);
+            self.prefix = self.read;
+            self.read = self.ids.len();
+        }
+    }
 }
 
 /// Turn engine events into SSE events, `shape` making each JSON chunk; ends
@@ -1146,13 +1186,7 @@ fn stream_events(
         .unwrap_or(0);
     let stop = params.stop;
     tokio::spawn(async move {
-        let mut detok: Vec<Detok> = (0..params.n)
-            .map(|_| Detok {
-                ids: Vec::new(),
-                sent: 0,
-                pending: Vec::new(),
-            })
-            .collect();
+        let mut detok: Vec<Detok> = (0..params.n).map(|_| Detok::new()).collect();
         let mut open = params.n;
         while open > 0 {
             let mut items = Vec::new();
@@ -1163,15 +1197,15 @@ fn stream_events(
                     };
                     d.ids.push(t.token);
                     d.pending.push((t.token, t.logprob, t.top_logprobs));
-                    let text = s.decode(&d.ids).unwrap_or_default();
+                    d.advance(&s);
+                    let text = &d.text;
                     let mut end = text.len().saturating_sub(holdback);
                     while end > d.sent && !text.is_char_boundary(end) {
                         end -= 1;
                     }
-                    // `get` and not indexing: decoding is not always
-                    // prefix-stable, and a bad cut must not end the stream.
-                    let piece = text.get(d.sent..end).filter(|p| !p.is_empty());
-                    if let (false, Some(piece)) = (text.ends_with('\u{fffd}'), piece) {
+                    // `get` and not indexing: a bad cut must not end the
+                    // stream.
+                    if let Some(piece) = text.get(d.sent..end).filter(|p| !p.is_empty()) {
                         items.push(StreamItem::Text {
                             index: t.index,
                             text: piece.to_string(),
@@ -1593,6 +1627,22 @@ mod tests {
         assert!(text.contains("\"finish_reason\":\"abort\""), "{text}");
         assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
         assert!(wait_idle(&s).await);
+    }
+
+    /// Token by token, the windowed decode makes the whole decode's text,
+    /// characters split across tokens included.
+    #[test]
+    fn stream_decode_matches_whole_decode() {
+        let s = state();
+        let text = "héllo wörld, 日本語のテキスト 🙂🚀 fn main() { println!(\"x\"); }\n\tend";
+        let ids = s.inner.tokenizer.encode(text).unwrap();
+        let mut d = Detok::new();
+        for &id in &ids {
+            d.ids.push(id);
+            d.advance(&s);
+            assert!(!d.text.contains('\u{fffd}'), "{:?}", d.text);
+        }
+        assert_eq!(d.text, s.decode(&ids).unwrap());
     }
 
     /// Streamed in any pieces, the content and calls are those of the whole
