@@ -427,7 +427,8 @@ impl AppState {
     /// drops the receiver, which frees the sequences.
     async fn run(&self, request: Request) -> AppResult<Vec<Choice>> {
         let n = request.params.n;
-        let (_, mut sub) = self.inner.router.submit(request)?;
+        // Only the finished choices are wanted: no event per token.
+        let (_, mut sub) = self.inner.router.submit_collected(request)?;
         let mut choices = vec![Choice::default(); n];
         let mut done = 0;
         while done < n {

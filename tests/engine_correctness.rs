@@ -3,7 +3,8 @@
 //! log-probs match `Qwen3_5::score`; a prefix-cache hit is bit-for-bit a cold
 //! run; preemption by recompute gives the same tokens as no preemption; a
 //! weight update mid-generation continues exactly as a fresh engine with the
-//! new weights would. All on the tiny preset.
+//! new weights would; a collected request gets a streamed request's events,
+//! all at its end. All on the tiny preset.
 
 use arcticd_engine::engine::{self, Choice, EngineConfig, FinishReason, Request};
 use arcticd_engine::sampler::SamplingParams;
@@ -441,4 +442,58 @@ fn n_choices_share_one_prefill_and_equal_separate_requests() {
         assert_eq!(a, b, "choice {i}");
     }
     assert!(forked[0].tokens != forked[1].tokens || forked[1].tokens != forked[2].tokens);
+}
+
+/// A collected request sends nothing per token: each choice's token events
+/// come together just before its `Finished`, and they are the events a
+/// streamed request of the same prompt gets. A receiver dropped meanwhile
+/// frees the request.
+#[test]
+fn collected_requests_get_the_same_events_at_the_end() {
+    let dir = tiny_model("collected", 4);
+    let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+    let eng = engine::start(store, None, small_config()).unwrap();
+    let req = greedy(prompt(20, 9), 12);
+    let streamed = run_all(&eng, std::slice::from_ref(&req));
+    let generated = |e: &engine::EngineHandle| {
+        e.metrics()
+            .generated_tokens
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let before = generated(&eng);
+    let mut sub = eng.submit_collected(req.clone()).unwrap();
+    let mut events = Vec::new();
+    loop {
+        let ev = sub.events.blocking_recv().unwrap();
+        if events.is_empty() {
+            // All twelve tokens were made before the first event came.
+            assert_eq!(generated(&eng) - before, 12);
+        }
+        let done = matches!(ev, engine::Event::Finished { .. });
+        events.push(ev);
+        if done {
+            break;
+        }
+    }
+    assert_eq!(events.len(), 13);
+    let mut ch = vec![Choice::default()];
+    for ev in events {
+        engine::apply_event(&mut ch, ev).unwrap();
+    }
+    assert_eq!(ch[0].tokens, streamed[0].tokens);
+    assert_eq!(ch[0].logprobs, streamed[0].logprobs);
+    assert_eq!(ch[0].finish_reason, Some(FinishReason::Length));
+
+    // Dropped before it finishes: the engine lets it go.
+    let long = greedy(prompt(20, 10), 4000);
+    let sub = eng.submit_collected(long).unwrap();
+    drop(sub);
+    let start = std::time::Instant::now();
+    while eng.load() > 0 {
+        assert!(
+            start.elapsed().as_secs() < 20,
+            "the dropped request was not freed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }

@@ -27,6 +27,7 @@ use crate::sampler::{Sampled, Sampler, SamplingParams};
 use crate::scheduler::{Limits, Scheduled, Scheduler, Sequence};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+use arcticd_kernels::cpu::logsoftmax::greedy_pick;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -184,6 +185,8 @@ enum Command {
         request: Request,
         load: u64,
         reply: UnboundedSender<Event>,
+        /// Hold each choice's token events until it finishes.
+        collected: bool,
     },
     Abort(u64),
     Pause(mpsc::SyncSender<()>),
@@ -274,6 +277,19 @@ impl EngineHandle {
 
     /// Queue a request; events arrive on the returned receiver.
     pub fn submit(&self, request: Request) -> Result<Submitted> {
+        self.submit_with(request, false)
+    }
+
+    /// [`submit`](Self::submit) for a caller that only wants the finished
+    /// choices: each choice's token events come together when it finishes,
+    /// just before its `Finished`. The engine then sends nothing (and wakes
+    /// no task) per token; a receiver dropped meanwhile still frees the
+    /// request at the next step.
+    pub fn submit_collected(&self, request: Request) -> Result<Submitted> {
+        self.submit_with(request, true)
+    }
+
+    fn submit_with(&self, request: Request, collected: bool) -> Result<Submitted> {
         self.validate(&request)?;
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (reply, events) = unbounded_channel();
@@ -284,6 +300,7 @@ impl EngineHandle {
             request,
             load,
             reply,
+            collected,
         };
         if self.tx.send(cmd).is_err() {
             self.shared.metrics.load.fetch_sub(load, Ordering::Relaxed);
@@ -300,7 +317,7 @@ impl EngineHandle {
     /// Generate and wait for every choice (blocking; not for async code).
     pub fn generate_blocking(&self, request: Request) -> Result<Vec<Choice>> {
         let n = request.params.n;
-        let mut sub = self.submit(request)?;
+        let mut sub = self.submit_collected(request)?;
         let mut choices = vec![Choice::default(); n];
         let mut done = 0;
         while done < n {
@@ -315,7 +332,7 @@ impl EngineHandle {
     /// Async form of [`generate_blocking`](Self::generate_blocking).
     pub async fn generate(&self, request: Request) -> Result<Vec<Choice>> {
         let n = request.params.n;
-        let mut sub = self.submit(request)?;
+        let mut sub = self.submit_collected(request)?;
         let mut choices = vec![Choice::default(); n];
         let mut done = 0;
         while done < n {
@@ -384,6 +401,35 @@ struct Pending {
     reply: UnboundedSender<Event>,
     open: usize,
     load: u64,
+    /// For a collected request: each choice's token events so far.
+    held: Option<Vec<Vec<TokenEvent>>>,
+}
+
+impl Pending {
+    /// Sends (or, collected, holds) a token event; false when the receiver
+    /// is gone.
+    fn deliver(&mut self, ev: TokenEvent) -> bool {
+        match &mut self.held {
+            Some(held) => match held.get_mut(ev.index) {
+                Some(h) if !self.reply.is_closed() => {
+                    h.push(ev);
+                    true
+                }
+                _ => false,
+            },
+            None => self.reply.send(Event::Token(ev)).is_ok(),
+        }
+    }
+
+    /// Ends choice `index`: its held token events, then `Finished`.
+    fn finish(&mut self, index: usize, reason: FinishReason) {
+        if let Some(held) = self.held.as_mut().and_then(|h| h.get_mut(index)) {
+            for ev in std::mem::take(held) {
+                let _ = self.reply.send(Event::Token(ev));
+            }
+        }
+        let _ = self.reply.send(Event::Finished { index, reason });
+    }
 }
 
 /// Start an engine thread over `store`. `tokenizer` is needed for stop
@@ -523,6 +569,7 @@ impl EngineLoop {
                 request,
                 load,
                 reply,
+                collected,
             } => {
                 let n = request.params.n;
                 // One sequence prefills the prompt; the other choices fork
@@ -539,6 +586,7 @@ impl EngineLoop {
                         reply,
                         open: n,
                         load,
+                        held: collected.then(|| vec![Vec::new(); n]),
                     },
                 );
             }
@@ -574,12 +622,9 @@ impl EngineLoop {
                 .filter(|s| s.request == id)
                 .flat_map(|s| std::iter::once(s.index).chain(s.forks.iter().map(|f| f.0)))
                 .collect();
-            if let Some(p) = self.pending.get(&id) {
+            if let Some(p) = self.pending.get_mut(&id) {
                 for index in open {
-                    let _ = p.reply.send(Event::Finished {
-                        index,
-                        reason: FinishReason::Abort,
-                    });
+                    p.finish(index, FinishReason::Abort);
                 }
             }
             self.drop_request(id);
@@ -673,16 +718,19 @@ impl EngineLoop {
                 .collect();
             // Sequences with every token in the cache after this step are
             // sampled: their last row's logits are made by the run's own
-            // thread (a row's logits do not depend on the rows beside it).
-            let wants: Vec<bool> = plan
+            // thread (a row's logits do not depend on the rows beside it),
+            // and a greedy pick too (`Some(true)`), while the row is in its
+            // cache.
+            let wants: Vec<Option<bool>> = plan
                 .iter()
                 .map(|item| {
                     let seq = &sched.running[item.seq];
-                    seq.computed + item.n == seq.tokens.len()
+                    (seq.computed + item.n == seq.tokens.len()).then(|| seq.sampler.is_cheap())
                 })
                 .collect();
             let runs = split_by_tokens(&mut batch, rayon::current_num_threads());
-            let (mut rest, mut rest_wants): (&[Option<PagedPast<'_>>], &[bool]) = (&pasts, &wants);
+            let (mut rest, mut rest_wants): (&[Option<PagedPast<'_>>], &[Option<bool>]) =
+                (&pasts, &wants);
             let runs: Vec<_> = runs
                 .into_iter()
                 .map(|run| {
@@ -699,7 +747,9 @@ impl EngineLoop {
             let runs: Vec<Mutex<Option<_>>> =
                 runs.into_iter().map(|run| Mutex::new(Some(run))).collect();
             let h = model.config.hidden_size;
-            let outs: Vec<Option<Result<Vec<f32>>>> = rayon::broadcast(|ctx| {
+            type RunOut = (Vec<f32>, Vec<Option<(usize, f32)>>);
+            let vocab = model.config.vocab_size;
+            let outs: Vec<Option<Result<RunOut>>> = rayon::broadcast(|ctx| {
                 let run = runs
                     .get(ctx.index())?
                     .lock()
@@ -707,31 +757,44 @@ impl EngineLoop {
                     .take();
                 let (run, pasts, wants) = run?;
                 let lens: Vec<usize> = run.iter().map(|seq| seq.tokens.len()).collect();
-                let logits = m
+                let out = m
                     .forward_paged(run, Some(pasts), Some(packs))
                     .and_then(|hidden| {
                         let mut rows = Vec::new();
                         let mut end = 0;
-                        for (n, &want) in lens.iter().zip(wants) {
+                        for (n, want) in lens.iter().zip(wants) {
                             end += n;
-                            if want {
+                            if want.is_some() {
                                 rows.extend_from_slice(&hidden[(end - 1) * h..end * h]);
                             }
                         }
                         if rows.is_empty() {
-                            Ok(Vec::new())
-                        } else {
-                            m.logits_with(&rows, Some(packs))
+                            return Ok((Vec::new(), Vec::new()));
                         }
+                        let logits = m.logits_with(&rows, Some(packs))?;
+                        let picks = wants
+                            .iter()
+                            .flatten()
+                            .zip(logits.chunks_exact(vocab))
+                            .map(|(&pick, row)| {
+                                pick.then(|| greedy_pick(row))
+                                    .transpose()
+                                    .map_err(Error::from)
+                            })
+                            .collect::<Result<Vec<_>>>()?;
+                        Ok((logits, picks))
                     });
-                Some(logits)
+                Some(out)
             });
-            outs.into_iter()
-                .flatten()
-                .try_fold(Vec::new(), |mut all, out| -> Result<Vec<f32>> {
-                    all.extend_from_slice(&out?);
-                    Ok(all)
-                })
+            outs.into_iter().flatten().try_fold(
+                (Vec::new(), Vec::new()),
+                |(mut logits, mut picks), out| -> Result<RunOut> {
+                    let (l, p) = out?;
+                    logits.extend_from_slice(&l);
+                    picks.extend(p);
+                    Ok((logits, picks))
+                },
+            )
         };
         for (j, item) in plan.iter().enumerate() {
             let seq = &sched.running[item.seq];
@@ -745,8 +808,8 @@ impl EngineLoop {
                 );
             }
         }
-        let logits = match result {
-            Ok(l) => l,
+        let (logits, picks) = match result {
+            Ok(out) => out,
             Err(e) => {
                 tracing::error!("engine forward failed: {e}");
                 self.fail_plan(&plan, &format!("internal error: {e}"));
@@ -790,8 +853,8 @@ impl EngineLoop {
             }
         }
         // Each target is a different sequence with its own sampler, so the
-        // rows are sampled in parallel; what each draws does not depend on
-        // the others.
+        // rows may be sampled in parallel; what each draws does not depend
+        // on the others.
         let samples: Vec<Result<Sampled>> = {
             let mut samplers: Vec<Option<&mut Sampler>> = self
                 .scheduler
@@ -804,16 +867,32 @@ impl EngineLoop {
                 .map(|&(r, i)| (r, samplers[i].take()))
                 .collect();
             let logits = &logits;
-            rayon::scope(|_| {
-                jobs.into_par_iter()
-                    .map(|(r, s)| match s {
-                        Some(s) => s.sample(&logits[r * vocab..(r + 1) * vocab]),
-                        None => Err(Error::Input(
-                            "a sequence was sampled twice in one step".into(),
-                        )),
+            let picks = &picks;
+            let one = |(r, s): (usize, Option<&mut Sampler>)| match s {
+                // The run made this row's greedy pick already.
+                Some(s) if s.is_cheap() && picks.get(r).copied().flatten().is_some() => {
+                    let (token, logprob) = picks[r].expect("checked just above");
+                    Ok(Sampled {
+                        token: token as u32,
+                        logprob,
+                        top: Vec::new(),
                     })
-                    .collect()
-            })
+                }
+                Some(s) => s.sample(&logits[r * vocab..(r + 1) * vocab]),
+                None => Err(Error::Input(
+                    "a sequence was sampled twice in one step".into(),
+                )),
+            };
+            // Picks the runs made are lookups: handing them to the pool
+            // costs more than doing them here.
+            let cheap = jobs
+                .iter()
+                .all(|(_, s)| s.as_ref().is_none_or(|s| s.is_cheap()));
+            if cheap {
+                jobs.into_iter().map(one).collect()
+            } else {
+                rayon::scope(|_| jobs.into_par_iter().map(one).collect())
+            }
         };
         for ((_, i), sampled) in targets.into_iter().zip(samples) {
             let seq = &mut self.scheduler.running[i];
@@ -833,17 +912,17 @@ impl EngineLoop {
                 .metrics
                 .generated_tokens
                 .fetch_add(1, Ordering::Relaxed);
-            let ev = Event::Token(TokenEvent {
+            let ev = TokenEvent {
                 index: seq.index,
                 token: sampled.token,
                 logprob: sampled.logprob,
                 top_logprobs: sampled.top,
                 weight_version: self.version,
-            });
+            };
             let delivered = self
                 .pending
-                .get(&seq.request)
-                .is_some_and(|p| p.reply.send(ev).is_ok());
+                .get_mut(&seq.request)
+                .is_some_and(|p| p.deliver(ev));
             if !delivered {
                 hung_up.push(seq.request);
                 continue;
@@ -857,10 +936,7 @@ impl EngineLoop {
         for (i, reason) in finished {
             let seq = self.scheduler.finish(i);
             if let Some(p) = self.pending.get_mut(&seq.request) {
-                let _ = p.reply.send(Event::Finished {
-                    index: seq.index,
-                    reason,
-                });
+                p.finish(seq.index, reason);
                 p.open -= 1;
                 if p.open == 0 {
                     self.drop_request(seq.request);

@@ -71,9 +71,27 @@ impl Router {
 
     /// Submit to the least-loaded replica; returns its index too.
     pub fn submit(&self, request: Request) -> Result<(usize, Submitted)> {
+        self.submit_to_least_loaded(request, false)
+    }
+
+    /// [`submit`](Self::submit) with each choice's token events held until
+    /// it finishes (see `EngineHandle::submit_collected`).
+    pub fn submit_collected(&self, request: Request) -> Result<(usize, Submitted)> {
+        self.submit_to_least_loaded(request, true)
+    }
+
+    fn submit_to_least_loaded(
+        &self,
+        request: Request,
+        collected: bool,
+    ) -> Result<(usize, Submitted)> {
         let _guard = self.pick.lock().unwrap_or_else(|e| e.into_inner());
         let i = self.least_loaded();
-        let sub = self.replicas[i].submit(request)?;
+        let sub = if collected {
+            self.replicas[i].submit_collected(request)?
+        } else {
+            self.replicas[i].submit(request)?
+        };
         Ok((i, sub))
     }
 
