@@ -357,12 +357,7 @@ unsafe fn attend_pairs<K: KvRows, const NC: usize>(
         let fetch = h % group == 0;
         for j in 0..live {
             if fetch && j + ROWS_AHEAD < live {
-                prefetch_rows(
-                    kv.row_ptr(j + ROWS_AHEAD, false).wrapping_add(kvh * hd),
-                    1,
-                    0,
-                    hd,
-                );
+                fetch_head_row(kv, j + ROWS_AHEAD, false, kvh, hd);
             }
             let kj = &kv.k(j)[kvh * hd..(kvh + 1) * hd];
             // SAFETY: AVX-512F is present.
@@ -373,7 +368,7 @@ unsafe fn attend_pairs<K: KvRows, const NC: usize>(
         }
         if fetch {
             for j in 0..ROWS_AHEAD.min(live) {
-                prefetch_rows(kv.row_ptr(j, true).wrapping_add(kvh * hd), 1, 0, hd);
+                fetch_head_row(kv, j, true, kvh, hd);
             }
         }
         softmax_body(s0);
@@ -382,12 +377,7 @@ unsafe fn attend_pairs<K: KvRows, const NC: usize>(
         let mut a1 = [_mm512_setzero_ps(); NC];
         for j in 0..live {
             if fetch && j + ROWS_AHEAD < live {
-                prefetch_rows(
-                    kv.row_ptr(j + ROWS_AHEAD, true).wrapping_add(kvh * hd),
-                    1,
-                    0,
-                    hd,
-                );
+                fetch_head_row(kv, j + ROWS_AHEAD, true, kvh, hd);
             }
             let vj = &kv.v(j)[kvh * hd..(kvh + 1) * hd];
             let (p0, p1) = (_mm512_set1_ps(s0[j]), _mm512_set1_ps(s1[j]));
@@ -426,6 +416,13 @@ unsafe fn attend_row_avx2<K: KvRows>(
 /// prefetched: past keys and values stream from memory in a decode step.
 const ROWS_AHEAD: usize = 16;
 
+/// Prefetches key/value head `kvh`'s key (`value`: false) or value row at
+/// position `j` (`hd` floats).
+#[inline(always)]
+fn fetch_head_row<K: KvRows>(kv: &K, j: usize, value: bool, kvh: usize, hd: usize) {
+    prefetch_rows(kv.row_ptr(j, value).wrapping_add(kvh * hd), 1, 0, hd);
+}
+
 /// The row path's body; `dot` is [`dot_split`] or a copy with the same bits.
 #[inline(always)]
 fn attend_row_body<K: KvRows>(
@@ -447,19 +444,14 @@ fn attend_row_body<K: KvRows>(
         let fetch = h % group == 0;
         for (j, s) in scores.iter_mut().enumerate() {
             if fetch && j + ROWS_AHEAD < live {
-                prefetch_rows(
-                    kv.row_ptr(j + ROWS_AHEAD, false).wrapping_add(kvh * hd),
-                    1,
-                    0,
-                    hd,
-                );
+                fetch_head_row(kv, j + ROWS_AHEAD, false, kvh, hd);
             }
             let kj = &kv.k(j)[kvh * hd..(kvh + 1) * hd];
             *s = dot(qh, kj) * scale;
         }
         if fetch {
             for j in 0..ROWS_AHEAD.min(live) {
-                prefetch_rows(kv.row_ptr(j, true).wrapping_add(kvh * hd), 1, 0, hd);
+                fetch_head_row(kv, j, true, kvh, hd);
             }
         }
         softmax_body(scores);
@@ -467,12 +459,7 @@ fn attend_row_body<K: KvRows>(
         oh.fill(0.0);
         for (j, &p) in scores.iter().enumerate() {
             if fetch && j + ROWS_AHEAD < live {
-                prefetch_rows(
-                    kv.row_ptr(j + ROWS_AHEAD, true).wrapping_add(kvh * hd),
-                    1,
-                    0,
-                    hd,
-                );
+                fetch_head_row(kv, j + ROWS_AHEAD, true, kvh, hd);
             }
             let vj = &kv.v(j)[kvh * hd..(kvh + 1) * hd];
             for (a, b) in oh.iter_mut().zip(vj) {
