@@ -15,6 +15,8 @@
 //! forced `tool_choice` opens the call in the prompt, so the model writes
 //! its arguments. This parser is lenient (an unclosed call at the end of the
 //! text still counts); the training gate's strict grammar is elsewhere.
+//! Streamed with tools, text goes out as content as it comes, and each call
+//! as one `tool_calls` delta when its `</tool_call>` arrives (`ToolStream`).
 //!
 //! Log-probabilities are the engine's: of each sampled token under the
 //! distribution it was sampled from, after temperature (`sampler.rs`).

@@ -2,14 +2,17 @@
 //! from a shared [`ParamStore`], and generates for requests that reach it
 //! over a channel. Each request carries its own reply channel, on which the
 //! engine sends one [`Event`] per generated token and one per finished
-//! choice. A reply channel whose receiver is gone (a client that hung up)
-//! aborts the request and frees its sequences.
+//! choice (a collected request, [`EngineHandle::submit_collected`], gets a
+//! choice's token events together when it finishes). A reply channel whose
+//! receiver is gone (a client that hung up) aborts the request and frees its
+//! sequences.
 //!
 //! The loop, between any two steps: take new commands; if the parameter
 //! store's `weight_version` moved, drop the prefix cache and make every
 //! running sequence recompute its cache from its token ids; plan a step;
-//! run one packed forward for it; sample for the sequences whose tokens are
-//! all in the cache; send events.
+//! run the forward for it, one run of sequences per pool thread, each run
+//! also making its sampled rows' logits (and greedy picks); sample for the
+//! sequences whose tokens are all in the cache; send events.
 //!
 //! Weight updates (DESIGN.md, step 7): [`EngineHandle::pause`] returns once
 //! the engine is between two steps and holds no read guard; the owner of the
