@@ -871,20 +871,19 @@ impl EngineLoop {
                 .collect();
             let logits = &logits;
             let picks = &picks;
-            let one = |(r, s): (usize, Option<&mut Sampler>)| match s {
-                // The run made this row's greedy pick already.
-                Some(s) if s.is_cheap() && picks.get(r).copied().flatten().is_some() => {
-                    let (token, logprob) = picks[r].expect("checked just above");
-                    Ok(Sampled {
+            let one = |(r, s): (usize, Option<&mut Sampler>)| {
+                match (s, picks.get(r).copied().flatten()) {
+                    // The run made this row's greedy pick already.
+                    (Some(s), Some((token, logprob))) if s.is_cheap() => Ok(Sampled {
                         token: token as u32,
                         logprob,
                         top: Vec::new(),
-                    })
+                    }),
+                    (Some(s), _) => s.sample(&logits[r * vocab..(r + 1) * vocab]),
+                    (None, _) => Err(Error::Input(
+                        "a sequence was sampled twice in one step".into(),
+                    )),
                 }
-                Some(s) => s.sample(&logits[r * vocab..(r + 1) * vocab]),
-                None => Err(Error::Input(
-                    "a sequence was sampled twice in one step".into(),
-                )),
             };
             // Picks the runs made are lookups: handing them to the pool
             // costs more than doing them here.
