@@ -95,9 +95,6 @@ pub fn attention_forward(
 trait KvRows: Sync {
     fn k(&self, j: usize) -> &[f32];
     fn v(&self, j: usize) -> &[f32];
-    /// Where position `j`'s key (`value`: false) or value row starts, for a
-    /// prefetch: any address (never read through) when `j` is past the end.
-    fn row_ptr(&self, j: usize, value: bool) -> *const f32;
 }
 
 /// Keys and values `[nk, n_kv_heads, hd]`, one after another.
@@ -115,11 +112,6 @@ impl KvRows for Contiguous<'_> {
     #[inline(always)]
     fn v(&self, j: usize) -> &[f32] {
         &self.v[j * self.kv_row..(j + 1) * self.kv_row]
-    }
-    #[inline(always)]
-    fn row_ptr(&self, j: usize, value: bool) -> *const f32 {
-        let pool = if value { self.v } else { self.k };
-        pool.as_ptr().wrapping_add(j * self.kv_row)
     }
 }
 
@@ -146,20 +138,28 @@ impl PagedKv<'_> {
     /// sequence while this one runs. A hint: nothing is read through.
     pub fn warm(&self) {
         for j in 0..ROWS_AHEAD.min(self.past) {
-            let Some(&b) = self.blocks.get(j / self.block_size.max(1)) else {
+            let Some(at) = self.pool_at(j) else {
                 return;
             };
-            let at = (b as usize * self.block_size + j % self.block_size) * self.kv_row;
             prefetch_rows(self.k_pool.as_ptr().wrapping_add(at), 1, 0, self.kv_row);
         }
+    }
+
+    /// Where past position `j` starts in the pools; `None` when the block
+    /// table does not reach it.
+    #[inline(always)]
+    fn pool_at(&self, j: usize) -> Option<usize> {
+        let b = *self.blocks.get(j / self.block_size.max(1))? as usize;
+        Some((b * self.block_size + j % self.block_size) * self.kv_row)
     }
 
     #[inline(always)]
     fn row<'b>(&self, pool: &'b [f32], new: &'b [f32], j: usize) -> &'b [f32] {
         let r = self.kv_row;
         if j < self.past {
-            let b = self.blocks[j / self.block_size] as usize;
-            let at = (b * self.block_size + j % self.block_size) * r;
+            let at = self
+                .pool_at(j)
+                .expect("attention_forward_paged checked that the table covers the past");
             &pool[at..at + r]
         } else {
             &new[(j - self.past) * r..(j - self.past + 1) * r]
@@ -175,22 +175,6 @@ impl KvRows for PagedKv<'_> {
     #[inline(always)]
     fn v(&self, j: usize) -> &[f32] {
         self.row(self.v_pool, self.new_v, j)
-    }
-    #[inline(always)]
-    fn row_ptr(&self, j: usize, value: bool) -> *const f32 {
-        let (pool, new) = if value {
-            (self.v_pool, self.new_v)
-        } else {
-            (self.k_pool, self.new_k)
-        };
-        let r = self.kv_row;
-        if j < self.past {
-            let b = self.blocks[j / self.block_size] as usize;
-            pool.as_ptr()
-                .wrapping_add((b * self.block_size + j % self.block_size) * r)
-        } else {
-            new.as_ptr().wrapping_add((j - self.past) * r)
-        }
     }
 }
 
@@ -420,7 +404,8 @@ const ROWS_AHEAD: usize = 16;
 /// position `j` (`hd` floats).
 #[inline(always)]
 fn fetch_head_row<K: KvRows>(kv: &K, j: usize, value: bool, kvh: usize, hd: usize) {
-    prefetch_rows(kv.row_ptr(j, value).wrapping_add(kvh * hd), 1, 0, hd);
+    let row = if value { kv.v(j) } else { kv.k(j) };
+    prefetch_rows(row.as_ptr().wrapping_add(kvh * hd), 1, 0, hd);
 }
 
 /// The row path's body; `dot` is [`dot_split`] or a copy with the same bits.

@@ -296,14 +296,14 @@ fn run(
                         // memory (a weight read by a few decode rows), and
                         // without this the kernel waited on it half its
                         // time.
-                        let fetch_next = ip == 0;
+                        let run_tile: TileFn = if ip == 0 { tile::<true> } else { tile::<false> };
                         let i0 = ic + ip * MR;
                         let mr = MR.min(m - i0);
                         // SAFETY: the panels hold MR (NR) x kc values; the
                         // tile (i0.., j0..) of mr x nr lies inside C (checked
                         // above) and belongs to this task alone.
                         unsafe {
-                            tile(
+                            run_tile(
                                 kc,
                                 apack.as_ptr().add(ip * MR * kc),
                                 bp.as_ptr().add(jp * NR * kc),
@@ -313,7 +313,6 @@ fn run(
                                 mr,
                                 nr,
                                 load,
-                                fetch_next,
                             );
                         }
                     }
@@ -536,15 +535,17 @@ unsafe fn transpose16(_: *const f32, _: usize, _: *mut f32, _: usize, _: usize) 
     unreachable!("sgemm runs only where `available()` is true")
 }
 
+/// [`tile`] with its prefetch choice made.
+type TileFn = unsafe fn(usize, *const f32, *const f32, SendPtr, usize, usize, usize, usize, bool);
+
 /// One `mr x nr` tile of C at `c.0 + off`: straight into C when whole,
-/// through a zero-padded copy at the edges. With `fetch_next`, the B panel
-/// after this one is prefetched while the tile runs.
+/// through a zero-padded copy at the edges. With `FETCH`, the B panel after
+/// this one is prefetched while the tile runs.
 ///
 /// # Safety
-/// `a` and `b` point at packed panels of `kc` steps (with `fetch_next`, a
-/// next one follows `b`); the tile lies inside C.
+/// `a` and `b` point at packed panels of `kc` steps; the tile lies inside C.
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile(
+unsafe fn tile<const FETCH: bool>(
     kc: usize,
     a: *const f32,
     b: *const f32,
@@ -554,11 +555,10 @@ unsafe fn tile(
     mr: usize,
     nr: usize,
     load: bool,
-    fetch_next: bool,
 ) {
     let dst = c.0.add(off);
     if nr == NR {
-        rows_kernel(mr, kc, a, b, dst, ldc, load, fetch_next);
+        rows_kernel::<FETCH>(mr, kc, a, b, dst, ldc, load);
         return;
     }
     let mut buf = [0.0f32; MR * NR];
@@ -567,7 +567,7 @@ unsafe fn tile(
             std::ptr::copy_nonoverlapping(dst.add(i * ldc), buf.as_mut_ptr().add(i * NR), nr);
         }
     }
-    rows_kernel(mr, kc, a, b, buf.as_mut_ptr(), NR, load, fetch_next);
+    rows_kernel::<FETCH>(mr, kc, a, b, buf.as_mut_ptr(), NR, load);
     for i in 0..mr {
         std::ptr::copy_nonoverlapping(buf.as_ptr().add(i * NR), dst.add(i * ldc), nr);
     }
@@ -578,29 +578,7 @@ unsafe fn tile(
 ///
 /// # Safety
 /// As [`kernel`], with `1 <= mr <= MR` rows of C.
-#[allow(clippy::too_many_arguments)]
-unsafe fn rows_kernel(
-    mr: usize,
-    kc: usize,
-    a: *const f32,
-    b: *const f32,
-    c: *mut f32,
-    ldc: usize,
-    load: bool,
-    fetch_next: bool,
-) {
-    if fetch_next {
-        rows_kernel_with::<true>(mr, kc, a, b, c, ldc, load)
-    } else {
-        rows_kernel_with::<false>(mr, kc, a, b, c, ldc, load)
-    }
-}
-
-/// [`rows_kernel`] with the prefetch decided.
-///
-/// # Safety
-/// As [`rows_kernel`].
-unsafe fn rows_kernel_with<const FETCH: bool>(
+unsafe fn rows_kernel<const FETCH: bool>(
     mr: usize,
     kc: usize,
     a: *const f32,
