@@ -24,6 +24,15 @@ impl ParamStore {
         })
     }
 
+    /// Wrap a model at a given weight version (a resumed run continues the
+    /// version numbering of its checkpoint).
+    pub fn with_version(model: Qwen3_5, version: u64) -> Arc<Self> {
+        Arc::new(ParamStore {
+            model: RwLock::new(model),
+            version: AtomicU64::new(version),
+        })
+    }
+
     /// Read access for one forward pass. A poisoned lock (a writer panicked)
     /// still yields the data: the update is all-or-nothing from the version's
     /// point of view, and readers check `weight_version`.

@@ -63,6 +63,19 @@ pub fn save_checkpoint(
     source: &Path,
     optimizer: Option<&AdamW>,
 ) -> Result<()> {
+    save_checkpoint_with(out, model, source, optimizer, &[])
+}
+
+/// [`save_checkpoint`] with extra files (name, bytes) written into the same
+/// directory before it appears, so they land atomically with the weights
+/// (the RL loop's run state).
+pub fn save_checkpoint_with(
+    out: &Path,
+    model: &Qwen3_5,
+    source: &Path,
+    optimizer: Option<&AdamW>,
+    extra: &[(&str, Vec<u8>)],
+) -> Result<()> {
     let tmp = tmp_sibling(out, "tmp")?;
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
@@ -109,6 +122,9 @@ pub fn save_checkpoint(
         };
         let json = serde_json::to_vec_pretty(&state).map_err(|e| cerr(e.to_string()))?;
         arcticd_engine::weights::write_atomic(&tmp.join("trainer_state.json"), &json)?;
+    }
+    for (name, bytes) in extra {
+        arcticd_engine::weights::write_atomic(&tmp.join(name), bytes)?;
     }
     // Swap the directories.
     let old = tmp_sibling(out, "old")?;

@@ -18,6 +18,14 @@ pub enum Error {
     Shape(String),
     #[error("checkpoint: {0}")]
     Checkpoint(String),
+    #[error(transparent)]
+    Sandbox(#[from] arcticd_sandbox::Error),
+    /// A recipe that does not parse or does not make sense.
+    #[error("recipe: {0}")]
+    Recipe(String),
+    /// A run directory that cannot be used or resumed.
+    #[error("run directory: {0}")]
+    Run(String),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

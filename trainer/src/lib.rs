@@ -13,6 +13,7 @@ pub mod harness;
 pub mod loss;
 pub mod model;
 pub mod optim;
+pub mod rl;
 pub mod step;
 
 pub use error::{Error, Result};

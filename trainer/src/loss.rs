@@ -63,6 +63,10 @@ pub struct PgConfig {
     /// Entropy bonus: `-entropy_coef * H_t` is added per token (needs the
     /// full-vocabulary entropy, computed from the same logits). Default 0 (off).
     pub entropy_coef: f64,
+    /// Sampling temperature of the behaviour policy: the trainer's
+    /// log-probs are of `logits / T`, the quantity the engine reported
+    /// (0 = greedy, reported at T = 1). Default 1.
+    pub temperature: f32,
 }
 
 impl Default for PgConfig {
@@ -76,6 +80,7 @@ impl Default for PgConfig {
             aggregation: Aggregation::TokenMean,
             kl_coef: 0.0,
             entropy_coef: 0.0,
+            temperature: 1.0,
         }
     }
 }

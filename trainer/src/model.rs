@@ -542,18 +542,23 @@ pub fn token_logprobs(
     rows: &[usize],
     targets: &[u32],
 ) -> Result<Vec<f32>> {
-    Ok(token_logprobs_entropy(model, hidden, rows, targets, false)?.0)
+    Ok(token_logprobs_entropy(model, hidden, rows, targets, false, 1.0)?.0)
 }
 
-/// [`token_logprobs`], and with `entropy` also the policy's entropy at each
-/// row (same logits, computed once).
+/// [`token_logprobs`] of the distribution at `temperature` (`logits / T`,
+/// the engine sampler's exact arithmetic: `x * (1 / T)` in f32, skipped at
+/// `T = 1` and for greedy `T = 0`, which the sampler reports at `T = 1`),
+/// and with `entropy` also that distribution's entropy at each row (same
+/// logits, computed once).
 pub fn token_logprobs_entropy(
     model: &Qwen3_5,
     hidden: &[f32],
     rows: &[usize],
     targets: &[u32],
     entropy: bool,
+    temperature: f32,
 ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+    let inv_t = inverse_temperature(temperature)?;
     let (h, vsz) = (model.config.hidden_size, model.config.vocab_size);
     check_rows(hidden.len() / h.max(1), rows, targets)?;
     let w = model.lm_head_weight().as_f32()?;
@@ -564,6 +569,7 @@ pub fn token_logprobs_entropy(
         let hsel = gather_rows(hidden, rc, h);
         let mut logits = vec![0.0f32; rc.len() * vsz];
         matmul_forward(&mut logits, &hsel, w, None, rc.len(), h, vsz)?;
+        scale_logits(&mut logits, inv_t);
         let mut lp = vec![0.0f32; rc.len()];
         logprob_gather_forward(&mut lp, &logits, tc, rc.len(), vsz)?;
         lps.extend(lp);
@@ -574,6 +580,23 @@ pub fn token_logprobs_entropy(
         }
     }
     Ok((lps, entropy.then_some(ents)))
+}
+
+/// `1 / T` as the sampler computes it; `None` where the sampler does not
+/// scale (`T = 1`, or greedy).
+fn inverse_temperature(temperature: f32) -> Result<Option<f32>> {
+    if !temperature.is_finite() || temperature < 0.0 {
+        return Err(Error::Input(format!(
+            "temperature must be a finite number >= 0, got {temperature}"
+        )));
+    }
+    Ok((temperature > 1e-6 && temperature != 1.0).then(|| 1.0 / temperature))
+}
+
+fn scale_logits(logits: &mut [f32], inv_t: Option<f32>) {
+    if let Some(s) = inv_t {
+        logits.iter_mut().for_each(|x| *x *= s);
+    }
 }
 
 fn check_rows(n: usize, rows: &[usize], targets: &[u32]) -> Result<()> {
@@ -609,11 +632,12 @@ pub fn token_logprobs_backward(
     targets: &[u32],
     dlp: &[f32],
 ) -> Result<Vec<f32>> {
-    token_logprobs_entropy_backward(model, grads, hidden, rows, targets, dlp, None)
+    token_logprobs_entropy_backward(model, grads, hidden, rows, targets, dlp, None, 1.0)
 }
 
 /// Backward of [`token_logprobs_entropy`]: `dlp` per row and, when given,
-/// `dent` (gradient of each row's entropy).
+/// `dent` (gradient of each row's entropy), at the same `temperature`.
+#[allow(clippy::too_many_arguments)]
 pub fn token_logprobs_entropy_backward(
     model: &Qwen3_5,
     grads: &mut ModelGrads,
@@ -622,7 +646,9 @@ pub fn token_logprobs_entropy_backward(
     targets: &[u32],
     dlp: &[f32],
     dent: Option<&[f32]>,
+    temperature: f32,
 ) -> Result<Vec<f32>> {
+    let inv_t = inverse_temperature(temperature)?;
     let (h, vsz) = (model.config.hidden_size, model.config.vocab_size);
     let n = hidden.len() / h.max(1);
     check_rows(n, rows, targets)?;
@@ -646,11 +672,14 @@ pub fn token_logprobs_entropy_backward(
         let hsel = gather_rows(hidden, rc, h);
         let mut logits = vec![0.0f32; m * vsz];
         matmul_forward(&mut logits, &hsel, w, None, m, h, vsz)?;
+        scale_logits(&mut logits, inv_t);
         let mut dlogits = vec![0.0f32; m * vsz];
         logprob_gather_backward(&mut dlogits, &dlp[start..start + m], &logits, tc, m, vsz)?;
         if let Some(de) = dent {
             entropy_backward(&mut dlogits, &de[start..start + m], &logits, m, vsz)?;
         }
+        // d(x / T) / dx = 1 / T.
+        scale_logits(&mut dlogits, inv_t);
         let mut dsel = vec![0.0f32; m * h];
         matmul_backward(&mut dsel, dw, None, &dlogits, &hsel, w, m, h, vsz)?;
         for (i, &r) in rc.iter().enumerate() {

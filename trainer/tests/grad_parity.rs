@@ -266,7 +266,7 @@ fn entropy_gradient_matches_finite_differences() {
             .collect();
         let acts = model::forward(m, packed).unwrap();
         let (_, ent) =
-            model::token_logprobs_entropy(m, &acts.hidden, &rows, &targets, true).unwrap();
+            model::token_logprobs_entropy(m, &acts.hidden, &rows, &targets, true, 1.0).unwrap();
         let ent = ent.unwrap();
         let loss: f64 = ent
             .iter()
@@ -286,6 +286,7 @@ fn entropy_gradient_matches_finite_differences() {
             &targets,
             &zeros,
             Some(&coef),
+            1.0,
         )
         .unwrap();
         model::backward(m, &acts, &dh, &mut g).unwrap();

@@ -77,6 +77,7 @@ fn policy_gradient_raises_the_rewarded_token() {
                 behaviour_logprobs: vec![0.0, 0.0, 0.0, sc[3].unwrap()],
                 proximal_logprobs: None,
                 advantage: a,
+                weight_versions: vec![],
             })
             .collect();
         let m = tr.pg_step(&batch).unwrap();
@@ -107,6 +108,7 @@ fn non_finite_step_is_skipped_and_counted() {
         behaviour_logprobs: vec![0.0, -1.0, -1.0],
         proximal_logprobs: None,
         advantage: f32::NAN,
+        weight_versions: vec![],
     }];
     let m = tr.pg_step(&batch).unwrap();
     assert!(m.skipped);
@@ -137,6 +139,7 @@ fn proximal_logprobs_give_a_truncated_importance_weight() {
             behaviour_logprobs: vec![0.0, 0.0, 0.0, behaviour],
             proximal_logprobs: proximal.map(|p| vec![0.0, 0.0, 0.0, p]),
             advantage: 1.0,
+            weight_versions: vec![],
         };
         tr.pg_step(&[ex]).unwrap()
     };

@@ -42,8 +42,8 @@ pub const DEFAULT_INSTRUCTION: &str =
     "Fix the issue by editing the source code (not the tests), then call submit.";
 
 /// Settings of a rollout. A budget of 0 is switched off.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-#[serde(default)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct RolloutConfig {
     /// Most assistant turns; 0 = no limit. Default 40.
     pub max_turns: usize,

@@ -1,0 +1,911 @@
+//! The asynchronous RL loop of `arcticd train`, in one process
+//! (docs/ARCHITECTURE.md, "Data flow of train").
+//!
+//! - A dispatcher (tokio task) takes tasks from the pool and starts a group
+//!   of G rollouts per task, as long as admission allows: group n may start
+//!   only while `n < (updates done + max_staleness + 1) * B`, so a group
+//!   that finishes in order is consumed within the bound. The counter is
+//!   restored on resume (to the groups consumed), so no burst follows.
+//! - Rollout workers (tokio tasks, at most `concurrency` at once) run the
+//!   harness against the engine replicas behind the least-loaded router,
+//!   every rollout under a timeout; a finished group goes to the buffer.
+//! - The trainer (this thread) takes B complete groups, plans the batch at
+//!   its weight version (staleness bound, masking, advantages: `batch`),
+//!   runs forward and backward while the engines keep generating, and
+//!   only for the optimizer's write pauses the engines (a guard resumes
+//!   them whatever happens); the version goes up and every engine rebuilds
+//!   its in-flight caches before its next token.
+//! - Every `eval_every` / `recheck_every` updates, held-out tasks and
+//!   retired tasks are scored with a frozen copy of the weights on an
+//!   engine of their own; those rollouts are never trained on.
+//! - Every update appends one line to `metrics.jsonl` and writes what it
+//!   trained on; checkpoints carry the run state for `--resume`.
+//!
+//! Not for: command-line parsing, progress display (the caller's `on_step`).
+
+use super::batch::{self, Group, PlanConfig};
+use super::pool::TaskPool;
+use super::recipe::{Keep, Recipe, SandboxBackend};
+use super::run_dir::{append_jsonl, write_jsonl, RunDir, RunState, Totals};
+use crate::checkpoint::{load_optimizer, save_checkpoint_with};
+use crate::harness::engine_policy::EnginePolicy;
+use crate::harness::trajectory::{Termination, Trajectory};
+use crate::harness::{Harness, Policy};
+use crate::step::{Trainer, WriteGate};
+use crate::{Error, Result};
+use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::engine::EngineConfig;
+use arcticd_engine::router::Router;
+use arcticd_engine::tokenizer::Tokenizer;
+use arcticd_engine::{ParamStore, Qwen3_5};
+use arcticd_sandbox::tasks::{load_tasks, Format, Task};
+use arcticd_sandbox::Backend;
+use serde::Serialize;
+use serde_json::{json, Map, Value};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{Notify, Semaphore};
+
+/// The engines as the trainer's write gate.
+struct RouterGate(Router);
+
+impl WriteGate for RouterGate {
+    fn pause(&self) -> Result<()> {
+        self.0.pause().map_err(Into::into)
+    }
+    fn resume(&self) {
+        self.0.resume()
+    }
+}
+
+/// How a run is started.
+pub struct RunOptions {
+    /// The run directory.
+    pub out: PathBuf,
+    /// Continue the run in `out` from its last complete checkpoint.
+    pub resume: bool,
+    /// Set to stop: the current update finishes, a checkpoint is written,
+    /// in-flight rollouts are abandoned and their sandboxes removed.
+    pub cancel: Arc<AtomicBool>,
+    /// Called with every metrics record as it is written.
+    pub on_step: Option<Box<dyn FnMut(&Value) + Send>>,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunSummary {
+    pub run_dir: PathBuf,
+    pub steps: u64,
+    pub weight_version: u64,
+    pub elapsed_s: f64,
+    pub cancelled: bool,
+    /// The first and last metrics records.
+    pub first: Option<Value>,
+    pub last: Option<Value>,
+    /// Every held-out evaluation: (update, pass@1).
+    pub evals: Vec<(u64, f64)>,
+    pub totals: Totals,
+}
+
+/// State shared by the dispatcher, the workers and the trainer.
+struct Shared {
+    steps_done: AtomicU64,
+    groups_started: AtomicU64,
+    stop: AtomicBool,
+    wake: Notify,
+    pool: Mutex<TaskPool>,
+    rollouts_done: AtomicU64,
+}
+
+/// Everything a rollout needs, shared by the workers.
+struct Rollouts {
+    harness: Arc<Harness>,
+    backend: Arc<dyn Backend>,
+    permits: Arc<Semaphore>,
+    timeout: Duration,
+}
+
+impl Rollouts {
+    /// One rollout under the timeout; a timeout is `infra`.
+    async fn one(&self, policy: Arc<dyn Policy>, task: Arc<Task>, attempt: usize) -> Trajectory {
+        let Ok(_permit) = self.permits.clone().acquire_owned().await else {
+            return infra(&task, attempt, &policy.name(), "the run is stopping".into());
+        };
+        let fut = self
+            .harness
+            .rollout(policy.as_ref(), self.backend.as_ref(), &task, attempt);
+        match tokio::time::timeout(self.timeout, fut).await {
+            Ok(t) => t,
+            Err(_) => infra(
+                &task,
+                attempt,
+                &policy.name(),
+                format!("rollout ran past {} s", self.timeout.as_secs_f64()),
+            ),
+        }
+    }
+
+    /// `attempts` rollouts of one task, concurrently.
+    async fn group(
+        &self,
+        policy: Arc<dyn Policy>,
+        task: Arc<Task>,
+        attempts: usize,
+    ) -> Vec<Trajectory> {
+        let futs = (0..attempts).map(|a| self.one(policy.clone(), task.clone(), a));
+        futures_util::future::join_all(futs).await
+    }
+}
+
+/// A trajectory for a rollout that never ran or was abandoned.
+fn infra(task: &Task, attempt: usize, policy: &str, why: String) -> Trajectory {
+    Trajectory {
+        task_id: task.instance_id.clone(),
+        attempt,
+        policy: policy.to_string(),
+        token_ids: vec![],
+        loss_mask: vec![],
+        logprobs: vec![],
+        weight_versions: vec![],
+        prompt_len: 0,
+        prompt_text: String::new(),
+        reward: 0.0,
+        termination: Termination::Infra,
+        masked: true,
+        detail: why,
+        turns: vec![],
+        grade: None,
+        diff: None,
+        wall_secs: 0.0,
+    }
+}
+
+/// The dispatcher: starts groups while admission allows.
+async fn dispatch(
+    shared: Arc<Shared>,
+    rollouts: Arc<Rollouts>,
+    policy: Arc<dyn Policy>,
+    tasks: Arc<Vec<Arc<Task>>>,
+    recipe: Arc<Recipe>,
+    groups: mpsc::Sender<Group>,
+) {
+    let b = recipe.groups_per_step as u64;
+    let mut workers = tokio::task::JoinSet::new();
+    loop {
+        if shared.stop.load(Ordering::Acquire) {
+            break;
+        }
+        let started = shared.groups_started.load(Ordering::Acquire);
+        let done = shared.steps_done.load(Ordering::Acquire);
+        let allowed = (done + recipe.max_staleness + 1) * b;
+        let next = if started < allowed {
+            shared.pool.lock().unwrap_or_else(|e| e.into_inner()).next()
+        } else {
+            None
+        };
+        let Some(task) = next else {
+            // Admission closed or every task retired: wait for an update.
+            let _ = tokio::time::timeout(Duration::from_millis(500), shared.wake.notified()).await;
+            continue;
+        };
+        let seq = shared.groups_started.fetch_add(1, Ordering::AcqRel);
+        let (shared2, rollouts2, policy2, tx) = (
+            shared.clone(),
+            rollouts.clone(),
+            policy.clone(),
+            groups.clone(),
+        );
+        let t = tasks[task].clone();
+        let g = recipe.group_size;
+        workers.spawn(async move {
+            let trajectories = rollouts2.group(policy2, t, g).await;
+            shared2
+                .rollouts_done
+                .fetch_add(trajectories.len() as u64, Ordering::Relaxed);
+            let _ = tx.send(Group {
+                task,
+                seq,
+                trajectories,
+            });
+        });
+        // Reap finished workers so the set does not grow.
+        while workers.try_join_next().is_some() {}
+    }
+    // Stopping: the engines are shut down by the trainer, so every worker
+    // ends soon (aborted generations are policy errors, sandboxes close).
+    let _ = tokio::time::timeout(Duration::from_secs(120), async {
+        while workers.join_next().await.is_some() {}
+    })
+    .await;
+    workers.abort_all();
+}
+
+/// pass@1 and per-task mean rewards of `tasks` under a frozen copy of the
+/// weights (an engine of its own; never trained on).
+async fn frozen_scores(
+    model: Qwen3_5,
+    version: u64,
+    tokenizer: Arc<Tokenizer>,
+    engine: EngineConfig,
+    rollouts: Arc<Rollouts>,
+    tasks: Vec<Arc<Task>>,
+    attempts: usize,
+) -> Result<Vec<Option<f64>>> {
+    let store = ParamStore::with_version(model, version);
+    let router = Router::start(1, store, Some(tokenizer), engine)?;
+    let policy: Arc<dyn Policy> = Arc::new(EnginePolicy::new(router.clone(), "frozen"));
+    let futs = tasks
+        .into_iter()
+        .map(|t| rollouts.group(policy.clone(), t, attempts));
+    let groups = futures_util::future::join_all(futs).await;
+    router.shutdown();
+    Ok(groups
+        .iter()
+        .map(|g| {
+            let graded: Vec<f64> = g.iter().filter(|t| !t.masked).map(|t| t.reward).collect();
+            (!graded.is_empty()).then(|| graded.iter().sum::<f64>() / graded.len() as f64)
+        })
+        .collect())
+}
+
+/// Mean over tasks with a score.
+fn mean_of(scores: &[Option<f64>]) -> Option<f64> {
+    let v: Vec<f64> = scores.iter().flatten().copied().collect();
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+/// A frozen evaluation or recheck in flight.
+enum SideJob {
+    Eval {
+        step: u64,
+        scores: Result<Vec<Option<f64>>>,
+    },
+    Recheck {
+        step: u64,
+        tasks: Vec<usize>,
+        scores: Result<Vec<Option<f64>>>,
+    },
+}
+
+fn load_task_file(path: &Path) -> Result<Vec<Arc<Task>>> {
+    let tasks = load_tasks(path, Format::Auto)
+        .map_err(|e| Error::Recipe(format!("tasks {}: {e}", path.display())))?;
+    if tasks.is_empty() {
+        return Err(Error::Recipe(format!("{}: no tasks", path.display())));
+    }
+    Ok(tasks.into_iter().map(Arc::new).collect())
+}
+
+/// Runs (or resumes) a training run to its last update.
+pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
+    let run_dir = RunDir::new(&opts.out);
+    let recipe = Arc::new(recipe.checked()?);
+    let model_dir = recipe
+        .model
+        .clone()
+        .ok_or_else(|| Error::Recipe("no model: set model = \"DIR\"".into()))?;
+    let tasks_path = recipe
+        .tasks
+        .clone()
+        .ok_or_else(|| Error::Recipe("no tasks: set tasks = \"FILE\"".into()))?;
+    // Everything that can be wrong with the inputs fails here, before a
+    // single rollout starts.
+    let tasks = Arc::new(load_task_file(&tasks_path)?);
+    let eval_tasks = match &recipe.eval_tasks {
+        Some(p) => load_task_file(p)?,
+        None => Vec::new(),
+    };
+    let tokenizer = Arc::new(
+        Tokenizer::from_dir(&model_dir)
+            .map_err(|e| Error::Recipe(format!("model {}: {e}", model_dir.display())))?,
+    );
+    let template = ChatTemplate::from_dir(&model_dir)?.unwrap_or_else(ChatTemplate::qwen35);
+    let harness = Arc::new(Harness::new(
+        tokenizer.clone(),
+        template,
+        recipe.rollout.clone(),
+    )?);
+
+    // Fresh run or resume.
+    let mut state = if opts.resume {
+        resume_state(&run_dir, &recipe, tasks.len())?
+    } else {
+        run_dir.create()?;
+        std::fs::write(run_dir.recipe(), recipe.to_toml()?)
+            .map_err(|e| Error::io(run_dir.recipe(), e))?;
+        None
+    };
+    let (weights_dir, start) = match &state {
+        Some((dir, s, _)) => (dir.clone(), Some(s.clone())),
+        None => (model_dir.clone(), None),
+    };
+    let model = Qwen3_5::load(&weights_dir)
+        .map_err(|e| Error::Recipe(format!("model {}: {e}", weights_dir.display())))?;
+    let version0 = start.as_ref().map_or(0, |s| s.weight_version);
+    let store = ParamStore::with_version(model, version0);
+    let mut trainer = Trainer::new(store.clone(), recipe.train_config())?;
+    if start.is_some() {
+        load_optimizer(&weights_dir, &mut trainer.optimizer)?;
+    }
+    let engine_cfg = EngineConfig {
+        cache_memory: recipe.engine_cache_mib << 20,
+        max_model_len: recipe
+            .rollout
+            .max_context_tokens
+            .max(recipe.rollout.max_new_tokens + 1)
+            .max(1024),
+        ..EngineConfig::default()
+    };
+    let router = Router::start(
+        recipe.replicas,
+        store.clone(),
+        Some(tokenizer.clone()),
+        engine_cfg.clone(),
+    )?;
+    trainer.gate = Some(Arc::new(RouterGate(router.clone())));
+
+    let mut pool = TaskPool::new(
+        tasks.iter().map(|t| t.instance_id.clone()).collect(),
+        recipe.seed,
+        recipe.retire_after,
+        recipe.drop_after,
+    );
+    let mut totals = Totals::default();
+    let (mut step, mut consumed, mut elapsed0) = (0u64, 0u64, 0.0);
+    let mut lost_now = 0u64;
+    if let Some((_, s, lost)) = state.take() {
+        if s.pool.tasks.len() != tasks.len() {
+            return Err(Error::Run(
+                "the checkpoint's task pool does not match the task file".into(),
+            ));
+        }
+        pool.state = s.pool;
+        totals = s.totals;
+        totals.lost_on_resume += lost;
+        lost_now = lost;
+        step = s.step;
+        consumed = s.groups_consumed;
+        elapsed0 = s.elapsed_s;
+    }
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("building the tokio runtime", e))?;
+    let backend: Arc<dyn Backend> = rt.block_on(async {
+        let b: Result<Arc<dyn Backend>> = match recipe.backend {
+            SandboxBackend::Local => {
+                Ok(Arc::new(arcticd_sandbox::local::LocalBackend::new().await?))
+            }
+            SandboxBackend::Docker => Ok(Arc::new(
+                arcticd_sandbox::docker::DockerBackend::new().await?,
+            )),
+        };
+        b
+    })?;
+    let rollouts = Arc::new(Rollouts {
+        harness,
+        backend,
+        permits: Arc::new(Semaphore::new(recipe.concurrency)),
+        timeout: Duration::from_secs_f64(recipe.rollout_timeout_secs),
+    });
+    let shared = Arc::new(Shared {
+        steps_done: AtomicU64::new(step),
+        // Admission restored: what was in flight died with the old process.
+        groups_started: AtomicU64::new(consumed),
+        stop: AtomicBool::new(false),
+        wake: Notify::new(),
+        pool: Mutex::new(pool),
+        rollouts_done: AtomicU64::new(0),
+    });
+    let policy: Arc<dyn Policy> = Arc::new(EnginePolicy::new(router.clone(), "arcticd"));
+    let (group_tx, group_rx) = mpsc::channel::<Group>();
+    let dispatcher = rt.spawn(dispatch(
+        shared.clone(),
+        rollouts.clone(),
+        policy,
+        tasks.clone(),
+        recipe.clone(),
+        group_tx,
+    ));
+    {
+        let cancel = opts.cancel.clone();
+        rt.spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                tracing::warn!("interrupted: finishing this update, then checkpoint and stop");
+                cancel.store(true, Ordering::Release);
+            }
+        });
+    }
+
+    let (side_tx, side_rx) = mpsc::channel::<SideJob>();
+    let mut side_pending = 0usize;
+    let spawn_eval = |at: u64, pending: &mut usize| {
+        if eval_tasks.is_empty() || recipe.eval_attempts == 0 {
+            return;
+        }
+        let (m, v) = (store.read().clone(), store.weight_version());
+        let (tok, ecfg, ro, tx) = (
+            tokenizer.clone(),
+            engine_cfg.clone(),
+            rollouts.clone(),
+            side_tx.clone(),
+        );
+        let (ts, k) = (eval_tasks.clone(), recipe.eval_attempts);
+        *pending += 1;
+        rt.spawn(async move {
+            let scores = frozen_scores(m, v, tok, ecfg, ro, ts, k).await;
+            let _ = tx.send(SideJob::Eval { step: at, scores });
+        });
+    };
+
+    let t_start = Instant::now();
+    let elapsed = |t: &Instant| elapsed0 + t.elapsed().as_secs_f64();
+    let mut first: Option<Value> = None;
+    let mut last: Option<Value> = None;
+    let mut evals: Vec<(u64, f64)> = Vec::new();
+    let mut cancelled = false;
+    let mut carry: Vec<Group> = Vec::new();
+    let b = recipe.groups_per_step;
+    let mut rollouts_mark = (0u64, Instant::now());
+    if step == 0 && recipe.eval_every > 0 {
+        spawn_eval(0, &mut side_pending);
+    }
+    let result: Result<()> = (|| {
+        while step < recipe.steps {
+            // Wait for B complete groups.
+            let t_wait = Instant::now();
+            let deadline = t_wait + Duration::from_secs_f64(recipe.batch_timeout_secs);
+            while carry.len() < b {
+                if opts.cancel.load(Ordering::Acquire) {
+                    cancelled = true;
+                    return Ok(());
+                }
+                match group_rx.recv_timeout(Duration::from_millis(250)) {
+                    Ok(g) => carry.push(g),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        if Instant::now() > deadline {
+                            return Err(Error::Run(format!(
+                                "no batch after {} s (batch_timeout_secs): {} of {b} groups came",
+                                recipe.batch_timeout_secs,
+                                carry.len()
+                            )));
+                        }
+                        let pool = shared.pool.lock().unwrap_or_else(|e| e.into_inner());
+                        if pool.active() == 0
+                            && shared.groups_started.load(Ordering::Acquire)
+                                == consumed + carry.len() as u64
+                        {
+                            tracing::warn!("every task is retired: stopping early");
+                            return Ok(());
+                        }
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        return Err(Error::Run("the rollout dispatcher stopped".into()))
+                    }
+                }
+            }
+            let groups: Vec<Group> = carry.drain(..b).collect();
+            let time_wait_s = t_wait.elapsed().as_secs_f64();
+            consumed += groups.len() as u64;
+            // Curriculum: one visit per group.
+            let mut newly_retired = 0usize;
+            {
+                let mut pool = shared.pool.lock().unwrap_or_else(|e| e.into_inner());
+                for g in &groups {
+                    let graded: Vec<&Trajectory> =
+                        g.trajectories.iter().filter(|t| !t.masked).collect();
+                    let solved = graded.iter().filter(|t| t.reward >= 1.0).count();
+                    if pool
+                        .record(g.task, solved, graded.len(), step + 1)
+                        .is_some()
+                    {
+                        newly_retired += 1;
+                    }
+                }
+            }
+            let version = store.weight_version();
+            let batch = batch::plan(
+                groups,
+                PlanConfig {
+                    trainer_version: version,
+                    max_staleness: recipe.max_staleness,
+                    stale: recipe.stale,
+                    filter_zero_variance: recipe.filter_zero_variance,
+                    advantage_std: recipe.advantage_std,
+                },
+            );
+            let t_train = Instant::now();
+            let sm = if batch.examples.is_empty() {
+                totals.skipped_updates += 1;
+                None
+            } else {
+                Some(trainer.pg_step(&batch.examples)?)
+            };
+            let train_total = t_train.elapsed().as_secs_f64();
+            let time_update_s = sm.as_ref().map_or(0.0, |m| m.update_secs);
+            step += 1;
+            shared.steps_done.store(step, Ordering::Release);
+            shared.wake.notify_waiters();
+
+            // Records of what this update consumed.
+            #[derive(Serialize)]
+            struct Trained<'a> {
+                step: u64,
+                advantage: f32,
+                #[serde(flatten)]
+                t: &'a Trajectory,
+            }
+            #[derive(Serialize)]
+            struct Dropped<'a> {
+                step: u64,
+                why: &'a str,
+                #[serde(flatten)]
+                t: &'a Trajectory,
+            }
+            write_jsonl(
+                &run_dir.step_trajectories(step),
+                batch.trained.iter().map(|(t, a)| Trained {
+                    step,
+                    advantage: *a,
+                    t,
+                }),
+            )?;
+            for (t, why) in &batch.dropped {
+                append_jsonl(&run_dir.dropped(), &Dropped { step, why, t })?;
+            }
+            let s = &batch.stats;
+            totals.rollouts += s.trajectories as u64;
+            totals.stale_dropped += s.stale_dropped as u64;
+            totals.masked_infra += s.masked_infra as u64;
+            totals.zero_variance_groups += s.zero_variance_groups as u64;
+
+            // The metrics record.
+            let now = elapsed(&t_start);
+            let done_rollouts = shared.rollouts_done.load(Ordering::Relaxed);
+            let dt = rollouts_mark.1.elapsed().as_secs_f64().max(1e-9);
+            let rollouts_per_s = (done_rollouts - rollouts_mark.0) as f64 / dt;
+            rollouts_mark = (done_rollouts, Instant::now());
+            let (mastered, hopeless) = shared
+                .pool
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retired_counts();
+            let mut rec = Map::new();
+            let mut put = |k: &str, v: Value| {
+                rec.insert(k.to_string(), v);
+            };
+            put("step", json!(step));
+            put("weight_version", json!(store.weight_version()));
+            put("elapsed_s", json!(now));
+            put("reward_mean", json!(s.reward_mean));
+            put("pass_rate", json!(s.pass_rate));
+            put("groups", json!(s.groups));
+            put("trajectories", json!(s.trajectories));
+            put("trained_trajectories", json!(s.trained));
+            put("zero_variance_groups", json!(s.zero_variance_groups));
+            put("stale_dropped", json!(s.stale_dropped));
+            put("stale_masked_tokens", json!(s.stale_masked_tokens));
+            put("masked_infra", json!(s.masked_infra));
+            put("termination", json!(s.termination));
+            put("staleness_mean", json!(s.staleness_mean));
+            put("staleness_max", json!(s.staleness_max));
+            put("lag_histogram", json!(s.lag_histogram));
+            let mm = sm.as_ref().and_then(|m| m.mismatch.clone());
+            put(
+                "mismatch_same_version_mean",
+                json!(mm.as_ref().map(|m| m.same_version_mean)),
+            );
+            put(
+                "mismatch_same_version_max",
+                json!(mm.as_ref().map(|m| m.same_version_max)),
+            );
+            put(
+                "mismatch_same_version_tokens",
+                json!(mm.as_ref().map(|m| m.same_version_tokens)),
+            );
+            put(
+                "lag_divergence_mean",
+                json!(mm.as_ref().map(|m| m.lag_mean)),
+            );
+            put("lag_divergence_max", json!(mm.as_ref().map(|m| m.lag_max)));
+            put("lag_tokens", json!(mm.as_ref().map(|m| m.lag_tokens)));
+            let pg = sm.as_ref().and_then(|m| m.pg.clone());
+            put("loss", json!(sm.as_ref().map(|m| m.loss)));
+            put("grad_norm", json!(sm.as_ref().map(|m| m.grad_norm)));
+            put(
+                "clip_fraction",
+                json!(pg.as_ref().map(|p| p.clipped_fraction)),
+            );
+            put("lr", json!(trainer.lr()));
+            put("tokens", json!(s.trained_tokens));
+            put(
+                "update_skipped",
+                json!(sm.as_ref().is_none_or(|m| m.skipped)),
+            );
+            put("time_wait_s", json!(time_wait_s));
+            put("time_train_s", json!(train_total - time_update_s));
+            put("time_update_s", json!(time_update_s));
+            put("rollouts_per_s", json!(rollouts_per_s));
+            put("replica_load", json!(router.loads()));
+            put("retired", json!(mastered + hopeless));
+            put("retired_mastered", json!(mastered));
+            put("retired_hopeless", json!(hopeless));
+            put("newly_retired", json!(newly_retired));
+            if lost_now > 0 {
+                put("lost_on_resume", json!(lost_now));
+                lost_now = 0;
+            }
+
+            // Frozen side jobs that finished, and the ones now due.
+            let is_last = step >= recipe.steps;
+            if recipe.eval_every > 0 && (step % recipe.eval_every == 0 || is_last) {
+                spawn_eval(step, &mut side_pending);
+            }
+            if recipe.recheck_every > 0 && step % recipe.recheck_every == 0 {
+                let retired = shared
+                    .pool
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .retired();
+                if !retired.is_empty() {
+                    let (m, v) = (store.read().clone(), store.weight_version());
+                    let (tok, ecfg, ro, tx) = (
+                        tokenizer.clone(),
+                        engine_cfg.clone(),
+                        rollouts.clone(),
+                        side_tx.clone(),
+                    );
+                    let ts: Vec<Arc<Task>> = retired.iter().map(|&i| tasks[i].clone()).collect();
+                    let k = recipe.recheck_attempts.max(1);
+                    side_pending += 1;
+                    let at = step;
+                    rt.spawn(async move {
+                        let scores = frozen_scores(m, v, tok, ecfg, ro, ts, k).await;
+                        let _ = tx.send(SideJob::Recheck {
+                            step: at,
+                            tasks: retired,
+                            scores,
+                        });
+                    });
+                }
+            }
+            // The last update waits for its evaluation, so the run ends
+            // with the held-out score of its final weights.
+            let wait_all = is_last && side_pending > 0;
+            let t_side = Instant::now();
+            while side_pending > 0 {
+                let job = if wait_all {
+                    match side_rx.recv_timeout(Duration::from_secs_f64(recipe.batch_timeout_secs)) {
+                        Ok(j) => j,
+                        Err(_) => break,
+                    }
+                } else {
+                    match side_rx.try_recv() {
+                        Ok(j) => j,
+                        Err(_) => break,
+                    }
+                };
+                side_pending -= 1;
+                match job {
+                    SideJob::Eval { step: at, scores } => match scores {
+                        Ok(sc) => {
+                            let p = mean_of(&sc).unwrap_or(0.0);
+                            evals.push((at, p));
+                            rec.insert("eval_pass_at_1".into(), json!(p));
+                            rec.insert("eval_at_step".into(), json!(at));
+                            append_jsonl(
+                                &run_dir.eval(),
+                                &json!({"step": at, "pass_at_1": p, "tasks": sc.len(),
+                                        "attempts": recipe.eval_attempts, "per_task": sc}),
+                            )?;
+                        }
+                        Err(e) => tracing::warn!("evaluation at update {at} failed: {e}"),
+                    },
+                    SideJob::Recheck {
+                        step: at,
+                        tasks: which,
+                        scores,
+                    } => match scores {
+                        Ok(sc) => {
+                            let mut pool = shared.pool.lock().unwrap_or_else(|e| e.into_inner());
+                            let mut back = 0;
+                            for (&i, r) in which.iter().zip(&sc) {
+                                if let Some(r) = r {
+                                    back += usize::from(pool.recheck(
+                                        i,
+                                        *r,
+                                        recipe.unretire_below,
+                                        step,
+                                    ));
+                                }
+                            }
+                            rec.insert("recheck_reward".into(), json!(mean_of(&sc)));
+                            rec.insert("recheck_at_step".into(), json!(at));
+                            rec.insert("unretired".into(), json!(back));
+                        }
+                        Err(e) => tracing::warn!("recheck at update {at} failed: {e}"),
+                    },
+                }
+            }
+            if wait_all {
+                rec.insert(
+                    "time_final_eval_s".into(),
+                    json!(t_side.elapsed().as_secs_f64()),
+                );
+            }
+            let rec = Value::Object(rec);
+            append_jsonl(&run_dir.metrics(), &rec)?;
+            if let Some(f) = opts.on_step.as_mut() {
+                f(&rec);
+            }
+            if first.is_none() {
+                first = Some(rec.clone());
+            }
+            last = Some(rec);
+
+            if (recipe.checkpoint_every > 0 && step % recipe.checkpoint_every == 0) || is_last {
+                checkpoint(
+                    &run_dir,
+                    &recipe,
+                    &model_dir,
+                    &trainer,
+                    &shared,
+                    step,
+                    consumed,
+                    elapsed(&t_start),
+                    &totals,
+                )?;
+            }
+            if opts.cancel.load(Ordering::Acquire) {
+                cancelled = true;
+                return Ok(());
+            }
+        }
+        Ok(())
+    })();
+
+    // Stop everything, whatever happened above.
+    shared.stop.store(true, Ordering::Release);
+    shared.wake.notify_waiters();
+    let ended = result.and_then(|_| {
+        if cancelled {
+            checkpoint(
+                &run_dir,
+                &recipe,
+                &model_dir,
+                &trainer,
+                &shared,
+                step,
+                consumed,
+                elapsed(&t_start),
+                &totals,
+            )?;
+        }
+        Ok(())
+    });
+    router.shutdown();
+    let _ = rt.block_on(async { tokio::time::timeout(Duration::from_secs(150), dispatcher).await });
+    rt.shutdown_timeout(Duration::from_secs(10));
+    ended?;
+    Ok(RunSummary {
+        run_dir: opts.out.clone(),
+        steps: step,
+        weight_version: store.weight_version(),
+        elapsed_s: elapsed(&t_start),
+        cancelled,
+        first,
+        last,
+        evals,
+        totals,
+    })
+}
+
+/// Writes `checkpoints/step-N` with the run state, and prunes old ones.
+#[allow(clippy::too_many_arguments)]
+fn checkpoint(
+    run_dir: &RunDir,
+    recipe: &Recipe,
+    model_dir: &Path,
+    trainer: &Trainer,
+    shared: &Shared,
+    step: u64,
+    consumed: u64,
+    elapsed_s: f64,
+    totals: &Totals,
+) -> Result<()> {
+    let dir = run_dir.checkpoint(step);
+    if dir.join("run_state.json").is_file() {
+        return Ok(());
+    }
+    let state = RunState {
+        step,
+        weight_version: trainer.store.weight_version(),
+        pool: shared
+            .pool
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .state
+            .clone(),
+        groups_consumed: consumed,
+        groups_started: shared.groups_started.load(Ordering::Acquire),
+        elapsed_s,
+        totals: totals.clone(),
+    };
+    let json = serde_json::to_vec_pretty(&state).map_err(|e| Error::Run(e.to_string()))?;
+    let t0 = Instant::now();
+    {
+        let m = trainer.store.read();
+        save_checkpoint_with(
+            &dir,
+            &m,
+            model_dir,
+            Some(&trainer.optimizer),
+            &[("run_state.json", json)],
+        )?;
+    }
+    tracing::info!(
+        step,
+        secs = t0.elapsed().as_secs_f64(),
+        "checkpoint {}",
+        dir.display()
+    );
+    run_dir.prune_checkpoints(match recipe.keep_checkpoints {
+        Keep::Count(n) => Some(n),
+        Keep::All(_) => None,
+    })
+}
+
+/// For `--resume`: the checkpoint to continue from (None: from the start),
+/// with the logs cut back to it; returns (weights dir, state, rollouts lost).
+fn resume_state(
+    run_dir: &RunDir,
+    recipe: &Recipe,
+    n_tasks: usize,
+) -> Result<Option<(PathBuf, RunState, u64)>> {
+    if !run_dir.recipe().is_file() {
+        return Err(Error::Run(format!(
+            "{} is not a run directory (no recipe.toml)",
+            run_dir.root.display()
+        )));
+    }
+    run_dir.remove_partial_checkpoints()?;
+    let latest = run_dir.latest_checkpoint()?;
+    let step = latest.as_ref().map_or(0, |(_, s)| s.step);
+    let removed = run_dir.cut_to(step)?;
+    std::fs::create_dir_all(run_dir.trajectories())
+        .map_err(|e| Error::io(run_dir.trajectories(), e))?;
+    std::fs::create_dir_all(run_dir.checkpoints())
+        .map_err(|e| Error::io(run_dir.checkpoints(), e))?;
+    let cut_rollouts: u64 = removed
+        .iter()
+        .filter_map(|v| v.get("trajectories").and_then(Value::as_u64))
+        .sum();
+    let Some((dir, s)) = latest else {
+        tracing::warn!(
+            "no complete checkpoint in {}: starting over",
+            run_dir.root.display()
+        );
+        return Ok(None);
+    };
+    if s.pool.tasks.len() != n_tasks {
+        return Err(Error::Run(format!(
+            "{}: {} tasks in the checkpoint, {n_tasks} in the task file",
+            dir.display(),
+            s.pool.tasks.len()
+        )));
+    }
+    let in_flight = s.groups_started.saturating_sub(s.groups_consumed) * recipe.group_size as u64;
+    let lost = in_flight + cut_rollouts;
+    tracing::warn!(
+        step = s.step,
+        lost_on_resume = lost,
+        "resuming from {}",
+        dir.display()
+    );
+    Ok(Some((dir, s, lost)))
+}

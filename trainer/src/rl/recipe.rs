@@ -1,0 +1,398 @@
+//! Recipes: every setting of an `arcticd train` run, as TOML.
+//!
+//! One flat struct ([`Recipe`]) for the loop, the optimizer and the loss,
+//! with the rollout harness's settings in a `[rollout]` table. Unknown keys
+//! are errors that name the key and its line; `--set key=value` overrides go
+//! through the same deserializer (dotted keys reach into `[rollout]`).
+//! `recipes/default.toml` documents every key and is tested to equal
+//! [`Recipe::default`]. Defaults are the source recipe (docs/ARCHITECTURE.md,
+//! "The recipe"): format, duplicate and budget gates on, fp32 state, caches
+//! rebuilt after every update, least-loaded routing, explicit submit.
+//!
+//! Not for: the demo's own values (`recipes/demo.toml`) or command-line
+//! parsing (the binary).
+
+use crate::harness::RolloutConfig;
+use crate::loss::PgConfig;
+use crate::optim::{AdamWConfig, LrSchedule};
+use crate::step::TrainConfig;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// What happens to tokens older than `max_staleness` at consumption.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StalePolicy {
+    /// The whole trajectory is dropped, counted and written to
+    /// `trajectories/dropped.jsonl`.
+    Drop,
+    /// Only the too-old tokens are masked out of the loss.
+    Mask,
+}
+
+/// The sandbox backend rollouts run in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxBackend {
+    /// bubblewrap namespaces (no daemon needed).
+    Local,
+    /// One Docker container per sandbox.
+    Docker,
+}
+
+/// How many checkpoints to keep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Keep {
+    /// The newest N (at least 1).
+    Count(usize),
+    /// `"all"`.
+    All(KeepAll),
+}
+
+/// The word `all`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeepAll {
+    All,
+}
+
+/// Every setting of a training run. Paths are relative to the recipe
+/// file's folder when read from one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Recipe {
+    /// Checkpoint to start from (Hugging Face layout). Required.
+    pub model: Option<PathBuf>,
+    /// Training tasks (JSONL, any format `tasks` reads). Required.
+    pub tasks: Option<PathBuf>,
+    /// Held-out tasks for `eval_every`. Default none.
+    pub eval_tasks: Option<PathBuf>,
+    /// Sandbox backend. Default "local".
+    pub backend: SandboxBackend,
+    /// Optimizer updates to run. Default 100.
+    pub steps: u64,
+    /// Attempts per task (G); advantages are relative to the group. Default 8.
+    pub group_size: usize,
+    /// Complete groups per update (B). Default 4.
+    pub groups_per_step: usize,
+    /// Most weight versions a trained token may lag the trainer. Default 4.
+    pub max_staleness: u64,
+    /// Over-stale trajectories: "drop" or "mask". Default "drop".
+    pub stale: StalePolicy,
+    /// Rollouts in flight at once (each holds one sandbox). Default 8.
+    pub concurrency: usize,
+    /// Engine replicas over the one parameter store. Default 1.
+    pub replicas: usize,
+    /// Seed of the task order. Default 0.
+    pub seed: u64,
+    /// Peak learning rate. Default 1e-6.
+    pub lr: f64,
+    /// Linear warmup updates. Default 0.
+    pub warmup: u64,
+    /// AdamW decoupled weight decay. Default 0.0.
+    pub weight_decay: f64,
+    /// AdamW beta1. Default 0.9.
+    pub beta1: f64,
+    /// AdamW beta2. Default 0.999.
+    pub beta2: f64,
+    /// AdamW epsilon. Default 1e-8.
+    pub eps: f64,
+    /// Global gradient-norm clip; 0 = off. Default 1.0.
+    pub grad_clip: f64,
+    /// Tokens per trainer micro-batch. Default 16384.
+    pub micro_batch_tokens: usize,
+    /// PPO lower clip (`1 - clip_low`). Default 0.2.
+    pub clip_low: f64,
+    /// PPO upper clip, clip-higher (`1 + clip_high`). Default 0.28.
+    pub clip_high: f64,
+    /// Cap of the truncated importance weight. Default 2.0.
+    pub tis_cap: f64,
+    /// k3 KL coefficient to the behaviour policy. Default 0.0.
+    pub kl_coef: f64,
+    /// Entropy bonus coefficient. Default 0.0.
+    pub entropy_coef: f64,
+    /// Divide group advantages by the group's standard deviation. Default false.
+    pub advantage_std: bool,
+    /// Leave out groups whose rewards are all equal (they carry no signal
+    /// and would dilute the token mean); counted either way. Default true.
+    pub filter_zero_variance: bool,
+    /// Retire a task as mastered when every attempt of its last N visits
+    /// was solved; 0 = never. Default 2.
+    pub retire_after: usize,
+    /// Retire a task as hopeless when every attempt of its last N visits
+    /// failed; 0 = never. Default 0.
+    pub drop_after: usize,
+    /// Re-run retired tasks with frozen weights every N updates; 0 = never.
+    /// Default 20.
+    pub recheck_every: u64,
+    /// Attempts per retired task in a recheck. Default 4.
+    pub recheck_attempts: usize,
+    /// A mastered task whose recheck reward falls below this comes back.
+    /// Default 0.75.
+    pub unretire_below: f64,
+    /// pass@1 on `eval_tasks` every N updates (and before the first); 0 =
+    /// never. Default 10.
+    pub eval_every: u64,
+    /// Attempts per held-out task. Default 4.
+    pub eval_attempts: usize,
+    /// Checkpoint every N updates (and at the end); 0 = only at the end.
+    /// Default 10.
+    pub checkpoint_every: u64,
+    /// Checkpoints kept: a count or "all". Default 3.
+    pub keep_checkpoints: Keep,
+    /// Longest a rollout may take, grading included, before it is abandoned
+    /// as infra. Default 3600.
+    pub rollout_timeout_secs: f64,
+    /// Longest the trainer waits for the rollouts of an update before the
+    /// run fails (a stuck sandbox or engine never hangs a run). Default 7200.
+    pub batch_timeout_secs: f64,
+    /// Engine KV and state cache per replica, MiB. Default 256.
+    pub engine_cache_mib: usize,
+    /// The rollout harness: budgets, gates, temperature, prompts.
+    pub rollout: RolloutConfig,
+}
+
+impl Default for Recipe {
+    fn default() -> Self {
+        Recipe {
+            model: None,
+            tasks: None,
+            eval_tasks: None,
+            backend: SandboxBackend::Local,
+            steps: 100,
+            group_size: 8,
+            groups_per_step: 4,
+            max_staleness: 4,
+            stale: StalePolicy::Drop,
+            concurrency: 8,
+            replicas: 1,
+            seed: 0,
+            lr: 1e-6,
+            warmup: 0,
+            weight_decay: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            micro_batch_tokens: 16384,
+            clip_low: 0.2,
+            clip_high: 0.28,
+            tis_cap: 2.0,
+            kl_coef: 0.0,
+            entropy_coef: 0.0,
+            advantage_std: false,
+            filter_zero_variance: true,
+            retire_after: 2,
+            drop_after: 0,
+            recheck_every: 20,
+            recheck_attempts: 4,
+            unretire_below: 0.75,
+            eval_every: 10,
+            eval_attempts: 4,
+            checkpoint_every: 10,
+            keep_checkpoints: Keep::Count(3),
+            rollout_timeout_secs: 3600.0,
+            batch_timeout_secs: 7200.0,
+            engine_cache_mib: 256,
+            rollout: RolloutConfig::default(),
+        }
+    }
+}
+
+/// Parses `key=value`: the value as a TOML value when it is one
+/// (`3`, `1e-4`, `true`, `"x"`, `[1, 2]`), else as a bare string.
+fn parse_set(kv: &str) -> Result<(Vec<String>, toml::Value)> {
+    let (k, v) = kv
+        .split_once('=')
+        .ok_or_else(|| Error::Recipe(format!("--set {kv:?}: expected key=value")))?;
+    let key: Vec<String> = k.trim().split('.').map(|p| p.trim().to_string()).collect();
+    if key.iter().any(|p| p.is_empty()) {
+        return Err(Error::Recipe(format!("--set {kv:?}: empty key")));
+    }
+    let v = v.trim();
+    let value = toml::from_str::<toml::Table>(&format!("x = {v}"))
+        .ok()
+        .and_then(|mut t| t.remove("x"))
+        .unwrap_or_else(|| toml::Value::String(v.to_string()));
+    Ok((key, value))
+}
+
+impl Recipe {
+    /// Parses recipe text; `origin` names it in errors.
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self> {
+        Self::from_toml_with(text, origin, &[])
+    }
+
+    /// Parses recipe text with `key=value` overrides applied on top.
+    pub fn from_toml_with(text: &str, origin: &str, sets: &[String]) -> Result<Self> {
+        // Parse once as it is, so a bad key's error points at its line.
+        let base: Recipe =
+            toml::from_str(text).map_err(|e| Error::Recipe(format!("{origin}: {e}")))?;
+        if sets.is_empty() {
+            return base.checked();
+        }
+        let mut table: toml::Table =
+            toml::from_str(text).map_err(|e| Error::Recipe(format!("{origin}: {e}")))?;
+        for kv in sets {
+            let (key, value) = parse_set(kv)?;
+            let mut t = &mut table;
+            for part in &key[..key.len() - 1] {
+                let entry = t
+                    .entry(part.clone())
+                    .or_insert_with(|| toml::Value::Table(Default::default()));
+                t = entry
+                    .as_table_mut()
+                    .ok_or_else(|| Error::Recipe(format!("--set {kv:?}: {part} is not a table")))?;
+            }
+            t.insert(key[key.len() - 1].clone(), value);
+        }
+        let r: Recipe = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e| Error::Recipe(format!("{origin} with --set {sets:?}: {e}")))?;
+        r.checked()
+    }
+
+    /// Reads a recipe file; relative paths in it are taken from its folder.
+    pub fn from_file(path: &Path, sets: &[String]) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let mut r = Self::from_toml_with(&text, &path.display().to_string(), sets)?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for p in [&mut r.model, &mut r.tasks, &mut r.eval_tasks]
+            .into_iter()
+            .flatten()
+        {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        Ok(r)
+    }
+
+    /// The recipe as TOML (what `RUN_DIR/recipe.toml` holds).
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string(self).map_err(|e| Error::Recipe(format!("writing the recipe: {e}")))
+    }
+
+    /// Rejects values the loop cannot run with.
+    pub fn checked(self) -> Result<Self> {
+        let bad = |m: &str| Err(Error::Recipe(m.to_string()));
+        if self.group_size < 2 {
+            return bad("group_size must be at least 2 (advantages are relative to the group)");
+        }
+        if self.groups_per_step == 0 {
+            return bad("groups_per_step must be at least 1");
+        }
+        if self.concurrency == 0 || self.replicas == 0 {
+            return bad("concurrency and replicas must be at least 1");
+        }
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return bad("lr must be a finite number >= 0");
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            return bad("grad_clip must be a finite number >= 0 (0 = off)");
+        }
+        if !(self.rollout.temperature.is_finite() && self.rollout.temperature >= 0.0) {
+            return bad("rollout.temperature must be a finite number >= 0");
+        }
+        if self.rollout_timeout_secs <= 0.0 || self.batch_timeout_secs <= 0.0 {
+            return bad("rollout_timeout_secs and batch_timeout_secs must be positive");
+        }
+        if matches!(self.keep_checkpoints, Keep::Count(0)) {
+            return bad("keep_checkpoints must be at least 1 or \"all\"");
+        }
+        if self.micro_batch_tokens == 0 || self.engine_cache_mib == 0 {
+            return bad("micro_batch_tokens and engine_cache_mib must be positive");
+        }
+        Ok(self)
+    }
+
+    /// The trainer's settings.
+    pub fn train_config(&self) -> TrainConfig {
+        TrainConfig {
+            optimizer: AdamWConfig {
+                lr: self.lr,
+                beta1: self.beta1,
+                beta2: self.beta2,
+                eps: self.eps,
+                weight_decay: self.weight_decay,
+            },
+            schedule: if self.warmup > 0 {
+                LrSchedule::LinearWarmup {
+                    warmup: self.warmup,
+                }
+            } else {
+                LrSchedule::Constant
+            },
+            grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
+            micro_batch_tokens: self.micro_batch_tokens,
+            recompute_layers: false,
+            pg: PgConfig {
+                clip_low: self.clip_low,
+                clip_high: self.clip_high,
+                tis_cap: self.tis_cap,
+                kl_coef: self.kl_coef,
+                entropy_coef: self.entropy_coef,
+                temperature: self.rollout.temperature,
+                ..PgConfig::default()
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_toml_documents_the_defaults() {
+        let text = include_str!("../../../recipes/default.toml");
+        let r = Recipe::from_toml(text, "recipes/default.toml").unwrap();
+        assert_eq!(r, Recipe::default());
+    }
+
+    #[test]
+    fn unknown_keys_are_named_with_their_line() {
+        let e = Recipe::from_toml("steps = 3\nstepz = 4\n", "r.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("stepz") && e.contains("line 2"), "{e}");
+        let e = Recipe::from_toml("[rollout]\nmax_turnz = 4\n", "r.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("max_turnz"), "{e}");
+    }
+
+    #[test]
+    fn sets_override_and_are_checked() {
+        let sets = vec![
+            "steps=7".to_string(),
+            "rollout.max_turns=3".into(),
+            "stale=mask".into(),
+            "keep_checkpoints=all".into(),
+            "lr=1e-4".into(),
+        ];
+        let r = Recipe::from_toml_with("steps = 3\n", "r.toml", &sets).unwrap();
+        assert_eq!(r.steps, 7);
+        assert_eq!(r.rollout.max_turns, 3);
+        assert_eq!(r.stale, StalePolicy::Mask);
+        assert_eq!(r.keep_checkpoints, Keep::All(KeepAll::All));
+        assert_eq!(r.lr, 1e-4);
+        assert!(Recipe::from_toml_with("", "r", &["nokey=1".into()]).is_err());
+        assert!(Recipe::from_toml_with("", "r", &["steps".into()]).is_err());
+        assert!(Recipe::from_toml("group_size = 1\n", "r").is_err());
+        assert!(Recipe::from_toml("stale = \"sometimes\"\n", "r").is_err());
+        assert!(Recipe::from_toml("steps = \"many\"\n", "r").is_err());
+    }
+
+    #[test]
+    fn resolved_recipe_round_trips() {
+        let r = Recipe {
+            model: Some("m".into()),
+            ..Recipe::default()
+        };
+        let back = Recipe::from_toml(&r.to_toml().unwrap(), "x").unwrap();
+        assert_eq!(back, r);
+    }
+}

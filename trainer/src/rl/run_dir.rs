@@ -1,0 +1,306 @@
+//! The run directory: what a training run leaves behind, and how a resumed
+//! run finds where to continue (docs/ARCHITECTURE.md, "The run directory").
+//!
+//! ```text
+//! recipe.toml                  the resolved recipe
+//! metrics.jsonl                one object per update
+//! eval.jsonl                   one object per held-out evaluation
+//! trajectories/step-NNNNNN.jsonl   what update N trained on
+//! trajectories/dropped.jsonl   stale or masked trajectories, with why
+//! checkpoints/step-NNNNNN/     Hugging Face layout + optimizer + run_state.json
+//! plots/*.png                  from `arcticd plot`
+//! ```
+//!
+//! Checkpoints appear atomically (written to a hidden sibling, then
+//! renamed), so a directory named `step-N` holding `run_state.json` is
+//! complete; anything else is debris of a killed write and is removed on
+//! resume. Resume cuts `metrics.jsonl`, `eval.jsonl`, `dropped.jsonl` and
+//! the trajectory files back to the checkpoint's update, so no update is
+//! missing or doubled.
+//!
+//! Not for: deciding what goes into a record (the loop).
+
+use super::pool::PoolState;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// The loop's state saved with each checkpoint.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunState {
+    /// Updates done.
+    pub step: u64,
+    /// The parameter store's version.
+    pub weight_version: u64,
+    pub pool: PoolState,
+    /// Groups the trainer had consumed.
+    pub groups_consumed: u64,
+    /// Groups dispatched by then (the difference was in flight or buffered,
+    /// and is lost with the process).
+    pub groups_started: u64,
+    /// Seconds of training before this checkpoint.
+    pub elapsed_s: f64,
+    /// Running totals.
+    pub totals: Totals,
+}
+
+/// Counts over the whole run.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Totals {
+    pub rollouts: u64,
+    pub stale_dropped: u64,
+    pub masked_infra: u64,
+    pub zero_variance_groups: u64,
+    pub skipped_updates: u64,
+    pub lost_on_resume: u64,
+}
+
+/// Paths of a run directory.
+#[derive(Debug, Clone)]
+pub struct RunDir {
+    pub root: PathBuf,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |e| Error::io(path, e)
+}
+
+impl RunDir {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        RunDir { root: root.into() }
+    }
+
+    pub fn recipe(&self) -> PathBuf {
+        self.root.join("recipe.toml")
+    }
+    pub fn metrics(&self) -> PathBuf {
+        self.root.join("metrics.jsonl")
+    }
+    pub fn eval(&self) -> PathBuf {
+        self.root.join("eval.jsonl")
+    }
+    pub fn trajectories(&self) -> PathBuf {
+        self.root.join("trajectories")
+    }
+    pub fn step_trajectories(&self, step: u64) -> PathBuf {
+        self.trajectories().join(format!("step-{step:06}.jsonl"))
+    }
+    pub fn dropped(&self) -> PathBuf {
+        self.trajectories().join("dropped.jsonl")
+    }
+    pub fn checkpoints(&self) -> PathBuf {
+        self.root.join("checkpoints")
+    }
+    pub fn checkpoint(&self, step: u64) -> PathBuf {
+        self.checkpoints().join(format!("step-{step:06}"))
+    }
+
+    /// Makes a new run directory; refuses one that already holds a run.
+    pub fn create(&self) -> Result<()> {
+        if self.metrics().exists() || self.recipe().exists() {
+            return Err(Error::Run(format!(
+                "{} already holds a run: continue it with --resume {0}, or pick another --out",
+                self.root.display()
+            )));
+        }
+        for d in [self.trajectories(), self.checkpoints()] {
+            std::fs::create_dir_all(&d).map_err(io(&d))?;
+        }
+        Ok(())
+    }
+
+    /// Complete checkpoints, oldest first: (update, directory).
+    pub fn complete_checkpoints(&self) -> Result<Vec<(u64, PathBuf)>> {
+        let dir = self.checkpoints();
+        let rd = match std::fs::read_dir(&dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+            Err(e) => return Err(Error::io(&dir, e)),
+        };
+        let mut out = Vec::new();
+        for entry in rd {
+            let entry = entry.map_err(io(&dir))?;
+            let name = entry.file_name().to_string_lossy().to_string();
+            let Some(n) = name
+                .strip_prefix("step-")
+                .and_then(|s| s.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            if entry.path().join("run_state.json").is_file() {
+                out.push((n, entry.path()));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// The newest complete checkpoint and its run state.
+    pub fn latest_checkpoint(&self) -> Result<Option<(PathBuf, RunState)>> {
+        for (_, dir) in self.complete_checkpoints()?.into_iter().rev() {
+            let p = dir.join("run_state.json");
+            let text = std::fs::read(&p).map_err(io(&p))?;
+            match serde_json::from_slice::<RunState>(&text) {
+                Ok(s) => return Ok(Some((dir, s))),
+                Err(e) => tracing::warn!("{}: unreadable run state, skipped: {e}", p.display()),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Removes hidden debris of interrupted checkpoint writes.
+    pub fn remove_partial_checkpoints(&self) -> Result<()> {
+        let dir = self.checkpoints();
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            return Ok(());
+        };
+        for entry in rd.flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            let complete = entry.path().join("run_state.json").is_file();
+            if name.starts_with('.') || (name.starts_with("step-") && !complete) {
+                let p = entry.path();
+                std::fs::remove_dir_all(&p).map_err(io(&p))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps the newest `keep` complete checkpoints (None: all).
+    pub fn prune_checkpoints(&self, keep: Option<usize>) -> Result<()> {
+        let Some(keep) = keep else { return Ok(()) };
+        let all = self.complete_checkpoints()?;
+        let n = all.len().saturating_sub(keep.max(1));
+        for (_, dir) in all.into_iter().take(n) {
+            std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
+        }
+        Ok(())
+    }
+
+    /// Cuts the logs back to update `step`: metrics and eval lines with a
+    /// larger `step`, dropped records of later updates and later trajectory
+    /// files go. Returns the metrics lines removed.
+    pub fn cut_to(&self, step: u64) -> Result<Vec<Value>> {
+        let removed = cut_jsonl(&self.metrics(), "step", step)?;
+        cut_jsonl(&self.eval(), "step", step)?;
+        cut_jsonl(&self.dropped(), "step", step)?;
+        if let Ok(rd) = std::fs::read_dir(self.trajectories()) {
+            for entry in rd.flatten() {
+                let name = entry.file_name().to_string_lossy().to_string();
+                let n = name
+                    .strip_prefix("step-")
+                    .and_then(|s| s.strip_suffix(".jsonl"))
+                    .and_then(|s| s.parse::<u64>().ok());
+                if n.is_some_and(|n| n > step) {
+                    let p = entry.path();
+                    std::fs::remove_file(&p).map_err(io(&p))?;
+                }
+            }
+        }
+        Ok(removed)
+    }
+}
+
+/// Keeps the lines of a JSONL file whose `key` is at most `max` (a torn
+/// line is dropped); rewrites it atomically. Returns the removed records.
+fn cut_jsonl(path: &Path, key: &str, max: u64) -> Result<Vec<Value>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(e) => return Err(Error::io(path, e)),
+    };
+    let mut kept = String::new();
+    let mut removed = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        if v.get(key).and_then(Value::as_u64).is_some_and(|s| s > max) {
+            removed.push(v);
+        } else {
+            kept.push_str(line);
+            kept.push('\n');
+        }
+    }
+    arcticd_engine::weights::write_atomic(path, kept.as_bytes())?;
+    Ok(removed)
+}
+
+/// Appends one JSON line and flushes it.
+pub fn append_jsonl(path: &Path, value: &impl Serialize) -> Result<()> {
+    let mut line = serde_json::to_string(value)
+        .map_err(|e| Error::Run(format!("serializing a record for {}: {e}", path.display())))?;
+    line.push('\n');
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(io(path))?;
+    f.write_all(line.as_bytes()).map_err(io(path))?;
+    f.flush().map_err(io(path))
+}
+
+/// Writes many JSON lines at once (a new file).
+pub fn write_jsonl<T: Serialize>(path: &Path, values: impl IntoIterator<Item = T>) -> Result<()> {
+    let mut text = String::new();
+    for v in values {
+        text.push_str(
+            &serde_json::to_string(&v)
+                .map_err(|e| Error::Run(format!("serializing for {}: {e}", path.display())))?,
+        );
+        text.push('\n');
+    }
+    arcticd_engine::weights::write_atomic(path, text.as_bytes()).map_err(Into::into)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn cut_keeps_earlier_steps_and_drops_torn_lines() {
+        let d = tempfile::tempdir().unwrap();
+        let r = RunDir::new(d.path());
+        r.create().unwrap();
+        for s in 1..=4u64 {
+            append_jsonl(&r.metrics(), &json!({"step": s})).unwrap();
+            write_jsonl(&r.step_trajectories(s), [json!({"x": s})]).unwrap();
+        }
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(r.metrics())
+            .unwrap()
+            .write_all(b"{\"step\": 5, \"tor")
+            .unwrap();
+        let removed = r.cut_to(2).unwrap();
+        assert_eq!(removed.len(), 2);
+        let text = std::fs::read_to_string(r.metrics()).unwrap();
+        assert_eq!(text, "{\"step\":1}\n{\"step\":2}\n");
+        assert!(r.step_trajectories(2).exists() && !r.step_trajectories(3).exists());
+        assert!(r.create().is_err(), "a second create must refuse");
+    }
+
+    #[test]
+    fn only_complete_checkpoints_count() {
+        let d = tempfile::tempdir().unwrap();
+        let r = RunDir::new(d.path());
+        r.create().unwrap();
+        for (name, complete) in [
+            ("step-000002", true),
+            ("step-000004", false),
+            (".step-000006.tmp1", false),
+        ] {
+            let p = r.checkpoints().join(name);
+            std::fs::create_dir_all(&p).unwrap();
+            if complete {
+                std::fs::write(p.join("run_state.json"), "{}").unwrap();
+            }
+        }
+        let all = r.complete_checkpoints().unwrap();
+        assert_eq!(all.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2]);
+        r.remove_partial_checkpoints().unwrap();
+        assert_eq!(std::fs::read_dir(r.checkpoints()).unwrap().count(), 1);
+    }
+}
