@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod cli_harness;
 mod cli_model;
+mod cli_rl;
 mod cli_sandbox;
 mod cli_serve;
 mod cli_tasks;
@@ -45,6 +46,8 @@ enum Command {
     Serve(cli_serve::ServeArgs),
     /// Supervised fine-tuning (AdamW, torch semantics); writes a Hugging Face checkpoint.
     Sft(cli_train::SftArgs),
+    /// Asynchronous RL: a recipe, a resumed run, or with no arguments the built-in demo.
+    Train(cli_rl::TrainArgs),
 }
 
 fn main() {
@@ -66,6 +69,7 @@ fn main() {
         Command::Eval(args) => cli_harness::eval(args),
         Command::Serve(args) => cli_serve::serve(args),
         Command::Sft(args) => cli_train::sft(args),
+        Command::Train(args) => cli_rl::train(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -10,7 +10,7 @@
 //!
 //! Tool calls: the model writes Qwen3.5's XML form (`<tool_call>\n<function=
 //! NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n</tool_call>`,
-//! DESIGN.md); [`parse_tool_calls`] turns each into an OpenAI `tool_calls`
+//! docs/ARCHITECTURE.md, "The model"); [`parse_tool_calls`] turns each into an OpenAI `tool_calls`
 //! entry with JSON arguments, and text outside calls stays `content`. A
 //! forced `tool_choice` opens the call in the prompt, so the model writes
 //! its arguments. This parser is lenient (an unclosed call at the end of the

@@ -17,7 +17,7 @@
 //!
 //! Not here: tokenizing (`tokenizer.rs`), parsing tool calls out of generated
 //! text, or any chat format other than what the template itself says. The
-//! engine renders a conversation once and then only appends tokens (DESIGN.md,
+//! engine renders a conversation once and then only appends tokens (docs/ARCHITECTURE.md,
 //! "Contracts"), so rendering speed is not a concern.
 
 use std::path::Path;

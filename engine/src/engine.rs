@@ -14,7 +14,7 @@
 //! also making its sampled rows' logits (and greedy picks); sample for the
 //! sequences whose tokens are all in the cache; send events.
 //!
-//! Weight updates (DESIGN.md, step 7): [`EngineHandle::pause`] returns once
+//! Weight updates (docs/ARCHITECTURE.md, recipe step 7): [`EngineHandle::pause`] returns once
 //! the engine is between two steps and holds no read guard; the owner of the
 //! store updates it in place; [`EngineHandle::resume`] lets the engine go on,
 //! and the version check above rebuilds every in-flight cache under the new

@@ -1,6 +1,6 @@
 //! The shared, versioned parameter store: one per device, read by every
 //! engine replica and by the trainer, written in place only by the
-//! optimizer step while the engines are paused between two steps (DESIGN.md,
+//! optimizer step while the engines are paused between two steps (docs/ARCHITECTURE.md,
 //! "Weights"). Readers take a read guard for the duration of one forward;
 //! `update` takes the write guard, applies the change in place (no copy of
 //! the model) and bumps `weight_version`.

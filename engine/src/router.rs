@@ -1,7 +1,7 @@
 //! Router over engine replicas: each request goes to the replica with the
 //! least outstanding work (queued plus running tokens, see
 //! `EngineMetrics::load`), never pinned to one for cache reuse. Pinning piles
-//! work on one replica and its queued rollouts go stale (DESIGN.md, step 8).
+//! work on one replica and its queued rollouts go stale (docs/ARCHITECTURE.md, recipe step 8).
 //!
 //! Replicas may share one parameter store; the router does not care. Load is
 //! added when a request is submitted, so a burst of requests arriving

@@ -4,7 +4,7 @@
 //! drawn from after temperature and before top-k/top-p truncation:
 //! `log_softmax(logits / T)[token]`, with `T = 1` for greedy decoding
 //! (temperature 0). That is the quantity the trainer recomputes from the
-//! same logits (DESIGN.md, "Contracts"); truncation is a sampling device,
+//! same logits (docs/ARCHITECTURE.md, "Contracts"); truncation is a sampling device,
 //! not part of the policy being trained. At `T = 1` it is computed by the
 //! same kernel as `Qwen3_5::score`, so the two agree to the last bit on the
 //! same logits.

@@ -7,7 +7,7 @@
 //! vocabulary. Added tokens written in the text (`<|im_start|>`, `<tool_call>`)
 //! always encode to their single id and no BOS is ever added, because the
 //! engine builds prompts by appending token ids to a rendered chat transcript
-//! (DESIGN.md, "Contracts": history is never re-tokenized).
+//! (docs/ARCHITECTURE.md, "Contracts": history is never re-tokenized).
 //!
 //! [`train_bpe`] / [`write_tokenizer_files`] make a tokenizer of the same
 //! shape at a toy vocabulary size, trained on a built-in, deterministic,

@@ -1,5 +1,6 @@
 //! Repository snapshots: a task's tree as a single root commit and nothing
-//! else, the hygiene rule of the design (no history to read the fix from).
+//! else, the hygiene rule of docs/ARCHITECTURE.md, recipe step 10 (no history
+//! to read the fix from).
 //!
 //! A snapshot is built once on the host in a private temporary folder and
 //! copied into every sandbox. The source's own `.git` folders (at any depth)

@@ -102,7 +102,7 @@ fn parse_line(line: &str, vocab: usize, chat: Option<&ChatRender<'_>>) -> Result
 }
 
 /// Where an assistant turn's content starts and ends in Qwen's chat format
-/// (DESIGN.md: `<|im_start|>{role}\n{content}<|im_end|>\n`).
+/// (docs/ARCHITECTURE.md, "The model": `<|im_start|>{role}\n{content}<|im_end|>\n`).
 const ASSISTANT_OPEN: &str = "<|im_start|>assistant\n";
 const TURN_END: &str = "<|im_end|>";
 

@@ -4,7 +4,7 @@
 //! (`model::token_logprobs_backward`).
 //!
 //! - SFT: token-mean cross-entropy over the target tokens of a batch.
-//! - Policy gradient for asynchronous RL (DESIGN.md, recipe step 6): PPO-style
+//! - Policy gradient for asynchronous RL (docs/ARCHITECTURE.md, recipe step 6): PPO-style
 //!   clipped importance ratio against the behaviour policy that sampled the
 //!   token (the engine's log-prob `b_t`, possibly several weight versions
 //!   old), with separate low/high clip epsilons ("clip-higher", DAPO), the

@@ -559,6 +559,63 @@ pub fn store_of(model: Qwen3_5) -> Arc<ParamStore> {
 mod tests {
     use super::*;
 
+    #[derive(Default)]
+    struct CountingGate {
+        paused: std::sync::atomic::AtomicUsize,
+        resumed: std::sync::atomic::AtomicUsize,
+        fail: bool,
+    }
+
+    impl WriteGate for CountingGate {
+        fn pause(&self) -> Result<()> {
+            self.paused
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if self.fail {
+                return Err(Error::Input("pause failed".into()));
+            }
+            Ok(())
+        }
+        fn resume(&self) {
+            self.resumed
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_pause_is_always_followed_by_a_resume() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let gate = CountingGate::default();
+        {
+            let _g = PauseGuard::pause(Some(&gate)).unwrap();
+            assert_eq!(
+                (gate.paused.load(SeqCst), gate.resumed.load(SeqCst)),
+                (1, 0)
+            );
+        }
+        assert_eq!(gate.resumed.load(SeqCst), 1);
+        // A write that fails or panics while paused still resumes.
+        let r: Result<()> = (|| {
+            let _g = PauseGuard::pause(Some(&gate))?;
+            Err(Error::Input("write failed".into()))
+        })();
+        assert!(r.is_err());
+        assert_eq!(gate.resumed.load(SeqCst), 2);
+        let p = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _g = PauseGuard::pause(Some(&gate)).unwrap();
+            panic!("write panicked");
+        }));
+        assert!(p.is_err());
+        assert_eq!(gate.resumed.load(SeqCst), 3);
+        // A failed pause resumes what it may have paused.
+        let bad = CountingGate {
+            fail: true,
+            ..Default::default()
+        };
+        assert!(PauseGuard::pause(Some(&bad)).is_err());
+        assert_eq!(bad.resumed.load(SeqCst), 1);
+        assert!(PauseGuard::pause(None).is_ok());
+    }
+
     #[test]
     fn micro_batches_respect_the_budget() {
         assert_eq!(micro_batches(&[3, 3, 3], 6), vec![0..2, 2..3]);

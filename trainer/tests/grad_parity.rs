@@ -309,3 +309,50 @@ fn entropy_gradient_matches_finite_differences() {
         );
     }
 }
+
+/// At a temperature other than 1 the trainer's log-probs are those the
+/// engine's sampler reports: `log_softmax(logits / T)` of the sampled token.
+#[test]
+fn trainer_logprobs_at_temperature_equal_the_samplers() {
+    use arcticd_engine::sampler::{Sampler, SamplingParams};
+    let m = Qwen3_5::load(&fixture("gqa_untied")).unwrap();
+    let b = read_batch("gqa_untied");
+    let packed = Packed::new(&b.sequences, m.config.vocab_size).unwrap();
+    let acts = model::forward(&m, packed).unwrap();
+    let h = m.config.hidden_size;
+    let n = acts.hidden.len() / h;
+    let logits = m.logits(&acts.hidden).unwrap();
+    let v = m.config.vocab_size;
+    for t in [0.7f32, 1.3] {
+        let params = SamplingParams {
+            temperature: t,
+            seed: Some(3),
+            ..SamplingParams::default()
+        };
+        let mut sampler = Sampler::new(&params, 0);
+        let (mut rows, mut targets, mut engine) = (Vec::new(), Vec::new(), Vec::new());
+        for r in 0..n {
+            let s = sampler.sample(&logits[r * v..(r + 1) * v]).unwrap();
+            rows.push(r);
+            targets.push(s.token);
+            engine.push(s.logprob);
+        }
+        let (lp, _) =
+            model::token_logprobs_entropy(&m, &acts.hidden, &rows, &targets, false, t).unwrap();
+        let (lp1, _) =
+            model::token_logprobs_entropy(&m, &acts.hidden, &rows, &targets, false, 1.0).unwrap();
+        let max = lp
+            .iter()
+            .zip(&engine)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let off = lp1
+            .iter()
+            .zip(&engine)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        println!("T={t}: trainer vs sampler max |diff| {max:e}; at T=1 it would be {off:e}");
+        assert!(max <= 1e-6, "T={t}: trainer and sampler differ by {max:e}");
+        assert!(off > 1e-3, "T={t} must change the log-probs");
+    }
+}

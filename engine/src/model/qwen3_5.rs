@@ -1,6 +1,6 @@
 //! Qwen3.5 text model (dense): a hybrid of Gated DeltaNet ("linear
 //! attention") layers and gated full-attention layers, as in transformers'
-//! `models/qwen3_5` (see DESIGN.md, "The model").
+//! `models/qwen3_5` (see docs/ARCHITECTURE.md, "The model").
 //!
 //! `Qwen3_5::load` reads a Hugging Face checkpoint directory; `forward` runs
 //! a batch of variable-length sequences packed without padding, each with its

@@ -2,7 +2,7 @@
 //! read.
 //!
 //! A task is an issue text, a repository snapshot, hidden tests and a gold
-//! patch (the design's recipe, step 1). The native format is JSONL with the
+//! patch (docs/ARCHITECTURE.md, recipe step 1). The native format is JSONL with the
 //! SWE-bench field names (`instance_id`, `problem_statement`, `patch`,
 //! `test_patch`, `FAIL_TO_PASS`, `PASS_TO_PASS`; the test lists may be lists
 //! or the JSON-encoded strings SWE-bench ships) plus the environment: a

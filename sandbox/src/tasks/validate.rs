@@ -1,5 +1,5 @@
-//! Task validation: the data-hygiene rule of the design, checked by running
-//! the tests.
+//! Task validation: the data-hygiene rule (docs/ARCHITECTURE.md, recipe step
+//! 10), checked by running the tests.
 //!
 //! A task is valid when, graded in fresh sandboxes: its fail-to-pass tests
 //! fail without the gold patch and pass with it; its pass-to-pass tests pass

@@ -1,6 +1,6 @@
 //! Evaluation: pass@1 averaged over K attempts per task, with its standard
 //! error, per-task results and a termination-reason histogram, under the
-//! same harness and isolation as training (design, recipe step 11).
+//! same harness and isolation as training (docs/ARCHITECTURE.md, recipe step 11).
 //!
 //! Resumable: every finished attempt is appended to the output JSONL at
 //! once, and attempts already in it are skipped on the next run. Attempts

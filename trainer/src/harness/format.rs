@@ -1,5 +1,5 @@
 //! The strict tool-call format check: the gate that ends a rollout at the
-//! first malformed turn (design, recipe steps 3 and 4).
+//! first malformed turn (docs/ARCHITECTURE.md, recipe steps 3 and 4).
 //!
 //! It reads the raw generated text of one assistant turn, before any
 //! lenient parsing, and accepts exactly this grammar (Qwen3.5's XML tool

@@ -1,5 +1,5 @@
 //! The rollout harness: how an agent works on a task and when it earns
-//! reward (design, recipe steps 2 to 4, 11; the trajectory contract).
+//! reward (docs/ARCHITECTURE.md, recipe steps 2 to 4, 11; the trajectory contract).
 //!
 //! - [`format`]: the strict raw-text tool-call check (the format gate).
 //! - [`tools`]: bash, the file editor and submit, run in the sandbox.

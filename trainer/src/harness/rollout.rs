@@ -1,4 +1,4 @@
-//! The agent loop with gated reward (design, recipe steps 2 to 4).
+//! The agent loop with gated reward (docs/ARCHITECTURE.md, recipe steps 2 to 4).
 //!
 //! The prompt is rendered once from the system prompt, the tool schemas and
 //! the issue through the model's chat template; from then on it only grows
@@ -12,8 +12,8 @@
 //! (turns, context tokens, wall time) or a turn cut at the token limit;
 //! reward comes only from `submit`, graded in a fresh sandbox. Each gate and
 //! budget can be switched off ([`RolloutConfig`]); a switched-off format
-//! gate tells the model what was wrong and continues (the ablation the
-//! design warns about). Not for: sampling, advantages, batching.
+//! gate tells the model what was wrong and continues (the ablation that
+//! recipe step 3 warns about). Not for: sampling, advantages, batching.
 
 use super::format::{self, ToolCall};
 use super::policy::{FinishReason, GenerateRequest, Policy};

@@ -54,12 +54,43 @@ struct RouterGate(Router);
 
 impl WriteGate for RouterGate {
     fn pause(&self) -> Result<()> {
-        self.0.pause().map_err(Into::into)
+        self.0.pause()?;
+        fault_point("weight_update");
+        Ok(())
     }
     fn resume(&self) {
         self.0.resume()
     }
 }
+
+/// Test hook for crash tests: with `ARCTICD_FAULT_PAUSE=<point>` (and
+/// `ARCTICD_FAULT_DIR=<dir>`), the process writes `<dir>/paused-<point>`
+/// and sleeps when it reaches that point, so a test can SIGKILL it exactly
+/// there. Points: `rollouts` (the trainer waits while rollouts run),
+/// `weight_update` (engines paused, weights about to be written),
+/// `checkpoint_write` (a checkpoint written but not yet in place).
+/// `ARCTICD_FAULT_HIT=N` picks the N-th time the point is reached
+/// (default 1).
+fn fault_point(point: &str) {
+    static HITS: AtomicU64 = AtomicU64::new(0);
+    if std::env::var("ARCTICD_FAULT_PAUSE").ok().as_deref() != Some(point) {
+        return;
+    }
+    let want: u64 = std::env::var("ARCTICD_FAULT_HIT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1);
+    if HITS.fetch_add(1, Ordering::AcqRel) + 1 != want {
+        return;
+    }
+    if let Some(dir) = std::env::var_os("ARCTICD_FAULT_DIR") {
+        let _ = std::fs::write(PathBuf::from(dir).join(format!("paused-{point}")), b"");
+    }
+    std::thread::sleep(Duration::from_secs(3600));
+}
+
+/// Called with every metrics record as it is written.
+pub type StepCallback = Box<dyn FnMut(&Value) + Send>;
 
 /// How a run is started.
 pub struct RunOptions {
@@ -71,7 +102,7 @@ pub struct RunOptions {
     /// in-flight rollouts are abandoned and their sandboxes removed.
     pub cancel: Arc<AtomicBool>,
     /// Called with every metrics record as it is written.
-    pub on_step: Option<Box<dyn FnMut(&Value) + Send>>,
+    pub on_step: Option<StepCallback>,
 }
 
 /// What a finished run reports.
@@ -182,7 +213,7 @@ async fn dispatch(
         let done = shared.steps_done.load(Ordering::Acquire);
         let allowed = (done + recipe.max_staleness + 1) * b;
         let next = if started < allowed {
-            shared.pool.lock().unwrap_or_else(|e| e.into_inner()).next()
+            shared.pool.lock().unwrap_or_else(|e| e.into_inner()).next_task()
         } else {
             None
         };
@@ -459,6 +490,9 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         while step < recipe.steps {
             // Wait for B complete groups.
             let t_wait = Instant::now();
+            if step > 0 {
+                fault_point("rollouts");
+            }
             let deadline = t_wait + Duration::from_secs_f64(recipe.batch_timeout_secs);
             while carry.len() < b {
                 if opts.cancel.load(Ordering::Acquire) {
@@ -838,16 +872,23 @@ fn checkpoint(
     };
     let json = serde_json::to_vec_pretty(&state).map_err(|e| Error::Run(e.to_string()))?;
     let t0 = Instant::now();
+    // Written under a hidden name, then renamed into place: a directory
+    // named step-N with a run state is always complete.
+    let partial = run_dir
+        .checkpoints()
+        .join(format!(".step-{step:06}.partial"));
     {
         let m = trainer.store.read();
         save_checkpoint_with(
-            &dir,
+            &partial,
             &m,
             model_dir,
             Some(&trainer.optimizer),
             &[("run_state.json", json)],
         )?;
     }
+    fault_point("checkpoint_write");
+    std::fs::rename(&partial, &dir).map_err(|e| Error::io(&dir, e))?;
     tracing::info!(
         step,
         secs = t0.elapsed().as_secs_f64(),

@@ -86,7 +86,7 @@ impl TaskPool {
                 order: Vec::new(),
                 cursor: 0,
                 epoch: 0,
-                rng: seed ^ 0x5EED_0F_7A5C,
+                rng: seed ^ 0x005E_ED0F_7A5C,
             },
             retire_after,
             drop_after,
@@ -126,7 +126,7 @@ impl TaskPool {
 
     /// The next active task of this epoch (a new shuffled epoch begins when
     /// it runs out); `None` when every task is retired.
-    pub fn next(&mut self) -> Option<usize> {
+    pub fn next_task(&mut self) -> Option<usize> {
         if self.active() == 0 {
             return None;
         }
@@ -227,16 +227,16 @@ mod tests {
     #[test]
     fn epochs_visit_every_task_once() {
         let mut p = pool(5);
-        let mut seen: Vec<usize> = (0..5).map(|_| p.next().unwrap()).collect();
+        let mut seen: Vec<usize> = (0..5).map(|_| p.next_task().unwrap()).collect();
         seen.sort();
         assert_eq!(seen, vec![0, 1, 2, 3, 4]);
         assert_eq!(p.state.epoch, 1);
-        p.next();
+        p.next_task();
         assert_eq!(p.state.epoch, 2);
         // Same seed, same order.
         let (mut a, mut b) = (pool(5), pool(5));
-        let oa: Vec<_> = (0..12).map(|_| a.next()).collect();
-        let ob: Vec<_> = (0..12).map(|_| b.next()).collect();
+        let oa: Vec<_> = (0..12).map(|_| a.next_task()).collect();
+        let ob: Vec<_> = (0..12).map(|_| b.next_task()).collect();
         assert_eq!(oa, ob);
     }
 
@@ -254,7 +254,7 @@ mod tests {
         assert_eq!(p.active(), 1);
         assert_eq!(p.retired(), vec![0, 1]);
         for _ in 0..5 {
-            assert_eq!(p.next(), Some(2));
+            assert_eq!(p.next_task(), Some(2));
         }
         assert!(!p.recheck(0, 0.9, 0.75, 5));
         assert!(p.recheck(0, 0.5, 0.75, 6));
@@ -267,6 +267,6 @@ mod tests {
     fn all_retired_gives_none() {
         let mut p = TaskPool::new(vec!["a".into()], 0, 1, 0);
         p.record(0, 2, 2, 1);
-        assert_eq!(p.next(), None);
+        assert_eq!(p.next_task(), None);
     }
 }

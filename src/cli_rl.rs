@@ -1,0 +1,242 @@
+//! `arcticd train`: the asynchronous RL loop (trainer crate, `rl`) from a
+//! recipe, a resumed run directory, or with no arguments the built-in demo
+//! (`crate::demo`). Shows one progress line per update, optionally serves
+//! the latest metrics as Prometheus text, and says where the run and its
+//! plots are.
+
+use anyhow::{bail, Context, Result};
+use arcticd_trainer::rl::{self, Recipe, RunOptions};
+use clap::Args;
+use serde_json::Value;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+#[derive(Args)]
+pub struct TrainArgs {
+    /// Recipe (TOML; every key is documented in recipes/default.toml).
+    /// Without a recipe and without --resume: the built-in demo.
+    #[arg(long)]
+    pub recipe: Option<PathBuf>,
+    /// Run directory (default: runs/<recipe name>-<unix time>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Override a recipe key: --set steps=20 --set rollout.max_turns=8.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Continue the run in this directory from its last complete checkpoint.
+    #[arg(long, value_name = "RUN_DIR", conflicts_with_all = ["recipe", "out"])]
+    pub resume: Option<PathBuf>,
+    /// Serve the latest update's metrics as Prometheus text on this port
+    /// (127.0.0.1).
+    #[arg(long)]
+    pub metrics_port: Option<u16>,
+}
+
+fn unix_time() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// One line per update, as a person reads it.
+fn progress_line(rec: &Value, steps: u64) -> String {
+    let f = |k: &str| rec.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    let step = rec.get("step").and_then(Value::as_u64).unwrap_or(0);
+    let elapsed = f("elapsed_s");
+    let eta = if step > 0 {
+        elapsed / step as f64 * steps.saturating_sub(step) as f64
+    } else {
+        f64::NAN
+    };
+    let mut s = format!(
+        "update {step}/{steps} | reward {:.3} | pass {:.1}% | rollouts/s {:.2} | stale dropped {} | mismatch(same version) {:.1e} | {:.0}s, ETA {:.0}s",
+        f("reward_mean"),
+        100.0 * f("pass_rate"),
+        f("rollouts_per_s"),
+        rec.get("stale_dropped").and_then(Value::as_u64).unwrap_or(0),
+        f("mismatch_same_version_max"),
+        elapsed,
+        eta
+    );
+    if let Some(p) = rec.get("eval_pass_at_1").and_then(Value::as_f64) {
+        s.push_str(&format!(" | held-out pass@1 {:.1}%", 100.0 * p));
+    }
+    s
+}
+
+/// The numeric fields of a metrics record as Prometheus text.
+pub fn prometheus_text(rec: &Value) -> String {
+    let mut out = String::new();
+    if let Some(m) = rec.as_object() {
+        for (k, v) in m {
+            match v {
+                Value::Number(n) => {
+                    if let Some(x) = n.as_f64() {
+                        out.push_str(&format!("arcticd_{k} {x}\n"));
+                    }
+                }
+                Value::Bool(b) => out.push_str(&format!("arcticd_{k} {}\n", u8::from(*b))),
+                Value::Array(a) => {
+                    for (i, x) in a.iter().enumerate() {
+                        if let Some(x) = x.as_f64() {
+                            out.push_str(&format!("arcticd_{k}{{replica=\"{i}\"}} {x}\n"));
+                        }
+                    }
+                }
+                Value::Object(o) => {
+                    for (label, x) in o {
+                        if let Some(x) = x.as_f64() {
+                            out.push_str(&format!("arcticd_{k}{{key=\"{label}\"}} {x}\n"));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+fn serve_metrics(port: u16, latest: Arc<Mutex<String>>) -> Result<()> {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", port))
+        .with_context(|| format!("--metrics-port {port}: cannot listen"))?;
+    listener.set_nonblocking(true)?;
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    tracing::warn!("metrics server: {e}");
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let app = axum::Router::new().route(
+                    "/metrics",
+                    axum::routing::get(move || {
+                        let latest = latest.clone();
+                        async move { latest.lock().map(|s| s.clone()).unwrap_or_default() }
+                    }),
+                );
+                match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => {
+                        if let Err(e) = axum::serve(l, app).await {
+                            tracing::warn!("metrics server: {e}");
+                        }
+                    }
+                    Err(e) => tracing::warn!("metrics server: {e}"),
+                }
+            });
+        })?;
+    Ok(())
+}
+
+pub fn train(a: TrainArgs) -> Result<()> {
+    let (recipe, out, resume) = if let Some(dir) = &a.resume {
+        let path = dir.join("recipe.toml");
+        if !path.is_file() {
+            bail!("{} is not a run directory (no recipe.toml)", dir.display());
+        }
+        if !a.sets.is_empty() {
+            bail!(
+                "--set cannot change a run being resumed; its recipe is {}",
+                path.display()
+            );
+        }
+        (Recipe::from_file(&path, &[])?, dir.clone(), true)
+    } else if let Some(path) = &a.recipe {
+        let r = Recipe::from_file(path, &a.sets)
+            .with_context(|| format!("reading the recipe {}", path.display()))?;
+        let stem = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().to_string())
+            .unwrap_or_else(|| "run".into());
+        let out = a
+            .out
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(format!("runs/{stem}-{}", unix_time())));
+        (r, out, false)
+    } else {
+        let r: Recipe = bail!("the built-in demo is not wired yet {:?}", a.sets);
+        let out = a
+            .out
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(format!("runs/demo-{}", unix_time())));
+        (r, out, false)
+    };
+    let steps = recipe.steps;
+    let latest = Arc::new(Mutex::new(String::new()));
+    if let Some(port) = a.metrics_port {
+        serve_metrics(port, latest.clone())?;
+        eprintln!("metrics: http://127.0.0.1:{port}/metrics");
+    }
+    eprintln!(
+        "training: {} updates of {} groups x {} attempts; run directory {}",
+        steps,
+        recipe.groups_per_step,
+        recipe.group_size,
+        out.display()
+    );
+    let on_step = Box::new(move |rec: &Value| {
+        eprintln!("{}", progress_line(rec, steps));
+        if let Ok(mut l) = latest.lock() {
+            *l = prometheus_text(rec);
+        }
+    });
+    let summary = rl::run(
+        recipe,
+        RunOptions {
+            out: out.clone(),
+            resume,
+            cancel: Arc::new(AtomicBool::new(false)),
+            on_step: Some(on_step),
+        },
+    )?;
+    let plots: Vec<PathBuf> = Vec::new();
+    println!("{}", serde_json::to_string_pretty(&summary)?);
+    eprintln!(
+        "{} after {} updates; run directory {}{}",
+        if summary.cancelled { "stopped" } else { "done" },
+        summary.steps,
+        out.display(),
+        if plots.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; plots: {}",
+                plots
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn prometheus_text_has_numbers_arrays_and_maps() {
+        let t = prometheus_text(&json!({
+            "step": 3, "reward_mean": 0.5, "update_skipped": false,
+            "replica_load": [1, 2], "termination": {"submitted": 4}, "note": "x"
+        }));
+        assert!(t.contains("arcticd_step 3\n"));
+        assert!(t.contains("arcticd_reward_mean 0.5\n"));
+        assert!(t.contains("arcticd_update_skipped 0\n"));
+        assert!(t.contains("arcticd_replica_load{replica=\"1\"} 2\n"));
+        assert!(t.contains("arcticd_termination{key=\"submitted\"} 4\n"));
+        assert!(!t.contains("note"));
+    }
+}
