@@ -8,6 +8,7 @@ mod cli_sandbox;
 mod cli_serve;
 mod cli_tasks;
 mod cli_train;
+mod progress;
 mod server;
 
 #[derive(Parser)]
