@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod cli_harness;
 mod cli_model;
+mod cli_plot;
 mod cli_sandbox;
 mod cli_serve;
 mod cli_tasks;
@@ -46,6 +47,8 @@ enum Command {
     Serve(cli_serve::ServeArgs),
     /// Supervised fine-tuning (AdamW, torch semantics); writes a Hugging Face checkpoint.
     Sft(cli_train::SftArgs),
+    /// PNG figures of one or more runs' metrics.jsonl (reward, mismatch, staleness, time, load).
+    Plot(cli_plot::PlotArgs),
 }
 
 fn main() {
@@ -67,6 +70,7 @@ fn main() {
         Command::Eval(args) => cli_harness::eval(args),
         Command::Serve(args) => cli_serve::serve(args),
         Command::Sft(args) => cli_train::sft(args),
+        Command::Plot(args) => cli_plot::plot(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
