@@ -15,9 +15,10 @@
 //! | `time.png` | `time_wait_s`, `time_train_s`, `time_update_s` |
 //! | `replica_load.png` | `replica_load` (one value per replica): each replica, their mean, and max / mean |
 //!
-//! Text is drawn with a font compiled into the binary (Hack, from the
-//! `epaint_default_fonts` crate), so figures render the same on a machine
-//! with no system fonts. The x axis is `step` (the line number where a line
+//! Text is drawn with a font compiled into the binary (Hack Regular, MIT and
+//! Bitstream Vera licenses, from the `epaint_default_fonts` crate, which
+//! ships their texts), so figures render the same on a machine with no
+//! system fonts. The x axis is `step` (the line number where a line
 //! has none).
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -824,6 +825,55 @@ mod tests {
         let ys: Vec<f64> = m.iter().map(|p| p.1).collect();
         assert_eq!(ys, vec![1.0, 1.5, 2.5, 3.5, 4.5]);
         assert_eq!(moving_mean(&pts, 1), pts);
+    }
+
+    fn run(lines: &str) -> Run {
+        Run {
+            file: PathBuf::from("metrics.jsonl"),
+            dir: PathBuf::from("r"),
+            rows: parse_metrics(lines).unwrap(),
+        }
+    }
+
+    #[test]
+    fn log_axis_only_when_every_value_is_positive() {
+        let panel = |runs: &[Run]| {
+            let figure = figures(3)
+                .into_iter()
+                .find(|f| f.file == "mismatch.png")
+                .unwrap();
+            PanelData::collect(&figure.panels[1], runs, 3)
+        };
+        let positive = run("{\"step\":1,\"lag_divergence_mean\":0.01}\n{\"step\":2,\"lag_divergence_mean\":0.002}\n");
+        let p = panel(&[positive]).unwrap();
+        assert!(p.log && p.title.ends_with("log axis"), "{}", p.title);
+        let zero = run(
+            "{\"step\":1,\"lag_divergence_mean\":0.01}\n{\"step\":2,\"lag_divergence_mean\":0}\n",
+        );
+        let p = panel(&[zero]).unwrap();
+        assert!(!p.log && p.title.contains("linear axis"), "{}", p.title);
+        assert!(
+            panel(&[run("{\"step\":1}\n")]).is_none(),
+            "no data, no panel"
+        );
+    }
+
+    #[test]
+    fn replica_load_lines_and_imbalance() {
+        let r = run("{\"step\":1,\"replica_load\":[1,3]}\n{\"step\":2}\n{\"step\":3,\"replica_load\":[2,2]}\n");
+        let figure = figures(1)
+            .into_iter()
+            .find(|f| f.file == "replica_load.png")
+            .unwrap();
+        let runs = [r];
+        let per = PanelData::collect(&figure.panels[0], &runs, 1).unwrap();
+        assert_eq!(
+            per.drawn[0].lines,
+            vec![vec![(1.0, 1.0), (3.0, 2.0)], vec![(1.0, 3.0), (3.0, 2.0)]]
+        );
+        assert_eq!(per.drawn[0].thick, Some(vec![(1.0, 2.0), (3.0, 2.0)]));
+        let imb = PanelData::collect(&figure.panels[1], &runs, 1).unwrap();
+        assert_eq!(imb.drawn[0].lines, vec![vec![(1.0, 1.5), (3.0, 1.0)]]);
     }
 
     #[test]
