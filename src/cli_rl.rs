@@ -11,6 +11,7 @@ use serde_json::Value;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 #[derive(Args)]
 pub struct TrainArgs {
@@ -51,7 +52,7 @@ fn progress_line(rec: &Value, steps: u64) -> String {
         f64::NAN
     };
     let mut s = format!(
-        "update {step}/{steps} | reward {:.3} | pass {:.1}% | rollouts/s {:.2} | stale dropped {} | mismatch(same version) {:.1e} | {:.0}s, ETA {:.0}s",
+        "reward {:.3} | pass {:.1}% | rollouts/s {:.2} | stale dropped {} | mismatch(same version) {:.1e} | {:.0}s, ETA {:.0}s",
         f("reward_mean"),
         100.0 * f("pass_rate"),
         f("rollouts_per_s"),
@@ -163,7 +164,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
             .unwrap_or_else(|| PathBuf::from(format!("runs/{stem}-{}", unix_time())));
         (r, out, false)
     } else {
-        let r: Recipe = bail!("the built-in demo is not wired yet {:?}", a.sets);
+        let r = crate::demo::prepare(&a.sets)?;
         let out = a
             .out
             .clone()
@@ -183,8 +184,16 @@ pub fn train(a: TrainArgs) -> Result<()> {
         recipe.group_size,
         out.display()
     );
+    // Resumed runs start past 0; the bar shows updates of the whole run.
+    let progress = Arc::new(Mutex::new(
+        crate::progress::Progress::new(Some(steps), "train").with_interval(Duration::ZERO),
+    ));
+    let shown = progress.clone();
     let on_step = Box::new(move |rec: &Value| {
-        eprintln!("{}", progress_line(rec, steps));
+        if let Ok(mut p) = shown.lock() {
+            p.set_message(progress_line(rec, steps));
+            p.set_position(rec.get("step").and_then(Value::as_u64).unwrap_or(0));
+        }
         if let Ok(mut l) = latest.lock() {
             *l = prometheus_text(rec);
         }
@@ -198,7 +207,14 @@ pub fn train(a: TrainArgs) -> Result<()> {
             on_step: Some(on_step),
         },
     )?;
-    let plots: Vec<PathBuf> = Vec::new();
+    if let Ok(p) = Arc::try_unwrap(progress).map(|m| m.into_inner()) {
+        if let Ok(p) = p {
+            p.finish(String::new());
+        }
+    }
+    let plots = crate::cli_plot::plot_runs(std::slice::from_ref(&out), &out.join("plots"), 10)
+        .map_err(|e| tracing::warn!("plotting: {e:#}"))
+        .unwrap_or_default();
     println!("{}", serde_json::to_string_pretty(&summary)?);
     eprintln!(
         "{} after {} updates; run directory {}{}",

@@ -3,10 +3,11 @@
 //! `k*B .. k*B+B-1` (mod the number of lines) in file order, loss = sum of
 //! -log p over target tokens / target tokens in the batch, one AdamW step
 //! (torch semantics) per batch, constant LR unless `--warmup`, no clipping
-//! unless `--grad-clip`. Prints one JSON line per step on stdout (a progress
-//! bar goes to stderr when it is a terminal) and writes the final checkpoint,
-//! with optimizer state for resume, to `--out`.
+//! unless `--grad-clip`. Prints one JSON line per step on stdout (progress
+//! goes to stderr: a bar on a terminal, periodic plain lines otherwise) and
+//! writes the final checkpoint, with optimizer state for resume, to `--out`.
 
+use crate::progress::Progress;
 use anyhow::{Context, Result};
 use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::tokenizer::Tokenizer;
@@ -16,7 +17,7 @@ use arcticd_trainer::data::{batch_for_step, read_sft_jsonl, ChatRender};
 use arcticd_trainer::optim::{AdamWConfig, LrSchedule};
 use arcticd_trainer::step::{TrainConfig, Trainer};
 use clap::Args;
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Args)]
@@ -96,8 +97,7 @@ pub fn sft(args: SftArgs) -> Result<()> {
         ..TrainConfig::default()
     };
     let mut trainer = Trainer::new(ParamStore::new(model), config)?;
-    let bar = std::io::stderr().is_terminal();
-    let start = std::time::Instant::now();
+    let mut progress = Progress::new(Some(args.steps as u64), "sft");
     let mut stdout = std::io::stdout().lock();
     for step in 0..args.steps {
         let m = trainer.sft_step(&batch_for_step(&data, step, args.batch_size))?;
@@ -112,25 +112,15 @@ pub fn sft(args: SftArgs) -> Result<()> {
         writeln!(stdout, "{line}")?;
         stdout.flush()?;
         if m.skipped {
-            tracing::warn!(step = step + 1, "non-finite loss or gradient: step skipped");
+            progress.println(format!(
+                "warning: step {}: non-finite loss or gradient, step skipped",
+                step + 1
+            ));
         }
-        if bar {
-            let done = step + 1;
-            let width = 30;
-            let fill = done * width / args.steps.max(1);
-            eprint!(
-                "\r[{}{}] {done}/{} loss {:.4} {:.1}s",
-                "#".repeat(fill),
-                " ".repeat(width - fill),
-                args.steps,
-                m.loss,
-                start.elapsed().as_secs_f64()
-            );
-        }
+        progress.set_message(format!("loss {:.4}", m.loss));
+        progress.inc(1);
     }
-    if bar {
-        eprintln!();
-    }
+    progress.finish(format!("writing checkpoint {}", args.out.display()));
     let model = trainer.store.read();
     save_checkpoint(&args.out, &model, &args.model, Some(&trainer.optimizer))
         .with_context(|| format!("writing checkpoint {}", args.out.display()))?;

@@ -5,10 +5,12 @@ use clap::{Parser, Subcommand};
 mod cli_harness;
 mod cli_model;
 mod cli_rl;
+mod cli_plot;
 mod cli_sandbox;
 mod cli_serve;
 mod cli_tasks;
 mod cli_train;
+mod progress;
 mod server;
 
 #[derive(Parser)]
@@ -48,6 +50,8 @@ enum Command {
     Sft(cli_train::SftArgs),
     /// Asynchronous RL: a recipe, a resumed run, or with no arguments the built-in demo.
     Train(cli_rl::TrainArgs),
+    /// PNG figures of one or more runs' metrics.jsonl (reward, mismatch, staleness, time, load).
+    Plot(cli_plot::PlotArgs),
 }
 
 fn main() {
@@ -70,6 +74,7 @@ fn main() {
         Command::Serve(args) => cli_serve::serve(args),
         Command::Sft(args) => cli_train::sft(args),
         Command::Train(args) => cli_rl::train(args),
+        Command::Plot(args) => cli_plot::plot(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -158,7 +158,9 @@ fn trained_tokens_are_honest_about_their_weights() {
 
     // Every trained token, grouped by the version that produced it, is
     // re-scored under that version's checkpoint.
-    let mut by_version: BTreeMap<u64, Vec<(Vec<u32>, Vec<(usize, f32)>)>> = BTreeMap::new();
+    // Per version: (sequence, [(position, behaviour log-prob)]).
+    type Scored = Vec<(Vec<u32>, Vec<(usize, f32)>)>;
+    let mut by_version: BTreeMap<u64, Scored> = BTreeMap::new();
     let mut trained = 0;
     for step in 1..=4u64 {
         for t in read_jsonl(&run.join(format!("trajectories/step-{step:06}.jsonl"))) {
