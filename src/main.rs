@@ -8,6 +8,7 @@ mod cli_sandbox;
 mod cli_serve;
 mod cli_tasks;
 mod cli_train;
+mod cli_warm;
 mod server;
 
 #[derive(Parser)]
@@ -45,6 +46,8 @@ enum Command {
     Serve(cli_serve::ServeArgs),
     /// Supervised fine-tuning (AdamW, torch semantics); writes a Hugging Face checkpoint.
     Sft(cli_train::SftArgs),
+    /// Build the RL demo's warm-started model: SFT on scripted expert trajectories of toy tasks.
+    WarmStart(cli_warm::WarmStartArgs),
 }
 
 fn main() {
@@ -66,6 +69,7 @@ fn main() {
         Command::Eval(args) => cli_harness::eval(args),
         Command::Serve(args) => cli_serve::serve(args),
         Command::Sft(args) => cli_train::sft(args),
+        Command::WarmStart(args) => cli_warm::warm_start(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

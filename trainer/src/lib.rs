@@ -14,6 +14,7 @@ pub mod loss;
 pub mod model;
 pub mod optim;
 pub mod step;
+pub mod warm_start;
 
 pub use error::{Error, Result};
 pub use grads::ModelGrads;
