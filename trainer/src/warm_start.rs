@@ -75,7 +75,7 @@ pub fn demo_toy_config(count: usize, seed: u64) -> toy::ToyConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct WarmStartConfig {
-    /// Model preset of the fresh model (`init-model`'s). Default "small".
+    /// Model preset of the fresh model (`init-model`'s). Default "demo".
     pub preset: String,
     /// Seed of the fresh model's weights. Default 0.
     pub init_seed: u64,
@@ -88,13 +88,13 @@ pub struct WarmStartConfig {
     pub demo_seed: u64,
     /// Expert rollouts at once. Default 2.
     pub concurrency: usize,
-    /// SFT optimizer steps. Default 60.
+    /// SFT optimizer steps. Default 300.
     pub steps: usize,
     /// Trajectories per step. Default 8.
     pub batch_size: usize,
-    /// Peak learning rate (cosine to 0 after the warmup). Default 2e-3.
+    /// Peak learning rate (cosine to 0 after the warmup). Default 3e-3.
     pub lr: f64,
-    /// Linear warmup steps. Default 5.
+    /// Linear warmup steps. Default 10.
     pub warmup: u64,
     /// Global gradient-norm clip. Default 1.0.
     pub grad_clip: f64,
@@ -107,16 +107,16 @@ pub struct WarmStartConfig {
 impl Default for WarmStartConfig {
     fn default() -> Self {
         WarmStartConfig {
-            preset: "small".into(),
+            preset: "demo".into(),
             init_seed: 0,
             base_model: None,
             demos: 96,
             demo_seed: 1000,
             concurrency: 2,
-            steps: 60,
+            steps: 300,
             batch_size: 8,
-            lr: 2e-3,
-            warmup: 5,
+            lr: 3e-3,
+            warmup: 10,
             grad_clip: 1.0,
             weight_decay: 0.0,
             shuffle_seed: 0,
@@ -137,7 +137,8 @@ pub struct WarmStartReport {
     pub prompt_tokens: f64,
     pub trajectory_tokens: f64,
     pub target_tokens: f64,
-    /// SFT loss per target token: mean of the first and of the last 5 steps.
+    /// SFT loss per target token: mean of the first and of the last 5 steps
+    /// (fewer when there are under 10).
     pub first_loss: f64,
     pub last_loss: f64,
     /// Seconds spent on the expert rollouts, on SFT, and in all.
@@ -397,7 +398,7 @@ pub async fn build_warm_start(
     .await
     .map_err(|e| Error::Input(format!("the SFT task failed: {e}")))??;
     let sft_secs = s0.elapsed().as_secs_f64();
-    let k = losses.len().min(5);
+    let k = (losses.len() / 2).clamp(1, 5).min(losses.len());
     let report = WarmStartReport {
         model_dir,
         demos: trajs.len(),
