@@ -16,6 +16,15 @@
 //! short-prompt rollout setting the model is trained for; RL and eval must
 //! use the same one.
 //!
+//! Measured on 2 CPU cores with the defaults (`demo` preset, 96 demos, 300
+//! steps of 8, lr 3e-3, clip 1): about 4 minutes to build (30-40 s of
+//! expert rollouts, the rest SFT at about 0.65 s a step), loss per target
+//! token 7.9 to 0.01; pass@1 on held-out toy tasks 0.44-0.52 sampling at
+//! temperature 1 and 0.75-0.88 greedy (two seeds). 150 steps leave it at
+//! 0.02 (T=1); `small` (100 steps, 6 minutes) reaches 0.09. A trajectory
+//! is about 650 tokens: a 240-token prompt, two short observations, and
+//! 127 generated tokens in three turns.
+//!
 //! Not for: RL itself, or tasks whose gold patch changes more than one line.
 
 use crate::checkpoint::save_checkpoint;
