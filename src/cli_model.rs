@@ -111,7 +111,8 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
 
 #[derive(Args)]
 pub struct InitModelArgs {
-    /// `tiny` (tests, well under 1M parameters) or `small` (the CPU demo, a few million).
+    /// `tiny` (tests, well under 1M parameters), `small` (a few million) or `demo` (the RL
+    /// demo's warm start: small's vocabulary, a narrow shallow body).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Output directory (created if missing).

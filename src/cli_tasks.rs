@@ -53,6 +53,10 @@ pub struct ToyArgs {
     /// Share of deliberately loose tasks.
     #[arg(long, default_value_t = 0.25)]
     pub loose_share: f64,
+    /// One package name for every task (`PKG/core.py`) instead of a seeded
+    /// name per task.
+    #[arg(long)]
+    pub package: Option<String>,
     /// Output folder (tasks.jsonl and repos/).
     #[arg(long)]
     pub out: PathBuf,
@@ -217,6 +221,7 @@ pub fn main(args: TasksArgs) -> Result<()> {
                 count: a.count,
                 seed: a.seed,
                 loose_share: a.loose_share,
+                package: a.package,
             };
             let tasks = toy::generate(&cfg, &a.out)?;
             let loose = tasks.iter().filter(|t| t.toy_loose() == Some(true)).count();

@@ -4,12 +4,14 @@ use clap::{Parser, Subcommand};
 
 mod cli_harness;
 mod cli_model;
-mod cli_rl;
 mod cli_plot;
+mod cli_rl;
 mod cli_sandbox;
 mod cli_serve;
 mod cli_tasks;
 mod cli_train;
+mod cli_warm;
+mod demo;
 mod progress;
 mod server;
 
@@ -52,6 +54,8 @@ enum Command {
     Train(cli_rl::TrainArgs),
     /// PNG figures of one or more runs' metrics.jsonl (reward, mismatch, staleness, time, load).
     Plot(cli_plot::PlotArgs),
+    /// Build the RL demo's warm-started model: SFT on scripted expert trajectories of toy tasks.
+    WarmStart(cli_warm::WarmStartArgs),
 }
 
 fn main() {
@@ -75,6 +79,7 @@ fn main() {
         Command::Sft(args) => cli_train::sft(args),
         Command::Train(args) => cli_rl::train(args),
         Command::Plot(args) => cli_plot::plot(args),
+        Command::WarmStart(args) => cli_warm::warm_start(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -60,6 +60,7 @@ fn fixture() -> &'static Fixture {
             count: 6,
             seed: 0,
             loose_share: 0.0,
+            ..Default::default()
         };
         let tasks = toy::generate(&cfg, &pool).expect("toy pool");
         Fixture {

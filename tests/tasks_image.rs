@@ -162,6 +162,7 @@ fn image_only_task_runs_on_docker() -> Result<()> {
         count: 1,
         seed: 1,
         loose_share: 0.0,
+        ..Default::default()
     };
     let tasks = toy::generate(&cfg, &dir.0.join("pool"))?;
     let repo = dir.0.join("repo");

@@ -119,6 +119,7 @@ fn strengthen_makes_loose_tasks_tight_only_with_real_tests() -> Result<()> {
         count: 3,
         seed: 0,
         loose_share: 1.0,
+        ..Default::default()
     };
     let tasks = toy::generate(&cfg, &dir.0.join("pool"))?;
     ensure!(tasks.iter().all(|t| t.toy_loose() == Some(true)));
@@ -287,6 +288,7 @@ fn strengthen_follows_the_next_wrong_patch_until_tight() -> Result<()> {
         count: 1,
         seed: 0,
         loose_share: 1.0,
+        ..Default::default()
     };
     let tasks = toy::generate(&cfg, &dir.0.join("pool"))?;
     let task = &tasks[0];

@@ -62,6 +62,7 @@ fn pool(tag: &str, count: usize, loose_share: f64) -> Result<(TempDir, Vec<Task>
         count,
         seed: 5,
         loose_share,
+        ..Default::default()
     };
     let tasks = toy::generate(&cfg, &dir.0)?;
     Ok((dir, tasks))

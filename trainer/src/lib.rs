@@ -15,6 +15,7 @@ pub mod model;
 pub mod optim;
 pub mod rl;
 pub mod step;
+pub mod warm_start;
 
 pub use error::{Error, Result};
 pub use grads::ModelGrads;

@@ -38,6 +38,12 @@ pub struct ToyConfig {
     /// Share of deliberately loose tasks, rounded to the nearest count.
     /// Default 0.25.
     pub loose_share: f64,
+    /// One package name for every task (`<package>/core.py`) instead of a
+    /// seeded name per task, so that nothing hinges on copying a per-task
+    /// name (the warm-start demo pool). The seeded choices are the same
+    /// either way: only the name differs. Must be a Python identifier.
+    /// Default None (per-task names).
+    pub package: Option<String>,
 }
 
 impl Default for ToyConfig {
@@ -46,6 +52,7 @@ impl Default for ToyConfig {
             count: 12,
             seed: 0,
             loose_share: 0.25,
+            package: None,
         }
     }
 }
@@ -337,6 +344,18 @@ pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
     if !(0.0..=1.0).contains(&cfg.loose_share) {
         return Err(Error::InvalidInput("loose_share must be in [0, 1]".into()));
     }
+    if let Some(p) = &cfg.package {
+        let ok = p
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && p.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ok {
+            return Err(Error::InvalidInput(format!(
+                "package {p:?} is not a Python identifier"
+            )));
+        }
+    }
     let mut rng = Rng(cfg.seed ^ 0x5EED_0FA7_C71C);
     // Exactly round(count * share) loose tasks, at seeded positions.
     let n_loose = (cfg.count as f64 * cfg.loose_share).round() as usize;
@@ -353,7 +372,9 @@ pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
         let family = FAMILIES[(i + cfg.seed as usize) % FAMILIES.len()];
         let bug = make_bug(family, &mut rng);
         let loose = loose_set.contains(&i);
-        let pkg = format!("{}{i}", rng.pick(&PACKAGES));
+        // Picked either way, so a fixed package changes nothing else.
+        let seeded = format!("{}{i}", rng.pick(&PACKAGES));
+        let pkg = cfg.package.clone().unwrap_or(seeded);
         let id = format!("toy-{:04}-{}", i, bug.family);
         let repo_rel = format!("repos/{id}");
         let repo = out.join(&repo_rel);
@@ -469,6 +490,7 @@ mod tests {
             count: 8,
             seed: 3,
             loose_share: 0.25,
+            package: None,
         };
         let ta = generate(&cfg, a.path()).unwrap();
         let tb = generate(&cfg, b.path()).unwrap();
@@ -487,6 +509,51 @@ mod tests {
             super::super::load_tasks(&a.path().join("tasks.jsonl"), super::super::Format::Auto)
                 .unwrap();
         assert_eq!(loaded, ta);
+    }
+
+    #[test]
+    fn a_fixed_package_changes_only_the_name() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let c = tempfile::tempdir().unwrap();
+        let base = ToyConfig {
+            count: 7,
+            seed: 5,
+            loose_share: 0.0,
+            package: None,
+        };
+        let fixed = ToyConfig {
+            package: Some("calc".into()),
+            ..base.clone()
+        };
+        let seeded = generate(&base, a.path()).unwrap();
+        let ta = generate(&fixed, b.path()).unwrap();
+        let tb = generate(&fixed, c.path()).unwrap();
+        for ((s, x), y) in seeded.iter().zip(&ta).zip(&tb) {
+            assert_eq!(x.patch, y.patch);
+            assert_eq!(x.problem_statement, y.problem_statement);
+            assert_eq!(x.meta["toy"]["solution"]["path"], "calc/core.py");
+            assert!(x.patch.contains("a/calc/core.py"), "{}", x.patch);
+            assert!(x.test_patch.contains("from calc.core import"));
+            assert_eq!(s.instance_id, x.instance_id);
+            assert_eq!(s.meta["toy"]["family"], x.meta["toy"]["family"]);
+            assert_eq!(
+                s.meta["toy"]["solution"]["old_str"],
+                x.meta["toy"]["solution"]["old_str"]
+            );
+            assert_eq!(s.fail_to_pass, x.fail_to_pass);
+            assert!(b
+                .path()
+                .join(x.repo.as_ref().unwrap())
+                .join("calc/core.py")
+                .exists());
+        }
+        assert!(ta.iter().all(|t| t.toy_loose() == Some(false)));
+        let bad = ToyConfig {
+            package: Some("no-dash".into()),
+            ..base
+        };
+        assert!(generate(&bad, a.path()).is_err());
     }
 
     #[test]

@@ -82,6 +82,13 @@ pub struct RolloutConfig {
     /// place (the audit's agents get their own). Default
     /// [`DEFAULT_INSTRUCTION`].
     pub instruction: String,
+    /// Render the tool schemas, and with them the chat template's
+    /// tool-calling instructions, into the system prompt. Off, the prompt
+    /// holds only the system prompt and the issue (about 1,100 fewer tokens
+    /// with the default tools), for a model that learned the tools and the
+    /// call format in training (the warm-start demo); the format check and
+    /// the tools are unchanged. Default true.
+    pub prompt_tools: bool,
 }
 
 impl Default for RolloutConfig {
@@ -103,6 +110,7 @@ impl Default for RolloutConfig {
             image: arcticd_sandbox::image::DEFAULT_TAG.to_string(),
             system_prompt: DEFAULT_SYSTEM_PROMPT.to_string(),
             instruction: DEFAULT_INSTRUCTION.to_string(),
+            prompt_tools: true,
         }
     }
 }
@@ -174,9 +182,10 @@ impl Harness {
             json!({"role": "system", "content": self.cfg.system_prompt}),
             json!({"role": "user", "content": user}),
         ];
+        let tools = self.cfg.prompt_tools.then_some(self.tools.as_slice());
         let text = self.template.render_with(
             &messages,
-            Some(&self.tools),
+            tools,
             true,
             &thinking_kwargs(self.cfg.enable_thinking),
         )?;

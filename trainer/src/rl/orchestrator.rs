@@ -213,7 +213,11 @@ async fn dispatch(
         let done = shared.steps_done.load(Ordering::Acquire);
         let allowed = (done + recipe.max_staleness + 1) * b;
         let next = if started < allowed {
-            shared.pool.lock().unwrap_or_else(|e| e.into_inner()).next_task()
+            shared
+                .pool
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .next_task()
         } else {
             None
         };

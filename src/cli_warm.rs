@@ -1,0 +1,46 @@
+//! `arcticd warm-start`: the warm-started model of the built-in RL demo
+//! (a fresh model, SFT on scripted expert trajectories of toy tasks run
+//! through the real harness). Prints the report as JSON. Thin wiring over
+//! `arcticd_trainer::warm_start`.
+
+use crate::cli_sandbox::BackendKind;
+use anyhow::{Context, Result};
+use arcticd_trainer::harness::RolloutConfig;
+use arcticd_trainer::warm_start::{self, WarmStartConfig};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct WarmStartArgs {
+    /// Output folder: base/, demos/, demos.jsonl and model/ (the checkpoint).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Warm-start settings as JSON (see WarmStartConfig), e.g. '{"steps": 80}'.
+    #[arg(long)]
+    pub config: Option<String>,
+    /// Rollout settings as JSON (see RolloutConfig); default the demo's
+    /// short-prompt setting. Eval and RL must use the same.
+    #[arg(long)]
+    pub rollout: Option<String>,
+    /// Sandbox backend.
+    #[arg(long, value_enum, default_value = "local")]
+    pub backend: BackendKind,
+}
+
+pub fn warm_start(a: WarmStartArgs) -> Result<()> {
+    let cfg: WarmStartConfig = match &a.config {
+        Some(j) => serde_json::from_str(j).context("parsing --config")?,
+        None => WarmStartConfig::default(),
+    };
+    let rollout: RolloutConfig = match &a.rollout {
+        Some(j) => serde_json::from_str(j).context("parsing --rollout")?,
+        None => warm_start::demo_rollout_config(),
+    };
+    let rt = arcticd_sandbox::runtime()?;
+    let report = rt.block_on(async {
+        let backend = crate::cli_tasks::backend(a.backend).await?;
+        let r = warm_start::build_warm_start(&cfg, &rollout, backend.as_ref(), &a.out).await?;
+        anyhow::Ok(r)
+    })?;
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    Ok(())
+}

@@ -1,0 +1,167 @@
+//! The built-in demo of `arcticd train` (no arguments): everything a fresh
+//! machine needs to watch an agent learn by RL on 2 cores.
+//!
+//! It picks the sandbox (local bubblewrap, Docker when bubblewrap is
+//! missing), builds the sandbox root file system if needed, writes a toy
+//! training pool and a held-out toy set (one fixed package, no loose
+//! tasks), builds the warm-started model (SFT on scripted expert
+//! trajectories of *other* toy tasks, `arcticd_trainer::warm_start`) and
+//! returns the recipe `recipes/demo.toml` pointing at them. Everything is
+//! cached under `$ARCTICD_DEMO_DIR`, else `$XDG_CACHE_HOME/arcticd/demo`,
+//! else `~/.cache/arcticd/demo`, keyed by the settings that made it, so
+//! the second run starts training at once.
+
+use anyhow::{bail, Context, Result};
+use arcticd_sandbox::image;
+use arcticd_sandbox::tasks::toy;
+use arcticd_trainer::rl::recipe::SandboxBackend;
+use arcticd_trainer::rl::Recipe;
+use arcticd_trainer::warm_start::{self, WarmStartConfig};
+use std::path::{Path, PathBuf};
+
+/// The demo's recipe (its `[rollout]` is the warm start's setting).
+pub const DEMO_RECIPE: &str = include_str!("../recipes/demo.toml");
+
+/// Training pool: size and seed. The warm start's demonstrations use
+/// `WarmStartConfig::demo_seed` (1000), so the three sets never share a task.
+const POOL: (usize, u64) = (64, 1);
+/// Held-out set: size and seed.
+const HELD_OUT: (usize, u64) = (24, 2);
+/// Bump to rebuild every cached demo input.
+const CACHE_VERSION: &str = "demo-v1";
+
+fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("ARCTICD_DEMO_DIR") {
+        return PathBuf::from(d);
+    }
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("arcticd")
+        .join("demo")
+}
+
+fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|paths| std::env::split_paths(&paths).any(|p| p.join(program).is_file()))
+}
+
+/// A toy pool in `dir`, generated unless the same settings made it.
+fn pool(dir: &Path, count: usize, seed: u64) -> Result<PathBuf> {
+    let cfg = warm_start::demo_toy_config(count, seed);
+    let key = serde_json::to_string(&cfg)?;
+    let stamp = dir.join("settings.json");
+    let file = dir.join("tasks.jsonl");
+    if file.is_file() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(key.as_str()) {
+        return Ok(file);
+    }
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
+    toy::generate(&cfg, dir).with_context(|| format!("writing the toy pool {}", dir.display()))?;
+    std::fs::write(&stamp, key)?;
+    Ok(file)
+}
+
+/// Prepares the demo's inputs and returns its recipe with `sets` applied.
+pub fn prepare(sets: &[String]) -> Result<Recipe> {
+    let mut recipe = Recipe::from_toml_with(DEMO_RECIPE, "the built-in demo recipe", sets)?;
+    let root = cache_dir().join(CACHE_VERSION);
+    std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
+    eprintln!("demo: inputs cached in {}", root.display());
+
+    let rt = arcticd_sandbox::runtime()?;
+    let (backend_kind, backend) = rt.block_on(async {
+        if on_path("bwrap") {
+            let b = arcticd_sandbox::local::LocalBackend::new()
+                .await
+                .context("the local (bubblewrap) sandbox")?;
+            let b: Box<dyn arcticd_sandbox::Backend> = Box::new(b);
+            anyhow::Ok((SandboxBackend::Local, b))
+        } else {
+            match arcticd_sandbox::docker::DockerBackend::new().await {
+                Ok(b) => {
+                    let b: Box<dyn arcticd_sandbox::Backend> = Box::new(b);
+                    Ok((SandboxBackend::Docker, b))
+                }
+                Err(e) => bail!(
+                    "the demo needs a sandbox: install bubblewrap \
+                     (apt-get install bubblewrap debootstrap) or start Docker ({e})"
+                ),
+            }
+        }
+    })?;
+    recipe.backend = backend_kind;
+    eprintln!(
+        "demo: sandbox backend {}",
+        match backend_kind {
+            SandboxBackend::Local => "local (bubblewrap)",
+            SandboxBackend::Docker => "docker",
+        }
+    );
+    let docker = backend_kind == SandboxBackend::Docker;
+    let built = rt
+        .block_on(image::build_base_image(image::DEFAULT_TAG, docker, false))
+        .with_context(|| {
+            "building the sandbox base image (needs root and debootstrap: \
+             apt-get install debootstrap, or run `arcticd sandbox build-image` once)"
+        })?;
+    if built.rootfs_built {
+        eprintln!(
+            "demo: built the sandbox base image in {:.0} s",
+            built.seconds
+        );
+    }
+
+    let tasks = pool(&root.join("pool"), POOL.0, POOL.1)?;
+    let eval = pool(&root.join("held-out"), HELD_OUT.0, HELD_OUT.1)?;
+
+    let cfg = WarmStartConfig::default();
+    let rollout = warm_start::demo_rollout_config();
+    let warm = root.join("warm-start");
+    let key = serde_json::to_string(&(&cfg, &rollout))?;
+    let stamp = warm.join("settings.json");
+    let model = warm.join("model");
+    let cached = model.join("config.json").is_file()
+        && std::fs::read_to_string(&stamp).ok().as_deref() == Some(key.as_str());
+    if cached {
+        eprintln!("demo: warm-started model {} (cached)", model.display());
+    } else {
+        eprintln!(
+            "demo: building the warm-started model once: {} expert demonstrations through \
+             the sandbox, then {} SFT steps (about 4-5 minutes on 2 cores)",
+            cfg.demos, cfg.steps
+        );
+        if warm.exists() {
+            std::fs::remove_dir_all(&warm)?;
+        }
+        let report = rt.block_on(warm_start::build_warm_start(
+            &cfg,
+            &rollout,
+            backend.as_ref(),
+            &warm,
+        ))?;
+        std::fs::write(&stamp, key)?;
+        eprintln!(
+            "demo: warm start ready in {:.0} s ({} demonstrations kept, loss {:.3} -> {:.3})",
+            report.total_secs, report.kept, report.first_loss, report.last_loss
+        );
+    }
+    recipe.model = Some(model);
+    recipe.tasks = Some(tasks);
+    recipe.eval_tasks = Some(eval);
+    Ok(recipe)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn demo_recipe_parses_and_runs_the_warm_starts_setting() {
+        let r = Recipe::from_toml(DEMO_RECIPE, "recipes/demo.toml").unwrap();
+        assert_eq!(r.rollout, warm_start::demo_rollout_config());
+        assert!(r.model.is_none() && r.tasks.is_none());
+    }
+}
