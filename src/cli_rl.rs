@@ -207,10 +207,10 @@ pub fn train(a: TrainArgs) -> Result<()> {
             on_step: Some(on_step),
         },
     )?;
-    if let Ok(p) = Arc::try_unwrap(progress).map(|m| m.into_inner()) {
-        if let Ok(p) = p {
-            p.finish(String::new());
-        }
+    if let Ok(m) = Arc::try_unwrap(progress) {
+        m.into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .finish(String::new());
     }
     let plots = crate::cli_plot::plot_runs(std::slice::from_ref(&out), &out.join("plots"), 10)
         .map_err(|e| tracing::warn!("plotting: {e:#}"))

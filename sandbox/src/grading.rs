@@ -7,7 +7,9 @@
 //! snapshot before the test patch applies, so an agent cannot pre-edit the
 //! hidden tests. Rules ([`judge`]): a fail-to-pass or pass-to-pass test that
 //! is absent, skipped or errored counts as failed; a log that parses to
-//! nothing is an infrastructure error (the trainer masks it); a non-zero
+//! nothing is an infrastructure error (the trainer masks it), except when
+//! pytest says the tests did not collect (the agent's change broke an
+//! import or the syntax: its failure, reward 0, never masked); a non-zero
 //! exit with no failures in the log is rejected as spoofed; a run killed at
 //! its timeout or for memory is the agent's failure. Reward 1 only when
 //! every listed test passed. Not a task loader.
@@ -95,6 +97,16 @@ impl GradeReport {
             log: String::new(),
         }
     }
+}
+
+/// Whether a pytest log says collection failed (a module under test that
+/// no longer imports or parses). Valid tasks collect with the gold patch, so
+/// this is the change's doing, not the machinery's.
+pub fn collection_failed(log: &str) -> bool {
+    log.contains("ERROR collecting")
+        || log.contains("errors during collection")
+        || log.contains("error during collection")
+        || log.contains("ImportError while importing test module")
 }
 
 /// Applies the rules to one finished test run.
@@ -279,8 +291,12 @@ async fn grade_in(
     let stop = out.rfind(&end).filter(|&i| i >= start).unwrap_or(out.len());
     let log = out[start..stop].to_string();
     let tests = parser.parse(&log);
-    let (outcome, failing, detail) =
+    let (mut outcome, failing, mut detail) =
         judge(spec, r.exit_code, r.timed_out, r.memory_exceeded, &tests);
+    if outcome == GradeOutcome::InfraError && collection_failed(&log) {
+        outcome = GradeOutcome::Unresolved;
+        detail = format!("the tests did not collect after the change ({detail})");
+    }
     Ok(GradeReport {
         outcome,
         reward: if outcome == GradeOutcome::Resolved {
@@ -356,6 +372,13 @@ mod tests {
             judge(&spec(), Some(2), false, false, &TestResults::new()).0,
             GradeOutcome::InfraError
         );
+    }
+
+    #[test]
+    fn collection_errors_are_the_changes_failure() {
+        let log = "==== ERRORS ====\n____ ERROR collecting tests/test_x.py ____\nE   SyntaxError: invalid syntax\n!!!! Interrupted: 1 error during collection !!!!";
+        assert!(collection_failed(log));
+        assert!(!collection_failed("bash: python3: command not found"));
     }
 
     #[test]
