@@ -38,7 +38,8 @@ pub fn warm_start(a: WarmStartArgs) -> Result<()> {
     let rt = arcticd_sandbox::runtime()?;
     let report = rt.block_on(async {
         let backend = crate::cli_tasks::backend(a.backend).await?;
-        let r = warm_start::build_warm_start(&cfg, &rollout, backend.as_ref(), &a.out).await?;
+        let r =
+            warm_start::build_warm_start(&cfg, &rollout, backend.as_ref(), &a.out, None).await?;
         anyhow::Ok(r)
     })?;
     println!("{}", serde_json::to_string_pretty(&report)?);

@@ -122,6 +122,7 @@ fn build_warm_start_writes_a_loadable_checkpoint() {
             &warm_start::demo_rollout_config(),
             backend,
             dir.path(),
+            None,
         )
         .await?;
         ensure!(r.demos == 4 && r.kept == 4, "{r:?}");

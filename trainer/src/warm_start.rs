@@ -247,6 +247,9 @@ pub fn sft_examples(trajectories: &[Trajectory]) -> Vec<SftExample> {
         .collect()
 }
 
+/// Told after every SFT step: (steps done, steps in all, loss).
+pub type SftProgress = Arc<dyn Fn(usize, usize, f64) + Send + Sync>;
+
 /// SFT of the model in `base` on `examples` per `cfg` (steps, batch, lr,
 /// warmup then cosine, clip, weight decay, visiting order); writes the
 /// checkpoint (with optimizer state) to `out`. Returns the per-step losses.
@@ -255,6 +258,7 @@ pub fn train_sft(
     base: &Path,
     examples: &[SftExample],
     out: &Path,
+    progress: Option<&SftProgress>,
 ) -> Result<Vec<f64>> {
     if examples.is_empty() {
         return Err(Error::Input("no SFT examples".into()));
@@ -301,6 +305,9 @@ pub fn train_sft(
         }
         let m = trainer.sft_step(&batch)?;
         losses.push(m.loss);
+        if let Some(p) = progress {
+            p(step + 1, cfg.steps, m.loss);
+        }
         tracing::info!(
             step = step + 1,
             steps = cfg.steps,
@@ -336,6 +343,7 @@ pub async fn build_warm_start(
     rollout: &RolloutConfig,
     backend: &dyn Backend,
     out_dir: &Path,
+    progress: Option<SftProgress>,
 ) -> Result<WarmStartReport> {
     let t0 = Instant::now();
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io(out_dir, e))?;
@@ -402,7 +410,7 @@ pub async fn build_warm_start(
     let model_dir = out_dir.join("model");
     let (cfg2, base2, dir2) = (cfg.clone(), base.clone(), model_dir.clone());
     let losses = arcticd_sandbox::tokio::task::spawn_blocking(move || {
-        train_sft(&cfg2, &base2, &examples, &dir2)
+        train_sft(&cfg2, &base2, &examples, &dir2, progress.as_ref())
     })
     .await
     .map_err(|e| Error::Input(format!("the SFT task failed: {e}")))??;

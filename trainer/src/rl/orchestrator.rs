@@ -564,6 +564,10 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             } else {
                 Some(trainer.pg_step(&batch.examples)?)
             };
+            if sm.as_ref().is_some_and(|m| m.skipped) {
+                // A non-finite loss or gradient: weights untouched, counted.
+                totals.skipped_updates += 1;
+            }
             let train_total = t_train.elapsed().as_secs_f64();
             let time_update_s = sm.as_ref().map_or(0.0, |m| m.update_secs);
             step += 1;
