@@ -132,12 +132,24 @@ impl Run {
     }
 
     /// (step, value) where `field` is a finite number; `step` falls back to
-    /// the row's 1-based position.
+    /// the row's 1-based position. A frozen evaluation or recheck lands on a
+    /// later row than the weights it scored: it is drawn at the update
+    /// those weights came from (`eval_at_step`, `recheck_at_step`).
     fn scalar(&self, field: &str) -> Vec<(f64, f64)> {
+        let at = match field {
+            "eval_pass_at_1" => Some("eval_at_step"),
+            "recheck_reward" => Some("recheck_at_step"),
+            _ => None,
+        };
         self.rows
             .iter()
             .enumerate()
-            .filter_map(|(i, row)| Some((step_of(i, row), number(row.get(field)?)?)))
+            .filter_map(|(i, row)| {
+                let x = at
+                    .and_then(|k| row.get(k).and_then(number))
+                    .unwrap_or_else(|| step_of(i, row));
+                Some((x, number(row.get(field)?)?))
+            })
             .collect()
     }
 

@@ -361,3 +361,55 @@ fn bad_recipes_and_inputs_are_clear_errors() {
         .unwrap();
     assert!(!out.status.success());
 }
+
+#[test]
+fn ctrl_c_checkpoints_and_leaves_no_sandbox() {
+    if !local_ready() {
+        return;
+    }
+    let dir = TempDir::new("train-sigint").unwrap();
+    let recipe = setup(dir.path(), "");
+    let run = dir.path().join("run");
+    let local = dir.path().join("local-sandboxes");
+    std::fs::create_dir_all(&local).unwrap();
+    let child = arcticd()
+        .args(["train", "--recipe"])
+        .arg(&recipe)
+        .arg("--out")
+        .arg(&run)
+        .args(["--set", "steps=1000", "--set", "checkpoint_every=0"])
+        .env("ARCTICD_LOCAL_DIR", &local)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while steps_of(&run).is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(180), "no update came");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let out = child.wait_with_output().unwrap();
+    let out = ok(out, "train after SIGINT");
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["cancelled"], Value::Bool(true), "{summary}");
+    let last = *steps_of(&run).last().unwrap();
+    assert_eq!(summary["steps"].as_u64(), Some(last));
+    assert!(
+        run.join(format!("checkpoints/step-{last:06}/run_state.json"))
+            .is_file(),
+        "no checkpoint of the last update {last}"
+    );
+    let left: Vec<String> = std::fs::read_dir(&local)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with("arcticd-"))
+        .collect();
+    assert!(left.is_empty(), "sandboxes left behind: {left:?}");
+}
