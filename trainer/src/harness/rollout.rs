@@ -213,25 +213,7 @@ impl Harness {
         attempt: usize,
     ) -> Trajectory {
         let start = Instant::now();
-        let mut t = Trajectory {
-            task_id: task.instance_id.clone(),
-            attempt,
-            policy: policy.name(),
-            token_ids: vec![],
-            loss_mask: vec![],
-            logprobs: vec![],
-            weight_versions: vec![],
-            prompt_len: 0,
-            prompt_text: String::new(),
-            reward: 0.0,
-            termination: Termination::Infra,
-            masked: true,
-            detail: String::new(),
-            turns: vec![],
-            grade: None,
-            diff: None,
-            wall_secs: 0.0,
-        };
+        let mut t = Trajectory::unstarted(&task.instance_id, attempt, &policy.name(), "");
         let (term, detail) = self.run(policy, backend, task, &mut t, start).await;
         t.termination = term;
         t.masked = term.masked();

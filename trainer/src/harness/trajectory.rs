@@ -100,6 +100,30 @@ pub struct Trajectory {
 }
 
 impl Trajectory {
+    /// A rollout that has produced nothing yet: no tokens, reward 0, ended
+    /// as `infra` (masked) with `detail` until it says otherwise.
+    pub fn unstarted(task_id: &str, attempt: usize, policy: &str, detail: &str) -> Self {
+        Trajectory {
+            task_id: task_id.to_string(),
+            attempt,
+            policy: policy.to_string(),
+            token_ids: vec![],
+            loss_mask: vec![],
+            logprobs: vec![],
+            weight_versions: vec![],
+            prompt_len: 0,
+            prompt_text: String::new(),
+            reward: 0.0,
+            termination: Termination::Infra,
+            masked: true,
+            detail: detail.to_string(),
+            turns: vec![],
+            grade: None,
+            diff: None,
+            wall_secs: 0.0,
+        }
+    }
+
     /// Checks the per-token vectors line up.
     pub fn check(&self) -> Result<()> {
         let n = self.token_ids.len();

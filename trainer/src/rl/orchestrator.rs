@@ -29,7 +29,7 @@ use super::recipe::{Keep, Recipe, SandboxBackend};
 use super::run_dir::{append_jsonl, write_jsonl, RunDir, RunState, Totals};
 use crate::checkpoint::{load_optimizer, save_checkpoint_with};
 use crate::harness::engine_policy::EnginePolicy;
-use crate::harness::trajectory::{Termination, Trajectory};
+use crate::harness::trajectory::Trajectory;
 use crate::harness::{Harness, Policy};
 use crate::step::{Trainer, WriteGate};
 use crate::{Error, Result};
@@ -173,25 +173,7 @@ impl Rollouts {
 
 /// A trajectory for a rollout that never ran or was abandoned.
 fn infra(task: &Task, attempt: usize, policy: &str, why: String) -> Trajectory {
-    Trajectory {
-        task_id: task.instance_id.clone(),
-        attempt,
-        policy: policy.to_string(),
-        token_ids: vec![],
-        loss_mask: vec![],
-        logprobs: vec![],
-        weight_versions: vec![],
-        prompt_len: 0,
-        prompt_text: String::new(),
-        reward: 0.0,
-        termination: Termination::Infra,
-        masked: true,
-        detail: why,
-        turns: vec![],
-        grade: None,
-        diff: None,
-        wall_secs: 0.0,
-    }
+    Trajectory::unstarted(&task.instance_id, attempt, policy, &why)
 }
 
 /// The dispatcher: starts groups while admission allows.
