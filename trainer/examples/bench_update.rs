@@ -91,7 +91,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let params = SamplingParams {
             temperature: 1.0,
             seed: Some(s as u64),
-            max_tokens: 100_000,
+            max_tokens: 20_000,
             ignore_eos: true,
             ..SamplingParams::default()
         };
