@@ -135,6 +135,13 @@ pub fn plan(groups: Vec<Group>, cfg: PlanConfig) -> Batch {
         if degenerate {
             b.stats.zero_variance_groups += 1;
             if cfg.filter_zero_variance {
+                for (t, _) in kept {
+                    let why = format!(
+                        "zero variance: every graded attempt got reward {}",
+                        t.reward
+                    );
+                    b.dropped.push((t, why));
+                }
                 continue;
             }
         }
@@ -260,6 +267,11 @@ mod tests {
         let b = plan(vec![g(1.0), g(0.0)], cfg(1, 1, StalePolicy::Drop));
         assert_eq!(b.stats.zero_variance_groups, 2);
         assert!(b.examples.is_empty());
+        assert_eq!(b.dropped.len(), 4);
+        assert!(b
+            .dropped
+            .iter()
+            .all(|(_, why)| why.starts_with("zero variance")));
         assert_eq!(b.stats.reward_mean, 0.5);
         let mut c = cfg(1, 1, StalePolicy::Drop);
         c.filter_zero_variance = false;

@@ -6,7 +6,7 @@
 //! metrics.jsonl                one object per update
 //! eval.jsonl                   one object per held-out evaluation
 //! trajectories/step-NNNNNN.jsonl   what update N trained on
-//! trajectories/dropped.jsonl   stale or masked trajectories, with why
+//! trajectories/dropped.jsonl   stale, masked or zero-variance trajectories, with why
 //! checkpoints/step-NNNNNN/     Hugging Face layout + optimizer + run_state.json
 //! plots/*.png                  from `arcticd plot`
 //! ```
