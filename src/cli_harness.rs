@@ -14,7 +14,7 @@ use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_sandbox::image;
 use arcticd_sandbox::tasks::{self, Format};
-use arcticd_trainer::harness::engine_policy::EnginePolicy;
+use arcticd_trainer::harness::engine_policy::EnginePolicyRouter;
 use arcticd_trainer::harness::eval::{self, EvalConfig};
 use arcticd_trainer::harness::openai::{OpenAiConfig, OpenAiPolicy};
 use arcticd_trainer::harness::policy::Policy;
@@ -162,7 +162,7 @@ pub fn traj(a: TrajArgs) -> Result<()> {
     }
 }
 
-fn load_model_files(dir: &Path) -> Result<(Arc<Tokenizer>, ChatTemplate)> {
+pub(crate) fn load_model_files(dir: &Path) -> Result<(Arc<Tokenizer>, ChatTemplate)> {
     let tokenizer = Tokenizer::from_dir(dir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     let template = ChatTemplate::from_dir(dir)?.unwrap_or_else(ChatTemplate::qwen35);
@@ -217,23 +217,9 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         )?);
         Box::new(move |_: &tasks::Task| policy.clone())
     } else {
-        let model = arcticd_engine::Qwen3_5::load(&tok_dir)
+        let engine = EnginePolicyRouter::load(&tok_dir, &harness, a.replicas, 0, &a.model)
             .with_context(|| format!("loading model from {}", tok_dir.display()))?;
-        let store = arcticd_engine::ParamStore::new(model);
-        let config = arcticd_engine::engine::EngineConfig {
-            max_model_len: harness
-                .cfg
-                .max_context_tokens
-                .max(harness.cfg.max_new_tokens + 1),
-            ..Default::default()
-        };
-        let router = arcticd_engine::router::Router::start(
-            a.replicas.max(1),
-            store,
-            Some(tokenizer.clone()),
-            config,
-        )?;
-        let policy: Arc<dyn Policy> = Arc::new(EnginePolicy::new(router, a.model.clone()));
+        let policy: Arc<dyn Policy> = engine.policy;
         Box::new(move |_: &tasks::Task| policy.clone())
     };
     let ecfg = EvalConfig {

@@ -131,13 +131,13 @@ pub fn prepare(sets: &[String]) -> Result<Recipe> {
         eprintln!(
             "demo: building the warm-started model once: {} expert demonstrations through \
              the sandbox, then {} SFT steps (about 4-5 minutes on 2 cores)",
-            cfg.demos, cfg.steps
+            cfg.demos, cfg.sft.steps
         );
         if warm.exists() {
             std::fs::remove_dir_all(&warm)?;
         }
         let bar = std::sync::Arc::new(std::sync::Mutex::new(crate::progress::Progress::new(
-            Some(cfg.steps as u64),
+            Some(cfg.sft.steps as u64),
             "warm-start SFT",
         )));
         let shown = bar.clone();

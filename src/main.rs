@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod cli_harness;
 mod cli_model;
 mod cli_plot;
+mod cli_rft;
 mod cli_rl;
 mod cli_sandbox;
 mod cli_serve;
@@ -52,6 +53,8 @@ enum Command {
     Sft(cli_train::SftArgs),
     /// Asynchronous RL: a recipe, a resumed run, or with no arguments the built-in demo.
     Train(cli_rl::TrainArgs),
+    /// Rejection fine-tuning: sample K attempts per task, SFT on the solved well-formed ones, repeat.
+    Rft(cli_rft::RftArgs),
     /// PNG figures of one or more runs' metrics.jsonl (reward, mismatch, staleness, time, load).
     Plot(cli_plot::PlotArgs),
     /// Build the RL demo's warm-started model: SFT on scripted expert trajectories of toy tasks.
@@ -78,6 +81,7 @@ fn main() {
         Command::Serve(args) => cli_serve::serve(args),
         Command::Sft(args) => cli_train::sft(args),
         Command::Train(args) => cli_rl::train(args),
+        Command::Rft(args) => cli_rft::rft(args),
         Command::Plot(args) => cli_plot::plot(args),
         Command::WarmStart(args) => cli_warm::warm_start(args),
     };

@@ -16,7 +16,7 @@ use arcticd_sandbox::local::LocalBackend;
 use arcticd_sandbox::tasks::toy;
 use arcticd_trainer::harness::tools::tool_schemas;
 use arcticd_trainer::harness::{check_format, Harness, RolloutConfig, Termination};
-use arcticd_trainer::warm_start::{self, WarmStartConfig};
+use arcticd_trainer::warm_start::{self, SftSettings, WarmStartConfig};
 use common::{base_image, skip, TempDir};
 use std::process::Command;
 use std::sync::Arc;
@@ -63,7 +63,7 @@ fn expert_solves_every_family_with_reward_1() {
         for cfg in [warm_start::demo_rollout_config(), RolloutConfig::default()] {
             let short = !cfg.prompt_tools;
             let h = Harness::new(tok.clone(), template(), cfg)?;
-            let trajs = warm_start::expert_trajectories(&h, backend, &tasks, 2).await?;
+            let trajs = warm_start::expert_trajectories(&h, backend, &tasks, 2, 0.0).await?;
             ensure!(trajs.len() == tasks.len());
             for (task, t) in tasks.iter().zip(&trajs) {
                 t.check()?;
@@ -111,9 +111,12 @@ fn build_warm_start_writes_a_loadable_checkpoint() {
     let cfg = WarmStartConfig {
         preset: "tiny".into(),
         demos: 4,
-        steps: 3,
-        batch_size: 2,
-        warmup: 1,
+        sft: SftSettings {
+            steps: 3,
+            batch_size: 2,
+            warmup: 1,
+            ..SftSettings::default()
+        },
         ..WarmStartConfig::default()
     };
     with_local(async |backend| {

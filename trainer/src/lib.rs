@@ -13,7 +13,9 @@ pub mod harness;
 pub mod loss;
 pub mod model;
 pub mod optim;
+pub mod rft;
 pub mod rl;
+pub mod sft;
 pub mod step;
 pub mod warm_start;
 

@@ -27,15 +27,13 @@
 //!
 //! Not for: RL itself, or tasks whose gold patch changes more than one line.
 
-use crate::checkpoint::save_checkpoint;
 use crate::harness::format::render_call;
-use crate::harness::{Harness, RolloutConfig, ScriptedPolicy, Trajectory};
-use crate::optim::{AdamWConfig, LrSchedule};
-use crate::step::{SftExample, TrainConfig, Trainer};
+use crate::harness::{Harness, RolloutConfig, ScriptedPolicy, Termination, Trajectory};
+pub use crate::sft::{sft_examples, train_sft, SftProgress, SftSettings};
+use crate::step::SftExample;
 use crate::{Error, Result};
 use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::tokenizer::Tokenizer;
-use arcticd_engine::{ParamStore, Qwen3_5};
 use arcticd_sandbox::tasks::{toy, Task};
 use arcticd_sandbox::Backend;
 use futures_util::StreamExt;
@@ -97,20 +95,17 @@ pub struct WarmStartConfig {
     pub demo_seed: u64,
     /// Expert rollouts at once. Default 2.
     pub concurrency: usize,
-    /// SFT optimizer steps. Default 300.
-    pub steps: usize,
-    /// Trajectories per step. Default 8.
-    pub batch_size: usize,
-    /// Peak learning rate (cosine to 0 after the warmup). Default 3e-3.
-    pub lr: f64,
-    /// Linear warmup steps. Default 10.
-    pub warmup: u64,
-    /// Global gradient-norm clip. Default 1.0.
-    pub grad_clip: f64,
-    /// AdamW decoupled weight decay. Default 0.0.
-    pub weight_decay: f64,
-    /// Seed of the order the trajectories are visited in. Default 0.
-    pub shuffle_seed: u64,
+    /// Share of the demonstrations in which the teacher views the file and
+    /// submits without a fix (reward 0). They are kept for SFT like the
+    /// others: unfiltered data of a teacher that is right only some of the
+    /// time, so the student learns the format from every demonstration and
+    /// has to learn from reward, in RL, that submitting unfixed code does
+    /// not pay. Default 0.0 (every demonstration fixes).
+    pub give_up_share: f64,
+    /// The SFT run (defaults: 300 steps of 8, lr 3e-3 with 10 warmup steps
+    /// then cosine, clip 1, no weight decay).
+    #[serde(flatten)]
+    pub sft: SftSettings,
 }
 
 impl Default for WarmStartConfig {
@@ -122,13 +117,16 @@ impl Default for WarmStartConfig {
             demos: 96,
             demo_seed: 1000,
             concurrency: 2,
-            steps: 300,
-            batch_size: 8,
-            lr: 3e-3,
-            warmup: 10,
-            grad_clip: 1.0,
-            weight_decay: 0.0,
-            shuffle_seed: 0,
+            give_up_share: 0.0,
+            sft: SftSettings {
+                steps: 300,
+                batch_size: 8,
+                lr: 3e-3,
+                warmup: 10,
+                grad_clip: 1.0,
+                weight_decay: 0.0,
+                shuffle_seed: 0,
+            },
         }
     }
 }
@@ -138,9 +136,12 @@ impl Default for WarmStartConfig {
 pub struct WarmStartReport {
     /// The warm-started checkpoint.
     pub model_dir: PathBuf,
-    /// Expert rollouts run and how many earned reward 1 (kept).
+    /// Expert rollouts run, how many went into SFT (the fixing ones that
+    /// earned reward 1 and the giving-up ones that submitted), and how many
+    /// of those gave up.
     pub demos: usize,
     pub kept: usize,
+    pub gave_up: usize,
     /// Mean tokens of the initial prompt and of a whole kept trajectory,
     /// and mean generated (target) tokens per trajectory.
     pub prompt_tokens: f64,
@@ -204,17 +205,44 @@ pub fn expert_turns(task: &Task) -> Result<Vec<String>> {
     ])
 }
 
-/// Runs the expert on every task through `harness`, `concurrency` at once;
-/// returns the trajectories in task order (all of them, any reward).
+/// The teacher's turns when it gives up on `task`: view the file of the
+/// gold patch, submit it unchanged.
+pub fn give_up_turns(task: &Task) -> Result<Vec<String>> {
+    let (path, _, _) = one_line_fix(task)?;
+    Ok(vec![
+        render_call(
+            "str_replace_based_edit_tool",
+            &[("command", "view"), ("path", &path)],
+        ),
+        render_call("submit", &[]),
+    ])
+}
+
+/// Whether the teacher gives up on demonstration `i`: exactly
+/// `floor(n * share)` of the first n, spread evenly.
+pub fn gives_up(i: usize, share: f64) -> bool {
+    let share = share.clamp(0.0, 1.0);
+    ((i + 1) as f64 * share).floor() > (i as f64 * share).floor()
+}
+
+/// Runs the expert on every task through `harness`, `concurrency` at once,
+/// giving up (see [`give_up_turns`]) on the tasks [`gives_up`] picks at
+/// `give_up_share`; returns the trajectories in task order (all of them,
+/// any reward).
 pub async fn expert_trajectories(
     harness: &Harness,
     backend: &dyn Backend,
     tasks: &[Task],
     concurrency: usize,
+    give_up_share: f64,
 ) -> Result<Vec<Trajectory>> {
     let mut scripts = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        scripts.push(expert_turns(t)?);
+    for (i, t) in tasks.iter().enumerate() {
+        scripts.push(if gives_up(i, give_up_share) {
+            give_up_turns(t)?
+        } else {
+            expert_turns(t)?
+        });
     }
     let tok = harness.tokenizer().clone();
     let mut out: Vec<(usize, Trajectory)> = futures_util::stream::iter(
@@ -232,95 +260,6 @@ pub async fn expert_trajectories(
     .await;
     out.sort_by_key(|(i, _)| *i);
     Ok(out.into_iter().map(|(_, t)| t).collect())
-}
-
-/// SFT examples of the trajectories that earned reward 1: every token as
-/// context, the generated ones (loss mask 1) as targets.
-pub fn sft_examples(trajectories: &[Trajectory]) -> Vec<SftExample> {
-    trajectories
-        .iter()
-        .filter(|t| t.reward >= 1.0)
-        .map(|t| SftExample {
-            tokens: t.token_ids.clone(),
-            loss_mask: t.loss_mask.clone(),
-        })
-        .collect()
-}
-
-/// Told after every SFT step: (steps done, steps in all, loss).
-pub type SftProgress = Arc<dyn Fn(usize, usize, f64) + Send + Sync>;
-
-/// SFT of the model in `base` on `examples` per `cfg` (steps, batch, lr,
-/// warmup then cosine, clip, weight decay, visiting order); writes the
-/// checkpoint (with optimizer state) to `out`. Returns the per-step losses.
-pub fn train_sft(
-    cfg: &WarmStartConfig,
-    base: &Path,
-    examples: &[SftExample],
-    out: &Path,
-    progress: Option<&SftProgress>,
-) -> Result<Vec<f64>> {
-    if examples.is_empty() {
-        return Err(Error::Input("no SFT examples".into()));
-    }
-    let model = Qwen3_5::load(base)?;
-    let config = TrainConfig {
-        optimizer: AdamWConfig {
-            lr: cfg.lr,
-            weight_decay: cfg.weight_decay,
-            ..AdamWConfig::default()
-        },
-        schedule: LrSchedule::Cosine {
-            warmup: cfg.warmup,
-            total: cfg.steps as u64,
-        },
-        grad_clip: (cfg.grad_clip > 0.0).then_some(cfg.grad_clip),
-        ..TrainConfig::default()
-    };
-    let mut trainer = Trainer::new(ParamStore::new(model), config)?;
-    // A seeded order, reshuffled every pass over the data.
-    let mut rng = cfg.shuffle_seed ^ 0x57A2_7E11;
-    let mut next = || {
-        rng = rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = rng;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
-    let mut order: Vec<usize> = Vec::new();
-    let mut losses = Vec::with_capacity(cfg.steps);
-    let t0 = Instant::now();
-    for step in 0..cfg.steps {
-        let mut batch = Vec::with_capacity(cfg.batch_size);
-        while batch.len() < cfg.batch_size.max(1) {
-            if order.is_empty() {
-                order = (0..examples.len()).collect();
-                for i in (1..order.len()).rev() {
-                    order.swap(i, (next() % (i as u64 + 1)) as usize);
-                }
-            }
-            if let Some(i) = order.pop() {
-                batch.push(examples[i].clone());
-            }
-        }
-        let m = trainer.sft_step(&batch)?;
-        losses.push(m.loss);
-        if let Some(p) = progress {
-            p(step + 1, cfg.steps, m.loss);
-        }
-        tracing::info!(
-            step = step + 1,
-            steps = cfg.steps,
-            loss = m.loss,
-            grad_norm = m.grad_norm,
-            lr = m.lr,
-            secs = t0.elapsed().as_secs_f64(),
-            "warm-start SFT step"
-        );
-    }
-    let model = trainer.store.read();
-    save_checkpoint(out, &model, base, Some(&trainer.optimizer))?;
-    Ok(losses)
 }
 
 fn mean(xs: &[f64]) -> f64 {
@@ -370,7 +309,14 @@ pub async fn build_warm_start(
     let harness = Harness::new(tokenizer, template, rollout.clone())?;
 
     let r0 = Instant::now();
-    let trajs = expert_trajectories(&harness, backend, &tasks, cfg.concurrency).await?;
+    let trajs = expert_trajectories(
+        &harness,
+        backend,
+        &tasks,
+        cfg.concurrency,
+        cfg.give_up_share,
+    )
+    .await?;
     let rollout_secs = r0.elapsed().as_secs_f64();
     let path = out_dir.join("demos.jsonl");
     let mut lines = String::new();
@@ -379,11 +325,28 @@ pub async fn build_warm_start(
         lines.push('\n');
     }
     std::fs::write(&path, lines).map_err(|e| Error::io(&path, e))?;
-    for t in trajs.iter().filter(|t| t.reward < 1.0) {
-        tracing::warn!(task = %t.task_id, detail = %t.detail, "warm start: expert rollout not solved; dropped");
+    // The fixing demonstrations that solved their task, and the giving-up
+    // ones that got as far as submitting (reward 0 by design).
+    let mut kept: Vec<&Trajectory> = Vec::new();
+    let mut gave_up = 0;
+    for (i, t) in trajs.iter().enumerate() {
+        let giving_up = gives_up(i, cfg.give_up_share);
+        if giving_up && !t.masked && t.termination == Termination::Submitted {
+            kept.push(t);
+            gave_up += 1;
+        } else if !giving_up && t.reward >= 1.0 {
+            kept.push(t);
+        } else {
+            tracing::warn!(task = %t.task_id, detail = %t.detail, "warm start: demonstration did not run as scripted; dropped");
+        }
     }
-    let examples = sft_examples(&trajs);
-    let kept: Vec<&Trajectory> = trajs.iter().filter(|t| t.reward >= 1.0).collect();
+    let examples: Vec<SftExample> = kept
+        .iter()
+        .map(|t| SftExample {
+            tokens: t.token_ids.clone(),
+            loss_mask: t.loss_mask.clone(),
+        })
+        .collect();
     let prompt_tokens = mean(&kept.iter().map(|t| t.prompt_len as f64).collect::<Vec<_>>());
     let trajectory_tokens = mean(
         &kept
@@ -410,7 +373,7 @@ pub async fn build_warm_start(
     let model_dir = out_dir.join("model");
     let (cfg2, base2, dir2) = (cfg.clone(), base.clone(), model_dir.clone());
     let losses = arcticd_sandbox::tokio::task::spawn_blocking(move || {
-        train_sft(&cfg2, &base2, &examples, &dir2, progress.as_ref())
+        train_sft(&cfg2.sft, &base2, &examples, &dir2, progress.as_ref())
     })
     .await
     .map_err(|e| Error::Input(format!("the SFT task failed: {e}")))??;
@@ -420,6 +383,7 @@ pub async fn build_warm_start(
         model_dir,
         demos: trajs.len(),
         kept: kept.len(),
+        gave_up,
         prompt_tokens,
         trajectory_tokens,
         target_tokens,
@@ -437,6 +401,26 @@ pub async fn build_warm_start(
 mod tests {
     use super::*;
     use crate::harness::{check_format, tools::tool_schemas};
+
+    #[test]
+    fn the_teacher_gives_up_on_an_even_share() {
+        let picked = |n: usize, share: f64| (0..n).filter(|&i| gives_up(i, share)).count();
+        assert_eq!(picked(96, 0.0), 0);
+        assert_eq!(picked(96, 0.5), 48);
+        assert_eq!(picked(10, 0.25), 2);
+        assert_eq!(picked(7, 1.0), 7);
+        // Spread out: never two in a row at one half.
+        assert!((0..95).all(|i| !(gives_up(i, 0.5) && gives_up(i + 1, 0.5))));
+        let d = tempfile::tempdir().unwrap();
+        let t = &toy::generate(&demo_toy_config(1, 3), d.path()).unwrap()[0];
+        let turns = give_up_turns(t).unwrap();
+        let calls: Vec<_> = turns
+            .iter()
+            .map(|r| check_format(r, &tool_schemas()).unwrap())
+            .collect();
+        assert_eq!(calls[0].arguments["command"], "view");
+        assert_eq!(calls[1].name, "submit");
+    }
 
     #[test]
     fn expert_turns_pass_the_format_check_and_fix_the_gold_line() {

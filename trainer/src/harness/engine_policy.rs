@@ -7,9 +7,15 @@
 //! router); sampling details (see the engine's sampler).
 
 use super::policy::{Completion, FinishReason, GenerateRequest, Policy};
+use super::Harness;
 use crate::{Error, Result};
-use arcticd_engine::engine::{apply_event, Choice, FinishReason as EngineFinish, Request};
+use arcticd_engine::engine::{
+    apply_event, Choice, EngineConfig, FinishReason as EngineFinish, Request,
+};
 use arcticd_engine::router::Router;
+use arcticd_engine::{ParamStore, Qwen3_5};
+use std::path::Path;
+use std::sync::Arc;
 use arcticd_engine::sampler::SamplingParams;
 use async_trait::async_trait;
 
@@ -26,6 +32,46 @@ impl EnginePolicy {
             router,
             name: name.into(),
         }
+    }
+}
+
+/// A checkpoint served by in-process engines for a harness: the policy and
+/// the router it runs on (shut it down when done).
+pub struct EnginePolicyRouter {
+    pub policy: Arc<EnginePolicy>,
+    pub router: Router,
+}
+
+impl EnginePolicyRouter {
+    /// Loads the checkpoint in `model` and starts `replicas` engines with
+    /// `cache_mib` MiB of paged cache each (0: the engine's default), long
+    /// enough for the harness's context budget.
+    pub fn load(
+        model: &Path,
+        harness: &Harness,
+        replicas: usize,
+        cache_mib: usize,
+        name: &str,
+    ) -> Result<Self> {
+        let weights = Qwen3_5::load(model)?;
+        let mut config = EngineConfig {
+            max_model_len: harness
+                .cfg
+                .max_context_tokens
+                .max(harness.cfg.max_new_tokens + 1),
+            ..EngineConfig::default()
+        };
+        if cache_mib > 0 {
+            config.cache_memory = cache_mib << 20;
+        }
+        let router = Router::start(
+            replicas.max(1),
+            ParamStore::new(weights),
+            Some(harness.tokenizer().clone()),
+            config,
+        )?;
+        let policy = Arc::new(EnginePolicy::new(router.clone(), name));
+        Ok(EnginePolicyRouter { policy, router })
     }
 }
 

@@ -26,6 +26,7 @@ pub mod tools;
 pub mod trajectory;
 pub mod wrong_patch;
 
+pub use engine_policy::{EnginePolicy, EnginePolicyRouter};
 pub use format::{check as check_format, ToolCall};
 pub use policy::{Completion, FinishReason, GenerateRequest, Policy, ScriptedPolicy};
 pub use rollout::{Harness, RolloutConfig};
