@@ -172,6 +172,10 @@ pub fn train(a: TrainArgs) -> Result<()> {
         (r, out, false)
     };
     let steps = recipe.steps;
+    for a in recipe.ablations() {
+        eprintln!("ABLATION ON (not the full recipe): {a}");
+        tracing::warn!("ablation on: {a}");
+    }
     let latest = Arc::new(Mutex::new(String::new()));
     if let Some(port) = a.metrics_port {
         serve_metrics(port, latest.clone())?;

@@ -324,6 +324,38 @@ fn resume_after_sigkill_loses_no_update() {
 }
 
 #[test]
+fn dynamic_sampling_refills_up_to_its_cap_and_counts_the_refills() {
+    if !local_ready() {
+        return;
+    }
+    let dir = TempDir::new("train-dynamic").unwrap();
+    // A fresh tiny model solves nothing: every group has zero variance, so
+    // every update consumes the cap (4 = B + 2 refills) and trains on
+    // nothing. Admission must let the refills start.
+    let recipe = setup(dir.path(), "");
+    let run = dir.path().join("run");
+    ok(
+        arcticd()
+            .args(["train", "--recipe"])
+            .arg(&recipe)
+            .arg("--out")
+            .arg(&run)
+            .args(["--set", "steps=3", "--set", "dynamic_sampling=true"])
+            .args(["--set", "dynamic_max_groups=4", "--set", "checkpoint_every=0"])
+            .output()
+            .unwrap(),
+        "train",
+    );
+    let metrics = read_jsonl(&run.join("metrics.jsonl"));
+    assert_eq!(steps_of(&run), vec![1, 2, 3]);
+    for m in &metrics {
+        assert_eq!(m["groups"].as_u64(), Some(4), "{m}");
+        assert_eq!(m["extra_groups"].as_u64(), Some(2), "{m}");
+        assert_eq!(m["zero_variance_groups"].as_u64(), Some(4), "{m}");
+    }
+}
+
+#[test]
 fn bad_recipes_and_inputs_are_clear_errors() {
     let dir = TempDir::new("train-bad").unwrap();
     let cases = [

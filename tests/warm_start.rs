@@ -63,7 +63,7 @@ fn expert_solves_every_family_with_reward_1() {
         for cfg in [warm_start::demo_rollout_config(), RolloutConfig::default()] {
             let short = !cfg.prompt_tools;
             let h = Harness::new(tok.clone(), template(), cfg)?;
-            let trajs = warm_start::expert_trajectories(&h, backend, &tasks, 2, 0.0).await?;
+            let trajs = warm_start::expert_trajectories(&h, backend, &tasks, 2, 0.0, 0).await?;
             ensure!(trajs.len() == tasks.len());
             for (task, t) in tasks.iter().zip(&trajs) {
                 t.check()?;

@@ -49,7 +49,6 @@ pub struct RftConfig {
     pub engine_cache_mib: usize,
     /// The SFT of each round (defaults: 100 steps of 8, lr 1e-3, 10 warmup
     /// steps then cosine, clip 1).
-    #[serde(flatten)]
     pub sft: SftSettings,
 }
 
@@ -344,8 +343,8 @@ mod tests {
         assert!(keeps(&traj(1.0, &[&view, &good], Termination::Submitted), &s));
         assert!(!keeps(&traj(0.0, &[&view, &good], Termination::Submitted), &s));
         // A turn the harness let through (gates off) but the strict check
-        // refuses: prose around the call.
-        let chatty = format!("Sure! {good}");
+        // refuses: text after the call.
+        let chatty = format!("{good}\nDone.");
         assert!(!keeps(&traj(1.0, &[&chatty, &good], Termination::Submitted), &s));
         let mut hinted = traj(1.0, &[&view, &good], Termination::Submitted);
         hinted.turns[0].format_error = Some("invalid_json".into());

@@ -148,12 +148,16 @@ mod tests {
     use crate::warm_start::WarmStartConfig;
 
     #[test]
-    fn settings_reject_unknown_keys_alone_and_flattened() {
+    fn settings_reject_unknown_keys_and_keep_the_owners_defaults() {
         assert!(serde_json::from_str::<SftSettings>(r#"{"stepz": 1}"#).is_err());
         let s: SftSettings = serde_json::from_str(r#"{"steps": 7}"#).unwrap();
         assert_eq!(s.steps, 7);
-        let w: WarmStartConfig = serde_json::from_str(r#"{"steps": 7, "demos": 3}"#).unwrap();
-        assert_eq!((w.sft.steps, w.demos), (7, 3));
-        assert!(serde_json::from_str::<WarmStartConfig>(r#"{"stepz": 7}"#).is_err());
+        // A config that leaves `sft` out keeps its owner's SFT defaults,
+        // not SftSettings' own.
+        let w: WarmStartConfig = serde_json::from_str(r#"{"demos": 3}"#).unwrap();
+        assert_eq!((w.sft.clone(), w.demos), (WarmStartConfig::default().sft, 3));
+        let w: WarmStartConfig = serde_json::from_str(r#"{"sft": {"steps": 7}}"#).unwrap();
+        assert_eq!(w.sft.steps, 7);
+        assert!(serde_json::from_str::<WarmStartConfig>(r#"{"sft": {"stepz": 7}}"#).is_err());
     }
 }

@@ -11,11 +11,16 @@
 //! group's advantage and of the loss, and counted. A group whose remaining
 //! rewards are all equal contributes nothing and is counted (and, with
 //! `filter_zero_variance`, left out so it does not dilute the token mean).
+//! Two reward options (DAPO's overlong handling, and an ablation): a
+//! trajectory cut by a token or turn budget keeps reward 0 (`overlong =
+//! "zero"`) or is masked out of the loss and counted (`"mask"`);
+//! `length_penalty` subtracts that much per 1,000 generated tokens from the
+//! reward the advantages see (reward_mean and pass_rate stay the task's).
 //!
 //! Not for: running rollouts or the optimizer step.
 
-use super::recipe::StalePolicy;
-use crate::harness::trajectory::Trajectory;
+use super::recipe::{Overlong, StalePolicy};
+use crate::harness::trajectory::{Termination, Trajectory};
 use crate::loss::group_advantages;
 use crate::step::PgExample;
 use serde::Serialize;
@@ -51,6 +56,8 @@ pub struct BatchStats {
     pub stale_dropped: usize,
     pub stale_masked_tokens: usize,
     pub masked_infra: usize,
+    /// Cut by a token or turn budget and masked (`overlong = "mask"`).
+    pub overlong_masked: usize,
     pub termination: BTreeMap<String, usize>,
     /// Lag of every unmasked trajectory consumed (dropped ones included).
     pub lag_histogram: BTreeMap<u64, usize>,
@@ -86,6 +93,25 @@ pub struct PlanConfig {
     pub stale: StalePolicy,
     pub filter_zero_variance: bool,
     pub advantage_std: bool,
+    pub overlong: Overlong,
+    /// Reward subtracted per 1,000 generated tokens before the advantages.
+    pub length_penalty: f64,
+}
+
+/// Whether a rollout was cut by a token or turn budget.
+pub fn cut_by_budget(t: &Trajectory) -> bool {
+    matches!(
+        t.termination,
+        Termination::Truncated | Termination::TurnBudget | Termination::ContextBudget
+    )
+}
+
+/// The reward the advantages see: the grade (0 for a rollout cut by a
+/// budget), less `length_penalty` per 1,000 generated tokens.
+fn shaped_reward(t: &Trajectory, length_penalty: f64) -> f32 {
+    let base = if cut_by_budget(t) { 0.0 } else { t.reward };
+    let generated = t.loss_mask.iter().filter(|&&m| m == 1).count() as f64;
+    (base - length_penalty * generated / 1000.0) as f32
 }
 
 /// Builds the batch of one update from complete groups.
@@ -117,6 +143,12 @@ pub fn plan(groups: Vec<Group>, cfg: PlanConfig) -> Batch {
             b.stats.graded += 1;
             reward_sum += t.reward;
             solved += usize::from(t.reward >= 1.0);
+            if cfg.overlong == Overlong::Mask && cut_by_budget(&t) {
+                b.stats.overlong_masked += 1;
+                let why = format!("overlong (masked): {:?}: {}", t.termination, t.detail);
+                b.dropped.push((t, why));
+                continue;
+            }
             let lag = oldest_version(&t).map_or(0, |v| cfg.trainer_version.saturating_sub(v));
             *b.stats.lag_histogram.entry(lag).or_default() += 1;
             if lag > cfg.max_staleness && cfg.stale == StalePolicy::Drop {
@@ -130,7 +162,10 @@ pub fn plan(groups: Vec<Group>, cfg: PlanConfig) -> Batch {
             }
             kept.push((t, lag));
         }
-        let rewards: Vec<f32> = kept.iter().map(|(t, _)| t.reward as f32).collect();
+        let rewards: Vec<f32> = kept
+            .iter()
+            .map(|(t, _)| shaped_reward(t, cfg.length_penalty))
+            .collect();
         let (adv, degenerate) = group_advantages(&rewards, cfg.advantage_std);
         if degenerate {
             b.stats.zero_variance_groups += 1;
@@ -229,7 +264,51 @@ mod tests {
             stale,
             filter_zero_variance: true,
             advantage_std: false,
+            overlong: Overlong::Zero,
+            length_penalty: 0.0,
         }
+    }
+
+    #[test]
+    fn overlong_mask_and_length_penalty() {
+        let cut = traj(0.0, &[5, 5], Termination::TurnBudget);
+        let groups = || {
+            vec![Group {
+                task: 0,
+                seq: 0,
+                trajectories: vec![
+                    traj(1.0, &[5, 5], Termination::Submitted),
+                    traj(0.0, &[5, 5, 5, 5], Termination::Submitted),
+                    cut.clone(),
+                ],
+            }]
+        };
+        let b = plan(groups(), cfg(5, 2, StalePolicy::Drop));
+        assert_eq!(b.stats.overlong_masked, 0);
+        let adv: Vec<f32> = b.examples.iter().map(|e| e.advantage).collect();
+        assert!((adv[0] - 2.0 / 3.0).abs() < 1e-6 && (adv[2] + 1.0 / 3.0).abs() < 1e-6);
+        let b = plan(
+            groups(),
+            PlanConfig {
+                overlong: Overlong::Mask,
+                ..cfg(5, 2, StalePolicy::Drop)
+            },
+        );
+        assert_eq!((b.stats.overlong_masked, b.examples.len()), (1, 2));
+        assert!(b.dropped[0].1.starts_with("overlong"));
+        // 1000 per 1k tokens: the 4-token failure loses 2 more than the
+        // 2-token success.
+        let b = plan(
+            groups(),
+            PlanConfig {
+                overlong: Overlong::Mask,
+                length_penalty: 1000.0,
+                ..cfg(5, 2, StalePolicy::Drop)
+            },
+        );
+        let adv: Vec<f32> = b.examples.iter().map(|e| e.advantage).collect();
+        assert!((adv[0] - adv[1] - 3.0).abs() < 1e-5, "{adv:?}");
+        assert!((b.stats.pass_rate - 1.0 / 3.0).abs() < 1e-12);
     }
 
     const S: Termination = Termination::Submitted;

@@ -121,10 +121,23 @@ pub struct RunSummary {
     pub totals: Totals,
 }
 
+/// Whether a group's graded rewards differ (it carries a policy-gradient
+/// signal); what dynamic sampling waits for.
+fn informative(g: &Group) -> bool {
+    let mut graded = g.trajectories.iter().filter(|t| !t.masked).map(|t| t.reward);
+    match graded.next() {
+        Some(first) => graded.any(|r| r != first),
+        None => false,
+    }
+}
+
 /// State shared by the dispatcher, the workers and the trainer.
 struct Shared {
     steps_done: AtomicU64,
     groups_started: AtomicU64,
+    /// Groups consumed beyond B per update (dynamic sampling's refills):
+    /// admission lets that many more start.
+    extra_groups: AtomicU64,
     stop: AtomicBool,
     wake: Notify,
     pool: Mutex<TaskPool>,
@@ -193,7 +206,8 @@ async fn dispatch(
         }
         let started = shared.groups_started.load(Ordering::Acquire);
         let done = shared.steps_done.load(Ordering::Acquire);
-        let allowed = (done + recipe.max_staleness + 1) * b;
+        let allowed =
+            (done + recipe.max_staleness + 1) * b + shared.extra_groups.load(Ordering::Acquire);
         let next = if started < allowed {
             shared
                 .pool
@@ -414,6 +428,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         steps_done: AtomicU64::new(step),
         // Admission restored: what was in flight died with the old process.
         groups_started: AtomicU64::new(consumed),
+        extra_groups: AtomicU64::new(consumed.saturating_sub(step * recipe.groups_per_step as u64)),
         stop: AtomicBool::new(false),
         wake: Notify::new(),
         pool: Mutex::new(pool),
@@ -480,7 +495,16 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 fault_point("rollouts");
             }
             let deadline = t_wait + Duration::from_secs_f64(recipe.batch_timeout_secs);
-            while carry.len() < b {
+            // Enough groups: B of them, or with dynamic sampling B that
+            // carry signal (at most dynamic_max_groups in all).
+            let enough = |carry: &[Group]| {
+                if !recipe.dynamic_sampling {
+                    return carry.len() >= b;
+                }
+                carry.len() >= recipe.dynamic_max_groups.max(b)
+                    || carry.iter().filter(|g| informative(g)).count() >= b
+            };
+            while !enough(&carry) {
                 if opts.cancel.load(Ordering::Acquire) {
                     cancelled = true;
                     return Ok(());
@@ -509,9 +533,29 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                     }
                 }
             }
-            let groups: Vec<Group> = carry.drain(..b).collect();
+            let take = if recipe.dynamic_sampling {
+                // Up to and including the B-th informative group.
+                let mut seen = 0;
+                carry
+                    .iter()
+                    .position(|g| {
+                        seen += usize::from(informative(g));
+                        seen == b
+                    })
+                    .map_or(carry.len(), |i| i + 1)
+            } else {
+                b
+            };
+            let groups: Vec<Group> = carry.drain(..take).collect();
+            let extra_groups = groups.len().saturating_sub(b);
             let time_wait_s = t_wait.elapsed().as_secs_f64();
             consumed += groups.len() as u64;
+            if extra_groups > 0 {
+                shared
+                    .extra_groups
+                    .fetch_add(extra_groups as u64, Ordering::AcqRel);
+                totals.extra_groups += extra_groups as u64;
+            }
             // Curriculum: one visit per group.
             let mut newly_retired = 0usize;
             {
@@ -537,6 +581,8 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                     stale: recipe.stale,
                     filter_zero_variance: recipe.filter_zero_variance,
                     advantage_std: recipe.advantage_std,
+                    overlong: recipe.overlong,
+                    length_penalty: recipe.length_penalty,
                 },
             );
             let t_train = Instant::now();
@@ -612,6 +658,8 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             put("trajectories", json!(s.trajectories));
             put("trained_trajectories", json!(s.trained));
             put("zero_variance_groups", json!(s.zero_variance_groups));
+            put("extra_groups", json!(extra_groups));
+            put("overlong_masked", json!(s.overlong_masked));
             put("stale_dropped", json!(s.stale_dropped));
             put("stale_masked_tokens", json!(s.stale_masked_tokens));
             put("masked_infra", json!(s.masked_infra));

@@ -31,6 +31,17 @@ pub enum StalePolicy {
     Mask,
 }
 
+/// What happens to a rollout cut by a token or turn budget (DAPO's
+/// overlong handling).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Overlong {
+    /// It keeps reward 0 and is trained on like any failure.
+    Zero,
+    /// It is masked out of the loss and its group's advantage, and counted.
+    Mask,
+}
+
 /// The sandbox backend rollouts run in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -118,6 +129,21 @@ pub struct Recipe {
     /// Leave out groups whose rewards are all equal (they carry no signal
     /// and would dilute the token mean); counted either way. Default true.
     pub filter_zero_variance: bool,
+    /// A rollout cut by a token or turn budget: "zero" (reward 0) or
+    /// "mask" (left out of the loss, counted). Default "zero".
+    pub overlong: Overlong,
+    /// DAPO's dynamic sampling: an update waits for B groups whose rewards
+    /// differ, consuming (and counting, `extra_groups`) the zero-variance
+    /// ones that came between; at most `dynamic_max_groups` groups per
+    /// update. Default false.
+    pub dynamic_sampling: bool,
+    /// Cap of the groups one update may consume with dynamic sampling.
+    /// Default 32.
+    pub dynamic_max_groups: usize,
+    /// Ablation: reward subtracted per 1,000 generated tokens before the
+    /// advantages (the source saw it lift the early peak, then collapse a
+    /// run). Default 0.0 (off).
+    pub length_penalty: f64,
     /// Retire a task as mastered when every attempt of its last N visits
     /// was solved; 0 = never. Default 2.
     pub retire_after: usize,
@@ -184,6 +210,10 @@ impl Default for Recipe {
             entropy_coef: 0.0,
             advantage_std: false,
             filter_zero_variance: true,
+            overlong: Overlong::Zero,
+            dynamic_sampling: false,
+            dynamic_max_groups: 32,
+            length_penalty: 0.0,
             retire_after: 2,
             drop_after: 0,
             recheck_every: 20,
@@ -305,7 +335,29 @@ impl Recipe {
         if self.micro_batch_tokens == 0 || self.engine_cache_mib == 0 {
             return bad("micro_batch_tokens and engine_cache_mib must be positive");
         }
+        if !(self.length_penalty.is_finite() && self.length_penalty >= 0.0) {
+            return bad("length_penalty must be a finite number >= 0 (0 = off)");
+        }
         Ok(self)
+    }
+
+    /// The ablation switches that are on, in words: measurements that
+    /// leave the full recipe, said loudly at the start of a run.
+    pub fn ablations(&self) -> Vec<String> {
+        let mut on = Vec::new();
+        let gates = [
+            (self.rollout.gate_format, "rollout.gate_format = false: malformed turns get a hint and the rollout goes on"),
+            (self.rollout.gate_duplicate, "rollout.gate_duplicate = false: repeated calls get a hint and the rollout goes on"),
+            (self.rollout.gate_length, "rollout.gate_length = false: a turn cut at the token limit gets a hint and the rollout goes on"),
+        ];
+        on.extend(gates.iter().filter(|(g, _)| !g).map(|(_, w)| w.to_string()));
+        if self.length_penalty > 0.0 {
+            on.push(format!(
+                "length_penalty = {}: reward minus that per 1,000 generated tokens",
+                self.length_penalty
+            ));
+        }
+        on
     }
 
     /// The trainer's settings.
@@ -344,6 +396,22 @@ impl Recipe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ablations_are_off_by_default_and_named_when_on() {
+        assert!(Recipe::default().ablations().is_empty());
+        let r = Recipe::from_toml_with(
+            "",
+            "test",
+            &["rollout.gate_format=false".into(), "length_penalty=0.5".into()],
+        )
+        .unwrap();
+        let a = r.ablations();
+        assert_eq!(a.len(), 2, "{a:?}");
+        assert!(a[0].starts_with("rollout.gate_format") && a[1].starts_with("length_penalty"));
+        assert!(Recipe::from_toml_with("", "test", &["length_penalty=-1".into()]).is_err());
+        assert!(Recipe::from_toml_with("", "test", &["overlong=\"cut\"".into()]).is_err());
+    }
 
     #[test]
     fn default_toml_documents_the_defaults() {

@@ -55,6 +55,9 @@ pub struct Totals {
     pub zero_variance_groups: u64,
     pub skipped_updates: u64,
     pub lost_on_resume: u64,
+    /// Groups consumed beyond B by dynamic sampling.
+    #[serde(default)]
+    pub extra_groups: u64,
 }
 
 /// Paths of a run directory.
