@@ -129,9 +129,12 @@ pub fn prepare(sets: &[String]) -> Result<Recipe> {
         eprintln!("demo: warm-started model {} (cached)", model.display());
     } else {
         eprintln!(
-            "demo: building the warm-started model once: {} expert demonstrations through \
-             the sandbox, then {} SFT steps (about 4-5 minutes on 2 cores)",
-            cfg.demos, cfg.sft.steps
+            "demo: building the warm-started model once: {} teacher demonstrations through \
+             the sandbox (on {:.0}% of them the teacher gives up), then {} SFT steps \
+             (about 9 minutes on 2 cores)",
+            cfg.demos,
+            cfg.give_up_share * 100.0,
+            cfg.sft.steps
         );
         if warm.exists() {
             std::fs::remove_dir_all(&warm)?;

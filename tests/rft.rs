@@ -72,7 +72,10 @@ fn a_round_keeps_the_solved_well_formed_attempts_and_resumes() {
     let tok = h.tokenizer().clone();
     // The expert on tasks 0 and 2; on 1 and 3 a submit without a fix
     // (reward 0).
-    let solvable: Vec<String> = [0, 2].iter().map(|&i| tasks[i].instance_id.clone()).collect();
+    let solvable: Vec<String> = [0, 2]
+        .iter()
+        .map(|&i| tasks[i].instance_id.clone())
+        .collect();
     let policy_for = move |t: &Task| -> Arc<dyn Policy> {
         let turns = if solvable.contains(&t.instance_id) {
             warm_start::expert_turns(t).unwrap()
@@ -100,11 +103,18 @@ fn a_round_keeps_the_solved_well_formed_attempts_and_resumes() {
         let r1 = &r.rounds[0];
         ensure!(r1.before.tasks == 4 && r1.before.attempts == 8, "{r1:?}");
         ensure!(r1.before.solved_tasks == 2 && (r1.before.pass_at_1 - 0.5).abs() < 1e-9);
-        ensure!(r1.kept == 4 && r1.kept_tasks == 2 && r1.rejected_format == 0, "{r1:?}");
+        ensure!(
+            r1.kept == 4 && r1.kept_tasks == 2 && r1.rejected_format == 0,
+            "{r1:?}"
+        );
         ensure!(r1.first_loss.is_finite() && r1.first_loss > 0.0);
         ensure!(r.final_model == out.join("round-1/model"));
         arcticd_engine::Qwen3_5::load(&r.final_model)?;
-        ensure!(r.after.attempts == 8 && r.after.solved_tasks == 2, "{:?}", r.after);
+        ensure!(
+            r.after.attempts == 8 && r.after.solved_tasks == 2,
+            "{:?}",
+            r.after
+        );
         ensure!(out.join("report.json").is_file() && out.join("after/attempts.jsonl").is_file());
         let lines = |p: &Path| std::fs::read_to_string(p).unwrap().lines().count();
         ensure!(lines(&out.join("round-1/attempts.jsonl")) == 8);
@@ -132,10 +142,19 @@ fn a_model_that_solves_nothing_is_a_clear_error() {
     };
     let out = dir.0.join("out");
     with_local(async |backend| {
-        let e = rft::run_rft(&model, &tasks, &h, &Sampler::Engine, backend, &out, &cfg, None)
-            .await
-            .unwrap_err()
-            .to_string();
+        let e = rft::run_rft(
+            &model,
+            &tasks,
+            &h,
+            &Sampler::Engine,
+            backend,
+            &out,
+            &cfg,
+            None,
+        )
+        .await
+        .unwrap_err()
+        .to_string();
         ensure!(e.contains("nothing to fine-tune on"), "{e}");
         let n = std::fs::read_to_string(out.join("round-1/attempts.jsonl"))?
             .lines()
@@ -160,7 +179,14 @@ fn the_cli_rejects_bad_input_before_starting() {
     };
     let out = dir.0.join("out");
     let out = out.to_str().unwrap();
-    let e = run(&["--model", "/nonexistent", "--tasks", "/nonexistent.jsonl", "--out", out]);
+    let e = run(&[
+        "--model",
+        "/nonexistent",
+        "--tasks",
+        "/nonexistent.jsonl",
+        "--out",
+        out,
+    ]);
     assert!(e.contains("error:"), "{e}");
     let model = dir.0.join("model");
     tiny_model(&model);
@@ -171,7 +197,16 @@ fn the_cli_rejects_bad_input_before_starting() {
     let t = t.to_str().unwrap();
     let e = run(&["--model", m, "--tasks", t, "--out", out, "--attempts", "0"]);
     assert!(e.contains("attempts >= 1"), "{e}");
-    let e = run(&["--model", m, "--tasks", t, "--out", out, "--sft", "{\"stepz\": 1}"]);
+    let e = run(&[
+        "--model",
+        m,
+        "--tasks",
+        t,
+        "--out",
+        out,
+        "--sft",
+        "{\"stepz\": 1}",
+    ]);
     assert!(e.contains("--sft"), "{e}");
     assert!(!Path::new(out).join("round-1").exists());
 }

@@ -341,7 +341,12 @@ fn dynamic_sampling_refills_up_to_its_cap_and_counts_the_refills() {
             .arg("--out")
             .arg(&run)
             .args(["--set", "steps=3", "--set", "dynamic_sampling=true"])
-            .args(["--set", "dynamic_max_groups=4", "--set", "checkpoint_every=0"])
+            .args([
+                "--set",
+                "dynamic_max_groups=4",
+                "--set",
+                "checkpoint_every=0",
+            ])
             .output()
             .unwrap(),
         "train",

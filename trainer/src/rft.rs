@@ -141,10 +141,9 @@ pub fn keeps(t: &Trajectory, schemas: &[Value]) -> bool {
     !t.masked
         && t.reward >= 1.0
         && !t.turns.is_empty()
-        && t
-            .turns
-            .iter()
-            .all(|turn| turn.format_error.is_none() && check_format(&turn.raw_text, schemas).is_ok())
+        && t.turns.iter().all(|turn| {
+            turn.format_error.is_none() && check_format(&turn.raw_text, schemas).is_ok()
+        })
 }
 
 /// The last graded trajectory of every (task, attempt) in `path`: a resumed
@@ -183,7 +182,16 @@ async fn sample(
     };
     let summary = match sampler {
         Sampler::Fixed(policy_for) => {
-            run_eval(harness, *policy_for, backend, tasks, &ecfg, &records, Some(&trajs)).await?
+            run_eval(
+                harness,
+                *policy_for,
+                backend,
+                tasks,
+                &ecfg,
+                &records,
+                Some(&trajs),
+            )
+            .await?
         }
         Sampler::Engine => {
             let engine = EnginePolicyRouter::load(
@@ -195,7 +203,16 @@ async fn sample(
             )?;
             let policy: Arc<dyn Policy> = engine.policy.clone();
             let policy_for = move |_: &Task| policy.clone();
-            let r = run_eval(harness, &policy_for, backend, tasks, &ecfg, &records, Some(&trajs)).await;
+            let r = run_eval(
+                harness,
+                &policy_for,
+                backend,
+                tasks,
+                &ecfg,
+                &records,
+                Some(&trajs),
+            )
+            .await;
             engine.router.shutdown();
             r?
         }
@@ -227,7 +244,9 @@ pub async fn run_rft(
     progress: Option<SftProgress>,
 ) -> Result<RftReport> {
     if cfg.attempts == 0 || cfg.rounds == 0 {
-        return Err(Error::Input("rft needs attempts >= 1 and rounds >= 1".into()));
+        return Err(Error::Input(
+            "rft needs attempts >= 1 and rounds >= 1".into(),
+        ));
     }
     if tasks.is_empty() {
         return Err(Error::Input("rft: the task file holds no task".into()));
@@ -273,7 +292,12 @@ pub async fn run_rft(
             (0.0, 0.0)
         } else {
             let examples = sft_examples(&kept);
-            let (sft, base, dst, p) = (cfg.sft.clone(), current.clone(), model_out.clone(), progress.clone());
+            let (sft, base, dst, p) = (
+                cfg.sft.clone(),
+                current.clone(),
+                model_out.clone(),
+                progress.clone(),
+            );
             let losses = arcticd_sandbox::tokio::task::spawn_blocking(move || {
                 train_sft(&sft, &base, &examples, &dst, p.as_ref())
             })
@@ -297,7 +321,16 @@ pub async fn run_rft(
         });
         current = model_out;
     }
-    let (after, _) = sample(&current, harness, sampler, backend, tasks, cfg, &out.join("after")).await?;
+    let (after, _) = sample(
+        &current,
+        harness,
+        sampler,
+        backend,
+        tasks,
+        cfg,
+        &out.join("after"),
+    )
+    .await?;
     let report = RftReport {
         rounds,
         after,
@@ -340,12 +373,21 @@ mod tests {
             "str_replace_based_edit_tool",
             &[("command", "view"), ("path", "calc/core.py")],
         );
-        assert!(keeps(&traj(1.0, &[&view, &good], Termination::Submitted), &s));
-        assert!(!keeps(&traj(0.0, &[&view, &good], Termination::Submitted), &s));
+        assert!(keeps(
+            &traj(1.0, &[&view, &good], Termination::Submitted),
+            &s
+        ));
+        assert!(!keeps(
+            &traj(0.0, &[&view, &good], Termination::Submitted),
+            &s
+        ));
         // A turn the harness let through (gates off) but the strict check
         // refuses: text after the call.
         let chatty = format!("{good}\nDone.");
-        assert!(!keeps(&traj(1.0, &[&chatty, &good], Termination::Submitted), &s));
+        assert!(!keeps(
+            &traj(1.0, &[&chatty, &good], Termination::Submitted),
+            &s
+        ));
         let mut hinted = traj(1.0, &[&view, &good], Termination::Submitted);
         hinted.turns[0].format_error = Some("invalid_json".into());
         assert!(!keeps(&hinted, &s));

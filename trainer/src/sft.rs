@@ -155,7 +155,10 @@ mod tests {
         // A config that leaves `sft` out keeps its owner's SFT defaults,
         // not SftSettings' own.
         let w: WarmStartConfig = serde_json::from_str(r#"{"demos": 3}"#).unwrap();
-        assert_eq!((w.sft.clone(), w.demos), (WarmStartConfig::default().sft, 3));
+        assert_eq!(
+            (w.sft.clone(), w.demos),
+            (WarmStartConfig::default().sft, 3)
+        );
         let w: WarmStartConfig = serde_json::from_str(r#"{"sft": {"steps": 7}}"#).unwrap();
         assert_eq!(w.sft.steps, 7);
         assert!(serde_json::from_str::<WarmStartConfig>(r#"{"sft": {"stepz": 7}}"#).is_err());

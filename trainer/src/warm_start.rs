@@ -1,29 +1,38 @@
 //! The warm start of the built-in RL demo: a model that already solves a
-//! share of toy tasks when sampling, so that RL has reward to learn from.
+//! share of toy tasks when sampling, so that RL has reward to learn from,
+//! and has something left to learn from reward.
 //!
-//! A scripted expert views the buggy file, replaces the buggy line with the
-//! fixed one (both read off the task's gold patch) and submits. Its turns
-//! run through the real harness and sandbox ([`Harness::rollout`] with a
-//! [`ScriptedPolicy`]), so the SFT data holds exactly the tokens the model
-//! will see in RL: the prompt and observations as context, the generated
-//! turns as targets; only trajectories that earned reward 1 are kept. SFT
-//! (AdamW, clipped, cosine) on them gives the warm-started checkpoint.
+//! A scripted teacher views the buggy file, replaces the buggy line with
+//! the fixed one (both read off the task's gold patch) and submits. On a
+//! seeded share of the demonstrations (`give_up_share`, default one half)
+//! it gives up instead: it views the file and submits it unchanged. Its
+//! turns run through the real harness and sandbox ([`Harness::rollout`]
+//! with a [`ScriptedPolicy`]), so the SFT data holds exactly the tokens the
+//! model will see in RL: the prompt and observations as context, the
+//! generated turns as targets. Every demonstration that ran as scripted is
+//! kept, the giving-up ones too: this is a teacher's unfiltered data, as
+//! when a weaker model's trajectories are distilled without a reward
+//! filter. The student learns the format and the fix from all of them and
+//! gives up on about half of its attempts; RL has to learn from reward that
+//! giving up does not pay. SFT (AdamW, clipped, cosine) gives the
+//! warm-started checkpoint.
 //!
 //! [`build_warm_start`] does it all: a fresh model of a preset, a toy pool
 //! of demonstration tasks (one fixed package path, no loose tasks; use a
-//! seed the RL pool and the held-out set do not use), the expert
+//! seed the RL pool and the held-out set do not use), the teacher's
 //! trajectories, SFT and the checkpoint. [`demo_rollout_config`] is the
 //! short-prompt rollout setting the model is trained for; RL and eval must
 //! use the same one.
 //!
-//! Measured on 2 CPU cores with the defaults (`demo` preset, 96 demos, 300
-//! steps of 8, lr 3e-3, clip 1): about 4 minutes to build (30-40 s of
-//! expert rollouts, the rest SFT at about 0.65 s a step), loss per target
-//! token 7.9 to 0.01; pass@1 on held-out toy tasks 0.44-0.52 sampling at
-//! temperature 1 and 0.75-0.88 greedy (two seeds). 150 steps leave it at
-//! 0.02 (T=1); `small` (100 steps, 6 minutes) reaches 0.09. A trajectory
-//! is about 650 tokens: a 240-token prompt, two short observations, and
-//! 127 generated tokens in three turns.
+//! Measured on 2 CPU cores, with a teacher that never gives up (96 demos,
+//! 300 steps of 8, lr 3e-3, clip 1): about 4 minutes to build, loss per
+//! target token 7.9 to 0.01; pass@1 on held-out toy tasks 0.44-0.62
+//! sampling at temperature 1 and 0.75-0.88 greedy. RL barely moves such a
+//! model in 15 minutes (docs/demo.md). 150 steps leave it at 0.02 (T=1). A
+//! trajectory is about 600 tokens: a 240-token prompt, two short
+//! observations, and 87-127 generated tokens in two or three turns. The
+//! demo's defaults (192 demos, half of them giving up) are measured in
+//! docs/demo.md.
 //!
 //! Not for: RL itself, or tasks whose gold patch changes more than one line.
 
@@ -88,7 +97,7 @@ pub struct WarmStartConfig {
     pub init_seed: u64,
     /// Start from this checkpoint instead of a fresh model. Default None.
     pub base_model: Option<PathBuf>,
-    /// Demonstration tasks (one expert trajectory each). Default 96.
+    /// Demonstration tasks (one teacher trajectory each). Default 192.
     pub demos: usize,
     /// Seed of the demonstration pool; keep it apart from the RL pool's and
     /// the held-out set's. Default 1000.
@@ -100,9 +109,9 @@ pub struct WarmStartConfig {
     /// others: unfiltered data of a teacher that is right only some of the
     /// time, so the student learns the format from every demonstration and
     /// has to learn from reward, in RL, that submitting unfixed code does
-    /// not pay. Default 0.0 (every demonstration fixes).
+    /// not pay. Default 0.5.
     pub give_up_share: f64,
-    /// The SFT run (defaults: 300 steps of 8, lr 3e-3 with 10 warmup steps
+    /// The SFT run (defaults: 600 steps of 8, lr 3e-3 with 10 warmup steps
     /// then cosine, clip 1, no weight decay).
     pub sft: SftSettings,
 }
@@ -113,12 +122,12 @@ impl Default for WarmStartConfig {
             preset: "demo".into(),
             init_seed: 0,
             base_model: None,
-            demos: 96,
+            demos: 192,
             demo_seed: 1000,
             concurrency: 2,
-            give_up_share: 0.0,
+            give_up_share: 0.5,
             sft: SftSettings {
-                steps: 300,
+                steps: 600,
                 batch_size: 8,
                 lr: 3e-3,
                 warmup: 10,
@@ -419,7 +428,9 @@ mod tests {
         // Independent of the family (assigned by index mod 6): every
         // family both gives up and fixes.
         for f in 0..6 {
-            let ups = (0..96).filter(|i| i % 6 == f && gives_up(*i, 0.5, 1000)).count();
+            let ups = (0..96)
+                .filter(|i| i % 6 == f && gives_up(*i, 0.5, 1000))
+                .count();
             assert!((1..16).contains(&ups), "family {f}: {ups} of 16");
         }
         let d = tempfile::tempdir().unwrap();

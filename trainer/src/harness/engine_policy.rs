@@ -13,11 +13,11 @@ use arcticd_engine::engine::{
     apply_event, Choice, EngineConfig, FinishReason as EngineFinish, Request,
 };
 use arcticd_engine::router::Router;
+use arcticd_engine::sampler::SamplingParams;
 use arcticd_engine::{ParamStore, Qwen3_5};
+use async_trait::async_trait;
 use std::path::Path;
 use std::sync::Arc;
-use arcticd_engine::sampler::SamplingParams;
-use async_trait::async_trait;
 
 /// The in-process engine as a policy.
 pub struct EnginePolicy {

@@ -124,7 +124,11 @@ pub struct RunSummary {
 /// Whether a group's graded rewards differ (it carries a policy-gradient
 /// signal); what dynamic sampling waits for.
 fn informative(g: &Group) -> bool {
-    let mut graded = g.trajectories.iter().filter(|t| !t.masked).map(|t| t.reward);
+    let mut graded = g
+        .trajectories
+        .iter()
+        .filter(|t| !t.masked)
+        .map(|t| t.reward);
     match graded.next() {
         Some(first) => graded.any(|r| r != first),
         None => false,

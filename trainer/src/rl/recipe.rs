@@ -403,7 +403,10 @@ mod tests {
         let r = Recipe::from_toml_with(
             "",
             "test",
-            &["rollout.gate_format=false".into(), "length_penalty=0.5".into()],
+            &[
+                "rollout.gate_format=false".into(),
+                "length_penalty=0.5".into(),
+            ],
         )
         .unwrap();
         let a = r.ablations();
