@@ -10,7 +10,8 @@
 //!
 //! Tool calls: the model writes Qwen3.5's XML form (`<tool_call>\n<function=
 //! NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n</tool_call>`,
-//! docs/ARCHITECTURE.md, "The model"); [`parse_tool_calls`] turns each into an OpenAI `tool_calls`
+//! docs/ARCHITECTURE.md, "The model"); [`parse_lenient`] (the engine's
+//! `tool_call` module, beside the strict check) turns each into an OpenAI `tool_calls`
 //! entry with JSON arguments, and text outside calls stays `content`. A
 //! forced `tool_choice` opens the call in the prompt, so the model writes
 //! its arguments. This parser is lenient (an unclosed call at the end of the
@@ -29,6 +30,7 @@ use arcticd_engine::engine::{apply_event, Choice, Event, FinishReason, Request};
 use arcticd_engine::router::Router;
 use arcticd_engine::sampler::SamplingParams;
 use arcticd_engine::tokenizer::Tokenizer;
+use arcticd_engine::tool_call::{parse_lenient, ToolCall};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -733,71 +735,6 @@ fn tool_mode(tools: &Option<Vec<Value>>, choice: &Option<Value>) -> AppResult<To
     }
 }
 
-/// A parsed tool call: the function name and its arguments.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ToolCall {
-    pub name: String,
-    pub arguments: Map<String, Value>,
-}
-
-/// Split generated text into content and Qwen3.5 XML tool calls. A call
-/// left open at the end of the text (the budget ran out) still counts if
-/// its function name is complete.
-pub fn parse_tool_calls(text: &str) -> (String, Vec<ToolCall>) {
-    const OPEN: &str = "<tool_call>";
-    const CLOSE: &str = "</tool_call>";
-    let mut content = String::new();
-    let mut calls = Vec::new();
-    let mut rest = text;
-    while let Some(start) = rest.find(OPEN) {
-        content.push_str(&rest[..start]);
-        let after = &rest[start + OPEN.len()..];
-        let (body, next) = match after.find(CLOSE) {
-            Some(end) => (&after[..end], &after[end + CLOSE.len()..]),
-            None => (after, ""),
-        };
-        match parse_function(body) {
-            Some(call) => calls.push(call),
-            None => {
-                content.push_str(&rest[start..rest.len() - next.len()]);
-            }
-        }
-        rest = next;
-    }
-    content.push_str(rest);
-    (content.trim().to_string(), calls)
-}
-
-fn parse_function(body: &str) -> Option<ToolCall> {
-    let f = body.find("<function=")?;
-    let after = &body[f + "<function=".len()..];
-    let gt = after.find('>')?;
-    let name = after[..gt].trim().to_string();
-    if name.is_empty() || name.contains('\n') {
-        return None;
-    }
-    let mut params = &after[gt + 1..];
-    let mut arguments = Map::new();
-    while let Some(p) = params.find("<parameter=") {
-        let a = &params[p + "<parameter=".len()..];
-        let Some(gt) = a.find('>') else { break };
-        let key = a[..gt].trim().to_string();
-        let v = &a[gt + 1..];
-        let Some(end) = v.find("</parameter>") else {
-            break;
-        };
-        let raw = v[..end].strip_prefix('\n').unwrap_or(&v[..end]);
-        let raw = raw.strip_suffix('\n').unwrap_or(raw);
-        let value = serde_json::from_str::<Value>(raw)
-            .ok()
-            .filter(|v| !v.is_string())
-            .unwrap_or_else(|| Value::String(raw.to_string()));
-        arguments.insert(key, value);
-        params = &v[end + "</parameter>".len()..];
-    }
-    Some(ToolCall { name, arguments })
-}
-
 async fn chat_completions(State(s): State<AppState>, body: Bytes) -> AppResult<Response> {
     let mut req: ChatRequest = parse_body(&body)?;
     s.check_model(&req.sampling.model)?;
@@ -914,7 +851,7 @@ async fn chat_completions(State(s): State<AppState>, body: Bytes) -> AppResult<R
         let message = if matches!(mode, ToolMode::Off) {
             json!({"role": "assistant", "content": text})
         } else {
-            let (content, calls) = parse_tool_calls(&format!("{forced}{text}"));
+            let (content, calls) = parse_lenient(&format!("{forced}{text}"));
             if calls.is_empty() {
                 json!({"role": "assistant", "content": content})
             } else {
@@ -959,9 +896,9 @@ async fn chat_completions(State(s): State<AppState>, body: Bytes) -> AppResult<R
 /// One streamed choice's text when tools are on: content is passed on as
 /// it comes, except a tail that may be the start of `<tool_call>`; from an
 /// opening tag the text is held until `</tool_call>`, then parsed as
-/// [`parse_tool_calls`] would and sent as one `tool_calls` delta (a block
+/// [`parse_lenient`] would and sent as one `tool_calls` delta (a block
 /// that is no call goes out as content). What is left at the end goes
-/// through [`parse_tool_calls`] too (an open call still counts).
+/// through [`parse_lenient`] too (an open call still counts).
 struct ToolStream {
     pending: String,
     inside: bool,
@@ -994,7 +931,7 @@ impl ToolStream {
     fn finish(&mut self) -> Value {
         let rest = std::mem::take(&mut self.pending);
         let (content, calls) = if self.inside {
-            parse_tool_calls(&rest)
+            parse_lenient(&rest)
         } else {
             (rest, Vec::new())
         };
@@ -1027,7 +964,7 @@ impl ToolStream {
                 break;
             };
             let block: String = self.pending.drain(..at + TOOL_CLOSE.len()).collect();
-            let (text, found) = parse_tool_calls(&block);
+            let (text, found) = parse_lenient(&block);
             if found.is_empty() {
                 content.push_str(&block);
             } else {
@@ -1661,7 +1598,7 @@ mod tests {
         ];
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         for text in texts {
-            let (want_content, want_calls) = parse_tool_calls(text);
+            let (want_content, want_calls) = parse_lenient(text);
             for _ in 0..30 {
                 let mut ts = ToolStream::new("");
                 let (mut content, mut calls) = (String::new(), Vec::new());
@@ -1706,27 +1643,5 @@ mod tests {
             "{\"city\":\"Oslo\"}"
         );
         assert_eq!(ts.finish(), json!({}));
-    }
-
-    #[test]
-    fn tool_call_parser() {
-        let text = "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
-        let (content, calls) = parse_tool_calls(text);
-        assert_eq!(content, "Let me check.");
-        assert_eq!(calls.len(), 1);
-        assert_eq!(calls[0].name, "get_weather");
-        assert_eq!(calls[0].arguments["city"], "Paris");
-        assert_eq!(calls[0].arguments["days"], 3);
-        // Two calls, text between them kept; an open call at the end counts.
-        let (content, calls) = parse_tool_calls(
-            "<tool_call>\n<function=a>\n</function>\n</tool_call> mid <tool_call>\n<function=b>\n<parameter=x>\n{\"k\": 1}\n</parameter>",
-        );
-        assert_eq!(content, "mid");
-        assert_eq!(calls.len(), 2);
-        assert_eq!(calls[1].arguments["x"], json!({"k": 1}));
-        // No function: stays content.
-        let (content, calls) = parse_tool_calls("<tool_call>junk</tool_call>");
-        assert!(calls.is_empty());
-        assert_eq!(content, "<tool_call>junk</tool_call>");
     }
 }

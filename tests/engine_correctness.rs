@@ -4,9 +4,11 @@
 //! run; preemption by recompute gives the same tokens as no preemption; a
 //! weight update mid-generation continues exactly as a fresh engine with the
 //! new weights would; a collected request gets a streamed request's events,
-//! all at its end. All on the tiny preset.
+//! all at its end. The two engine ablations of the recipe (bf16 state, caches
+//! kept across an update) move the log-probs off `score`, by design. All on
+//! the tiny preset.
 
-use arcticd_engine::engine::{self, Choice, EngineConfig, FinishReason, Request};
+use arcticd_engine::engine::{self, Choice, EngineConfig, FinishReason, Request, StateDtype};
 use arcticd_engine::sampler::SamplingParams;
 use arcticd_engine::{ParamStore, Qwen3_5, SeqInput};
 use std::path::PathBuf;
@@ -274,12 +276,17 @@ fn preemption_gives_the_same_tokens() {
     assert!(worst < 1e-4);
 }
 
-#[test]
-fn weight_update_mid_generation_matches_a_fresh_engine() {
-    let dir = tiny_model("update", 4);
+/// Greedy 40 tokens after a 90-token prompt, with the weights updated
+/// (version 0 -> 1) once 10 tokens are out. Returns the prompt, the choice
+/// and the store.
+fn generate_across_an_update(
+    tag: &str,
+    config: EngineConfig,
+) -> (Vec<u32>, Choice, Arc<ParamStore>) {
+    let dir = tiny_model(tag, 4);
     let model = Qwen3_5::load(&dir).unwrap();
     let store = ParamStore::new(model);
-    let eng = engine::start(store.clone(), None, small_config()).unwrap();
+    let eng = engine::start(store.clone(), None, config).unwrap();
     let p = prompt(90, 9);
     let mut sub = eng.submit(greedy(p.clone(), 40)).unwrap();
     let mut ch = vec![Choice::default()];
@@ -304,7 +311,25 @@ fn weight_update_mid_generation_matches_a_fresh_engine() {
             updated = true;
         }
     }
-    let c = ch.pop().unwrap();
+    (p, ch.pop().unwrap(), store)
+}
+
+/// Max |engine log-prob - score under the store's current weights| over the
+/// choice's tokens from `from` on.
+fn diff_from_score(store: &ParamStore, p: &[u32], c: &Choice, from: usize) -> f32 {
+    let mut full = p.to_vec();
+    full.extend_from_slice(&c.tokens);
+    let scored = store.read().score(&[full]).unwrap();
+    let reference: Vec<f32> = scored[0][p.len() + from..]
+        .iter()
+        .map(|x| x.unwrap())
+        .collect();
+    max_abs_diff(&c.logprobs[from..], &reference)
+}
+
+#[test]
+fn weight_update_mid_generation_matches_a_fresh_engine() {
+    let (p, c, store) = generate_across_an_update("update", small_config());
     assert_eq!(c.tokens.len(), 40);
     let split = c.weight_versions.iter().position(|&v| v == 1).unwrap();
     assert!(split >= 10);
@@ -322,16 +347,59 @@ fn weight_update_mid_generation_matches_a_fresh_engine() {
     let a: Vec<u32> = f.logprobs.iter().map(|x| x.to_bits()).collect();
     let b: Vec<u32> = c.logprobs[split..].iter().map(|x| x.to_bits()).collect();
     assert_eq!(a, b);
-    let mut full = p.clone();
-    full.extend_from_slice(&c.tokens);
-    let scored = store.read().score(&[full]).unwrap();
-    let reference: Vec<f32> = scored[0][p.len() + split..]
-        .iter()
-        .map(|x| x.unwrap())
-        .collect();
-    let d = max_abs_diff(&c.logprobs[split..], &reference);
+    let d = diff_from_score(&store, &p, &c, split);
     eprintln!("after update: engine vs score under new weights: max |dlogprob| = {d:.3e} (split at {split})");
     assert!(d <= 1e-5);
+}
+
+/// The `rebuild_caches = false` ablation: the caches the old weights made
+/// stay, so the tokens after the update (tagged with the new version) no
+/// longer match a forward under the new weights; before it they still
+/// match the old ones.
+#[test]
+fn without_rebuilt_caches_tokens_after_an_update_disagree_with_their_version() {
+    let config = EngineConfig {
+        rebuild_caches: false,
+        ..small_config()
+    };
+    let (p, c, store) = generate_across_an_update("norebuild", config);
+    let split = c.weight_versions.iter().position(|&v| v == 1).unwrap();
+    assert!(c.weight_versions[split..].iter().all(|&v| v == 1));
+    let after = diff_from_score(&store, &p, &c, split);
+    eprintln!("rebuild_caches = false: engine vs score under new weights after the update: max |dlogprob| = {after:.3e}");
+    assert!(after > 1e-3, "{after}");
+}
+
+/// The `state_dtype = "bf16"` ablation: the engine's log-probs leave
+/// `score` (fp32 state, the trainer's); with the default they do not.
+#[test]
+fn bf16_state_moves_engine_logprobs_off_score_and_f32_does_not() {
+    let dir = tiny_model("bf16state", 6);
+    let model = Qwen3_5::load(&dir).unwrap();
+    let store = ParamStore::new(model);
+    let mut worst = Vec::new();
+    for state_dtype in [StateDtype::F32, StateDtype::Bf16] {
+        let config = EngineConfig {
+            state_dtype,
+            ..small_config()
+        };
+        let eng = engine::start(store.clone(), None, config).unwrap();
+        let p = prompt(150, 5);
+        let c = eng
+            .generate_blocking(greedy(p.clone(), 32))
+            .unwrap()
+            .remove(0);
+        worst.push(diff_from_score(&store, &p, &c, 0));
+    }
+    eprintln!(
+        "engine vs score, max |dlogprob|: f32 state {:.3e}, bf16 state {:.3e}",
+        worst[0], worst[1]
+    );
+    assert!(worst[0] <= 1e-5, "{worst:?}");
+    assert!(
+        worst[1] > 1e-4 && worst[1] > 100.0 * worst[0].max(1e-7),
+        "{worst:?}"
+    );
 }
 
 #[test]

@@ -9,7 +9,7 @@ use anyhow::{ensure, Context, Result};
 use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_sandbox::tokio;
-use arcticd_trainer::harness::engine_policy::EnginePolicy;
+use arcticd_trainer::harness::engine_policy::{EnginePolicy, Routing};
 use arcticd_trainer::harness::openai::{OpenAiConfig, OpenAiPolicy};
 use arcticd_trainer::harness::policy::{FinishReason, GenerateRequest, Policy};
 use arcticd_trainer::harness::{Harness, RolloutConfig};
@@ -143,6 +143,7 @@ fn openai_client_round_trip() -> Result<()> {
                 max_new_tokens: 64,
                 temperature: 0.5,
                 stop_token_ids: vec![im_end],
+                session: 0,
             })
             .await?;
         let body = server.await??;
@@ -175,6 +176,7 @@ fn openai_client_round_trip() -> Result<()> {
                 max_new_tokens: 8,
                 temperature: 0.0,
                 stop_token_ids: vec![im_end],
+                session: 0,
             })
             .await;
         let _ = server.await;
@@ -214,6 +216,7 @@ fn engine_policy_reports_logprobs_and_versions() -> Result<()> {
                 max_new_tokens: 12,
                 temperature: 1.0,
                 stop_token_ids: vec![im_end],
+                session: 0,
             })
             .await?;
         c.check()?;
@@ -224,4 +227,69 @@ fn engine_policy_reports_logprobs_and_versions() -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// Requests served per replica when six requests of one session run at once
+/// under `routing`, on two replicas.
+fn served_per_replica(routing: Routing) -> Result<Vec<u64>> {
+    let dir = tiny_model(&format!("routing-{routing:?}"))?;
+    let tokenizer = Arc::new(Tokenizer::from_dir(&dir.0)?);
+    let model = arcticd_engine::Qwen3_5::load(&dir.0)?;
+    let router = arcticd_engine::router::Router::start(
+        2,
+        arcticd_engine::ParamStore::new(model),
+        Some(tokenizer.clone()),
+        arcticd_engine::engine::EngineConfig::default(),
+    )?;
+    let policy = Arc::new(EnginePolicy::new(router.clone(), "tiny").with_routing(routing));
+    let prompt = tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")?;
+    let rt = arcticd_sandbox::runtime()?;
+    rt.block_on(async {
+        let jobs: Vec<_> = (0..6)
+            .map(|_| {
+                let (policy, prompt) = (policy.clone(), prompt.clone());
+                tokio::spawn(async move {
+                    policy
+                        .generate(GenerateRequest {
+                            prompt_ids: prompt,
+                            max_new_tokens: 8,
+                            temperature: 1.0,
+                            stop_token_ids: vec![],
+                            session: 5,
+                        })
+                        .await
+                })
+            })
+            .collect();
+        for j in jobs {
+            j.await??;
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    let served = router
+        .replicas()
+        .iter()
+        .map(|r| {
+            r.metrics()
+                .prompt_tokens
+                .load(std::sync::atomic::Ordering::Relaxed)
+                / prompt.len() as u64
+        })
+        .collect();
+    router.shutdown();
+    Ok(served)
+}
+
+/// Pinned routing (an ablation) keeps every request of a session on the
+/// replica the session picks (5 % 2 = 1); least-loaded spreads them.
+#[test]
+fn pinned_routing_keeps_a_session_on_one_replica_and_least_loaded_spreads() -> Result<()> {
+    let pinned = served_per_replica(Routing::Pinned)?;
+    ensure!(pinned == vec![0, 6], "pinned: {pinned:?}");
+    let spread = served_per_replica(Routing::LeastLoaded)?;
+    ensure!(
+        spread.iter().sum::<u64>() == 6 && spread.iter().all(|&n| n > 0),
+        "least loaded: {spread:?}"
+    );
+    Ok(())
 }

@@ -19,7 +19,9 @@ use arcticd_sandbox::tasks::{toy, Task};
 use arcticd_sandbox::Backend;
 use arcticd_trainer::harness::format::render_call;
 use arcticd_trainer::harness::policy::{Completion, FinishReason, GenerateRequest, Policy};
-use arcticd_trainer::harness::{Harness, RolloutConfig, ScriptedPolicy, Termination, Trajectory};
+use arcticd_trainer::harness::{
+    FormatCheck, Harness, RolloutConfig, ScriptedPolicy, Termination, Trajectory,
+};
 use common::{base_image, skip, TempDir};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -327,6 +329,22 @@ both_backends!(every_gate_ends_the_rollout_with_reward_zero, |backend| {
     let t = roll(&h, b, &gone, fix.clone()).await?;
     expect(&t, Termination::Infra, 0.0)?;
     ensure!(t.masked);
+
+    // The lenient format check (an ablation) judges the same turns after a
+    // forgiving parse: the fix with trailing text is run and rewarded.
+    let lenient = harness(RolloutConfig {
+        format_check: FormatCheck::Lenient,
+        ..Default::default()
+    })?;
+    let t = roll(
+        &lenient,
+        b,
+        task,
+        vec![fix[1].clone(), format!("{}\nDone!", fix[3])],
+    )
+    .await?;
+    expect(&t, Termination::Submitted, 1.0)?;
+    ensure!(t.turns.iter().all(|turn| turn.format_error.is_none()));
 
     // With the format gate off, the model is told and may continue.
     let h5 = harness(RolloutConfig {

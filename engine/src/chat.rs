@@ -990,6 +990,23 @@ mod tests {
         );
     }
 
+    /// The tool-call module's renderer writes what the template writes.
+    #[test]
+    fn render_call_equals_the_templates_rendering() {
+        let msgs = [
+            json!({"role": "user", "content": "go"}),
+            json!({"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "edit", "arguments": {"command": "view", "path": "a.py"}}}]}),
+            json!({"role": "user", "content": "next"}),
+        ];
+        let out = qwen().render(&msgs, None, false).unwrap();
+        let call = crate::tool_call::render_call("edit", &[("command", "view"), ("path", "a.py")]);
+        assert!(
+            out.contains(&format!("<|im_start|>assistant\n{call}<|im_end|>\n")),
+            "{out}"
+        );
+    }
+
     #[test]
     fn tool_call_after_text_and_reasoning() {
         let msgs = [

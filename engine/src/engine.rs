@@ -12,7 +12,9 @@
 //! running sequence recompute its cache from its token ids; plan a step;
 //! run the forward for it, one run of sequences per pool thread, each run
 //! also making its sampled rows' logits (and greedy picks); sample for the
-//! sequences whose tokens are all in the cache; send events.
+//! sequences whose tokens are all in the cache; send events. Two ablations
+//! of the recipe change this loop (`EngineConfig::state_dtype`,
+//! `EngineConfig::rebuild_caches`); both are off by default.
 //!
 //! Weight updates (docs/ARCHITECTURE.md, recipe step 7): [`EngineHandle::pause`] returns once
 //! the engine is between two steps and holds no read guard; the owner of the
@@ -62,6 +64,29 @@ pub struct EngineConfig {
     pub enable_prefix_cache: bool,
     /// Longest prompt plus completion, in tokens. Default 32768.
     pub max_model_len: usize,
+    /// How the recurrent and conv state is kept between steps. Default
+    /// `f32`, the design; `bf16` is an ablation (see [`StateDtype`]).
+    pub state_dtype: StateDtype,
+    /// Rebuild every in-flight sequence's caches under new weights after an
+    /// update. Default true, the design. `false` is an ablation: in-flight
+    /// sequences keep the K/V and state the old weights computed (only the
+    /// prefix cache is dropped), so the tokens they generate after an
+    /// update no longer match a forward under the weights they are tagged
+    /// with.
+    pub rebuild_caches: bool,
+}
+
+/// The precision of the recurrent and conv state between engine steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateDtype {
+    /// fp32 always, as the trainer keeps it: engine and trainer agree.
+    #[default]
+    F32,
+    /// Rounded to bf16 after every step (each decode token, each prefill
+    /// segment), computed in fp32 in between: the common inference default
+    /// for these models, and an ablation here. The trainer stays fp32.
+    Bf16,
 }
 
 impl Default for EngineConfig {
@@ -75,6 +100,8 @@ impl Default for EngineConfig {
             prefix_snapshots: 64,
             enable_prefix_cache: true,
             max_model_len: 32768,
+            state_dtype: StateDtype::F32,
+            rebuild_caches: true,
         }
     }
 }
@@ -95,6 +122,19 @@ impl EngineConfig {
             return bad("max_batched_tokens must be at least max_num_seqs + prefix_unit");
         }
         Ok(())
+    }
+}
+
+/// The `state_dtype = "bf16"` ablation: every conv and recurrent state
+/// value rounded to the nearest bf16 (K/V stay fp32).
+fn round_states_to_bf16(cache: &mut SeqCache) {
+    for x in cache
+        .conv_state
+        .iter_mut()
+        .chain(cache.recurrent_state.iter_mut())
+        .flatten()
+    {
+        *x = half::bf16::from_f32(*x).to_f32();
     }
 }
 
@@ -503,6 +543,8 @@ pub fn start(
         packs: LinearPacks::default(),
         packs_version: None,
         max_model_len: config.max_model_len,
+        state_dtype: config.state_dtype,
+        rebuild_caches: config.rebuild_caches,
     };
     std::thread::Builder::new()
         .name("arcticd-engine".into())
@@ -526,6 +568,8 @@ struct EngineLoop {
     packs: LinearPacks,
     packs_version: Option<u64>,
     max_model_len: usize,
+    state_dtype: StateDtype,
+    rebuild_caches: bool,
 }
 
 impl EngineLoop {
@@ -654,7 +698,11 @@ impl EngineLoop {
         // The version cannot move while the read guard is held.
         let version = store.weight_version();
         if version != self.version {
-            self.scheduler.reset_for_new_weights();
+            if self.rebuild_caches {
+                self.scheduler.reset_for_new_weights();
+            } else {
+                self.scheduler.drop_prefix_cache();
+            }
             self.version = version;
         }
         let plan = self.scheduler.schedule();
@@ -802,6 +850,9 @@ impl EngineLoop {
         for (j, item) in plan.iter().enumerate() {
             let seq = &sched.running[item.seq];
             if let Some(slot) = seq.slot {
+                if self.state_dtype == StateDtype::Bf16 {
+                    round_states_to_bf16(&mut self.scratch[j]);
+                }
                 sched.cache.store(
                     &mut self.scratch[j],
                     &seq.block_table,

@@ -15,6 +15,7 @@ pub mod router;
 pub mod sampler;
 pub mod scheduler;
 pub mod tokenizer;
+pub mod tool_call;
 pub mod weights;
 
 pub use config::{LayerType, ModelConfig};

@@ -95,6 +95,18 @@ impl Router {
         Ok((i, sub))
     }
 
+    /// Submit to replica `replica` whatever its load (pinned routing, an
+    /// ablation of the recipe; see the module note).
+    pub fn submit_to(&self, replica: usize, request: Request) -> Result<Submitted> {
+        let r = self.replicas.get(replica).ok_or_else(|| {
+            Error::Config(format!(
+                "replica {replica} of {} does not exist",
+                self.replicas.len()
+            ))
+        })?;
+        r.submit(request)
+    }
+
     /// Checks a request against the first replica's limits (all replicas
     /// share a configuration).
     pub fn validate(&self, request: &Request) -> Result<()> {

@@ -454,6 +454,15 @@ impl Scheduler {
     /// New weights: every cached state is stale. Drop the prefix cache and
     /// make every running sequence recompute all of its tokens before it
     /// samples again.
+    /// Forget cached prefixes (computed by weights that are gone) and keep
+    /// every running sequence's caches: the `rebuild_caches = false`
+    /// ablation.
+    pub fn drop_prefix_cache(&mut self) {
+        if let Some(p) = &mut self.prefix {
+            p.clear(&mut self.cache);
+        }
+    }
+
     pub fn reset_for_new_weights(&mut self) {
         if let Some(p) = &mut self.prefix {
             p.clear(&mut self.cache);

@@ -2,9 +2,13 @@
 //! passes every one of its tests, so its reward would teach the wrong fix.
 //!
 //! Wrong patches here are mechanical variants of the gold patch
-//! ([`variants`]): drop a hunk, keep only what makes a new symbol exist,
-//! replace an added return value or assignment with a constant, replace an
-//! added statement with a no-op, invert an added condition. Each is graded
+//! ([`variants`]): return a value the tests expect from the function the
+//! gold patch changes (the hard-coded answer, the commonest reward hack:
+//! the test asserts `slugify("Hello World") == "hello-world"` and the patch
+//! makes `slugify` return `"hello-world"`), drop a hunk, keep only what
+//! makes a new symbol exist, replace an added return value or assignment
+//! with a constant, replace an added statement with a no-op, invert an
+//! added condition. Each is graded
 //! like an agent's diff; the first that resolves the task is kept as
 //! evidence. Agent-written wrong patches (an external model shown the gold
 //! patch) plug in at [`audit_task`]'s `extra` argument; a loose task's
@@ -222,13 +226,134 @@ fn int_literals(patch: &str) -> Vec<String> {
     out
 }
 
+/// Whether `s` reads as a Python literal: a quoted string, a number,
+/// `True`/`False`/`None`, or a bracketed collection with no names in it.
+fn is_literal(s: &str) -> bool {
+    let s = s.trim();
+    if s.len() >= 2
+        && ((s.starts_with('"') && s.ends_with('"')) || (s.starts_with('\'') && s.ends_with('\'')))
+    {
+        return !s[1..s.len() - 1].contains(s.chars().next().unwrap_or('"'));
+    }
+    if ["True", "False", "None"].contains(&s) || s.parse::<f64>().is_ok() {
+        return true;
+    }
+    let bracketed = [('[', ']'), ('(', ')'), ('{', '}')]
+        .iter()
+        .any(|(a, b)| s.starts_with(*a) && s.ends_with(*b));
+    // Letters only inside quotes.
+    let mut quote: Option<char> = None;
+    let named = s.chars().any(|c| match quote {
+        Some(q) => {
+            if c == q {
+                quote = None;
+            }
+            false
+        }
+        None if c == '"' || c == '\'' => {
+            quote = Some(c);
+            false
+        }
+        None => c.is_alphabetic() || c == '_',
+    });
+    bracketed && !named
+}
+
+/// The values the tests of `test_patch` expect: literal sides of `==` in
+/// added `assert` lines, `True` for `is True` or a bare assert, `False`
+/// for `is False` (at most 8, in order).
+fn expected_literals(test_patch: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut push = |v: &str| {
+        let v = v.trim().to_string();
+        if !v.is_empty() && !out.contains(&v) && out.len() < 8 {
+            out.push(v);
+        }
+    };
+    for line in test_patch
+        .lines()
+        .filter(|l| l.starts_with('+') && !l.starts_with("+++"))
+    {
+        let Some(e) = line[1..].trim().strip_prefix("assert ") else {
+            continue;
+        };
+        // A message after the assertion, or a comment, is not the value.
+        let e = e.split(" # ").next().unwrap_or(e).trim();
+        if let Some((l, r)) = e.rsplit_once(" == ") {
+            for side in [r, l] {
+                if is_literal(side) {
+                    push(side);
+                }
+            }
+        } else if e.ends_with(" is True") {
+            push("True");
+        } else if e.ends_with(" is False") || e.starts_with("not ") {
+            push("False");
+        } else if !e.contains(" is ") && !e.contains(" in ") {
+            push("True");
+        }
+    }
+    out
+}
+
+/// The hard-coded answer: for each hunk of `files` whose function's `def`
+/// line it shows, `return LITERAL` as the first line of that function's
+/// body, for each literal the tests expect. The gold change itself is
+/// kept (now dead code), as an agent's patch would.
+fn hardcoded_answers(files: &[FileDiff], literals: &[String], out: &mut Vec<Variant>) {
+    for fi in 0..files.len() {
+        for hi in 0..files[fi].hunks.len() {
+            let lines = &files[fi].hunks[hi].lines;
+            let Some(first_change) = lines
+                .iter()
+                .position(|l| l.starts_with('+') || l.starts_with('-'))
+            else {
+                continue;
+            };
+            let body = |l: &String| l.get(1..).unwrap_or("").to_string();
+            let Some(d) = (0..first_change).rev().find(|&i| {
+                let l = &lines[i];
+                let t = body(l);
+                let t = t.trim_start();
+                !l.starts_with('-')
+                    && (t.starts_with("def ") || t.starts_with("async def "))
+                    && t.trim_end().ends_with(':')
+            }) else {
+                continue;
+            };
+            let def_indent = indent_of(&body(&lines[d])).len();
+            // The body's own indentation, from its first non-blank line.
+            let indent = lines[d + 1..]
+                .iter()
+                .filter(|l| !l.starts_with('-'))
+                .map(body)
+                .find(|b| !b.trim().is_empty())
+                .map(|b| indent_of(&b).to_string())
+                .filter(|i| i.len() > def_indent)
+                .unwrap_or_else(|| " ".repeat(def_indent + 4));
+            for (k, lit) in literals.iter().enumerate() {
+                let mut v = files.to_vec();
+                v[fi].hunks[hi]
+                    .lines
+                    .insert(d + 1, format!("+{indent}return {lit}"));
+                out.push(Variant {
+                    name: format!("hardcoded_answer_{fi}_{hi}_{k}"),
+                    patch: render(&v),
+                });
+            }
+        }
+    }
+}
+
 /// The mechanical wrong variants of `gold`, deduplicated, without the gold
-/// patch itself or an empty patch.
-pub fn variants(gold: &str) -> Vec<Variant> {
+/// patch itself or an empty patch. `test_patch` (the task's tests) gives
+/// the expected values the hard-coded answers return; those come first.
+pub fn variants(gold: &str, test_patch: &str) -> Vec<Variant> {
     let Some(files) = parse_patch(gold) else {
         return vec![];
     };
     let mut out = Vec::new();
+    hardcoded_answers(&files, &expected_literals(test_patch), &mut out);
     // Drop one hunk (only when something remains).
     let total: usize = files.iter().map(|f| f.hunks.len()).sum();
     if total > 1 {
@@ -503,7 +628,7 @@ pub async fn audit_task(
         }
     };
     let spec = task.test_spec(cfg.validate.test_timeout_secs);
-    let mut candidates = variants(&task.patch);
+    let mut candidates = variants(&task.patch, &task.test_patch);
     candidates.truncate(cfg.max_variants);
     candidates.extend(extra);
     for v in candidates {
@@ -595,6 +720,35 @@ mod tests {
     const GOLD: &str = "diff --git a/m.py b/m.py\n--- a/m.py\n+++ b/m.py\n@@ -1,4 +1,4 @@\n def f(age, limit=18):\n-    return age > limit\n+    return age >= limit\n \n \n@@ -10,3 +10,4 @@\n def g(x):\n+    x = x * 60\n     return x\n \n";
 
     #[test]
+    fn hardcoded_answers_return_what_the_tests_expect() {
+        let gold = "--- a/text.py\n+++ b/text.py\n@@ -1,4 +1,4 @@\n def slugify(s):\n     \"\"\"Lower-case, words joined by '-'.\"\"\"\n-    return s.lower()\n+    return '-'.join(s.lower().split())\n \n";
+        let tests = "--- /dev/null\n+++ b/tests/test_text.py\n@@ -0,0 +1,6 @@\n+from text import slugify\n+\n+def test_slug():\n+    assert slugify(\"Hello World\") == \"hello-world\"\n+    assert slugify(x) == expected  # not a literal\n+    assert [1, 'a'] == pick()\n";
+        assert_eq!(
+            expected_literals(tests),
+            vec!["\"hello-world\"".to_string(), "[1, 'a']".to_string()]
+        );
+        let v = variants(gold, tests);
+        let hack = &v[0];
+        assert!(hack.name.starts_with("hardcoded_answer"), "{}", hack.name);
+        // The return is the body's first line; the gold change stays.
+        assert!(
+            hack.patch
+                .contains(" def slugify(s):\n+    return \"hello-world\"\n     \"\"\""),
+            "{}",
+            hack.patch
+        );
+        assert!(hack.patch.contains("+    return '-'.join("));
+        assert!(hack.patch.contains("@@ -1,4 +1,5 @@"), "{}", hack.patch);
+        assert!(v.iter().any(|x| x.patch.contains("+    return [1, 'a']\n")));
+        // Without tests, no hard-coded answer.
+        assert!(!variants(gold, "")
+            .iter()
+            .any(|x| x.name.starts_with("hardcoded")));
+        assert!(is_literal("-2.5") && is_literal("(1, 2)") && is_literal("'a b'"));
+        assert!(!is_literal("f(1)") && !is_literal("[x]") && !is_literal("'a' + b"));
+    }
+
+    #[test]
     fn round_trips_and_recounts() {
         let files = parse_patch(GOLD).unwrap();
         assert_eq!(files.len(), 1);
@@ -604,7 +758,7 @@ mod tests {
 
     #[test]
     fn makes_each_kind_of_variant() {
-        let v = variants(GOLD);
+        let v = variants(GOLD, "");
         let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
         assert!(
             names.iter().any(|n| n.starts_with("drop_hunk")),
@@ -678,7 +832,7 @@ mod tests {
     #[test]
     fn symbol_only_stubs_new_functions() {
         let gold = "--- a/m.py\n+++ b/m.py\n@@ -1,2 +1,5 @@\n x = 1\n+def helper(a):\n+    b = a + 1\n+    return b\n \n";
-        let v = variants(gold);
+        let v = variants(gold, "");
         let s = v.iter().find(|v| v.name == "symbol_only").unwrap();
         assert!(
             s.patch

@@ -4,9 +4,10 @@
 //! Bug families: wrong operator, off-by-one, wrong constant, missing case,
 //! swapped arguments, wrong comparison. A controlled share of tasks is
 //! deliberately loose: their hidden tests check a single point whose
-//! expected value a mechanical wrong patch (a constant return) also
-//! produces, so [`super::audit`] can be measured against known ground truth
-//! (`meta.toy.loose`). Tasks are valid by construction (the buggy and the
+//! expected value a mechanical wrong patch also produces (a constant
+//! return; for `wrong_operator`, the hard-coded expected value, which only
+//! the audit's `hardcoded_answer` family tries), so [`super::audit`] can be
+//! measured against known ground truth (`meta.toy.loose`). Tasks are valid by construction (the buggy and the
 //! fixed function are known in closed form) and by `tasks validate`.
 //!
 //! Not for: benchmarking agents (the bugs are trivial); the pool feeds the
@@ -113,7 +114,8 @@ fn make_bug(family: &'static str, rng: &mut Rng) -> Bug {
                     (format!("{f}(-1, 4) == 3"), true),
                     (format!("{f}(10, 0) == 10"), false),
                 ],
-                loose: format!("{f}(2, -1) == 1"),
+                // Only a patch returning this very value passes it.
+                loose: format!("{f}({a}, {b}) == {}", a + b),
                 example: (
                     format!("{f}({a}, {b})"),
                     (a - b).to_string(),

@@ -1,7 +1,8 @@
 //! A [`Policy`] over the in-process engine: requests go to the
-//! least-loaded replica of a [`Router`] (never pinned, design step 8) and
-//! come back with per-token log-probabilities and weight versions exactly
-//! as the engine sampled them.
+//! least-loaded replica of a [`Router`] (design step 8; `Routing::Pinned`
+//! is the ablation that keeps a rollout on one replica) and come back with
+//! per-token log-probabilities and weight versions exactly as the engine
+//! sampled them.
 //!
 //! Not for: starting engines or loading weights (the caller owns the
 //! router); sampling details (see the engine's sampler).
@@ -16,22 +17,43 @@ use arcticd_engine::router::Router;
 use arcticd_engine::sampler::SamplingParams;
 use arcticd_engine::{ParamStore, Qwen3_5};
 use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::Arc;
+
+/// Which replica a request goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Routing {
+    /// The replica with the least outstanding work, per request.
+    #[default]
+    LeastLoaded,
+    /// Every request of a rollout to the replica its session picks
+    /// (`session % replicas`), whatever the load: cache-affinity routing,
+    /// an ablation (load piles up unevenly and queued rollouts go stale).
+    Pinned,
+}
 
 /// The in-process engine as a policy.
 pub struct EnginePolicy {
     router: Router,
     name: String,
+    routing: Routing,
 }
 
 impl EnginePolicy {
-    /// A policy over `router`; `name` labels trajectories.
+    /// A least-loaded policy over `router`; `name` labels trajectories.
     pub fn new(router: Router, name: impl Into<String>) -> Self {
         EnginePolicy {
             router,
             name: name.into(),
+            routing: Routing::LeastLoaded,
         }
+    }
+
+    pub fn with_routing(mut self, routing: Routing) -> Self {
+        self.routing = routing;
+        self
     }
 }
 
@@ -85,10 +107,17 @@ impl Policy for EnginePolicy {
             n: 1,
             ..SamplingParams::default()
         };
-        let (_, mut sub) = self.router.submit(Request {
+        let request = Request {
             prompt: req.prompt_ids,
             params,
-        })?;
+        };
+        let mut sub = match self.routing {
+            Routing::LeastLoaded => self.router.submit(request)?.1,
+            Routing::Pinned => {
+                let n = self.router.replicas().len() as u64;
+                self.router.submit_to((req.session % n) as usize, request)?
+            }
+        };
         let mut choices = vec![Choice::default()];
         loop {
             match sub.events.recv().await {

@@ -1,7 +1,8 @@
 //! The rollout harness: how an agent works on a task and when it earns
 //! reward (docs/ARCHITECTURE.md, recipe steps 2 to 4, 11; the trajectory contract).
 //!
-//! - [`format`]: the strict raw-text tool-call check (the format gate).
+//! - [`format`]: the tool-call format (render, strict check, lenient parse),
+//!   which lives in the engine crate beside the chat template.
 //! - [`tools`]: bash, the file editor and submit, run in the sandbox.
 //! - [`policy`]: the model trait (prompt ids in; ids, log-probs, weight
 //!   versions, finish reason out) and a scripted policy;
@@ -17,7 +18,6 @@
 
 pub mod engine_policy;
 pub mod eval;
-pub mod format;
 pub mod openai;
 pub mod policy;
 pub mod rollout;
@@ -26,8 +26,9 @@ pub mod tools;
 pub mod trajectory;
 pub mod wrong_patch;
 
-pub use engine_policy::{EnginePolicy, EnginePolicyRouter};
-pub use format::{check as check_format, ToolCall};
+pub use arcticd_engine::tool_call as format;
+pub use engine_policy::{EnginePolicy, EnginePolicyRouter, Routing};
+pub use format::{check as check_format, FormatCheck, ToolCall};
 pub use policy::{Completion, FinishReason, GenerateRequest, Policy, ScriptedPolicy};
 pub use rollout::{Harness, RolloutConfig};
 pub use trajectory::{Termination, Trajectory};

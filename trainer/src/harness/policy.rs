@@ -26,6 +26,9 @@ pub struct GenerateRequest {
     pub temperature: f32,
     /// Generation stops after any of these (the end-of-turn token).
     pub stop_token_ids: Vec<u32>,
+    /// The same for every turn of one rollout and different between
+    /// rollouts (a hash of task and attempt); pinned routing keys on it.
+    pub session: u64,
 }
 
 /// Why generation stopped.

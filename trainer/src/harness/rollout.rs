@@ -15,7 +15,7 @@
 //! gate tells the model what was wrong and continues (the ablation that
 //! recipe step 3 warns about). Not for: sampling, advantages, batching.
 
-use super::format::{self, ToolCall};
+use super::format::{FormatCheck, ToolCall};
 use super::policy::{FinishReason, GenerateRequest, Policy};
 use super::tools::{self, ToolBox, ToolError, ToolOutcome};
 use super::trajectory::{Termination, Trajectory, TurnRecord};
@@ -61,6 +61,10 @@ pub struct RolloutConfig {
     pub gate_duplicate: bool,
     /// End when a turn stops at the token limit. Default true.
     pub gate_length: bool,
+    /// How a turn is judged: "strict" (its raw text must be exactly one
+    /// well-formed call) or "lenient" (its first call after a forgiving
+    /// parse; an ablation). Default "strict".
+    pub format_check: FormatCheck,
     /// Sampling temperature. Default 1.0.
     pub temperature: f32,
     /// Open a `<think>` block in each generation prompt. Default false.
@@ -101,6 +105,7 @@ impl Default for RolloutConfig {
             gate_format: true,
             gate_duplicate: true,
             gate_length: true,
+            format_check: FormatCheck::Strict,
             temperature: 1.0,
             enable_thinking: false,
             observation_max_chars: 10000,
@@ -113,6 +118,16 @@ impl Default for RolloutConfig {
             prompt_tools: true,
         }
     }
+}
+
+/// The routing key of one rollout: a hash of its task and attempt, the
+/// same in every run (SipHash with fixed keys).
+fn session_key(instance_id: &str, attempt: usize) -> u64 {
+    use std::hash::{Hash, Hasher};
+    #[allow(deprecated)]
+    let mut h = std::hash::SipHasher::new();
+    (instance_id, attempt).hash(&mut h);
+    h.finish()
 }
 
 /// Runs rollouts: the tokenizer, chat template, tools and settings.
@@ -307,6 +322,7 @@ impl Harness {
         );
         let mut calls: Vec<ToolCall> = Vec::new();
         let mut turn = 0usize;
+        let session = session_key(&t.task_id, t.attempt);
         loop {
             if self.cfg.max_turns > 0 && turn >= self.cfg.max_turns {
                 return Err((
@@ -338,6 +354,7 @@ impl Harness {
                 max_new_tokens: max_new,
                 temperature: self.cfg.temperature,
                 stop_token_ids: vec![self.im_end],
+                session,
             };
             let g0 = Instant::now();
             let gen = if self.cfg.max_wall_secs > 0.0 {
@@ -397,7 +414,7 @@ impl Harness {
                     "the turn hit the token limit".into(),
                 ));
             }
-            let observation = match format::check(&record.raw_text, &self.tools) {
+            let observation = match self.cfg.format_check.judge(&record.raw_text, &self.tools) {
                 Err(v) => {
                     record.format_error = Some(v.to_string());
                     if self.cfg.gate_format {

@@ -365,15 +365,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     if start.is_some() {
         load_optimizer(&weights_dir, &mut trainer.optimizer)?;
     }
-    let engine_cfg = EngineConfig {
-        cache_memory: recipe.engine_cache_mib << 20,
-        max_model_len: recipe
-            .rollout
-            .max_context_tokens
-            .max(recipe.rollout.max_new_tokens + 1)
-            .max(1024),
-        ..EngineConfig::default()
-    };
+    let engine_cfg = recipe.engine_config();
     let router = Router::start(
         recipe.replicas,
         store.clone(),
@@ -438,7 +430,8 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         pool: Mutex::new(pool),
         rollouts_done: AtomicU64::new(0),
     });
-    let policy: Arc<dyn Policy> = Arc::new(EnginePolicy::new(router.clone(), "arcticd"));
+    let policy: Arc<dyn Policy> =
+        Arc::new(EnginePolicy::new(router.clone(), "arcticd").with_routing(recipe.routing));
     let (group_tx, group_rx) = mpsc::channel::<Group>();
     let dispatcher = rt.spawn(dispatch(
         shared.clone(),

@@ -12,11 +12,13 @@
 //! Not for: the demo's own values (`recipes/demo.toml`) or command-line
 //! parsing (the binary).
 
-use crate::harness::RolloutConfig;
+use crate::harness::{FormatCheck, RolloutConfig, Routing};
 use crate::loss::PgConfig;
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::step::TrainConfig;
 use crate::{Error, Result};
+use arcticd_engine::engine::EngineConfig;
+pub use arcticd_engine::engine::StateDtype;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -176,6 +178,18 @@ pub struct Recipe {
     pub batch_timeout_secs: f64,
     /// Engine KV and state cache per replica, MiB. Default 256.
     pub engine_cache_mib: usize,
+    /// Ablation: the engine's recurrent and conv state between steps,
+    /// "f32" or "bf16" (rounded after every step; the trainer stays fp32).
+    /// Default "f32".
+    pub state_dtype: StateDtype,
+    /// Ablation when false: in-flight sequences keep the caches the old
+    /// weights computed across an update. Default true.
+    pub rebuild_caches: bool,
+    /// How rollouts reach replicas: "least_loaded" (each request to the
+    /// replica with the least outstanding work) or "pinned" (every turn of
+    /// a rollout on the replica its id picks, for cache reuse; an
+    /// ablation). Default "least_loaded".
+    pub routing: Routing,
     /// The rollout harness: budgets, gates, temperature, prompts.
     pub rollout: RolloutConfig,
 }
@@ -226,6 +240,9 @@ impl Default for Recipe {
             rollout_timeout_secs: 3600.0,
             batch_timeout_secs: 7200.0,
             engine_cache_mib: 256,
+            state_dtype: StateDtype::F32,
+            rebuild_caches: true,
+            routing: Routing::LeastLoaded,
             rollout: RolloutConfig::default(),
         }
     }
@@ -351,6 +368,18 @@ impl Recipe {
             (self.rollout.gate_length, "rollout.gate_length = false: a turn cut at the token limit gets a hint and the rollout goes on"),
         ];
         on.extend(gates.iter().filter(|(g, _)| !g).map(|(_, w)| w.to_string()));
+        if self.rollout.format_check == FormatCheck::Lenient {
+            on.push("rollout.format_check = \"lenient\": turns are judged after a forgiving parse, not on their raw text".into());
+        }
+        if self.routing == Routing::Pinned {
+            on.push("routing = \"pinned\": every turn of a rollout goes to one replica, whatever its load".into());
+        }
+        if !self.rebuild_caches {
+            on.push("rebuild_caches = false: in-flight sequences keep the old weights' caches across an update".into());
+        }
+        if self.state_dtype == StateDtype::Bf16 {
+            on.push("state_dtype = \"bf16\": the engine rounds its recurrent and conv state to bf16 after every step; the trainer stays fp32".into());
+        }
         if self.length_penalty > 0.0 {
             on.push(format!(
                 "length_penalty = {}: reward minus that per 1,000 generated tokens",
@@ -358,6 +387,22 @@ impl Recipe {
             ));
         }
         on
+    }
+
+    /// The settings of every engine of the run (the training replicas and
+    /// the frozen ones that score held-out and retired tasks).
+    pub fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            cache_memory: self.engine_cache_mib << 20,
+            max_model_len: self
+                .rollout
+                .max_context_tokens
+                .max(self.rollout.max_new_tokens + 1)
+                .max(1024),
+            state_dtype: self.state_dtype,
+            rebuild_caches: self.rebuild_caches,
+            ..EngineConfig::default()
+        }
     }
 
     /// The trainer's settings.
@@ -406,12 +451,31 @@ mod tests {
             &[
                 "rollout.gate_format=false".into(),
                 "length_penalty=0.5".into(),
+                "rollout.format_check=lenient".into(),
+                "routing=pinned".into(),
+                "rebuild_caches=false".into(),
+                "state_dtype=bf16".into(),
             ],
         )
         .unwrap();
         let a = r.ablations();
-        assert_eq!(a.len(), 2, "{a:?}");
-        assert!(a[0].starts_with("rollout.gate_format") && a[1].starts_with("length_penalty"));
+        assert_eq!(a.len(), 6, "{a:?}");
+        for (said, key) in a.iter().zip([
+            "rollout.gate_format",
+            "rollout.format_check",
+            "routing",
+            "rebuild_caches",
+            "state_dtype",
+            "length_penalty",
+        ]) {
+            assert!(said.starts_with(key), "{said} should name {key}");
+        }
+        let e = r.engine_config();
+        assert!(e.state_dtype == StateDtype::Bf16 && !e.rebuild_caches);
+        let e = Recipe::default().engine_config();
+        assert!(e.state_dtype == StateDtype::F32 && e.rebuild_caches);
+        assert!(Recipe::from_toml_with("", "test", &["state_dtype=fp8".into()]).is_err());
+        assert!(Recipe::from_toml_with("", "test", &["routing=random".into()]).is_err());
         assert!(Recipe::from_toml_with("", "test", &["length_penalty=-1".into()]).is_err());
         assert!(Recipe::from_toml_with("", "test", &["overlong=\"cut\"".into()]).is_err());
     }

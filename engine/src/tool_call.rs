@@ -1,9 +1,13 @@
-//! The strict tool-call format check: the gate that ends a rollout at the
-//! first malformed turn (docs/ARCHITECTURE.md, recipe steps 3 and 4).
+//! Qwen3.5's tool-call format in one place: [`render_call`] writes it,
+//! [`check`] is the strict raw-text check the training gate applies, and
+//! [`parse_lenient`] is the forgiving parser the OpenAI server uses (and the
+//! `format_check = "lenient"` ablation, through [`check_lenient`]). The chat
+//! template (`chat.rs`) renders past calls in the same form; a test holds
+//! [`render_call`] equal to it.
 //!
-//! It reads the raw generated text of one assistant turn, before any
-//! lenient parsing, and accepts exactly this grammar (Qwen3.5's XML tool
-//! calls, as its chat template renders them):
+//! The strict check reads the raw generated text of one assistant turn,
+//! before any lenient parsing, and accepts exactly this grammar (Qwen3.5's
+//! XML tool calls, as its chat template renders them):
 //!
 //! ```text
 //! turn   := prefix "<tool_call>\n<function=" NAME ">\n" param* "</function>\n</tool_call>" ws
@@ -22,11 +26,11 @@
 //! parameters, required ones present, and values of the declared JSON type
 //! without coercion (`"30s"` is not an integer, `yes` is not a boolean).
 //!
-//! What it does not accept, on purpose, that lenient parsers (vLLM's
-//! qwen3_coder style) repair: an unclosed `<tool_call>`, a bare
-//! `<function=...>`, a missing `</parameter>` or `</function>`, unknown
-//! functions or parameters, coerced types, several calls, trailing text, and
-//! calls inside `<think>`. Not for: running the call (see `tools`).
+//! What the strict check does not accept, on purpose, and the lenient parser
+//! repairs (as vLLM's qwen3_coder parser does): an unclosed `<tool_call>`, a
+//! missing `</parameter>` or `</function>` at the end, several calls,
+//! trailing text, a repeated parameter (the last wins), and calls inside
+//! `<think>`. Not for: running the call (the harness's tools).
 
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -331,13 +335,142 @@ pub fn render_call(name: &str, args: &[(&str, &str)]) -> String {
     s
 }
 
+/// A call as the lenient parser found it: the name and raw parameter text.
+#[derive(Debug, Clone, PartialEq)]
+struct RawCall {
+    name: String,
+    params: Vec<(String, String)>,
+}
+
+/// Splits generated text into content and tool calls, forgivingly: a call
+/// left open at the end of the text (the budget ran out) still counts if
+/// its function name is complete, text around and between calls is
+/// content, and a `<tool_call>` block without a function stays content.
+/// Values are JSON when they parse as a non-string JSON value, else text.
+pub fn parse_lenient(text: &str) -> (String, Vec<ToolCall>) {
+    let (content, raw) = parse_lenient_raw(text);
+    let calls = raw
+        .into_iter()
+        .map(|c| ToolCall {
+            name: c.name,
+            arguments: c
+                .params
+                .into_iter()
+                .map(|(k, raw)| {
+                    let v = serde_json::from_str::<Value>(&raw)
+                        .ok()
+                        .filter(|v| !v.is_string())
+                        .unwrap_or(Value::String(raw));
+                    (k, v)
+                })
+                .collect(),
+        })
+        .collect();
+    (content, calls)
+}
+
+/// The lenient judgement of one turn (the `format_check = "lenient"`
+/// ablation): the first call [`parse_lenient`] finds, whatever else the
+/// turn holds, checked against the tool schemas like [`check`] (known tool
+/// and parameters, required ones present, declared types).
+pub fn check_lenient(raw: &str, tools: &[Value]) -> Result<ToolCall, FormatViolation> {
+    let (_, calls) = parse_lenient_raw(raw);
+    let Some(call) = calls.into_iter().next() else {
+        return bad("no_tool_call", "no tool call found, even leniently");
+    };
+    let mut params: Vec<(String, String)> = Vec::new();
+    for (k, v) in call.params {
+        params.retain(|(p, _)| *p != k);
+        params.push((k, v));
+    }
+    let arguments = check_schema(&call.name, &params, tools)?;
+    Ok(ToolCall {
+        name: call.name,
+        arguments,
+    })
+}
+
+/// How a turn is judged before its call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FormatCheck {
+    /// [`check`]: the raw text must be exactly one well-formed call.
+    #[default]
+    Strict,
+    /// [`check_lenient`]: an ablation.
+    Lenient,
+}
+
+impl FormatCheck {
+    pub fn judge(self, raw: &str, tools: &[Value]) -> Result<ToolCall, FormatViolation> {
+        match self {
+            FormatCheck::Strict => check(raw, tools),
+            FormatCheck::Lenient => check_lenient(raw, tools),
+        }
+    }
+}
+
+fn parse_lenient_raw(text: &str) -> (String, Vec<RawCall>) {
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find(OPEN_CALL) {
+        content.push_str(&rest[..start]);
+        let after = &rest[start + OPEN_CALL.len()..];
+        let (body, next) = match after.find(CLOSE_CALL) {
+            Some(end) => (&after[..end], &after[end + CLOSE_CALL.len()..]),
+            None => (after, ""),
+        };
+        match parse_function(body) {
+            Some(call) => calls.push(call),
+            None => content.push_str(&rest[start..rest.len() - next.len()]),
+        }
+        rest = next;
+    }
+    content.push_str(rest);
+    (content.trim().to_string(), calls)
+}
+
+fn parse_function(body: &str) -> Option<RawCall> {
+    let f = body.find("<function=")?;
+    let after = &body[f + "<function=".len()..];
+    let gt = after.find('>')?;
+    let name = after[..gt].trim().to_string();
+    if name.is_empty() || name.contains('\n') {
+        return None;
+    }
+    let mut rest = &after[gt + 1..];
+    let mut params = Vec::new();
+    while let Some(p) = rest.find("<parameter=") {
+        let a = &rest[p + "<parameter=".len()..];
+        let Some(gt) = a.find('>') else { break };
+        let key = a[..gt].trim().to_string();
+        let v = &a[gt + 1..];
+        let Some(end) = v.find("</parameter>") else {
+            break;
+        };
+        let raw = v[..end].strip_prefix('\n').unwrap_or(&v[..end]);
+        let raw = raw.strip_suffix('\n').unwrap_or(raw);
+        params.push((key, raw.to_string()));
+        rest = &v[end + "</parameter>".len()..];
+    }
+    Some(RawCall { name, params })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
 
     fn tools() -> Vec<Value> {
-        crate::harness::tools::tool_schemas()
+        vec![
+            json!({"type": "function", "function": {"name": "bash", "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}},
+                "required": ["command"]}}}),
+            json!({"type": "function", "function": {"name": "submit",
+                "parameters": {"type": "object", "properties": {}}}}),
+        ]
     }
 
     #[test]
@@ -380,5 +513,71 @@ mod tests {
             check(&render_call("rm", &[]), &t).unwrap_err().code,
             "unknown_tool"
         );
+    }
+
+    #[test]
+    fn lenient_parse_keeps_text_and_repairs_open_calls() {
+        let text = "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+        let (content, calls) = parse_lenient(text);
+        assert_eq!(content, "Let me check.");
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].name, "get_weather");
+        assert_eq!(calls[0].arguments["city"], "Paris");
+        assert_eq!(calls[0].arguments["days"], 3);
+        // Two calls, text between them kept; an open call at the end counts.
+        let (content, calls) = parse_lenient(
+            "<tool_call>\n<function=a>\n</function>\n</tool_call> mid <tool_call>\n<function=b>\n<parameter=x>\n{\"k\": 1}\n</parameter>",
+        );
+        assert_eq!(content, "mid");
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[1].arguments["x"], json!({"k": 1}));
+        // No function: stays content.
+        let (content, calls) = parse_lenient("<tool_call>junk</tool_call>");
+        assert!(calls.is_empty());
+        assert_eq!(content, "<tool_call>junk</tool_call>");
+    }
+
+    /// What the lenient ablation lets through and the strict gate stops,
+    /// and what both stop.
+    #[test]
+    fn lenient_check_accepts_what_strict_rejects_but_still_checks_schemas() {
+        let t = tools();
+        let call = render_call("bash", &[("command", "ls")]);
+        let repeated = "<tool_call>\n<function=bash>\n<parameter=command>\nls\n</parameter>\n<parameter=command>\npwd\n</parameter>\n</function>\n</tool_call>";
+        let unclosed = "<tool_call>\n<function=bash>\n<parameter=command>\nls\n</parameter>\n";
+        for (turn, strict_code) in [
+            (format!("{call}\nok"), "trailing_text"),
+            (format!("{call}{call}"), "multiple_calls"),
+            (repeated.to_string(), "duplicate_parameter"),
+            (unclosed.to_string(), "missing_function_close"),
+            (format!("<think>{call}"), "call_inside_think"),
+        ] {
+            assert_eq!(
+                FormatCheck::Strict.judge(&turn, &t).unwrap_err().code,
+                strict_code
+            );
+            let c = FormatCheck::Lenient.judge(&turn, &t).unwrap();
+            assert_eq!(c.name, "bash", "{turn}");
+        }
+        assert_eq!(
+            check_lenient(repeated, &t).unwrap().arguments["command"],
+            "pwd"
+        );
+        for (turn, code) in [
+            ("no call at all".to_string(), "no_tool_call"),
+            (render_call("rm", &[]), "unknown_tool"),
+            (
+                render_call("bash", &[("timeout", "3")]),
+                "missing_parameter",
+            ),
+            (
+                render_call("bash", &[("command", "ls"), ("timeout", "30s")]),
+                "bad_type",
+            ),
+        ] {
+            assert_eq!(check_lenient(&turn, &t).unwrap_err().code, code, "{turn}");
+        }
+        // Both accept a well-formed call alike.
+        assert_eq!(check(&call, &t), check_lenient(&call, &t));
     }
 }
