@@ -51,13 +51,21 @@ fn progress_line(rec: &Value, steps: u64) -> String {
     } else {
         f64::NAN
     };
+    // An update that trained nothing (every group zero-variance) has no
+    // same-version tokens to compare.
+    let mismatch = match rec
+        .get("mismatch_same_version_tokens")
+        .and_then(Value::as_u64)
+    {
+        Some(0) => "n/a (nothing trained)".to_string(),
+        _ => format!("{:.1e}", f("mismatch_same_version_max")),
+    };
     let mut s = format!(
-        "reward {:.3} | pass {:.1}% | rollouts/s {:.2} | stale dropped {} | mismatch(same version) {:.1e} | {:.0}s, ETA {:.0}s",
+        "reward {:.3} | pass {:.1}% | rollouts/s {:.2} | stale dropped {} | mismatch(same version) {mismatch} | {:.0}s, ETA {:.0}s",
         f("reward_mean"),
         100.0 * f("pass_rate"),
         f("rollouts_per_s"),
         rec.get("stale_dropped").and_then(Value::as_u64).unwrap_or(0),
-        f("mismatch_same_version_max"),
         elapsed,
         eta
     );
@@ -245,6 +253,21 @@ pub fn train(a: TrainArgs) -> Result<()> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn progress_line_says_when_nothing_was_trained() {
+        let rec = json!({"step": 2, "elapsed_s": 10.0, "reward_mean": 0.0, "pass_rate": 0.0,
+            "mismatch_same_version_tokens": 0, "mismatch_same_version_max": null});
+        assert!(progress_line(&rec, 4).contains("mismatch(same version) n/a"));
+        let rec = json!({"step": 2, "elapsed_s": 10.0, "mismatch_same_version_tokens": 9,
+            "mismatch_same_version_max": 2e-6, "eval_pass_at_1": 0.25});
+        let line = progress_line(&rec, 4);
+        assert!(
+            line.contains("mismatch(same version) 2.0e-6")
+                && line.contains("held-out pass@1 25.0%"),
+            "{line}"
+        );
+    }
 
     #[test]
     fn prometheus_text_has_numbers_arrays_and_maps() {

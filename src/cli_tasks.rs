@@ -7,8 +7,9 @@
 //! [--out FILE] [--report FILE] [--strengthen]` prints per-task audit lines
 //! and a summary (precision / recall against the toy pool's ground truth)
 //! and writes the curated set (valid and not loose, strengthened tasks in
-//! their new form). Thin wiring over `arcticd_sandbox::tasks` and the
-//! harness's audit agents.
+//! their new form); `tasks select --tasks FILE --eval EVAL --min-solved N
+//! --out FILE` keeps the tasks an `arcticd eval` run solved. Thin wiring
+//! over `arcticd_sandbox::tasks` and the harness's audit agents.
 
 use crate::cli_sandbox::BackendKind;
 use anyhow::{bail, Context, Result};
@@ -40,6 +41,31 @@ pub enum TasksCommand {
     Validate(ValidateArgs),
     /// Try wrong patches against each task; flag tasks whose tests accept one.
     Audit(AuditArgs),
+    /// Keep the tasks an `arcticd eval` run solved at least N times (the
+    /// overfit stress test's pool: tasks the warm start can solve).
+    Select(SelectArgs),
+}
+
+#[derive(clap::Args)]
+pub struct SelectArgs {
+    /// Task file (JSONL).
+    #[arg(long)]
+    pub tasks: PathBuf,
+    /// Record format: auto, native, swebench, r2e.
+    #[arg(long, default_value = "auto")]
+    pub format: String,
+    /// Per-attempt results of `arcticd eval` over these tasks (its --out).
+    #[arg(long)]
+    pub eval: PathBuf,
+    /// Solved attempts a task needs to be kept (masked attempts never count).
+    #[arg(long, default_value_t = 1)]
+    pub min_solved: usize,
+    /// Most tasks kept, in file order; 0 = all.
+    #[arg(long, default_value_t = 0)]
+    pub limit: usize,
+    /// Where to write the kept tasks (JSONL; repository folders absolute).
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 #[derive(clap::Args)]
@@ -214,8 +240,78 @@ fn agent(a: &AuditArgs) -> Result<Option<Agent>> {
     }))
 }
 
+/// Solved (reward 1, not masked) attempts per task id in an eval's
+/// per-attempt results, and the ids attempted at all.
+fn solved_counts(eval: &std::path::Path) -> Result<HashMap<String, usize>> {
+    let text =
+        std::fs::read_to_string(eval).with_context(|| format!("reading {}", eval.display()))?;
+    let mut solved: HashMap<String, usize> = HashMap::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{} line {}: not JSON", eval.display(), i + 1))?;
+        let Some(id) = v.get("task_id").and_then(|x| x.as_str()) else {
+            bail!("{} line {}: no task_id", eval.display(), i + 1);
+        };
+        let ok = v.get("reward").and_then(|x| x.as_f64()) == Some(1.0)
+            && v.get("masked").and_then(|x| x.as_bool()) != Some(true);
+        *solved.entry(id.to_string()).or_default() += ok as usize;
+    }
+    Ok(solved)
+}
+
+fn select(a: SelectArgs) -> Result<()> {
+    let format: Format = a.format.parse()?;
+    let path = std::fs::canonicalize(&a.tasks)
+        .with_context(|| format!("reading {}", a.tasks.display()))?;
+    let all = tasks::load_tasks(&path, format)?;
+    let solved = solved_counts(&a.eval)?;
+    let attempted = all
+        .iter()
+        .filter(|t| solved.contains_key(&t.instance_id))
+        .count();
+    let mut kept: Vec<&Task> = all
+        .iter()
+        .filter(|t| solved.get(&t.instance_id).copied().unwrap_or(0) >= a.min_solved.max(1))
+        .collect();
+    if a.limit > 0 {
+        kept.truncate(a.limit);
+    }
+    if kept.is_empty() {
+        bail!(
+            "no task of {} was solved {} time(s) in {} ({attempted} of {} attempted); nothing written",
+            a.tasks.display(),
+            a.min_solved.max(1),
+            a.eval.display(),
+            all.len()
+        );
+    }
+    let mut out = String::new();
+    for t in &kept {
+        out.push_str(&serde_json::to_string(t)?);
+        out.push('\n');
+    }
+    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(&a.out, out).with_context(|| format!("writing {}", a.out.display()))?;
+    println!(
+        "{}",
+        serde_json::json!({
+            "tasks": all.len(),
+            "attempted": attempted,
+            "kept": kept.len(),
+            "file": a.out,
+        })
+    );
+    Ok(())
+}
+
 pub fn main(args: TasksArgs) -> Result<()> {
     match args.command {
+        TasksCommand::Select(a) => select(a),
         TasksCommand::Toy(a) => {
             let cfg = toy::ToyConfig {
                 count: a.count,

@@ -267,6 +267,56 @@ fn tasks_command_line() -> Result<()> {
         err.contains("bad.jsonl:1") && err.contains("toy-0000") && err.contains("`FAIL_TO_PASS`"),
         "{err}"
     );
+
+    // `tasks select` keeps the tasks an eval solved: here the second task
+    // solved once in two attempts, the first never, a masked success does
+    // not count, and the fourth task was never attempted.
+    let ids: Vec<&str> = tasks.iter().map(|t| t.instance_id.as_str()).collect();
+    let eval = dir.0.join("eval.jsonl");
+    let rec = |id: &str, reward: f64, masked: bool| {
+        serde_json::json!({"task_id": id, "attempt": 0, "reward": reward, "masked": masked})
+            .to_string()
+    };
+    std::fs::write(
+        &eval,
+        [
+            rec(ids[0], 0.0, false),
+            rec(ids[0], 1.0, true),
+            rec(ids[1], 0.0, false),
+            rec(ids[1], 1.0, false),
+            rec(ids[2], 1.0, false),
+        ]
+        .join("\n"),
+    )?;
+    let picked = dir.0.join("sel/picked.jsonl");
+    let select = |min: &str| {
+        arcticd(&[
+            "tasks",
+            "select",
+            "--tasks",
+            &file.display().to_string(),
+            "--eval",
+            &eval.display().to_string(),
+            "--min-solved",
+            min,
+            "--out",
+            &picked.display().to_string(),
+        ])
+    };
+    let r = select("1");
+    ensure!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&r.stdout)?;
+    ensure!(v["kept"] == 2 && v["attempted"] == 3, "{v}");
+    let kept = arcticd_sandbox::tasks::load_tasks(&picked, arcticd_sandbox::tasks::Format::Auto)?;
+    ensure!(kept
+        .iter()
+        .map(|t| t.instance_id.as_str())
+        .eq([ids[1], ids[2]]));
+    ensure!(kept
+        .iter()
+        .all(|t| t.repo.as_ref().is_some_and(|r| r.is_dir())));
+    let r = select("2");
+    ensure!(!r.status.success() && String::from_utf8_lossy(&r.stderr).contains("nothing written"));
     Ok(())
 }
 

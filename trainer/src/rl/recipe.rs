@@ -487,6 +487,17 @@ mod tests {
         assert_eq!(r, Recipe::default());
     }
 
+    /// The stress test's recipe parses, keeps every task in the pool, and
+    /// rolls out in the setting the warm start was trained for.
+    #[test]
+    fn overfit_recipe_parses_and_keeps_the_warm_starts_setting() {
+        let text = include_str!("../../../recipes/overfit.toml");
+        let r = Recipe::from_toml(text, "recipes/overfit.toml").unwrap();
+        assert_eq!(r.retire_after, 0);
+        assert_eq!(r.rollout, crate::warm_start::demo_rollout_config());
+        assert!(r.ablations().is_empty());
+    }
+
     #[test]
     fn unknown_keys_are_named_with_their_line() {
         let e = Recipe::from_toml("steps = 3\nstepz = 4\n", "r.toml")

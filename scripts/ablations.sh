@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The short ablation runs of docs/ablations.md: the built-in demo (its cached
+# warm start, pool and seed) with one recipe key changed per run, two engine
+# replicas, no held-out evaluation. Run directories go to runs/abl-NAME;
+# `arcticd plot runs/abl-*` overlays them.
+#
+#   bash scripts/ablations.sh            # all runs, 12 updates each
+#   STEPS=40 bash scripts/ablations.sh bf16 pinned
+set -u
+cd "$(dirname "$0")/.."
+BIN=${BIN:-target/release/arcticd}
+STEPS=${STEPS:-12}
+[ -x "$BIN" ] || cargo build --release --bin arcticd
+common=(--set "steps=$STEPS" --set eval_every=0 --set replicas=2)
+declare -A sets=(
+  [full]=""
+  [bf16]="state_dtype=bf16"
+  [norebuild]="rebuild_caches=false"
+  [pinned]="routing=pinned"
+  [lenient]="rollout.format_check=lenient"
+  [nogates]="rollout.gate_format=false rollout.gate_duplicate=false rollout.gate_length=false"
+)
+names=("$@")
+[ ${#names[@]} -gt 0 ] || names=(full bf16 norebuild pinned lenient nogates)
+for name in "${names[@]}"; do
+  [ -n "${sets[$name]+x}" ] || { echo "unknown run $name (one of ${!sets[*]})" >&2; exit 2; }
+  extra=()
+  for kv in ${sets[$name]}; do extra+=(--set "$kv"); done
+  rm -rf "runs/abl-$name"
+  echo "=== $name: ${sets[$name]:-the full recipe} ($(date +%T))"
+  "$BIN" train --out "runs/abl-$name" "${common[@]}" "${extra[@]}" > "runs/abl-$name.log" 2>&1
+  echo "=== $name: exit $? ($(date +%T))"
+done
