@@ -407,10 +407,17 @@ fn figures(smooth: usize) -> Vec<Figure> {
                     series: vec![series("replica_load", "replica_load", Kind::PerReplica)],
                 },
                 Panel {
-                    title: "imbalance: max / mean over replicas (1 = even)".to_string(),
+                    title: "tokens generated per replica since the last update".to_string(),
+                    y_label: "tokens",
+                    scale: Scale::Linear,
+                    series: vec![series("replica_tokens", "replica_tokens", Kind::PerReplica)],
+                },
+                Panel {
+                    title: "imbalance of those tokens: max / mean over replicas (1 = even)"
+                        .to_string(),
                     y_label: "max / mean",
                     scale: Scale::Linear,
-                    series: vec![series("replica_load", "max / mean", Kind::Imbalance)],
+                    series: vec![series("replica_tokens", "max / mean", Kind::Imbalance)],
                 },
             ],
         },
@@ -872,7 +879,7 @@ mod tests {
 
     #[test]
     fn replica_load_lines_and_imbalance() {
-        let r = run("{\"step\":1,\"replica_load\":[1,3]}\n{\"step\":2}\n{\"step\":3,\"replica_load\":[2,2]}\n");
+        let r = run("{\"step\":1,\"replica_load\":[1,3],\"replica_tokens\":[1,3]}\n{\"step\":2}\n{\"step\":3,\"replica_load\":[2,2],\"replica_tokens\":[2,2]}\n");
         let figure = figures(1)
             .into_iter()
             .find(|f| f.file == "replica_load.png")
@@ -884,7 +891,7 @@ mod tests {
             vec![vec![(1.0, 1.0), (3.0, 2.0)], vec![(1.0, 3.0), (3.0, 2.0)]]
         );
         assert_eq!(per.drawn[0].thick, Some(vec![(1.0, 2.0), (3.0, 2.0)]));
-        let imb = PanelData::collect(&figure.panels[1], &runs, 1).unwrap();
+        let imb = PanelData::collect(&figure.panels[2], &runs, 1).unwrap();
         assert_eq!(imb.drawn[0].lines, vec![vec![(1.0, 1.5), (3.0, 1.0)]]);
     }
 

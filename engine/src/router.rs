@@ -55,6 +55,18 @@ impl Router {
         self.replicas.iter().map(|r| r.load()).collect()
     }
 
+    /// Tokens each replica has generated since it started.
+    pub fn generated_tokens(&self) -> Vec<u64> {
+        self.replicas
+            .iter()
+            .map(|r| {
+                r.metrics()
+                    .generated_tokens
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            })
+            .collect()
+    }
+
     /// Index of the least-loaded replica (the lowest index on ties).
     pub fn least_loaded(&self) -> usize {
         let mut best = 0;

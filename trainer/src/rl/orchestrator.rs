@@ -383,6 +383,9 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     let mut totals = Totals::default();
     let (mut step, mut consumed, mut elapsed0) = (0u64, 0u64, 0.0);
     let mut lost_now = 0u64;
+    // Tokens per replica at the previous update: `replica_tokens` is the
+    // work each replica did in between.
+    let mut tokens_before = router.generated_tokens();
     if let Some((_, s, lost)) = state.take() {
         if s.pool.tasks.len() != tasks.len() {
             return Err(Error::Run(
@@ -701,6 +704,14 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             put("time_update_s", json!(time_update_s));
             put("rollouts_per_s", json!(rollouts_per_s));
             put("replica_load", json!(router.loads()));
+            let tokens_now = router.generated_tokens();
+            let per_replica: Vec<u64> = tokens_now
+                .iter()
+                .zip(&tokens_before)
+                .map(|(now, before)| now.saturating_sub(*before))
+                .collect();
+            tokens_before = tokens_now;
+            put("replica_tokens", json!(per_replica));
             put("retired", json!(mastered + hopeless));
             put("retired_mastered", json!(mastered));
             put("retired_hopeless", json!(hopeless));
