@@ -57,8 +57,8 @@ fn progress_line(rec: &Value, steps: u64) -> String {
         .get("mismatch_same_version_tokens")
         .and_then(Value::as_u64)
     {
-        Some(0) => "n/a (nothing trained)".to_string(),
-        _ => format!("{:.1e}", f("mismatch_same_version_max")),
+        Some(n) if n > 0 => format!("{:.1e}", f("mismatch_same_version_max")),
+        _ => "n/a (nothing trained)".to_string(),
     };
     let mut s = format!(
         "reward {:.3} | pass {:.1}% | rollouts/s {:.2} | stale dropped {} | mismatch(same version) {mismatch} | {:.0}s, ETA {:.0}s",
@@ -256,9 +256,11 @@ mod tests {
 
     #[test]
     fn progress_line_says_when_nothing_was_trained() {
-        let rec = json!({"step": 2, "elapsed_s": 10.0, "reward_mean": 0.0, "pass_rate": 0.0,
-            "mismatch_same_version_tokens": 0, "mismatch_same_version_max": null});
-        assert!(progress_line(&rec, 4).contains("mismatch(same version) n/a"));
+        for tokens in [json!(0), json!(null)] {
+            let rec = json!({"step": 2, "elapsed_s": 10.0, "reward_mean": 0.0, "pass_rate": 0.0,
+                "mismatch_same_version_tokens": tokens, "mismatch_same_version_max": null});
+            assert!(progress_line(&rec, 4).contains("mismatch(same version) n/a"));
+        }
         let rec = json!({"step": 2, "elapsed_s": 10.0, "mismatch_same_version_tokens": 9,
             "mismatch_same_version_max": 2e-6, "eval_pass_at_1": 0.25});
         let line = progress_line(&rec, 4);

@@ -1440,6 +1440,26 @@ mod tests {
         );
     }
 
+    /// An engine failure is the server's fault: 500, logged, and no
+    /// internals in the body.
+    #[test]
+    fn internal_engine_errors_are_500_without_details() {
+        let e = AppError::from(arcticd_engine::Error::Internal(
+            "forward: kernel matmul: shape [3, 4] x [5, 6]".into(),
+        ));
+        assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(e.message, "internal error");
+        let e = AppError::from(arcticd_engine::Error::Input(
+            "max_tokens must be > 0".into(),
+        ));
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        let failed = arcticd_engine::engine::apply_event(
+            &mut vec![Choice::default()],
+            Event::Error("forward: x".into()),
+        );
+        assert!(matches!(failed, Err(arcticd_engine::Error::Internal(_))));
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn forced_tool_call_comes_back_as_tool_calls() {
         let app = app(state());

@@ -173,7 +173,9 @@ pub enum Event {
         index: usize,
         reason: FinishReason,
     },
-    /// The request failed inside the engine; no more events follow.
+    /// The request failed inside the engine (an internal failure, not the
+    /// request's fault: requests are validated on submit); no more events
+    /// follow. [`apply_event`] turns it into [`Error::Internal`].
     Error(String),
 }
 
@@ -435,7 +437,7 @@ pub fn apply_event(choices: &mut [Choice], ev: Event) -> Result<usize> {
             }
             Ok(1)
         }
-        Event::Error(e) => Err(Error::Input(e)),
+        Event::Error(e) => Err(Error::Internal(e)),
     }
 }
 
@@ -866,7 +868,7 @@ impl EngineLoop {
             Ok(out) => out,
             Err(e) => {
                 tracing::error!("engine forward failed: {e}");
-                self.fail_plan(&plan, &format!("internal error: {e}"));
+                self.fail_plan(&plan, &format!("forward: {e}"));
                 return;
             }
         };
@@ -886,7 +888,7 @@ impl EngineLoop {
         drop(model);
         if logits.len() != which.len() * vocab_size {
             let msg = format!(
-                "internal error: {} logits for {} sampled rows of {vocab_size}",
+                "{} logits for {} sampled rows of {vocab_size}",
                 logits.len(),
                 which.len()
             );

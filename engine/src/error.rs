@@ -15,6 +15,10 @@ pub enum Error {
     Template(String),
     #[error("input: {0}")]
     Input(String),
+    /// A failure inside the engine (a forward or a sampling step), never the
+    /// caller's fault: a server logs it and answers 500 without the details.
+    #[error("internal: {0}")]
+    Internal(String),
     /// The engine cannot take work (it stopped, or is shutting down).
     #[error("unavailable: {0}")]
     Unavailable(String),
