@@ -1,7 +1,8 @@
 //! Replicas sharing one parameter store behind the least-loaded router: an
 //! uneven workload (a few long requests among many short ones) ends with no
 //! replica holding more than its share plus one request's worth of work,
-//! and every request is answered.
+//! and every request is answered; on an idle router, ties rotate, so
+//! one-at-a-time requests spread over the replicas.
 
 use arcticd_engine::engine::{self, Choice, EngineConfig, EngineHandle, Request};
 use arcticd_engine::router::Router;
@@ -73,5 +74,38 @@ fn least_loaded_routing_balances_an_uneven_workload() {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     assert_eq!(router.loads(), vec![0; replicas]);
+    router.shutdown();
+}
+
+#[test]
+fn ties_rotate_so_one_at_a_time_requests_spread() {
+    let dir = std::env::temp_dir().join(format!("arcticd-engine-ties-{}", std::process::id()));
+    arcticd_engine::init::init_model(arcticd_engine::init::TINY, &dir, 8).unwrap();
+    let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+    let router = Router::start(2, store, None, EngineConfig::default()).unwrap();
+    let mut served = [0usize; 2];
+    for i in 0..6u32 {
+        let (replica, mut sub) = router
+            .submit(Request {
+                prompt: vec![5 + i, 6, 7],
+                params: SamplingParams {
+                    ignore_eos: true,
+                    ..SamplingParams::greedy(2)
+                },
+            })
+            .unwrap();
+        let mut ch = vec![Choice::default()];
+        while engine::apply_event(&mut ch, sub.events.blocking_recv().unwrap()).unwrap() == 0 {}
+        // Finished: every load is 0 again before the next request.
+        for _ in 0..100 {
+            if router.loads().iter().all(|&l| l == 0) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        served[replica] += 1;
+    }
+    assert_eq!(served, [3, 3]);
     router.shutdown();
 }

@@ -1,6 +1,7 @@
 //! Router over engine replicas: each request goes to the replica with the
 //! least outstanding work (queued plus running tokens, see
-//! `EngineMetrics::load`), never pinned to one for cache reuse. Pinning piles
+//! `EngineMetrics::load`; ties go to each replica in turn), never pinned to
+//! one for cache reuse. Pinning piles
 //! work on one replica and its queued rollouts go stale (docs/ARCHITECTURE.md, recipe step 8).
 //!
 //! Replicas may share one parameter store; the router does not care. Load is
@@ -11,6 +12,7 @@ use crate::engine::{self, EngineConfig, EngineHandle, Request, Submitted};
 use crate::params::ParamStore;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// A set of engine replicas behind one submit call.
@@ -20,6 +22,10 @@ pub struct Router {
     /// Serialises pick-and-submit so two callers cannot both read the same
     /// minimum before either adds its load. Held for microseconds.
     pick: Arc<Mutex<()>>,
+    /// Where the next pick starts its scan, so ties rotate over the
+    /// replicas (between turns loads are mostly all 0; always taking the
+    /// lowest index would hand replica 0 most of the work).
+    turn: Arc<AtomicUsize>,
 }
 
 impl Router {
@@ -30,6 +36,7 @@ impl Router {
         Ok(Router {
             replicas,
             pick: Arc::new(Mutex::new(())),
+            turn: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -59,20 +66,19 @@ impl Router {
     pub fn generated_tokens(&self) -> Vec<u64> {
         self.replicas
             .iter()
-            .map(|r| {
-                r.metrics()
-                    .generated_tokens
-                    .load(std::sync::atomic::Ordering::Relaxed)
-            })
+            .map(|r| r.metrics().generated_tokens.load(Ordering::Relaxed))
             .collect()
     }
 
-    /// Index of the least-loaded replica (the lowest index on ties).
+    /// Index of the least-loaded replica; ties go to each replica in turn.
     pub fn least_loaded(&self) -> usize {
-        let mut best = 0;
+        let n = self.replicas.len();
+        let start = self.turn.fetch_add(1, Ordering::Relaxed) % n;
+        let mut best = start;
         let mut best_load = u64::MAX;
-        for (i, r) in self.replicas.iter().enumerate() {
-            let l = r.load();
+        for k in 0..n {
+            let i = (start + k) % n;
+            let l = self.replicas[i].load();
             if l < best_load {
                 best = i;
                 best_load = l;
