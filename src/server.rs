@@ -1454,7 +1454,7 @@ mod tests {
         ));
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         let failed = arcticd_engine::engine::apply_event(
-            &mut vec![Choice::default()],
+            &mut [Choice::default()],
             Event::Error("forward: x".into()),
         );
         assert!(matches!(failed, Err(arcticd_engine::Error::Internal(_))));
