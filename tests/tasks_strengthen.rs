@@ -286,13 +286,17 @@ fn strengthen_follows_the_next_wrong_patch_until_tight() -> Result<()> {
     let dir = TempDir::new("rounds")?;
     let cfg = toy::ToyConfig {
         count: 1,
-        seed: 0,
+        seed: 1,
         loose_share: 1.0,
         ..Default::default()
     };
     let tasks = toy::generate(&cfg, &dir.0.join("pool"))?;
     let task = &tasks[0];
-    ensure!(task.instance_id.ends_with("wrong_operator"));
+    ensure!(
+        task.instance_id.ends_with("off_by_one"),
+        "{}",
+        task.instance_id
+    );
     let (pkg, f) = names(task)?;
     let model = init_model(&dir.0)?;
     let tok = Arc::new(Tokenizer::from_dir(&model)?);
@@ -305,21 +309,21 @@ fn strengthen_follows_the_next_wrong_patch_until_tight() -> Result<()> {
             ..Default::default()
         },
     )?;
-    // The loose test is `f(2, -1) == 1`; the audit's wrong patch is
-    // `return 1`. Round 1 rejects exactly the int 1, so `return True`
-    // (equal to 1) still passes; round 2 checks the value.
+    // The loose test is `f(1) == 1`; the audit's wrong patch returns 1
+    // (the hard-coded answer). Round 1 rejects exactly the int 1, so
+    // `return True` (equal to 1) still passes; round 2 checks the value.
     let scripts = [
         writes_test_to(
             "tests/test_extra.py",
             &pkg,
             &f,
-            &format!("    one = 1\n    assert {f}(3, 4) is not one\n"),
+            &format!("    one = 1\n    assert {f}(3) is not one\n"),
         ),
         writes_test_to(
             "tests/test_extra2.py",
             &pkg,
             &f,
-            &format!("    assert {f}(3, 4) == 7\n"),
+            &format!("    assert {f}(3) == 6\n"),
         ),
     ];
     let calls = AtomicUsize::new(0);
@@ -378,8 +382,8 @@ fn strengthen_follows_the_next_wrong_patch_until_tight() -> Result<()> {
             s.attempts[1].target == next.name && second.outcome == "accepted",
             "{json}"
         );
-        // Round 1's test passes before the fix (-1 is not 1); round 2's
-        // fails before it.
+        // Round 1's test passes before the fix (3 is not 1); round 2's
+        // fails before it (3, not 6).
         ensure!(
             s.new_pass_to_pass == [format!("tests/test_extra.py::test_{f}_strong")]
                 && s.new_fail_to_pass == [format!("tests/test_extra2.py::test_{f}_strong")],
