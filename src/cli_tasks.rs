@@ -22,8 +22,10 @@ use arcticd_sandbox::tasks::{self, audit, toy, validate, Format, Task};
 use arcticd_sandbox::{Backend, Policy};
 use arcticd_trainer::harness::openai::{OpenAiConfig, OpenAiPolicy};
 use arcticd_trainer::harness::policy::Policy as ModelPolicy;
-use arcticd_trainer::harness::{strengthen, wrong_patch, Harness, RolloutConfig, ScriptedPolicy};
-use std::collections::HashMap;
+use arcticd_trainer::harness::{
+    eval, strengthen, wrong_patch, Harness, RolloutConfig, ScriptedPolicy,
+};
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -240,45 +242,19 @@ fn agent(a: &AuditArgs) -> Result<Option<Agent>> {
     }))
 }
 
-/// Solved (reward 1, not masked) attempts per task id in an eval's
-/// per-attempt results, and the ids attempted at all.
-fn solved_counts(eval: &std::path::Path) -> Result<HashMap<String, usize>> {
-    let text =
-        std::fs::read_to_string(eval).with_context(|| format!("reading {}", eval.display()))?;
-    let mut solved: HashMap<String, usize> = HashMap::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let v: serde_json::Value = serde_json::from_str(line)
-            .with_context(|| format!("{} line {}: not JSON", eval.display(), i + 1))?;
-        let Some(id) = v.get("task_id").and_then(|x| x.as_str()) else {
-            bail!("{} line {}: no task_id", eval.display(), i + 1);
-        };
-        let ok = v.get("reward").and_then(|x| x.as_f64()) == Some(1.0)
-            && v.get("masked").and_then(|x| x.as_bool()) != Some(true);
-        *solved.entry(id.to_string()).or_default() += ok as usize;
-    }
-    Ok(solved)
-}
-
 fn select(a: SelectArgs) -> Result<()> {
     let format: Format = a.format.parse()?;
     let path = std::fs::canonicalize(&a.tasks)
         .with_context(|| format!("reading {}", a.tasks.display()))?;
     let all = tasks::load_tasks(&path, format)?;
-    let solved = solved_counts(&a.eval)?;
+    let records = eval::read_records(&a.eval)?;
+    let ids: HashSet<&str> = records.iter().map(|r| r.task_id.as_str()).collect();
     let attempted = all
         .iter()
-        .filter(|t| solved.contains_key(&t.instance_id))
+        .filter(|t| ids.contains(t.instance_id.as_str()))
         .count();
-    let mut kept: Vec<&Task> = all
-        .iter()
-        .filter(|t| solved.get(&t.instance_id).copied().unwrap_or(0) >= a.min_solved.max(1))
-        .collect();
-    if a.limit > 0 {
-        kept.truncate(a.limit);
-    }
+    let summary = eval::summarize(&all, &records);
+    let kept = eval::select_solved(&all, &summary, a.min_solved, a.limit);
     if kept.is_empty() {
         bail!(
             "no task of {} was solved {} time(s) in {} ({attempted} of {} attempted); nothing written",

@@ -13,18 +13,28 @@
 
 use anyhow::{bail, Context, Result};
 use arcticd_sandbox::image;
-use arcticd_sandbox::tasks::toy;
+use arcticd_sandbox::tasks::{self, toy, Format};
+use arcticd_trainer::harness::eval::{run_eval, select_solved, EvalConfig};
+use arcticd_trainer::harness::{EnginePolicyRouter, Harness, Policy, RolloutConfig};
 use arcticd_trainer::rl::recipe::SandboxBackend;
 use arcticd_trainer::rl::Recipe;
 use arcticd_trainer::warm_start::{self, WarmStartConfig};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The demo's recipe (its `[rollout]` is the warm start's setting).
 pub const DEMO_RECIPE: &str = include_str!("../recipes/demo.toml");
 
-/// Training pool: size and seed. The warm start's demonstrations use
-/// `WarmStartConfig::demo_seed` (1000), so the three sets never share a task.
-const POOL: (usize, u64) = (64, 1);
+/// Training pool candidates: count and seed. The warm start's
+/// demonstrations use `WarmStartConfig::demo_seed` (1000), so the three sets
+/// never share a task.
+const CANDIDATES: (usize, u64) = (160, 1);
+/// The training pool is the candidates the warm start solved at least once
+/// in this many attempts, at most `POOL_SIZE` of them (docs/demo.md: on an
+/// unselected pool about half the tasks are never solved and only add
+/// groups with no signal).
+const SELECT_ATTEMPTS: usize = 2;
+const POOL_SIZE: usize = 64;
 /// Held-out set: size and seed.
 const HELD_OUT: (usize, u64) = (24, 2);
 /// Bump to rebuild every cached demo input.
@@ -61,6 +71,86 @@ fn pool(dir: &Path, count: usize, seed: u64) -> Result<PathBuf> {
     }
     toy::generate(&cfg, dir).with_context(|| format!("writing the toy pool {}", dir.display()))?;
     std::fs::write(&stamp, key)?;
+    Ok(file)
+}
+
+/// The demo's training pool in `dir`: the tasks of `candidates` the
+/// warm-started `model` solved at least once in `SELECT_ATTEMPTS` attempts
+/// (sampled as in training, through the same harness and sandbox), in file
+/// order, at most `POOL_SIZE`. Cached under the warm start's settings
+/// `warm_key`; the sampling is resumable (its attempts are kept in
+/// `dir/warm-start-eval.jsonl`).
+async fn selected_pool(
+    dir: &Path,
+    candidates: &Path,
+    model: &Path,
+    warm_key: &str,
+    rollout: &RolloutConfig,
+    backend: &dyn arcticd_sandbox::Backend,
+) -> Result<PathBuf> {
+    let key = serde_json::to_string(&(
+        warm_key,
+        std::fs::read_to_string(candidates.with_file_name("settings.json")).unwrap_or_default(),
+        SELECT_ATTEMPTS,
+        POOL_SIZE,
+    ))?;
+    let stamp = dir.join("settings.json");
+    let file = dir.join("tasks.jsonl");
+    if file.is_file() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(key.as_str()) {
+        return Ok(file);
+    }
+    let partial = dir.join("partial-settings.json");
+    if dir.exists() && std::fs::read_to_string(&partial).ok().as_deref() != Some(key.as_str()) {
+        std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(&partial, &key)?;
+    let all = tasks::load_tasks(candidates, Format::Native)?;
+    eprintln!(
+        "demo: choosing the training pool: the warm start attempts each of {} candidate \
+         tasks {} times and keeps those it solves at least once (about 2 minutes, once)",
+        all.len(),
+        SELECT_ATTEMPTS
+    );
+    let t0 = std::time::Instant::now();
+    let (tokenizer, template) = crate::cli_harness::load_model_files(model)?;
+    let harness = Harness::new(tokenizer, template, rollout.clone())?;
+    let engine = EnginePolicyRouter::load(model, &harness, 1, 0, "warm-start")?;
+    let policy: Arc<dyn Policy> = engine.policy.clone();
+    let policy_for = move |_: &tasks::Task| policy.clone();
+    let cfg = EvalConfig {
+        attempts: SELECT_ATTEMPTS,
+        concurrency: 8,
+    };
+    let records = dir.join("warm-start-eval.jsonl");
+    let summary = run_eval(&harness, &policy_for, backend, &all, &cfg, &records, None).await;
+    engine.router.shutdown();
+    let summary = summary?;
+    let kept = select_solved(&all, &summary, 1, POOL_SIZE);
+    if kept.is_empty() {
+        bail!(
+            "the warm start solved none of the {} candidate tasks ({}):              delete {} to rebuild the demo's inputs",
+            all.len(),
+            records.display(),
+            dir.parent().unwrap_or(dir).display()
+        );
+    }
+    let mut out = String::new();
+    for t in &kept {
+        out.push_str(&serde_json::to_string(t)?);
+        out.push('\n');
+    }
+    std::fs::write(&file, out).with_context(|| format!("writing {}", file.display()))?;
+    std::fs::write(&stamp, &key)?;
+    eprintln!(
+        "demo: training pool of {} tasks ({} of {} candidates solved at least once; \
+         warm-start pass@1 {:.2}) in {:.0} s",
+        kept.len(),
+        summary.per_task.iter().filter(|r| r.solved > 0).count(),
+        all.len(),
+        summary.pass_at_1,
+        t0.elapsed().as_secs_f64()
+    );
     Ok(file)
 }
 
@@ -114,7 +204,6 @@ pub fn prepare(sets: &[String]) -> Result<Recipe> {
         );
     }
 
-    let tasks = pool(&root.join("pool"), POOL.0, POOL.1)?;
     let eval = pool(&root.join("held-out"), HELD_OUT.0, HELD_OUT.1)?;
 
     let cfg = WarmStartConfig::default();
@@ -162,12 +251,21 @@ pub fn prepare(sets: &[String]) -> Result<Recipe> {
                 .unwrap_or_else(|e| e.into_inner())
                 .finish(String::new());
         }
-        std::fs::write(&stamp, key)?;
+        std::fs::write(&stamp, &key)?;
         eprintln!(
             "demo: warm start ready in {:.0} s ({} demonstrations kept, loss {:.3} -> {:.3})",
             report.total_secs, report.kept, report.first_loss, report.last_loss
         );
     }
+    let candidates = pool(&root.join("candidates"), CANDIDATES.0, CANDIDATES.1)?;
+    let tasks = rt.block_on(selected_pool(
+        &root.join("pool"),
+        &candidates,
+        &model,
+        &key,
+        &rollout,
+        backend.as_ref(),
+    ))?;
     recipe.model = Some(model);
     recipe.tasks = Some(tasks);
     recipe.eval_tasks = Some(eval);

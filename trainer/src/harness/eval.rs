@@ -182,6 +182,31 @@ pub fn summarize(tasks: &[Task], records: &[AttemptRecord]) -> EvalSummary {
     }
 }
 
+/// The tasks of `tasks` (in their order) that `summary` shows solved in at
+/// least `min_solved` (at least 1) unmasked attempts, at most `limit` of
+/// them (0: all). This is how a pool of tasks a model can solve is chosen
+/// by sampling: the overfit stress test and the demo's training pool.
+pub fn select_solved<'a>(
+    tasks: &'a [Task],
+    summary: &EvalSummary,
+    min_solved: usize,
+    limit: usize,
+) -> Vec<&'a Task> {
+    let solved: std::collections::HashMap<&str, usize> = summary
+        .per_task
+        .iter()
+        .map(|r| (r.task_id.as_str(), r.solved))
+        .collect();
+    let mut kept: Vec<&Task> = tasks
+        .iter()
+        .filter(|t| solved.get(t.instance_id.as_str()).copied().unwrap_or(0) >= min_solved.max(1))
+        .collect();
+    if limit > 0 {
+        kept.truncate(limit);
+    }
+    kept
+}
+
 /// The policy for one attempt at a task, called once per rollout (usually
 /// the same shared policy for every task).
 pub type PolicyFor<'a> = &'a (dyn Fn(&Task) -> Arc<dyn Policy> + Sync);
@@ -287,6 +312,24 @@ mod tests {
         assert!((s.stderr - 0.25).abs() < 1e-12);
         assert_eq!(s.terminations["infra"], 1);
         assert_eq!(s.attempts, 4);
+    }
+
+    #[test]
+    fn select_keeps_solved_tasks_in_order_up_to_the_limit() {
+        let tasks = [task("a"), task("b"), task("c"), task("d")];
+        let recs = [
+            rec("a", 0, 0.0, Termination::Submitted),
+            rec("b", 0, 1.0, Termination::Submitted),
+            rec("b", 1, 1.0, Termination::Submitted),
+            rec("c", 0, 1.0, Termination::Submitted),
+            // Masked attempts never count as solved.
+            rec("d", 0, 1.0, Termination::Infra),
+        ];
+        let s = summarize(&tasks, &recs);
+        let ids = |v: Vec<&Task>| v.iter().map(|t| t.instance_id.clone()).collect::<Vec<_>>();
+        assert_eq!(ids(select_solved(&tasks, &s, 1, 0)), ["b", "c"]);
+        assert_eq!(ids(select_solved(&tasks, &s, 0, 1)), ["b"]);
+        assert_eq!(ids(select_solved(&tasks, &s, 2, 0)), ["b"]);
     }
 
     #[test]
