@@ -3,7 +3,7 @@
 //! exists so code that mentions it compiles, and every attempt to use it fails
 //! with `Error::NoDevice`.
 
-use crate::{Error, Result};
+use crate::Result;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Device {
@@ -18,6 +18,9 @@ impl Device {
     pub fn check_available(self) -> Result<()> {
         match self {
             Device::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(i) => crate::cuda::device::CudaDevice::new(i).map(|_| ()),
+            #[cfg(not(feature = "cuda"))]
             Device::Cuda(i) => cuda_standin::available(i),
         }
     }
@@ -32,10 +35,10 @@ impl std::fmt::Display for Device {
     }
 }
 
-/// The CUDA stand-in: compiled when the `cuda` feature is off (and, until the
-/// CUDA backend lands, when it is on).
+/// The CUDA stand-in: compiled when the `cuda` feature is off.
+#[cfg(not(feature = "cuda"))]
 mod cuda_standin {
-    use super::*;
+    use crate::{Error, Result};
     pub fn available(ordinal: usize) -> Result<()> {
         Err(Error::NoDevice(format!(
             "cuda:{ordinal} (this build has no CUDA backend)"

@@ -11,6 +11,12 @@ pub enum Error {
     NoDevice(String),
     #[error("index out of range: {0}")]
     Index(String),
+    /// NVRTC rejected a kernel module; `log` is its compiler output.
+    #[error("CUDA kernel module {module} did not compile:\n{log}")]
+    Compile { module: String, log: String },
+    #[cfg(feature = "cuda")]
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -3,10 +3,13 @@
 //!
 //! Not for: anything that knows about models, layers or checkpoints; that is
 //! the engine's job. The CPU implementation of each op is the reference and
-//! always exists (`cpu::*`, plain slice functions in the llm.c style); a CUDA
-//! path with the same names is reserved behind the `cuda` feature.
+//! always exists (`cpu::*`, plain slice functions in the llm.c style); the
+//! CUDA path (`cuda::*`, behind the `cuda` feature) has the same names and
+//! is tested against it.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 pub mod error;
 pub mod host;

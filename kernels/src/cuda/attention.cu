@@ -1,0 +1,136 @@
+// Causal grouped-query attention, softmax in fp32, for decode over a paged
+// K/V cache and for variable-length prefill over contiguous K/V. Query head
+// h reads K/V head h / (n_heads / n_kv_heads); head_dim at most 256. The
+// sigmoid output gate is applied by the caller (sigmoid_gate_forward), as
+// on the CPU (kernels/src/cpu/attention.rs, the reference).
+//
+// One block per (query token, head), a few warps; warp w takes keys w,
+// w + warps, ... with an online softmax (running max m, sum l, and the
+// weighted value sum in registers: lane i holds dims i, i + 32, ...), and
+// the warps' partial results are merged through shared memory at the end.
+
+#define ATTN_MAX_DIM_PER_LANE 8  // head_dim <= 256
+
+// Merges the warps' (m, l, acc) and writes out[0..hd). `shared` holds
+// warps * (hd + 2) floats (dynamic shared memory).
+__device__ void attn_merge_and_store(float* out, float m, float l, const float* acc, int hd,
+                                     float* shared) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float* sm = shared;
+    float* sl = shared + warps;
+    float* sacc = shared + 2 * warps;
+    if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) {
+        int d = lane + 32 * i;
+        if (d < hd) sacc[warp * hd + d] = acc[i];
+    }
+    __syncthreads();
+    float big = NEG_INF;
+    for (int w = 0; w < warps; w++) big = fmaxf(big, sm[w]);
+    float total = 0.0f;
+    for (int w = 0; w < warps; w++) total += sm[w] == NEG_INF ? 0.0f : sl[w] * expf(sm[w] - big);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int w = 0; w < warps; w++)
+            if (sm[w] != NEG_INF) o += sacc[w * hd + d] * expf(sm[w] - big);
+        out[d] = total > 0.0f ? o / total : 0.0f;
+    }
+}
+
+// One key: score it against the lane's share of q, fold it into (m, l, acc).
+__device__ __forceinline__ void attn_step(const float* krow, const float* vrow, const float* qr,
+                                          float* acc, float& m, float& l, int hd) {
+    int lane = threadIdx.x & 31;
+    float dot = 0.0f;
+    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) {
+        int d = lane + 32 * i;
+        if (d < hd) dot += qr[i] * krow[d];
+    }
+    dot = warp_sum(dot);
+    float m_new = fmaxf(m, dot);
+    float corr = m == NEG_INF ? 0.0f : expf(m - m_new);
+    float p = expf(dot - m_new);
+    l = l * corr + p;
+    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) {
+        int d = lane + 32 * i;
+        if (d < hd) acc[i] = acc[i] * corr + p * vrow[d];
+    }
+    m = m_new;
+}
+
+// Writes the new tokens' K/V rows into the paged pools: token t goes to
+// pool row slot_mapping[t] (= block * block_size + offset). kv_row =
+// n_kv_heads * head_dim. One thread per element.
+extern "C" __global__ void paged_kv_write(float* k_pool, float* v_pool, const float* k,
+                                          const float* v, const u32* slot_mapping, int tokens,
+                                          int kv_row) {
+    long long n = (long long)tokens * kv_row;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long t = i / kv_row, c = i % kv_row;
+        size_t dst = (size_t)slot_mapping[t] * kv_row + c;
+        k_pool[dst] = k[i];
+        v_pool[dst] = v[i];
+    }
+}
+
+// Decode: one query token per sequence s, attending its context_lens[s] keys
+// (the current token's K/V already written) found through
+// block_tables[s, max_blocks]. q, out: [seqs, n_heads, hd].
+extern "C" __global__ void paged_attention_decode(float* out, const float* q, const float* k_pool,
+                                                  const float* v_pool, const u32* block_tables,
+                                                  const u32* context_lens, int seqs, int n_heads,
+                                                  int n_kv_heads, int hd, int block_size,
+                                                  int max_blocks, float scale) {
+    extern __shared__ float shared[];
+    int s = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
+    if (s >= seqs) return;
+    int kvh = h / (n_heads / n_kv_heads);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const float* qs = q + ((size_t)s * n_heads + h) * hd;
+    float qr[ATTN_MAX_DIM_PER_LANE], acc[ATTN_MAX_DIM_PER_LANE];
+    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) {
+        int d = lane + 32 * i;
+        qr[i] = d < hd ? qs[d] * scale : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    int n = (int)context_lens[s];
+    int row = n_kv_heads * hd;
+    for (int j = warp; j < n; j += warps) {
+        u32 blk = block_tables[(size_t)s * max_blocks + j / block_size];
+        size_t base = ((size_t)blk * block_size + j % block_size) * row + (size_t)kvh * hd;
+        attn_step(k_pool + base, v_pool + base, qr, acc, m, l, hd);
+    }
+    attn_merge_and_store(out + ((size_t)s * n_heads + h) * hd, m, l, acc, hd, shared);
+}
+
+// Variable-length causal prefill over packed sequences: sequence s owns
+// tokens cu_seqlens[s] .. cu_seqlens[s + 1] of q [T, n_heads, hd] and of k,
+// v [T, n_kv_heads, hd]; token i of a sequence attends its tokens 0..=i.
+// token_seq[t] names the sequence of packed token t.
+extern "C" __global__ void varlen_attention_prefill(float* out, const float* q, const float* k,
+                                                    const float* v, const u32* cu_seqlens,
+                                                    const u32* token_seq, int tokens, int n_heads,
+                                                    int n_kv_heads, int hd, float scale) {
+    extern __shared__ float shared[];
+    int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
+    if (t >= tokens) return;
+    int kvh = h / (n_heads / n_kv_heads);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int start = (int)cu_seqlens[token_seq[t]];
+    const float* qs = q + ((size_t)t * n_heads + h) * hd;
+    float qr[ATTN_MAX_DIM_PER_LANE], acc[ATTN_MAX_DIM_PER_LANE];
+    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) {
+        int d = lane + 32 * i;
+        qr[i] = d < hd ? qs[d] * scale : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    int row = n_kv_heads * hd;
+    for (int j = start + warp; j <= t; j += warps) {
+        size_t base = (size_t)j * row + (size_t)kvh * hd;
+        attn_step(k + base, v + base, qr, acc, m, l, hd);
+    }
+    attn_merge_and_store(out + ((size_t)t * n_heads + h) * hd, m, l, acc, hd, shared);
+}

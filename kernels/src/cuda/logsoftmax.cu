@@ -1,0 +1,57 @@
+// Log-probabilities of chosen tokens and greedy picks over the vocabulary,
+// one block per row, in fp32. The distribution is the one sampled from:
+// logits * inv_temp (the engine reports and the trainer trains the same
+// quantity). CPU reference: kernels/src/cpu/logsoftmax.rs.
+
+// out[r] = log softmax(logits[r] * inv_temp)[targets[r]]
+extern "C" __global__ void logprob_gather_forward(float* out, const float* logits,
+                                                  const u32* targets, int rows, int vocab,
+                                                  float inv_temp) {
+    __shared__ float scratch[32];
+    int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* x = logits + (size_t)r * vocab;
+    float m = NEG_INF;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, x[i] * inv_temp);
+    m = block_max(m, scratch);
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(x[i] * inv_temp - m);
+    sum = block_sum(sum, scratch);
+    if (threadIdx.x == 0) {
+        u32 t = targets[r];
+        out[r] = t < (u32)vocab ? x[t] * inv_temp - m - logf(sum) : F32_NAN;
+    }
+}
+
+// out[r] = argmax_i logits[r, i], the lowest index on ties (as the CPU's
+// argmax), NaN never chosen over a number.
+extern "C" __global__ void argmax_forward(u32* out, const float* logits, int rows, int vocab) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* x = logits + (size_t)r * vocab;
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        float v = x[i];
+        if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { best_v[warp] = bv; best_i[warp] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int warps = blockDim.x >> 5;
+        for (int w = 1; w < warps; w++)
+            if (best_v[w] > best_v[0] || (best_v[w] == best_v[0] && best_i[w] < best_i[0])) {
+                best_v[0] = best_v[w];
+                best_i[0] = best_i[w];
+            }
+        out[r] = best_i[0] == 0x7fffffff ? 0u : (u32)best_i[0];
+    }
+}

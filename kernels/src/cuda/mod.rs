@@ -1,0 +1,400 @@
+//! The CUDA backend, behind the `cuda` feature: kernel sources, their NVRTC
+//! compilation to CUBIN with an on-disk cache, and (in [`device`]) the
+//! device context that loads them and launches each op.
+//!
+//! Every kernel is a `.cu` file in this folder, embedded with
+//! `include_str!` and compiled at run time for the GPU at hand, to CUBIN
+//! rather than PTX: PTX from an NVRTC newer than the driver is refused at
+//! load, CUBIN for the device's own architecture is not. NVRTC ships no CUDA
+//! headers, so sources are self-contained: `prelude.cuh` (bf16 as raw bits,
+//! warp and block reductions) is prepended to each module. The NVRTC log
+//! travels in the error. Compiled modules are cached on disk, keyed by a
+//! SHA-256 of the source, the options, the NVRTC version and the
+//! architecture.
+//!
+//! Every op has its CPU reference in `crate::cpu` under the same name; the
+//! GPU tests compare the two at odd shapes. What runs without a GPU: the
+//! compilation of every module for sm_90 and sm_100 (CI does it with the
+//! NVRTC library from PyPI's CUDA wheels). cudarc panics when a CUDA library
+//! is missing, so every entry point checks that the library is present
+//! first and returns `Error::NoDevice` otherwise.
+//!
+//! Not for: model code (it calls ops through the device-dispatching layer),
+//! GEMMs (cuBLAS), or anything that needs CUDA headers.
+
+pub mod device;
+
+use crate::{Error, Result};
+use sha2::{Digest, Sha256};
+use std::ffi::{CStr, CString};
+use std::path::{Path, PathBuf};
+
+/// Prepended to every module.
+pub const PRELUDE: &str = include_str!("prelude.cuh");
+
+/// One kernel source file: a module of related kernels.
+#[derive(Debug, Clone, Copy)]
+pub struct Module {
+    pub name: &'static str,
+    pub source: &'static str,
+    /// The `extern "C"` kernels it defines, loaded by name.
+    pub kernels: &'static [&'static str],
+}
+
+/// Every module of the backend.
+pub const MODULES: &[Module] = &[
+    Module {
+        name: "norm",
+        source: include_str!("norm.cu"),
+        kernels: &[
+            "rmsnorm_forward",
+            "add_rmsnorm_forward",
+            "gated_rmsnorm_forward",
+            "l2norm_forward",
+        ],
+    },
+    Module {
+        name: "activation",
+        source: include_str!("activation.cu"),
+        kernels: &[
+            "silu_mul_forward",
+            "sigmoid_gate_forward",
+            "silu_forward",
+            "gated_delta_gating_forward",
+        ],
+    },
+    Module {
+        name: "embedding",
+        source: include_str!("embedding.cu"),
+        kernels: &[
+            "embedding_forward_f32",
+            "embedding_forward_bf16",
+            "f32_to_bf16_copy",
+        ],
+    },
+    Module {
+        name: "rope",
+        source: include_str!("rope.cu"),
+        kernels: &["qk_norm_rope_forward"],
+    },
+    Module {
+        name: "conv1d",
+        source: include_str!("conv1d.cu"),
+        kernels: &["conv1d_update"],
+    },
+    Module {
+        name: "gated_delta",
+        source: include_str!("gated_delta.cu"),
+        kernels: &["gated_delta_decode", "gated_delta_prefill"],
+    },
+    Module {
+        name: "attention",
+        source: include_str!("attention.cu"),
+        kernels: &[
+            "paged_kv_write",
+            "paged_attention_decode",
+            "varlen_attention_prefill",
+        ],
+    },
+    Module {
+        name: "logsoftmax",
+        source: include_str!("logsoftmax.cu"),
+        kernels: &["logprob_gather_forward", "argmax_forward"],
+    },
+];
+
+/// The module defining `kernel`.
+pub fn module_of(kernel: &str) -> Option<&'static Module> {
+    MODULES.iter().find(|m| m.kernels.contains(&kernel))
+}
+
+impl Module {
+    /// The text NVRTC compiles: the prelude, then the module.
+    pub fn full_source(&self) -> String {
+        format!("{PRELUDE}\n#line 1 \"{}.cu\"\n{}", self.name, self.source)
+    }
+}
+
+/// NVRTC options for compute capability `arch` (90 for sm_90).
+pub fn nvrtc_options(arch: u32) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture=sm_{arch}"),
+        "--std=c++17".into(),
+        "-default-device".into(),
+    ]
+}
+
+/// Whether the NVRTC library can be loaded (checked before any call, since
+/// cudarc panics on a missing library).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to open the library by its candidate names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+fn require_nvrtc() -> Result<()> {
+    if nvrtc_available() {
+        Ok(())
+    } else {
+        Err(Error::NoDevice(
+            "the NVRTC library (libnvrtc.so.13) is not on the loader path; \
+             install the CUDA 13 runtime compiler (e.g. PyPI's nvidia-cuda-nvrtc) \
+             and add its lib folder to LD_LIBRARY_PATH"
+                .into(),
+        ))
+    }
+}
+
+/// NVRTC's (major, minor) version.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    require_nvrtc()?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-parameters, library present.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| Error::Compile {
+            module: "(version)".into(),
+            log: format!("{e:?}"),
+        })?;
+    Ok((major, minor))
+}
+
+/// An NVRTC program, destroyed on drop.
+struct Program(cudarc::nvrtc::sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: created by nvrtcCreateProgram, destroyed once.
+        unsafe {
+            let _ = cudarc::nvrtc::sys::nvrtcDestroyProgram(&mut self.0);
+        }
+    }
+}
+
+/// Compiles `module` to CUBIN for compute capability `arch`, with no cache.
+/// A compile error carries NVRTC's log.
+pub fn compile_cubin(module: &Module, arch: u32) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::sys;
+    require_nvrtc()?;
+    let err = |log: String| Error::Compile {
+        module: module.name.to_string(),
+        log,
+    };
+    let src = CString::new(module.full_source()).map_err(|e| err(e.to_string()))?;
+    let name = CString::new(format!("{}.cu", module.name)).map_err(|e| err(e.to_string()))?;
+    let mut raw = std::ptr::null_mut();
+    // SAFETY: src and name outlive the program (dropped at the end of this
+    // function, before them); no headers.
+    unsafe {
+        sys::nvrtcCreateProgram(
+            &mut raw,
+            src.as_ptr(),
+            name.as_ptr(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    }
+    .result()
+    .map_err(|e| err(format!("creating the program: {e:?}")))?;
+    let prog = Program(raw);
+    let opts: Vec<CString> = nvrtc_options(arch)
+        .into_iter()
+        .map(|o| CString::new(o).map_err(|e| err(e.to_string())))
+        .collect::<Result<_>>()?;
+    let ptrs: Vec<*const std::ffi::c_char> = opts.iter().map(|o| o.as_ptr()).collect();
+    // SAFETY: the program is live; ptrs point into `opts`, alive here.
+    let compiled = unsafe { sys::nvrtcCompileProgram(prog.0, ptrs.len() as i32, ptrs.as_ptr()) };
+    if compiled.result().is_err() {
+        return Err(err(program_log(&prog)));
+    }
+    let mut size = 0usize;
+    // SAFETY: the program compiled; the buffer is sized by NVRTC's answer.
+    unsafe { sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+        .result()
+        .map_err(|e| err(format!("CUBIN size: {e:?}")))?;
+    let mut cubin = vec![0u8; size];
+    unsafe { sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr() as *mut std::ffi::c_char) }
+        .result()
+        .map_err(|e| err(format!("CUBIN: {e:?}")))?;
+    Ok(cubin)
+}
+
+fn program_log(prog: &Program) -> String {
+    use cudarc::nvrtc::sys;
+    let mut size = 0usize;
+    // SAFETY: live program; the buffer is sized by NVRTC's answer.
+    if unsafe { sys::nvrtcGetProgramLogSize(prog.0, &mut size) }
+        .result()
+        .is_err()
+        || size == 0
+    {
+        return "(no log)".into();
+    }
+    let mut buf = vec![0u8; size];
+    if unsafe { sys::nvrtcGetProgramLog(prog.0, buf.as_mut_ptr() as *mut std::ffi::c_char) }
+        .result()
+        .is_err()
+    {
+        return "(no log)".into();
+    }
+    CStr::from_bytes_until_nul(&buf)
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| String::from_utf8_lossy(&buf).into_owned())
+}
+
+/// Compiled modules on disk: `DIR/NAME-smARCH-HASH.cubin`.
+#[derive(Debug, Clone)]
+pub struct KernelCache {
+    dir: PathBuf,
+}
+
+impl KernelCache {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        KernelCache { dir: dir.into() }
+    }
+
+    /// `$ARCTICD_KERNEL_CACHE`, else `$XDG_CACHE_HOME/arcticd/kernels`, else
+    /// `~/.cache/arcticd/kernels`.
+    pub fn default_dir() -> PathBuf {
+        if let Some(d) = std::env::var_os("ARCTICD_KERNEL_CACHE") {
+            return PathBuf::from(d);
+        }
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap_or_else(std::env::temp_dir)
+            .join("arcticd")
+            .join("kernels")
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The cache file of `module` for `arch` under NVRTC `version`.
+    pub fn path(&self, module: &Module, arch: u32, version: (i32, i32)) -> PathBuf {
+        let mut h = Sha256::new();
+        h.update(module.full_source().as_bytes());
+        for o in nvrtc_options(arch) {
+            h.update([0u8]);
+            h.update(o.as_bytes());
+        }
+        h.update(format!("\0nvrtc {}.{}\0sm_{arch}", version.0, version.1).as_bytes());
+        let digest = h.finalize();
+        let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        self.dir
+            .join(format!("{}-sm{arch}-{hex}.cubin", module.name))
+    }
+
+    /// The CUBIN of `module` for `arch`: from the cache, else compiled and
+    /// stored (written to a temporary name and renamed, so a reader never
+    /// sees half a file). An unwritable cache only costs the compile.
+    pub fn get_or_compile(&self, module: &Module, arch: u32) -> Result<Vec<u8>> {
+        let path = self.path(module, arch, nvrtc_version()?);
+        if let Ok(bytes) = std::fs::read(&path) {
+            if !bytes.is_empty() {
+                return Ok(bytes);
+            }
+        }
+        let cubin = compile_cubin(module, arch)?;
+        if std::fs::create_dir_all(&self.dir).is_ok() {
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            if std::fs::write(&tmp, &cubin).is_ok() && std::fs::rename(&tmp, &path).is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+        }
+        Ok(cubin)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// CI sets this (with NVRTC installed): a missing library is then a
+    /// failure, not a skip.
+    fn nvrtc_or_skip() -> bool {
+        if nvrtc_available() {
+            return true;
+        }
+        assert!(
+            std::env::var_os("ARCTICD_REQUIRE_NVRTC").is_none(),
+            "ARCTICD_REQUIRE_NVRTC is set but NVRTC cannot be loaded"
+        );
+        eprintln!("skipped: NVRTC is not on the loader path");
+        false
+    }
+
+    #[test]
+    fn every_module_compiles_to_cubin_for_hopper_and_blackwell() {
+        if !nvrtc_or_skip() {
+            return;
+        }
+        for arch in [90, 100] {
+            for m in MODULES {
+                let cubin = compile_cubin(m, arch)
+                    .unwrap_or_else(|e| panic!("{} for sm_{arch}: {e}", m.name));
+                // An ELF image.
+                assert_eq!(&cubin[..4], b"\x7fELF", "{} sm_{arch}", m.name);
+                for k in m.kernels {
+                    assert!(
+                        cubin.windows(k.len()).any(|w| w == k.as_bytes()),
+                        "{}: kernel {k} is not in the image",
+                        m.name
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_syntax_error_is_an_error_with_the_log() {
+        if !nvrtc_or_skip() {
+            return;
+        }
+        let bad = Module {
+            name: "bad",
+            source: "extern \"C\" __global__ void k(float* x) { x[0] = undeclared; }",
+            kernels: &["k"],
+        };
+        let e = compile_cubin(&bad, 90).unwrap_err().to_string();
+        assert!(e.contains("bad") && e.contains("undeclared"), "{e}");
+    }
+
+    #[test]
+    fn the_cache_stores_once_and_keys_on_source_and_arch() {
+        if !nvrtc_or_skip() {
+            return;
+        }
+        let d = std::env::temp_dir().join(format!("arcticd-kcache-{}", std::process::id()));
+        let cache = KernelCache::new(&d);
+        let m = &MODULES[1];
+        let a = cache.get_or_compile(m, 90).unwrap();
+        let files = std::fs::read_dir(&d).unwrap().count();
+        assert_eq!(files, 1);
+        let b = cache.get_or_compile(m, 90).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 1);
+        cache.get_or_compile(m, 100).unwrap();
+        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 2);
+        let v = nvrtc_version().unwrap();
+        assert_ne!(cache.path(m, 90, v), cache.path(&MODULES[0], 90, v));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn every_kernel_name_belongs_to_one_module() {
+        let mut seen = std::collections::HashSet::new();
+        for m in MODULES {
+            for k in m.kernels {
+                assert!(seen.insert(*k), "{k} defined twice");
+                assert!(
+                    m.source.contains(&format!("void {k}(")),
+                    "{k} not in {}.cu",
+                    m.name
+                );
+            }
+        }
+        assert_eq!(module_of("gated_delta_decode").unwrap().name, "gated_delta");
+    }
+}
