@@ -246,6 +246,362 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// `res += inp`, then `out = rmsnorm(res)` with `(1 + weight)`; `rstd`
+    /// saved. The residual add of one layer fused with the next norm.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rmsnorm_forward(
+        &self,
+        out: &mut CudaSlice<f32>,
+        rstd: &mut CudaSlice<f32>,
+        res: &mut CudaSlice<f32>,
+        inp: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        n: usize,
+        c: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let op = "add_rmsnorm";
+        shape(
+            op,
+            &[
+                ("out", out.len(), n * c),
+                ("rstd", rstd.len(), n),
+                ("res", res.len(), n * c),
+                ("inp", inp.len(), n * c),
+                ("weight", weight.len(), c),
+            ],
+        )?;
+        if n == 0 || c == 0 {
+            return Ok(());
+        }
+        let (ni, ci) = (int(op, "n", n)?, int(op, "c", c)?);
+        let f = self.func("add_rmsnorm_forward")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out)
+            .arg(rstd)
+            .arg(res)
+            .arg(inp)
+            .arg(weight)
+            .arg(&ni)
+            .arg(&ci)
+            .arg(&eps);
+        // SAFETY: as above.
+        unsafe { b.launch(rows(n)) }?;
+        Ok(())
+    }
+
+    /// Per-head RMSNorm (`1 + weight`, `weight[head_dim]`) then partial
+    /// rotate-half RoPE on the first `rot_dim` channels, in place on
+    /// `x[positions.len(), heads, head_dim]`; `rstd[tokens * heads]` saved.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_rope_forward(
+        &self,
+        x: &mut CudaSlice<f32>,
+        rstd: &mut CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        positions: &CudaSlice<u32>,
+        heads: usize,
+        head_dim: usize,
+        rot_dim: usize,
+        theta: f32,
+        eps: f32,
+    ) -> Result<()> {
+        let op = "qk_norm_rope";
+        let n = positions.len();
+        if rot_dim > head_dim || !rot_dim.is_multiple_of(2) {
+            return Err(Error::Shape(format!(
+                "{op}: rot_dim {rot_dim} must be even and at most head_dim {head_dim}"
+            )));
+        }
+        shape(
+            op,
+            &[
+                ("x", x.len(), n * heads * head_dim),
+                ("rstd", rstd.len(), n * heads),
+                ("weight", weight.len(), head_dim),
+            ],
+        )?;
+        if n == 0 || heads == 0 || head_dim == 0 {
+            return Ok(());
+        }
+        let ints = [n, heads, head_dim, rot_dim]
+            .iter()
+            .map(|&v| int(op, "size", v))
+            .collect::<Result<Vec<i32>>>()?;
+        let f = self.func("qk_norm_rope_forward")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(rstd).arg(weight).arg(positions);
+        for v in &ints {
+            b.arg(v);
+        }
+        b.arg(&theta).arg(&eps);
+        // SAFETY: as above.
+        unsafe { b.launch(rows(n * heads)) }?;
+        Ok(())
+    }
+
+    /// `out[n, c] = table[ids[n]]`, the table f32 `[vocab, c]`. Ids are
+    /// checked here (an out-of-range id is an error, as on the CPU).
+    pub fn embedding_forward(
+        &self,
+        out: &mut CudaSlice<f32>,
+        ids: &[u32],
+        table: &CudaSlice<f32>,
+        vocab: usize,
+        c: usize,
+    ) -> Result<()> {
+        self.embedding("embedding_forward_f32", out, ids, table, vocab, c)
+    }
+
+    /// [`Self::embedding_forward`] from a bf16 table (raw bits), widened.
+    pub fn embedding_forward_bf16(
+        &self,
+        out: &mut CudaSlice<f32>,
+        ids: &[u32],
+        table: &CudaSlice<u16>,
+        vocab: usize,
+        c: usize,
+    ) -> Result<()> {
+        self.embedding("embedding_forward_bf16", out, ids, table, vocab, c)
+    }
+
+    fn embedding<T>(
+        &self,
+        kernel: &str,
+        out: &mut CudaSlice<f32>,
+        ids: &[u32],
+        table: &CudaSlice<T>,
+        vocab: usize,
+        c: usize,
+    ) -> Result<()> {
+        let op = "embedding";
+        let n = ids.len();
+        shape(
+            op,
+            &[("out", out.len(), n * c), ("table", table.len(), vocab * c)],
+        )?;
+        if let Some((t, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(Error::Index(format!(
+                "token id {id} at position {t} is not below the vocabulary size {vocab}"
+            )));
+        }
+        if n == 0 || c == 0 {
+            return Ok(());
+        }
+        let dids = self.upload(ids)?;
+        let (ni, ci, vi) = (int(op, "n", n)?, int(op, "c", c)?, int(op, "vocab", vocab)?);
+        let f = self.func(kernel)?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out).arg(&dids).arg(table).arg(&ni).arg(&ci).arg(&vi);
+        // SAFETY: as above; ids checked.
+        unsafe { b.launch(rows(n)) }?;
+        Ok(())
+    }
+
+    /// `out = bf16(inp)` (round to nearest even), raw bits: the bf16 copy
+    /// of the weights the engine reads, written from the fp32 masters.
+    pub fn f32_to_bf16(&self, out: &mut CudaSlice<u16>, inp: &CudaSlice<f32>) -> Result<()> {
+        let n = inp.len();
+        shape("f32_to_bf16", &[("out", out.len(), n)])?;
+        if n == 0 {
+            return Ok(());
+        }
+        let nl = n as i64;
+        let f = self.func("f32_to_bf16_copy")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out).arg(inp).arg(&nl);
+        // SAFETY: as above.
+        unsafe { b.launch(elems(n)) }?;
+        Ok(())
+    }
+
+    /// The Gated DeltaNet gating over `[t, nv]`: `g = -exp(a_log[h]) *
+    /// softplus(a + dt_bias[h])`, `beta = sigmoid(b)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_delta_gating_forward(
+        &self,
+        g: &mut CudaSlice<f32>,
+        beta: &mut CudaSlice<f32>,
+        a: &CudaSlice<f32>,
+        b_in: &CudaSlice<f32>,
+        a_log: &CudaSlice<f32>,
+        dt_bias: &CudaSlice<f32>,
+        nv: usize,
+    ) -> Result<()> {
+        let op = "gated_delta_gating";
+        let n = a.len();
+        if nv == 0 || !n.is_multiple_of(nv) {
+            return Err(Error::Shape(format!(
+                "{op}: {n} values are not rows of {nv} heads"
+            )));
+        }
+        shape(
+            op,
+            &[
+                ("g", g.len(), n),
+                ("beta", beta.len(), n),
+                ("b", b_in.len(), n),
+                ("a_log", a_log.len(), nv),
+                ("dt_bias", dt_bias.len(), nv),
+            ],
+        )?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (ti, hi) = (int(op, "t", n / nv)?, int(op, "nv", nv)?);
+        let f = self.func("gated_delta_gating_forward")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(g)
+            .arg(beta)
+            .arg(a)
+            .arg(b_in)
+            .arg(a_log)
+            .arg(dt_bias)
+            .arg(&ti)
+            .arg(&hi);
+        // SAFETY: as above.
+        unsafe { b.launch(elems(n)) }?;
+        Ok(())
+    }
+
+    /// One decode token of the causal conv for `slots.len()` sequences:
+    /// `out, inp [seqs, c]`, conv history `state[slots, k - 1, c]`,
+    /// `weight[c, k]`. Pre-activation, as on the CPU.
+    pub fn conv1d_update(
+        &self,
+        out: &mut CudaSlice<f32>,
+        state: &mut CudaSlice<f32>,
+        inp: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        slots: &CudaSlice<u32>,
+        k: usize,
+    ) -> Result<()> {
+        let op = "conv1d_update";
+        let seqs = slots.len();
+        let c = weight.len() / k.max(1);
+        if k == 0 || weight.len() != c * k {
+            return Err(Error::Shape(format!(
+                "{op}: weight {} for kernel {k}",
+                weight.len()
+            )));
+        }
+        shape(
+            op,
+            &[("out", out.len(), seqs * c), ("inp", inp.len(), seqs * c)],
+        )?;
+        let per_slot = (k - 1) * c;
+        if per_slot > 0 && !state.len().is_multiple_of(per_slot) {
+            return Err(Error::Shape(format!(
+                "{op}: state has {} elements, not whole slots of {per_slot}",
+                state.len()
+            )));
+        }
+        if seqs == 0 || c == 0 {
+            return Ok(());
+        }
+        let ints = [seqs, c, k]
+            .iter()
+            .map(|&v| int(op, "size", v))
+            .collect::<Result<Vec<i32>>>()?;
+        let f = self.func(op)?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out)
+            .arg(state)
+            .arg(inp)
+            .arg(weight)
+            .arg(slots)
+            .arg(&ints[0])
+            .arg(&ints[1])
+            .arg(&ints[2]);
+        // SAFETY: as above.
+        unsafe { b.launch(elems(seqs * c)) }?;
+        Ok(())
+    }
+
+    /// Prefill of the gated delta rule over packed sequences (`cu_seqlens`
+    /// from 0 to T), each with its fp32 state at `slots[s]` in
+    /// `state[slots, nv, dk, dv]`, token by token (the recurrent form).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_delta_prefill(
+        &self,
+        out: &mut CudaSlice<f32>,
+        state: &mut CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        slots: &CudaSlice<u32>,
+        cu_seqlens: &[u32],
+        dims: (usize, usize, usize, usize),
+    ) -> Result<()> {
+        let op = "gated_delta_prefill";
+        let (nk, nv, dk, dv) = dims;
+        let seqs = slots.len();
+        if nk == 0 || !nv.is_multiple_of(nk) {
+            return Err(Error::Shape(format!(
+                "{op}: nv {nv} is not a multiple of nk {nk}"
+            )));
+        }
+        if cu_seqlens.len() != seqs + 1
+            || cu_seqlens.first() != Some(&0)
+            || cu_seqlens.windows(2).any(|w| w[0] > w[1])
+        {
+            return Err(Error::Shape(format!(
+                "{op}: cu_seqlens {cu_seqlens:?} must rise from 0 over {seqs} sequences"
+            )));
+        }
+        let t = cu_seqlens[seqs] as usize;
+        shape(
+            op,
+            &[
+                ("out", out.len(), t * nv * dv),
+                ("q", q.len(), t * nk * dk),
+                ("k", k.len(), t * nk * dk),
+                ("v", v.len(), t * nv * dv),
+                ("g", g.len(), t * nv),
+                ("beta", beta.len(), t * nv),
+            ],
+        )?;
+        let per_slot = nv * dk * dv;
+        if per_slot == 0 || !state.len().is_multiple_of(per_slot) {
+            return Err(Error::Shape(format!(
+                "{op}: state has {} elements, not a whole number of [{nv}, {dk}, {dv}] slots",
+                state.len()
+            )));
+        }
+        if seqs == 0 || t == 0 {
+            return Ok(());
+        }
+        let cu = self.upload(cu_seqlens)?;
+        let ints = [seqs, nk, nv, dk, dv]
+            .iter()
+            .map(|&x| int(op, "size", x))
+            .collect::<Result<Vec<i32>>>()?;
+        let f = self.func(op)?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(out)
+            .arg(state)
+            .arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(g)
+            .arg(beta)
+            .arg(slots)
+            .arg(&cu);
+        for x in &ints {
+            b.arg(x);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: ((seqs * nv) as u32, 1, 1),
+            block_dim: (dv.next_multiple_of(32).min(1024) as u32, 1, 1),
+            shared_mem_bytes: (2 * dk * 4) as u32,
+        };
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
     /// `out = silu(gate) * up`.
     pub fn silu_mul_forward(
         &self,
@@ -282,6 +638,21 @@ impl CudaDevice {
         let f = self.func("sigmoid_gate_forward")?;
         let mut b = self.stream.launch_builder(f);
         b.arg(x).arg(gate).arg(&nl);
+        // SAFETY: as above.
+        unsafe { b.launch(elems(n)) }?;
+        Ok(())
+    }
+
+    /// `x = silu(x)`, in place (after the causal conv).
+    pub fn silu_forward(&self, x: &mut CudaSlice<f32>) -> Result<()> {
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let nl = n as i64;
+        let f = self.func("silu_forward")?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(x).arg(&nl);
         // SAFETY: as above.
         unsafe { b.launch(elems(n)) }?;
         Ok(())
@@ -699,6 +1070,233 @@ mod tests {
     }
 
     #[test]
+    fn add_rmsnorm_and_qk_norm_rope_match_cpu() {
+        let Some(d) = gpu() else { return };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+        let (n, c) = (3, 301);
+        let (res, x) = (
+            rand_vec(&mut rng, n * c, 1.0),
+            rand_vec(&mut rng, n * c, 1.0),
+        );
+        let w = rand_vec(&mut rng, c, 0.5);
+        let sum: Vec<f32> = res.iter().zip(&x).map(|(a, b)| a + b).collect();
+        let (mut y, mut r) = (vec![0.0; n * c], vec![0.0; n]);
+        cpu::rmsnorm::rmsnorm_forward(&mut y, &mut r, &sum, &w, n, c, 1e-6).unwrap();
+        let mut dres = d.upload(&res).unwrap();
+        let (dx, dw) = (d.upload(&x).unwrap(), d.upload(&w).unwrap());
+        let (mut dy, mut dr) = (d.zeros(n * c).unwrap(), d.zeros(n).unwrap());
+        d.add_rmsnorm_forward(&mut dy, &mut dr, &mut dres, &dx, &dw, n, c, 1e-6)
+            .unwrap();
+        close(
+            "add_rmsnorm residual",
+            &d.download(&dres).unwrap(),
+            &sum,
+            0.0,
+        );
+        close("add_rmsnorm", &d.download(&dy).unwrap(), &y, 1e-5);
+
+        // q/k norm + partial RoPE at large positions (the angles must agree).
+        let (heads, hd, rot, theta) = (3, 80, 20, 1e7f32);
+        let positions = [0u32, 7, 40_000];
+        let q = rand_vec(&mut rng, 3 * heads * hd, 2.0);
+        let qw = rand_vec(&mut rng, hd, 0.5);
+        let (mut want, mut rs) = (vec![0.0; q.len()], vec![0.0; 3 * heads]);
+        cpu::rmsnorm::rmsnorm_forward(&mut want, &mut rs, &q, &qw, 3 * heads, hd, 1e-6).unwrap();
+        cpu::rope::rope_forward(&mut want, &positions, heads, hd, rot, theta).unwrap();
+        let mut dq = d.upload(&q).unwrap();
+        let mut drs = d.zeros(3 * heads).unwrap();
+        let (dqw, dpos) = (d.upload(&qw).unwrap(), d.upload(&positions).unwrap());
+        d.qk_norm_rope_forward(&mut dq, &mut drs, &dqw, &dpos, heads, hd, rot, theta, 1e-6)
+            .unwrap();
+        close("qk_norm_rope", &d.download(&dq).unwrap(), &want, 1e-4);
+    }
+
+    #[test]
+    fn embedding_bf16_and_gating_match_cpu() {
+        let Some(d) = gpu() else { return };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let (vocab, c) = (50, 33);
+        let table = rand_vec(&mut rng, vocab * c, 1.0);
+        let ids = [3u32, 49, 0, 3];
+        let mut want = vec![0.0; ids.len() * c];
+        cpu::embedding::embedding_forward(&mut want, &ids, &table, vocab, c).unwrap();
+        let dt = d.upload(&table).unwrap();
+        let mut out = d.zeros(ids.len() * c).unwrap();
+        d.embedding_forward(&mut out, &ids, &dt, vocab, c).unwrap();
+        close("embedding", &d.download(&out).unwrap(), &want, 0.0);
+        assert!(d.embedding_forward(&mut out, &[50], &dt, vocab, c).is_err());
+        // bf16: the device's rounding equals half's, bit for bit.
+        let mut bits = d.zeros::<u16>(table.len()).unwrap();
+        d.f32_to_bf16(&mut bits, &dt).unwrap();
+        let host: Vec<u16> = table
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        assert_eq!(d.download(&bits).unwrap(), host);
+        let widened: Vec<f32> = ids
+            .iter()
+            .flat_map(|&i| host[i as usize * c..(i as usize + 1) * c].iter())
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect();
+        d.embedding_forward_bf16(&mut out, &ids, &bits, vocab, c)
+            .unwrap();
+        close("embedding bf16", &d.download(&out).unwrap(), &widened, 0.0);
+
+        let (t, nv) = (5, 6);
+        let (a, b) = (
+            rand_vec(&mut rng, t * nv, 30.0),
+            rand_vec(&mut rng, t * nv, 5.0),
+        );
+        let (a_log, dt_bias) = (rand_vec(&mut rng, nv, 1.0), rand_vec(&mut rng, nv, 1.0));
+        let want_g: Vec<f32> = (0..t * nv)
+            .map(|i| -a_log[i % nv].exp() * cpu::activation::softplus(a[i] + dt_bias[i % nv]))
+            .collect();
+        let want_b: Vec<f32> = b.iter().map(|&x| cpu::activation::sigmoid(x)).collect();
+        let (mut dg, mut db) = (d.zeros(t * nv).unwrap(), d.zeros(t * nv).unwrap());
+        let up = |x: &[f32]| d.upload(x).unwrap();
+        d.gated_delta_gating_forward(
+            &mut dg,
+            &mut db,
+            &up(&a),
+            &up(&b),
+            &up(&a_log),
+            &up(&dt_bias),
+            nv,
+        )
+        .unwrap();
+        close("g", &d.download(&dg).unwrap(), &want_g, 1e-5);
+        close("beta", &d.download(&db).unwrap(), &want_b, 1e-6);
+    }
+
+    #[test]
+    fn conv1d_update_and_gated_delta_prefill_match_cpu() {
+        let Some(d) = gpu() else { return };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        // conv: two sequences in slots 1 and 0, three decode tokens each.
+        let (c, k) = (37, 4);
+        let w = rand_vec(&mut rng, c * k, 1.0);
+        let mut states: Vec<Vec<f32>> = (0..2)
+            .map(|_| rand_vec(&mut rng, (k - 1) * c, 1.0))
+            .collect();
+        let slots = [1u32, 0];
+        let mut dstate = d.upload(&states.concat()).unwrap();
+        let (dw, dslots) = (d.upload(&w).unwrap(), d.upload(&slots).unwrap());
+        for _ in 0..3 {
+            let x = rand_vec(&mut rng, 2 * c, 1.0);
+            let mut want = vec![0.0; 2 * c];
+            for (s, &slot) in slots.iter().enumerate() {
+                cpu::conv1d::conv1d_forward(
+                    &mut want[s * c..(s + 1) * c],
+                    &mut states[slot as usize],
+                    &x[s * c..(s + 1) * c],
+                    &w,
+                    1,
+                    c,
+                    k,
+                )
+                .unwrap();
+            }
+            let mut out = d.zeros(2 * c).unwrap();
+            d.conv1d_update(
+                &mut out,
+                &mut dstate,
+                &d.upload(&x).unwrap(),
+                &dw,
+                &dslots,
+                k,
+            )
+            .unwrap();
+            close("conv1d", &d.download(&out).unwrap(), &want, 1e-5);
+        }
+        close(
+            "conv1d state",
+            &d.download(&dstate).unwrap(),
+            &states.concat(),
+            0.0,
+        );
+
+        // gated delta prefill: sequences of 19 and 3 tokens.
+        let (nk, nv, dk, dv) = (1, 2, 16, 24);
+        let cu = [0u32, 19, 22];
+        let t = 22;
+        let q = rand_vec(&mut rng, t * nk * dk, 0.3);
+        let kk = rand_vec(&mut rng, t * nk * dk, 0.3);
+        let v = rand_vec(&mut rng, t * nv * dv, 1.0);
+        let g: Vec<f32> = (0..t * nv).map(|_| -rng.gen_range(0.0..1.0f32)).collect();
+        let beta: Vec<f32> = (0..t * nv).map(|_| rng.gen_range(0.0..1.0f32)).collect();
+        let per = nv * dk * dv;
+        let mut st: Vec<Vec<f32>> = (0..2).map(|_| rand_vec(&mut rng, per, 0.3)).collect();
+        let mut dst = d.upload(&st.concat()).unwrap();
+        let mut want = vec![0.0; t * nv * dv];
+        for s in 0..2 {
+            let (a, b) = (cu[s] as usize, cu[s + 1] as usize);
+            let dims = cpu::gated_delta::GatedDeltaDims {
+                t: b - a,
+                nk,
+                nv,
+                dk,
+                dv,
+            };
+            cpu::gated_delta::gated_delta_recurrent_forward(
+                &mut want[a * nv * dv..b * nv * dv],
+                &mut st[s],
+                &q[a * nk * dk..b * nk * dk],
+                &kk[a * nk * dk..b * nk * dk],
+                &v[a * nv * dv..b * nv * dv],
+                &g[a * nv..b * nv],
+                &beta[a * nv..b * nv],
+                dims,
+            )
+            .unwrap();
+        }
+        let up = |x: &[f32]| d.upload(x).unwrap();
+        let mut out = d.zeros(t * nv * dv).unwrap();
+        d.gated_delta_prefill(
+            &mut out,
+            &mut dst,
+            &up(&q),
+            &up(&kk),
+            &up(&v),
+            &up(&g),
+            &up(&beta),
+            &d.upload(&[0u32, 1]).unwrap(),
+            &cu,
+            (nk, nv, dk, dv),
+        )
+        .unwrap();
+        close(
+            "gated_delta prefill",
+            &d.download(&out).unwrap(),
+            &want,
+            1e-5,
+        );
+        close(
+            "gated_delta prefill state",
+            &d.download(&dst).unwrap(),
+            &st.concat(),
+            1e-5,
+        );
+    }
+
+    #[test]
+    fn l2norm_matches_cpu_and_scales() {
+        let Some(d) = gpu() else { return };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let (n, dd) = (7, 130);
+        let x = rand_vec(&mut rng, n * dd, 1.0);
+        let (mut y, mut r) = (vec![0.0; n * dd], vec![0.0; n]);
+        cpu::l2norm::l2norm_forward(&mut y, &mut r, &x, n, dd, 1e-6).unwrap();
+        let scale = 0.25f32;
+        let want: Vec<f32> = y.iter().map(|v| v * scale).collect();
+        let dx = d.upload(&x).unwrap();
+        let (mut dy, mut dr) = (d.zeros(n * dd).unwrap(), d.zeros(n).unwrap());
+        d.l2norm_forward(&mut dy, &mut dr, &dx, n, dd, 1e-6, scale)
+            .unwrap();
+        close("l2norm", &d.download(&dy).unwrap(), &want, 1e-5);
+        close("rnorm", &d.download(&dr).unwrap(), &r, 1e-5);
+    }
+
+    #[test]
     fn activations_match_cpu() {
         let Some(d) = gpu() else { return };
         let mut rng = rand::rngs::StdRng::seed_from_u64(2);
@@ -715,6 +1313,11 @@ mod tests {
         let mut dx = d.upload(&u).unwrap();
         d.sigmoid_gate_forward(&mut dx, &dg).unwrap();
         close("sigmoid_gate", &d.download(&dx).unwrap(), &x, 1e-6);
+        let mut x = g.clone();
+        cpu::activation::silu_forward(&mut x);
+        let mut dx = d.upload(&g).unwrap();
+        d.silu_forward(&mut dx).unwrap();
+        close("silu", &d.download(&dx).unwrap(), &x, 1e-6);
     }
 
     #[test]
