@@ -44,12 +44,7 @@ fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("ARCTICD_DEMO_DIR") {
         return PathBuf::from(d);
     }
-    std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(std::env::temp_dir)
-        .join("arcticd")
-        .join("demo")
+    arcticd_kernels::host::cache_dir("demo")
 }
 
 fn on_path(program: &str) -> bool {

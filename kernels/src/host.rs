@@ -1,4 +1,5 @@
-//! Process-wide settings of the host the kernels run on.
+//! Process-wide settings of the host the kernels run on, and where arcticd
+//! keeps its caches.
 //!
 //! Not for: anything numeric.
 
@@ -21,4 +22,17 @@ pub fn retain_freed_memory() {
         libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
         libc::mallopt(libc::M_TOP_PAD, 64 << 20);
     }
+}
+
+/// The folder `arcticd/NAME` under the user's cache directory:
+/// `$XDG_CACHE_HOME`, else `~/.cache`, else the temporary directory. Where
+/// arcticd caches what it builds once (the demo's inputs, compiled CUDA
+/// kernels).
+pub fn cache_dir(name: &str) -> std::path::PathBuf {
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("arcticd")
+        .join(name)
 }

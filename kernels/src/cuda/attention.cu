@@ -37,6 +37,17 @@ __device__ void attn_merge_and_store(float* out, float m, float l, const float* 
     }
 }
 
+// The lane's share of the (scaled) query; the value accumulator zeroed.
+__device__ __forceinline__ void attn_load_q(float* qr, float* acc, const float* qs, int hd,
+                                            float scale) {
+    int lane = threadIdx.x & 31;
+    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) {
+        int d = lane + 32 * i;
+        qr[i] = d < hd ? qs[d] * scale : 0.0f;
+        acc[i] = 0.0f;
+    }
+}
+
 // One key: score it against the lane's share of q, fold it into (m, l, acc).
 __device__ __forceinline__ void attn_step(const float* krow, const float* vrow, const float* qr,
                                           float* acc, float& m, float& l, int hd) {
@@ -86,14 +97,9 @@ extern "C" __global__ void paged_attention_decode(float* out, const float* q, co
     int s = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
     if (s >= seqs) return;
     int kvh = h / (n_heads / n_kv_heads);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const float* qs = q + ((size_t)s * n_heads + h) * hd;
+    int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     float qr[ATTN_MAX_DIM_PER_LANE], acc[ATTN_MAX_DIM_PER_LANE];
-    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) {
-        int d = lane + 32 * i;
-        qr[i] = d < hd ? qs[d] * scale : 0.0f;
-        acc[i] = 0.0f;
-    }
+    attn_load_q(qr, acc, q + ((size_t)s * n_heads + h) * hd, hd, scale);
     float m = NEG_INF, l = 0.0f;
     int n = (int)context_lens[s];
     int row = n_kv_heads * hd;
@@ -117,15 +123,10 @@ extern "C" __global__ void varlen_attention_prefill(float* out, const float* q, 
     int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
     if (t >= tokens) return;
     int kvh = h / (n_heads / n_kv_heads);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     int start = (int)cu_seqlens[token_seq[t]];
-    const float* qs = q + ((size_t)t * n_heads + h) * hd;
     float qr[ATTN_MAX_DIM_PER_LANE], acc[ATTN_MAX_DIM_PER_LANE];
-    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) {
-        int d = lane + 32 * i;
-        qr[i] = d < hd ? qs[d] * scale : 0.0f;
-        acc[i] = 0.0f;
-    }
+    attn_load_q(qr, acc, q + ((size_t)t * n_heads + h) * hd, hd, scale);
     float m = NEG_INF, l = 0.0f;
     int row = n_kv_heads * hd;
     for (int j = start + warp; j <= t; j += warps) {

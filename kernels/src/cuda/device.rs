@@ -86,6 +86,19 @@ fn attention_launch(blocks: usize, hd: usize) -> LaunchConfig {
     }
 }
 
+/// Launches `kernel` on the device's stream with `args`, in the kernel's
+/// parameter order.
+macro_rules! launch {
+    ($dev:expr, $kernel:expr, $cfg:expr; $($arg:expr),+ $(,)?) => {{
+        let f = $dev.func($kernel)?;
+        let mut b = $dev.stream.launch_builder(f);
+        $(b.arg($arg);)+
+        // SAFETY: every wrapper passes the kernel's parameters in its order
+        // and types, after checking the sizes and indices they address.
+        unsafe { b.launch($cfg) }?;
+    }};
+}
+
 /// One GPU with every kernel loaded.
 pub struct CudaDevice {
     ordinal: usize,
@@ -189,17 +202,7 @@ impl CudaDevice {
             return Ok(());
         }
         let (ni, ci) = (int(op, "n", n)?, int(op, "c", c)?);
-        let f = self.func("rmsnorm_forward")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(rstd)
-            .arg(inp)
-            .arg(weight)
-            .arg(&ni)
-            .arg(&ci)
-            .arg(&eps);
-        // SAFETY: argument types and count match the kernel; sizes checked.
-        unsafe { b.launch(rows(n)) }?;
+        launch!(self, "rmsnorm_forward", rows(n); out, rstd, inp, weight, &ni, &ci, &eps);
         Ok(())
     }
 
@@ -231,18 +234,7 @@ impl CudaDevice {
             return Ok(());
         }
         let (ni, ci) = (int(op, "n", n)?, int(op, "c", c)?);
-        let f = self.func("gated_rmsnorm_forward")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(rstd)
-            .arg(inp)
-            .arg(gate)
-            .arg(weight)
-            .arg(&ni)
-            .arg(&ci)
-            .arg(&eps);
-        // SAFETY: as above.
-        unsafe { b.launch(rows(n)) }?;
+        launch!(self, "gated_rmsnorm_forward", rows(n); out, rstd, inp, gate, weight, &ni, &ci, &eps);
         Ok(())
     }
 
@@ -275,18 +267,7 @@ impl CudaDevice {
             return Ok(());
         }
         let (ni, ci) = (int(op, "n", n)?, int(op, "c", c)?);
-        let f = self.func("add_rmsnorm_forward")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(rstd)
-            .arg(res)
-            .arg(inp)
-            .arg(weight)
-            .arg(&ni)
-            .arg(&ci)
-            .arg(&eps);
-        // SAFETY: as above.
-        unsafe { b.launch(rows(n)) }?;
+        launch!(self, "add_rmsnorm_forward", rows(n); out, rstd, res, inp, weight, &ni, &ci, &eps);
         Ok(())
     }
 
@@ -328,15 +309,7 @@ impl CudaDevice {
             .iter()
             .map(|&v| int(op, "size", v))
             .collect::<Result<Vec<i32>>>()?;
-        let f = self.func("qk_norm_rope_forward")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(x).arg(rstd).arg(weight).arg(positions);
-        for v in &ints {
-            b.arg(v);
-        }
-        b.arg(&theta).arg(&eps);
-        // SAFETY: as above.
-        unsafe { b.launch(rows(n * heads)) }?;
+        launch!(self, "qk_norm_rope_forward", rows(n * heads); x, rstd, weight, positions, &ints[0], &ints[1], &ints[2], &ints[3], &theta, &eps);
         Ok(())
     }
 
@@ -390,11 +363,7 @@ impl CudaDevice {
         }
         let dids = self.upload(ids)?;
         let (ni, ci, vi) = (int(op, "n", n)?, int(op, "c", c)?, int(op, "vocab", vocab)?);
-        let f = self.func(kernel)?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(&dids).arg(table).arg(&ni).arg(&ci).arg(&vi);
-        // SAFETY: as above; ids checked.
-        unsafe { b.launch(rows(n)) }?;
+        launch!(self, kernel, rows(n); out, &dids, table, &ni, &ci, &vi);
         Ok(())
     }
 
@@ -407,11 +376,7 @@ impl CudaDevice {
             return Ok(());
         }
         let nl = n as i64;
-        let f = self.func("f32_to_bf16_copy")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(inp).arg(&nl);
-        // SAFETY: as above.
-        unsafe { b.launch(elems(n)) }?;
+        launch!(self, "f32_to_bf16_copy", elems(n); out, inp, &nl);
         Ok(())
     }
 
@@ -449,18 +414,7 @@ impl CudaDevice {
             return Ok(());
         }
         let (ti, hi) = (int(op, "t", n / nv)?, int(op, "nv", nv)?);
-        let f = self.func("gated_delta_gating_forward")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(g)
-            .arg(beta)
-            .arg(a)
-            .arg(b_in)
-            .arg(a_log)
-            .arg(dt_bias)
-            .arg(&ti)
-            .arg(&hi);
-        // SAFETY: as above.
-        unsafe { b.launch(elems(n)) }?;
+        launch!(self, "gated_delta_gating_forward", elems(n); g, beta, a, b_in, a_log, dt_bias, &ti, &hi);
         Ok(())
     }
 
@@ -503,18 +457,7 @@ impl CudaDevice {
             .iter()
             .map(|&v| int(op, "size", v))
             .collect::<Result<Vec<i32>>>()?;
-        let f = self.func(op)?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(state)
-            .arg(inp)
-            .arg(weight)
-            .arg(slots)
-            .arg(&ints[0])
-            .arg(&ints[1])
-            .arg(&ints[2]);
-        // SAFETY: as above.
-        unsafe { b.launch(elems(seqs * c)) }?;
+        launch!(self, op, elems(seqs * c); out, state, inp, weight, slots, &ints[0], &ints[1], &ints[2]);
         Ok(())
     }
 
@@ -578,27 +521,12 @@ impl CudaDevice {
             .iter()
             .map(|&x| int(op, "size", x))
             .collect::<Result<Vec<i32>>>()?;
-        let f = self.func(op)?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(state)
-            .arg(q)
-            .arg(k)
-            .arg(v)
-            .arg(g)
-            .arg(beta)
-            .arg(slots)
-            .arg(&cu);
-        for x in &ints {
-            b.arg(x);
-        }
         let cfg = LaunchConfig {
             grid_dim: ((seqs * nv) as u32, 1, 1),
             block_dim: (dv.next_multiple_of(32).min(1024) as u32, 1, 1),
             shared_mem_bytes: (2 * dk * 4) as u32,
         };
-        // SAFETY: as above.
-        unsafe { b.launch(cfg) }?;
+        launch!(self, op, cfg; out, state, q, k, v, g, beta, slots, &cu, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
         Ok(())
     }
 
@@ -615,11 +543,7 @@ impl CudaDevice {
             return Ok(());
         }
         let nl = n as i64;
-        let f = self.func("silu_mul_forward")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(gate).arg(up).arg(&nl);
-        // SAFETY: as above.
-        unsafe { b.launch(elems(n)) }?;
+        launch!(self, "silu_mul_forward", elems(n); out, gate, up, &nl);
         Ok(())
     }
 
@@ -635,11 +559,7 @@ impl CudaDevice {
             return Ok(());
         }
         let nl = n as i64;
-        let f = self.func("sigmoid_gate_forward")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(x).arg(gate).arg(&nl);
-        // SAFETY: as above.
-        unsafe { b.launch(elems(n)) }?;
+        launch!(self, "sigmoid_gate_forward", elems(n); x, gate, &nl);
         Ok(())
     }
 
@@ -650,11 +570,7 @@ impl CudaDevice {
             return Ok(());
         }
         let nl = n as i64;
-        let f = self.func("silu_forward")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(x).arg(&nl);
-        // SAFETY: as above.
-        unsafe { b.launch(elems(n)) }?;
+        launch!(self, "silu_forward", elems(n); x, &nl);
         Ok(())
     }
 
@@ -683,17 +599,7 @@ impl CudaDevice {
             return Ok(());
         }
         let (ni, di) = (int(op, "n", n)?, int(op, "d", d)?);
-        let f = self.func("l2norm_forward")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(rnorm)
-            .arg(inp)
-            .arg(&ni)
-            .arg(&di)
-            .arg(&eps)
-            .arg(&scale);
-        // SAFETY: as above.
-        unsafe { b.launch(rows(n)) }?;
+        launch!(self, "l2norm_forward", rows(n); out, rnorm, inp, &ni, &di, &eps, &scale);
         Ok(())
     }
 
@@ -745,29 +651,12 @@ impl CudaDevice {
             .iter()
             .map(|&x| int(op, "size", x))
             .collect::<Result<Vec<i32>>>()?;
-        let f = self.func("gated_delta_decode")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(state)
-            .arg(q)
-            .arg(k)
-            .arg(v)
-            .arg(g)
-            .arg(beta)
-            .arg(slots)
-            .arg(&ints[0])
-            .arg(&ints[1])
-            .arg(&ints[2])
-            .arg(&ints[3])
-            .arg(&ints[4]);
         let cfg = LaunchConfig {
             grid_dim: ((seqs * nv) as u32, 1, 1),
             block_dim: (dv.next_multiple_of(32).min(1024) as u32, 1, 1),
             shared_mem_bytes: (2 * dk * 4) as u32,
         };
-        // SAFETY: as above; the slots index the state (checked by the
-        // caller's slot allocator; the kernel trusts them).
-        unsafe { b.launch(cfg) }?;
+        launch!(self, "gated_delta_decode", cfg; out, state, q, k, v, g, beta, slots, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
         Ok(())
     }
 
@@ -816,21 +705,7 @@ impl CudaDevice {
             .iter()
             .map(|&x| int(op, "size", x))
             .collect::<Result<Vec<i32>>>()?;
-        let f = self.func(op)?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(q)
-            .arg(k)
-            .arg(v)
-            .arg(&cu)
-            .arg(&ts)
-            .arg(&ints[0])
-            .arg(&ints[1])
-            .arg(&ints[2])
-            .arg(&ints[3])
-            .arg(&scale);
-        // SAFETY: as above.
-        unsafe { b.launch(attention_launch(t * n_heads, hd)) }?;
+        launch!(self, op, attention_launch(t * n_heads, hd); out, q, k, v, &cu, &ts, &ints[0], &ints[1], &ints[2], &ints[3], &scale);
         Ok(())
     }
 
@@ -861,17 +736,7 @@ impl CudaDevice {
         }
         let slots = self.upload(slot_mapping)?;
         let (ti, ri) = (int(op, "tokens", t)?, int(op, "kv_row", kv_row)?);
-        let f = self.func(op)?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(k_pool)
-            .arg(v_pool)
-            .arg(k)
-            .arg(v)
-            .arg(&slots)
-            .arg(&ti)
-            .arg(&ri);
-        // SAFETY: as above; slots checked against the pool.
-        unsafe { b.launch(elems(t * kv_row)) }?;
+        launch!(self, op, elems(t * kv_row); k_pool, v_pool, k, v, &slots, &ti, &ri);
         Ok(())
     }
 
@@ -932,20 +797,7 @@ impl CudaDevice {
             .iter()
             .map(|&x| int(op, "size", x))
             .collect::<Result<Vec<i32>>>()?;
-        let f = self.func(op)?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(q)
-            .arg(k_pool)
-            .arg(v_pool)
-            .arg(&tables)
-            .arg(&lens);
-        for x in &ints {
-            b.arg(x);
-        }
-        b.arg(&scale);
-        // SAFETY: as above; tables checked against the pool.
-        unsafe { b.launch(attention_launch(seqs * n_heads, hd)) }?;
+        launch!(self, op, attention_launch(seqs * n_heads, hd); out, q, k_pool, v_pool, &tables, &lens, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &ints[5], &scale);
         Ok(())
     }
 
@@ -968,16 +820,7 @@ impl CudaDevice {
             return Ok(());
         }
         let (ni, vi) = (int(op, "rows", n)?, int(op, "vocab", vocab)?);
-        let f = self.func("logprob_gather_forward")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out)
-            .arg(logits)
-            .arg(targets)
-            .arg(&ni)
-            .arg(&vi)
-            .arg(&inv_temp);
-        // SAFETY: as above.
-        unsafe { b.launch(rows(n)) }?;
+        launch!(self, "logprob_gather_forward", rows(n); out, logits, targets, &ni, &vi, &inv_temp);
         Ok(())
     }
 
@@ -995,11 +838,7 @@ impl CudaDevice {
             return Ok(());
         }
         let (ni, vi) = (int(op, "rows", n)?, int(op, "vocab", vocab)?);
-        let f = self.func("argmax_forward")?;
-        let mut b = self.stream.launch_builder(f);
-        b.arg(out).arg(logits).arg(&ni).arg(&vi);
-        // SAFETY: as above.
-        unsafe { b.launch(rows(n)) }?;
+        launch!(self, "argmax_forward", rows(n); out, logits, &ni, &vi);
         Ok(())
     }
 }

@@ -7,6 +7,27 @@
 // q, k: [seqs, nk, dk] (q already L2-normalized and scaled); v, out:
 // [seqs, nv, dv]; g, beta: [seqs, nv]. Value head h reads key head
 // h / (nv / nk). k and q are staged in shared memory (dynamic, 2 * dk floats).
+// One token of the recurrence for column j of S (dk x dv, row stride dv):
+// decay, delta against the decayed state, rank-one update, output. q and k
+// are in shared memory (qk[0..dk) and qk[dk..2dk)); returns o_j.
+__device__ __forceinline__ float gd_column_step(float* S, const float* qk, float decay, float b,
+                                                float v_j, int j, int dk, int dv) {
+    float kv = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        float x = S[(size_t)i * dv + j] * decay;
+        S[(size_t)i * dv + j] = x;
+        kv += x * qk[dk + i];
+    }
+    float delta = b * (v_j - kv);
+    float o = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        float x = S[(size_t)i * dv + j] + qk[dk + i] * delta;
+        S[(size_t)i * dv + j] = x;
+        o += x * qk[i];
+    }
+    return o;
+}
+
 extern "C" __global__ void gated_delta_decode(float* out, float* state, const float* q,
                                               const float* k, const float* v, const float* g,
                                               const float* beta, const u32* slots, int seqs,
@@ -26,20 +47,8 @@ extern "C" __global__ void gated_delta_decode(float* out, float* state, const fl
     float b = beta[s * nv + h];
     float* S = state + ((size_t)slots[s] * nv + h) * dk * dv;
     for (int j = threadIdx.x; j < dv; j += blockDim.x) {
-        float kv = 0.0f;
-        for (int i = 0; i < dk; i++) {
-            float x = S[(size_t)i * dv + j] * decay;
-            S[(size_t)i * dv + j] = x;
-            kv += x * qk[dk + i];
-        }
-        float delta = b * (v[((size_t)s * nv + h) * dv + j] - kv);
-        float o = 0.0f;
-        for (int i = 0; i < dk; i++) {
-            float x = S[(size_t)i * dv + j] + qk[dk + i] * delta;
-            S[(size_t)i * dv + j] = x;
-            o += x * qk[i];
-        }
-        out[((size_t)s * nv + h) * dv + j] = o;
+        size_t at = ((size_t)s * nv + h) * dv + j;
+        out[at] = gd_column_step(S, qk, decay, b, v[at], j, dk, dv);
     }
 }
 
@@ -71,20 +80,8 @@ extern "C" __global__ void gated_delta_prefill(float* out, float* state, const f
         float decay = expf(g[(size_t)t * nv + h]);
         float b = beta[(size_t)t * nv + h];
         for (int j = threadIdx.x; j < dv; j += blockDim.x) {
-            float kv = 0.0f;
-            for (int i = 0; i < dk; i++) {
-                float x = S[(size_t)i * dv + j] * decay;
-                S[(size_t)i * dv + j] = x;
-                kv += x * qk[dk + i];
-            }
-            float delta = b * (v[((size_t)t * nv + h) * dv + j] - kv);
-            float o = 0.0f;
-            for (int i = 0; i < dk; i++) {
-                float x = S[(size_t)i * dv + j] + qk[dk + i] * delta;
-                S[(size_t)i * dv + j] = x;
-                o += x * qk[i];
-            }
-            out[((size_t)t * nv + h) * dv + j] = o;
+            size_t at = ((size_t)t * nv + h) * dv + j;
+            out[at] = gd_column_step(S, qk, decay, b, v[at], j, dk, dv);
         }
     }
 }

@@ -259,12 +259,7 @@ impl KernelCache {
         if let Some(d) = std::env::var_os("ARCTICD_KERNEL_CACHE") {
             return PathBuf::from(d);
         }
-        std::env::var_os("XDG_CACHE_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-            .unwrap_or_else(std::env::temp_dir)
-            .join("arcticd")
-            .join("kernels")
+        crate::host::cache_dir("kernels")
     }
 
     pub fn dir(&self) -> &Path {

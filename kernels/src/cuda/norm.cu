@@ -9,10 +9,7 @@ extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float*
     if (row >= n) return;
     const float* x = inp + (size_t)row * c;
     float* y = out + (size_t)row * c;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < c; i += blockDim.x) ss += x[i] * x[i];
-    ss = block_sum(ss, scratch);
-    float s = rsqrtf(ss / (float)c + eps);
+    float s = row_rsqrt(x, c, (float)c, eps, scratch);
     for (int i = threadIdx.x; i < c; i += blockDim.x) y[i] = x[i] * s * (1.0f + weight[i]);
     if (threadIdx.x == 0) rstd[row] = s;
 }
@@ -51,10 +48,7 @@ extern "C" __global__ void gated_rmsnorm_forward(float* out, float* rstd, const 
     const float* x = inp + (size_t)row * c;
     const float* z = gate + (size_t)row * c;
     float* y = out + (size_t)row * c;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < c; i += blockDim.x) ss += x[i] * x[i];
-    ss = block_sum(ss, scratch);
-    float s = rsqrtf(ss / (float)c + eps);
+    float s = row_rsqrt(x, c, (float)c, eps, scratch);
     for (int i = threadIdx.x; i < c; i += blockDim.x) y[i] = x[i] * s * weight[i] * siluf(z[i]);
     if (threadIdx.x == 0) rstd[row] = s;
 }
@@ -67,10 +61,7 @@ extern "C" __global__ void l2norm_forward(float* out, float* rnorm, const float*
     if (row >= n) return;
     const float* x = inp + (size_t)row * d;
     float* y = out + (size_t)row * d;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += x[i] * x[i];
-    ss = block_sum(ss, scratch);
-    float s = rsqrtf(ss + eps);
+    float s = row_rsqrt(x, d, 1.0f, eps, scratch);
     for (int i = threadIdx.x; i < d; i += blockDim.x) y[i] = x[i] * s * scale;
     if (threadIdx.x == 0) rnorm[row] = s;
 }

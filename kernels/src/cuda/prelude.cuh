@@ -59,3 +59,13 @@ __device__ float block_max(float v, float* scratch) {
     v = lane < warps ? scratch[lane] : NEG_INF;
     return warp_max(v);
 }
+
+// rsqrt(sum(x[0..n)^2) / div + eps) over one row, every thread of the block
+// taking part; every thread gets the result. div = n for RMSNorm, 1 for
+// the L2 norm.
+__device__ float row_rsqrt(const float* x, int n, float div, float eps, float* scratch) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    ss = block_sum(ss, scratch);
+    return rsqrtf(ss / div + eps);
+}

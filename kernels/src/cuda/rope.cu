@@ -13,10 +13,7 @@ extern "C" __global__ void qk_norm_rope_forward(float* x, float* rstd, const flo
     if (row >= n * heads) return;
     int t = row / heads;
     float* h = x + (size_t)row * head_dim;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) ss += h[i] * h[i];
-    ss = block_sum(ss, scratch);
-    float s = rsqrtf(ss / (float)head_dim + eps);
+    float s = row_rsqrt(h, head_dim, (float)head_dim, eps, scratch);
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) h[i] = h[i] * s * (1.0f + weight[i]);
     if (threadIdx.x == 0) rstd[row] = s;
     __syncthreads();
