@@ -269,13 +269,16 @@ fn tasks_command_line() -> Result<()> {
     );
 
     // `tasks select` keeps the tasks an eval solved: here the second task
-    // solved once in two attempts, the first never, a masked success does
-    // not count, and the fourth task was never attempted.
+    // solved on its retry (the last record of an attempt counts, as in
+    // eval's resume), the first never (its retry's success is masked), and
+    // the fourth task was never attempted.
     let ids: Vec<&str> = tasks.iter().map(|t| t.instance_id.as_str()).collect();
     let eval = dir.0.join("eval.jsonl");
     let rec = |id: &str, reward: f64, masked: bool| {
-        serde_json::json!({"task_id": id, "attempt": 0, "reward": reward, "masked": masked})
-            .to_string()
+        let termination = if masked { "infra" } else { "submitted" };
+        serde_json::json!({"task_id": id, "attempt": 0, "reward": reward,
+                           "termination": termination, "masked": masked})
+        .to_string()
     };
     std::fs::write(
         &eval,

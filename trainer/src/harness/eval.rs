@@ -48,9 +48,14 @@ pub struct AttemptRecord {
     pub reward: f64,
     pub termination: Termination,
     pub masked: bool,
+    /// The rest is for reading the results; a record without it still counts.
+    #[serde(default)]
     pub turns: usize,
+    #[serde(default)]
     pub tokens: usize,
+    #[serde(default)]
     pub wall_secs: f64,
+    #[serde(default)]
     pub detail: String,
 }
 
