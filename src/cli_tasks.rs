@@ -264,15 +264,11 @@ fn select(a: SelectArgs) -> Result<()> {
             all.len()
         );
     }
-    let mut out = String::new();
-    for t in &kept {
-        out.push_str(&serde_json::to_string(t)?);
-        out.push('\n');
-    }
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    std::fs::write(&a.out, out).with_context(|| format!("writing {}", a.out.display()))?;
+    let kept: Vec<Task> = kept.into_iter().cloned().collect();
+    tasks::write_tasks(&a.out, &kept)?;
     println!(
         "{}",
         serde_json::json!({

@@ -124,18 +124,15 @@ async fn selected_pool(
     let kept = select_solved(&all, &summary, 1, POOL_SIZE);
     if kept.is_empty() {
         bail!(
-            "the warm start solved none of the {} candidate tasks ({}):              delete {} to rebuild the demo's inputs",
+            "the warm start solved none of the {} candidate tasks ({}): \
+             delete {} to rebuild the demo's inputs",
             all.len(),
             records.display(),
             dir.parent().unwrap_or(dir).display()
         );
     }
-    let mut out = String::new();
-    for t in &kept {
-        out.push_str(&serde_json::to_string(t)?);
-        out.push('\n');
-    }
-    std::fs::write(&file, out).with_context(|| format!("writing {}", file.display()))?;
+    let kept: Vec<tasks::Task> = kept.into_iter().cloned().collect();
+    tasks::write_tasks(&file, &kept)?;
     std::fs::write(&stamp, &key)?;
     eprintln!(
         "demo: training pool of {} tasks ({} of {} candidates solved at least once; \
