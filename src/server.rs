@@ -1444,8 +1444,9 @@ mod tests {
     /// internals in the body.
     #[test]
     fn internal_engine_errors_are_500_without_details() {
+        let kernel = arcticd_kernels::Error::Shape("matmul: [3, 4] x [5, 6]".into());
         let e = AppError::from(arcticd_engine::Error::Internal(
-            "forward: kernel matmul: shape [3, 4] x [5, 6]".into(),
+            arcticd_engine::Error::from(kernel).into(),
         ));
         assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(e.message, "internal error");
@@ -1455,9 +1456,23 @@ mod tests {
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         let failed = arcticd_engine::engine::apply_event(
             &mut [Choice::default()],
-            Event::Error("forward: x".into()),
+            Event::Error(arcticd_engine::Failure::msg("x")),
         );
         assert!(matches!(failed, Err(arcticd_engine::Error::Internal(_))));
+        // The cause keeps its type through the event.
+        let failed = arcticd_engine::engine::apply_event(
+            &mut [Choice::default()],
+            Event::Error(
+                arcticd_engine::Error::from(arcticd_kernels::Error::Shape("k".into())).into(),
+            ),
+        );
+        let Err(arcticd_engine::Error::Internal(f)) = failed else {
+            panic!("not internal: {failed:?}")
+        };
+        assert!(matches!(
+            f.cause(),
+            arcticd_engine::Error::Kernel(arcticd_kernels::Error::Shape(_))
+        ));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

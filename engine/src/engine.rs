@@ -25,6 +25,7 @@
 //!
 //! Not for: HTTP or text (the server), routing across replicas (`router.rs`).
 
+use crate::error::Failure;
 use crate::kv_cache::PagedKvCache;
 use crate::model::{LinearPacks, PagedPast, Qwen3_5, SeqCache, SeqInput};
 use crate::params::ParamStore;
@@ -176,7 +177,7 @@ pub enum Event {
     /// The request failed inside the engine (an internal failure, not the
     /// request's fault: requests are validated on submit); no more events
     /// follow. [`apply_event`] turns it into [`Error::Internal`].
-    Error(String),
+    Error(Failure),
 }
 
 /// A generation request: prompt token ids and sampling parameters.
@@ -868,7 +869,7 @@ impl EngineLoop {
             Ok(out) => out,
             Err(e) => {
                 tracing::error!("engine forward failed: {e}");
-                self.fail_plan(&plan, &format!("forward: {e}"));
+                self.fail_plan(&plan, Failure::from(e));
                 return;
             }
         };
@@ -892,7 +893,7 @@ impl EngineLoop {
                 logits.len(),
                 which.len()
             );
-            self.fail_plan(&plan, &msg);
+            self.fail_plan(&plan, Failure::msg(msg));
             return;
         }
         let vocab = logits.len() / which.len().max(1);
@@ -956,7 +957,7 @@ impl EngineLoop {
                 Err(e) => {
                     hung_up.push(seq.request);
                     if let Some(p) = self.pending.get(&seq.request) {
-                        let _ = p.reply.send(Event::Error(e.to_string()));
+                        let _ = p.reply.send(Event::Error(Failure::from(e)));
                     }
                     continue;
                 }
@@ -1036,7 +1037,7 @@ impl EngineLoop {
     }
 
     /// Fail every request with a sequence in `plan`.
-    fn fail_plan(&mut self, plan: &[Scheduled], msg: &str) {
+    fn fail_plan(&mut self, plan: &[Scheduled], failure: Failure) {
         let mut ids: Vec<u64> = plan
             .iter()
             .map(|p| self.scheduler.running[p.seq].request)
@@ -1045,7 +1046,7 @@ impl EngineLoop {
         ids.dedup();
         for id in ids {
             if let Some(p) = self.pending.get(&id) {
-                let _ = p.reply.send(Event::Error(msg.to_string()));
+                let _ = p.reply.send(Event::Error(failure.clone()));
             }
             self.drop_request(id);
         }

@@ -2,6 +2,7 @@
 //! tensor at fault, because users see these directly from the CLI.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -17,8 +18,12 @@ pub enum Error {
     Input(String),
     /// A failure inside the engine (a forward or a sampling step), never the
     /// caller's fault: a server logs it and answers 500 without the details.
+    /// It keeps the error that caused it (a kernel's, a device's) as a type.
     #[error("internal: {0}")]
-    Internal(String),
+    Internal(Failure),
+    /// An invariant of the engine broke (a bug, not the caller's input).
+    #[error("invariant: {0}")]
+    Invariant(String),
     /// The engine cannot take work (it stopped, or is shutting down).
     #[error("unavailable: {0}")]
     Unavailable(String),
@@ -32,6 +37,41 @@ pub enum Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// What failed inside the engine, shared by every request the failure hit
+/// (one forward serves many), with the cause's type kept.
+#[derive(Debug, Clone)]
+pub struct Failure(pub Arc<Error>);
+
+impl Failure {
+    /// A failure whose cause is only a message (an engine invariant broken).
+    pub fn msg(m: impl Into<String>) -> Self {
+        Failure(Arc::new(Error::Invariant(m.into())))
+    }
+
+    pub fn cause(&self) -> &Error {
+        &self.0
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Failure(Arc::new(e))
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Two failures are equal when they are the same failure or say the same.
+impl PartialEq for Failure {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
 
 impl Error {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {

@@ -19,6 +19,6 @@ pub mod tool_call;
 pub mod weights;
 
 pub use config::{LayerType, ModelConfig};
-pub use error::{Error, Result};
+pub use error::{Error, Failure, Result};
 pub use model::{Qwen3_5, SeqCache, SeqInput};
 pub use params::ParamStore;

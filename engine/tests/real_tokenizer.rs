@@ -23,7 +23,7 @@ use arcticd_engine::tokenizer::{write_tokenizer_files, Tokenizer, INIT_MODEL_ADD
 use serde_json::{json, Value};
 
 fn repo_path(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
 }
 
 fn load_json(rel: &str) -> Value {

@@ -12,7 +12,7 @@ const LOGPROB_TOL: f64 = 1e-4;
 const HIDDEN_TOL: f64 = 1e-3;
 
 fn cases() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parity");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/parity");
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
         .expect("parity fixtures directory")
         .filter_map(|e| e.ok().map(|e| e.path()))
