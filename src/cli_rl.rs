@@ -51,14 +51,14 @@ fn progress_line(rec: &Value, steps: u64) -> String {
     } else {
         f64::NAN
     };
-    // An update that trained nothing (every group zero-variance) has no
-    // same-version tokens to compare.
-    let mismatch = match rec
-        .get("mismatch_same_version_tokens")
-        .and_then(Value::as_u64)
-    {
-        Some(n) if n > 0 => format!("{:.1e}", f("mismatch_same_version_max")),
-        _ => "n/a (nothing trained)".to_string(),
+    // Same-version tokens are absent when the update trained nothing (every
+    // group zero-variance) or when every trained token was sampled by older
+    // weights (the trainer is the bottleneck and rollouts wait their turn).
+    let count = |k: &str| rec.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let mismatch = match (count("mismatch_same_version_tokens"), count("tokens")) {
+        (n, _) if n > 0 => format!("{:.1e}", f("mismatch_same_version_max")),
+        (_, 0) => "n/a (nothing trained)".to_string(),
+        _ => "n/a (every token from older weights)".to_string(),
     };
     let mut s = format!(
         "reward {:.3} | pass {:.1}% | rollouts/s {:.2} | stale dropped {} | mismatch(same version) {mismatch} | {:.0}s, ETA {:.0}s",
@@ -259,8 +259,15 @@ mod tests {
         for tokens in [json!(0), json!(null)] {
             let rec = json!({"step": 2, "elapsed_s": 10.0, "reward_mean": 0.0, "pass_rate": 0.0,
                 "mismatch_same_version_tokens": tokens, "mismatch_same_version_max": null});
-            assert!(progress_line(&rec, 4).contains("mismatch(same version) n/a"));
+            assert!(progress_line(&rec, 4).contains("mismatch(same version) n/a (nothing trained)"));
         }
+        let rec = json!({"step": 2, "elapsed_s": 10.0, "tokens": 5390,
+            "mismatch_same_version_tokens": 0, "mismatch_same_version_max": 0.0});
+        let line = progress_line(&rec, 4);
+        assert!(
+            line.contains("n/a (every token from older weights)"),
+            "{line}"
+        );
         let rec = json!({"step": 2, "elapsed_s": 10.0, "mismatch_same_version_tokens": 9,
             "mismatch_same_version_max": 2e-6, "eval_pass_at_1": 0.25});
         let line = progress_line(&rec, 4);

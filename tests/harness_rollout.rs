@@ -434,6 +434,68 @@ impl Policy for BrokenPolicy {
     }
 }
 
+/// The grade cache: the same diff on the same task is graded once; the
+/// second rollout's grade says it was reused and gives the same reward, a
+/// different diff runs the tests, and with the cache off nothing is reused.
+#[test]
+fn a_graded_diff_is_not_graded_again() {
+    run_on(
+        Kind::Local,
+        Box::new(|backend| {
+            Box::pin(async move {
+                let f = fixture();
+                let task = &f.tasks[0];
+                let (path, _, _) = solution(task);
+                let give_up = vec![
+                    render_call(
+                        "str_replace_based_edit_tool",
+                        &[("command", "view"), ("path", &path)],
+                    ),
+                    render_call("submit", &[]),
+                ];
+                let cached = |t: &Trajectory| {
+                    t.grade.as_ref().and_then(|g| g["cached"].as_bool()) == Some(true)
+                };
+                // Without the visible test run: its byte-code files would
+                // make each diff differ.
+                let mut fix = solving_script(task);
+                fix.remove(2);
+                let h = harness(RolloutConfig::default())?;
+                let b = backend.as_ref();
+                let first = roll(&h, b, task, fix.clone()).await?;
+                let again = roll(&h, b, task, fix.clone()).await?;
+                expect(&first, Termination::Submitted, 1.0)?;
+                expect(&again, Termination::Submitted, 1.0)?;
+                ensure!(!cached(&first) && cached(&again), "{:?}", again.grade);
+                ensure!(first.diff == again.diff);
+                let wrong = roll(&h, b, task, give_up.clone()).await?;
+                expect(&wrong, Termination::Submitted, 0.0)?;
+                ensure!(!cached(&wrong), "a different diff was reused");
+                let wrong_again = roll(&h, b, task, give_up.clone()).await?;
+                expect(&wrong_again, Termination::Submitted, 0.0)?;
+                ensure!(cached(&wrong_again));
+                ensure!(
+                    h.grade_cache_counts() == (2, 2),
+                    "{:?}",
+                    h.grade_cache_counts()
+                );
+
+                let off = harness(RolloutConfig {
+                    grade_cache: false,
+                    ..Default::default()
+                })?;
+                for _ in 0..2 {
+                    let t = roll(&off, b, task, fix.clone()).await?;
+                    expect(&t, Termination::Submitted, 1.0)?;
+                    ensure!(!cached(&t));
+                }
+                ensure!(off.grade_cache_counts() == (0, 0));
+                Ok(())
+            })
+        }),
+    );
+}
+
 fn arcticd(args: &[&str]) -> Result<String> {
     let out = Command::new(env!("CARGO_BIN_EXE_arcticd"))
         .args(args)

@@ -17,7 +17,9 @@
 use crate::logparse::{self, TestResults, TestStatus};
 use crate::{Backend, Error, ExecRequest, Policy, Result, Sandbox, Snapshot};
 use serde::{Deserialize, Serialize};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// How a task is graded.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -207,6 +209,117 @@ fn nonce() -> String {
     format!("{:x}{:x}", t, std::process::id())
 }
 
+/// Grades already given, keyed by everything a grade is decided by: the
+/// image, the snapshot's commit, the test spec and the agent's diff. An RL
+/// run grades the same fix of the same task many times (the attempts of a
+/// group, every epoch); a kept grade skips a sandbox and a test run. Only
+/// verdicts the tests reached in time are kept (resolved, unresolved, a
+/// diff that did not apply), never an infrastructure error, a timeout or a
+/// memory kill, so the machinery's failures are retried, not remembered.
+/// For tests that are deterministic (a task's validation runs them twice)
+/// a kept grade is the grade a new run would give.
+pub struct GradeCache {
+    entries: Mutex<HashMap<[u8; 32], GradeReport>>,
+    capacity: usize,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+/// A kept report's log is cut to this many bytes (the grade does not read
+/// it again; memory stays bounded by `capacity` small entries).
+const CACHED_LOG_BYTES: usize = 2048;
+
+impl GradeCache {
+    /// A cache of at most `capacity` grades (when full, it starts over).
+    pub fn new(capacity: usize) -> Self {
+        GradeCache {
+            entries: Mutex::new(HashMap::new()),
+            capacity: capacity.max(1),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
+    }
+
+    /// Grades served from the cache so far.
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+
+    /// Grades that ran the tests so far.
+    pub fn misses(&self) -> u64 {
+        self.misses.load(Ordering::Relaxed)
+    }
+
+    fn key(image: &str, commit: &str, spec: &TestSpec, agent_diff: &str) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        let spec = serde_json::to_string(spec).unwrap_or_default();
+        for part in [image, commit, &spec, agent_diff] {
+            h.update((part.len() as u64).to_le_bytes());
+            h.update(part.as_bytes());
+        }
+        h.finalize().into()
+    }
+
+    fn get(&self, key: &[u8; 32]) -> Option<GradeReport> {
+        let found = self.entries.lock().ok()?.get(key).cloned();
+        let counter = if found.is_some() {
+            &self.hits
+        } else {
+            &self.misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        found
+    }
+
+    fn put(&self, key: [u8; 32], report: &GradeReport) {
+        let keep = matches!(
+            report.outcome,
+            GradeOutcome::Resolved | GradeOutcome::Unresolved | GradeOutcome::PatchFailed
+        ) && !report.timed_out
+            && !report.memory_exceeded;
+        if !keep {
+            return;
+        }
+        let mut kept = report.clone();
+        if kept.log.len() > CACHED_LOG_BYTES {
+            let mut cut = CACHED_LOG_BYTES;
+            while !kept.log.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            kept.log.truncate(cut);
+            kept.log.push_str("\n[log cut: a cached grade]\n");
+        }
+        if let Ok(mut entries) = self.entries.lock() {
+            if entries.len() >= self.capacity {
+                entries.clear();
+            }
+            entries.insert(key, kept);
+        }
+    }
+}
+
+/// [`grade`] through a [`GradeCache`]: a grade already given for the same
+/// image, snapshot, spec and diff is returned without running anything.
+/// The flag says whether it was.
+pub async fn grade_cached(
+    cache: &GradeCache,
+    backend: &dyn Backend,
+    snapshot: &Arc<Snapshot>,
+    image: &str,
+    policy: &Policy,
+    agent_diff: &str,
+    spec: &TestSpec,
+) -> Result<(GradeReport, bool)> {
+    let key = GradeCache::key(image, snapshot.commit(), spec, agent_diff);
+    if let Some(report) = cache.get(&key) {
+        return Ok((report, true));
+    }
+    let report = grade(backend, snapshot, image, policy, agent_diff, spec).await?;
+    cache.put(key, &report);
+    Ok((report, false))
+}
+
 /// Grades `agent_diff` against `spec` in a fresh sandbox that is removed
 /// afterwards. `Err` only for failures of the machinery before a verdict
 /// (the caller treats it like [`GradeOutcome::InfraError`]).
@@ -317,6 +430,52 @@ async fn grade_in(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only verdicts reached in time are kept; the key covers every input;
+    /// a kept log is cut.
+    #[test]
+    fn grade_cache_keeps_verdicts_not_machinery_failures() {
+        let cache = GradeCache::new(8);
+        let report = |outcome, timed_out| GradeReport {
+            timed_out,
+            log: "x".repeat(10_000),
+            ..GradeReport::early(outcome, String::new())
+        };
+        let k = |diff: &str| GradeCache::key("img", "c0ffee", &spec(), diff);
+        cache.put(k("a"), &report(GradeOutcome::Resolved, false));
+        cache.put(k("b"), &report(GradeOutcome::InfraError, false));
+        cache.put(k("c"), &report(GradeOutcome::Unresolved, true));
+        cache.put(k("d"), &report(GradeOutcome::PatchFailed, false));
+        let a = cache.get(&k("a")).expect("a verdict is kept");
+        assert_eq!(a.outcome, GradeOutcome::Resolved);
+        assert!(a.log.len() < 2200 && a.log.ends_with("[log cut: a cached grade]\n"));
+        assert!(cache.get(&k("b")).is_none(), "an infra error is retried");
+        assert!(cache.get(&k("c")).is_none(), "a timeout is retried");
+        assert!(cache.get(&k("d")).is_some());
+        assert_eq!((cache.hits(), cache.misses()), (2, 2));
+        // Any input changes the key.
+        let mut other = spec();
+        other.fail_to_pass.push("t.py::more".into());
+        let keys = [
+            k("a"),
+            GradeCache::key("img2", "c0ffee", &spec(), "a"),
+            GradeCache::key("img", "c0ffef", &spec(), "a"),
+            GradeCache::key("img", "c0ffee", &other, "a"),
+            // No ambiguity where one part ends and the next begins.
+            GradeCache::key("im", "gc0ffee", &spec(), "a"),
+        ];
+        for (i, x) in keys.iter().enumerate() {
+            for y in &keys[i + 1..] {
+                assert_ne!(x, y);
+            }
+        }
+        // Full: it starts over instead of growing.
+        let small = GradeCache::new(2);
+        for d in ["1", "2", "3"] {
+            small.put(k(d), &report(GradeOutcome::Resolved, false));
+        }
+        assert!(small.get(&k("3")).is_some() && small.get(&k("1")).is_none());
+    }
 
     fn spec() -> TestSpec {
         TestSpec {

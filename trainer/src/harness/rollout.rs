@@ -22,7 +22,7 @@ use super::trajectory::{Termination, Trajectory, TurnRecord};
 use crate::{Error, Result};
 use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::tokenizer::Tokenizer;
-use arcticd_sandbox::grading::{self, GradeOutcome};
+use arcticd_sandbox::grading::{self, GradeCache, GradeOutcome};
 use arcticd_sandbox::tasks::validate::task_env;
 use arcticd_sandbox::tasks::Task;
 use arcticd_sandbox::{Backend, Policy as SandboxPolicy};
@@ -93,6 +93,18 @@ pub struct RolloutConfig {
     /// call format in training (the warm-start demo); the format check and
     /// the tools are unchanged. Default true.
     pub prompt_tools: bool,
+    /// Reuse the grade of a diff already graded on the same task (same
+    /// image, snapshot and tests) instead of running the tests again
+    /// ([`grading::GradeCache`]: only verdicts reached in time are kept).
+    /// Off for tests that are not deterministic. Default true. It changes
+    /// no result, so at its default it is left out of the serialized
+    /// settings (caches keyed on them stay valid).
+    #[serde(skip_serializing_if = "is_true")]
+    pub grade_cache: bool,
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
 }
 
 impl Default for RolloutConfig {
@@ -116,9 +128,13 @@ impl Default for RolloutConfig {
             system_prompt: DEFAULT_SYSTEM_PROMPT.to_string(),
             instruction: DEFAULT_INSTRUCTION.to_string(),
             prompt_tools: true,
+            grade_cache: true,
         }
     }
 }
+
+/// Most grades a harness keeps ([`RolloutConfig::grade_cache`]).
+const GRADE_CACHE_ENTRIES: usize = 65_536;
 
 /// The routing key of one rollout: a hash of its task and attempt, the
 /// same in every run (SipHash with fixed keys).
@@ -142,6 +158,7 @@ pub struct Harness {
     /// What the template appends to open an assistant turn.
     gen_prompt: String,
     im_end: u32,
+    grades: Option<GradeCache>,
 }
 
 impl Harness {
@@ -164,6 +181,7 @@ impl Harness {
                 Error::Input("the chat template's generation prompt is not a suffix".into())
             })?
             .to_string();
+        let cfg_grade_cache = cfg.grade_cache;
         Ok(Harness {
             tokenizer,
             template,
@@ -172,7 +190,16 @@ impl Harness {
             tools: tools::tool_schemas(),
             gen_prompt,
             im_end,
+            grades: cfg_grade_cache.then(|| GradeCache::new(GRADE_CACHE_ENTRIES)),
         })
+    }
+
+    /// Grades served from the grade cache and grades that ran the tests,
+    /// so far (both 0 with the cache off).
+    pub fn grade_cache_counts(&self) -> (u64, u64) {
+        self.grades
+            .as_ref()
+            .map_or((0, 0), |c| (c.hits(), c.misses()))
     }
 
     /// The tool schemas the model is shown.
@@ -289,12 +316,24 @@ impl Harness {
         }
         t.diff = Some(outcome.clone());
         let spec = task.test_spec(self.cfg.test_timeout_secs);
-        match grading::grade(backend, &snapshot, &image, &sb_policy, &outcome, &spec).await {
-            Ok(g) => {
+        let graded = match &self.grades {
+            Some(cache) => {
+                grading::grade_cached(
+                    cache, backend, &snapshot, &image, &sb_policy, &outcome, &spec,
+                )
+                .await
+            }
+            None => grading::grade(backend, &snapshot, &image, &sb_policy, &outcome, &spec)
+                .await
+                .map(|g| (g, false)),
+        };
+        match graded {
+            Ok((g, cached)) => {
                 t.grade = Some(json!({
                     "outcome": g.outcome,
                     "detail": g.detail,
                     "failing": g.failing,
+                    "cached": cached,
                 }));
                 if g.outcome == GradeOutcome::InfraError {
                     return (Termination::Infra, format!("grading: {}", g.detail));

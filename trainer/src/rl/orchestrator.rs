@@ -383,6 +383,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     let mut totals = Totals::default();
     let (mut step, mut consumed, mut elapsed0) = (0u64, 0u64, 0.0);
     let mut lost_now = 0u64;
+    let mut grades_mark = (0, 0);
     // Tokens per replica at the previous update: `replica_tokens` is the
     // work each replica did in between.
     let mut tokens_before = router.generated_tokens();
@@ -703,6 +704,12 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             put("time_train_s", json!(train_total - time_update_s));
             put("time_update_s", json!(time_update_s));
             put("rollouts_per_s", json!(rollouts_per_s));
+            // Grades since the previous update: reused from the grade cache,
+            // or run in a sandbox (evaluations included).
+            let grades_now = rollouts.harness.grade_cache_counts();
+            put("grades_cached", json!(grades_now.0 - grades_mark.0));
+            put("grades_run", json!(grades_now.1 - grades_mark.1));
+            grades_mark = grades_now;
             put("replica_load", json!(router.loads()));
             let tokens_now = router.generated_tokens();
             let per_replica: Vec<u64> = tokens_now
