@@ -90,11 +90,23 @@ type CacheCell = Arc<tokio::sync::OnceCell<Arc<Snapshot>>>;
 struct CacheEntries {
     cells: HashMap<CacheKey, CacheCell>,
     order: VecDeque<CacheKey>,
+    /// Most snapshots kept; 0 means [`SnapshotCache::CAPACITY`].
+    capacity: usize,
 }
 
 impl SnapshotCache {
-    /// Most snapshots kept.
+    /// Most snapshots kept by default.
     pub const CAPACITY: usize = 16;
+
+    /// A cache of at most `capacity` snapshots.
+    pub fn with_capacity(capacity: usize) -> Self {
+        SnapshotCache {
+            inner: Arc::new(Mutex::new(CacheEntries {
+                capacity: capacity.max(1),
+                ..Default::default()
+            })),
+        }
+    }
 
     /// The cached snapshot of (`image`, `workdir`), made with `make` when
     /// absent.
@@ -119,7 +131,11 @@ impl SnapshotCache {
                     let c = CacheCell::default();
                     e.cells.insert(key.clone(), c.clone());
                     e.order.push_back(key);
-                    while e.order.len() > Self::CAPACITY {
+                    let capacity = match e.capacity {
+                        0 => Self::CAPACITY,
+                        n => n,
+                    };
+                    while e.order.len() > capacity {
                         if let Some(old) = e.order.pop_front() {
                             e.cells.remove(&old);
                         }
@@ -224,6 +240,54 @@ fn append_tree(
 
 /// Copies `src` into `dst` (which exists), skipping `.git` entries at every
 /// depth and anything that is not a file, folder or symlink.
+/// A stamp of what [`Snapshot::from_dir`] would copy from `src`: every
+/// entry's path, kind, size and modification time (`.git` left out, as the
+/// copy leaves it out). Equal stamps mean an unchanged folder, so a
+/// snapshot made from it is still its snapshot.
+pub fn folder_stamp(src: &Path) -> Result<String> {
+    use sha2::{Digest, Sha256};
+    fn walk(dir: &Path, rel: &Path, h: &mut Sha256) -> Result<()> {
+        let io = |e| Error::io(format!("reading {}", dir.display()), e);
+        let mut entries: Vec<_> = std::fs::read_dir(dir)
+            .map_err(io)?
+            .collect::<std::io::Result<_>>()
+            .map_err(io)?;
+        entries.sort_by_key(|e| e.file_name());
+        for entry in entries {
+            if entry.file_name() == ".git" {
+                continue;
+            }
+            let meta = entry.metadata().map_err(io)?;
+            let name = rel.join(entry.file_name());
+            let mtime = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            let kind = if meta.is_symlink() {
+                b'l'
+            } else if meta.is_dir() {
+                b'd'
+            } else {
+                b'f'
+            };
+            let path = name.to_string_lossy();
+            h.update((path.len() as u64).to_le_bytes());
+            h.update(path.as_bytes());
+            h.update([kind]);
+            h.update(meta.len().to_le_bytes());
+            h.update(mtime.to_le_bytes());
+            if meta.is_dir() {
+                walk(&entry.path(), &name, h)?;
+            }
+        }
+        Ok(())
+    }
+    let mut h = Sha256::new();
+    walk(src, Path::new(""), &mut h)?;
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
 pub(crate) fn copy_tree(src: &Path, dst: &Path) -> Result<()> {
     let io = |e| Error::io(format!("copying {}", src.display()), e);
     for entry in std::fs::read_dir(src).map_err(io)? {
@@ -330,6 +394,28 @@ fn commit_root(dir: &Path) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The stamp moves with a file's size or time, a new file or a
+    /// renamed one, and ignores `.git`.
+    #[test]
+    fn folder_stamp_sees_what_the_copy_copies() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path();
+        std::fs::create_dir(p.join("pkg")).unwrap();
+        std::fs::write(p.join("pkg/a.py"), "a").unwrap();
+        let s0 = folder_stamp(p).unwrap();
+        assert_eq!(s0, folder_stamp(p).unwrap());
+        std::fs::create_dir(p.join(".git")).unwrap();
+        std::fs::write(p.join(".git/HEAD"), "ref").unwrap();
+        assert_eq!(s0, folder_stamp(p).unwrap(), ".git is not copied");
+        std::fs::write(p.join("pkg/a.py"), "ab").unwrap();
+        let s1 = folder_stamp(p).unwrap();
+        assert_ne!(s0, s1);
+        std::fs::rename(p.join("pkg/a.py"), p.join("pkg/b.py")).unwrap();
+        assert_ne!(s1, folder_stamp(p).unwrap());
+        std::fs::write(p.join("c.py"), "").unwrap();
+        assert_ne!(s1, folder_stamp(p).unwrap());
+    }
 
     #[test]
     fn snapshot_has_one_commit_and_no_source_history() {

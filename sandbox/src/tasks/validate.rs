@@ -11,10 +11,12 @@
 use super::Task;
 use crate::grading::{self, GradeOutcome, GradeReport};
 use crate::logparse::TestStatus;
+use crate::snapshot::{folder_stamp, SnapshotCache};
 use crate::{Backend, Error, Policy, Result, Snapshot};
 use futures_util::StreamExt;
 use serde::Serialize;
-use std::sync::Arc;
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
 
 /// Settings of [`validate_tasks`].
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -92,7 +94,7 @@ pub async fn task_env(
         other => Error::Snapshot(format!("task {id}: {other}")),
     };
     let snapshot = match (&task.repo, &task.image) {
-        (Some(repo), _) => Arc::new(Snapshot::from_dir(repo).map_err(named)?),
+        (Some(repo), _) => dir_snapshot(repo).await.map_err(named)?,
         (None, Some(image)) => backend
             .snapshot_from_image(image, &task.workdir)
             .await
@@ -112,6 +114,30 @@ pub async fn task_env(
         ..policy.clone()
     };
     Ok((snapshot, image, policy))
+}
+
+/// Most snapshots of task folders kept by [`dir_snapshot`] (a training
+/// pool's worth of small repositories).
+const DIR_SNAPSHOTS: usize = 512;
+
+/// The snapshot of a task's local repository, made once while the folder
+/// is unchanged ([`folder_stamp`]): the rollouts, grades and checks of one
+/// task share one snapshot instead of each staging and committing a copy.
+async fn dir_snapshot(repo: &Path) -> Result<Arc<Snapshot>> {
+    static CACHE: OnceLock<SnapshotCache> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| SnapshotCache::with_capacity(DIR_SNAPSHOTS));
+    let blocking = |e: tokio::task::JoinError| Error::Snapshot(format!("snapshot worker: {e}"));
+    let (dir, stamp_dir) = (repo.to_path_buf(), repo.to_path_buf());
+    let stamp = tokio::task::spawn_blocking(move || folder_stamp(&stamp_dir))
+        .await
+        .map_err(blocking)??;
+    cache
+        .get_or_make(&repo.to_string_lossy(), &stamp, || async move {
+            tokio::task::spawn_blocking(move || Snapshot::from_dir(&dir))
+                .await
+                .map_err(blocking)?
+        })
+        .await
 }
 
 /// Validates one task.
@@ -241,4 +267,28 @@ pub async fn validate_tasks(
         .buffered(cfg.concurrency.max(1))
         .collect()
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An unchanged folder gives the snapshot already made; a changed file
+    /// gives a new one, with the new content.
+    #[test]
+    fn a_task_folder_is_snapshotted_once_while_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("m.py");
+        std::fs::write(&file, "x = 1\n").unwrap();
+        let rt = crate::runtime().unwrap();
+        let a = rt.block_on(dir_snapshot(dir.path())).unwrap();
+        let b = rt.block_on(dir_snapshot(dir.path())).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        std::fs::write(&file, "x = 22\n").unwrap();
+        let c = rt.block_on(dir_snapshot(dir.path())).unwrap();
+        assert!(!Arc::ptr_eq(&a, &c));
+        assert_ne!(a.commit(), c.commit());
+        let staged = std::fs::read_to_string(c.path().join("m.py")).unwrap();
+        assert_eq!(staged, "x = 22\n");
+    }
 }
