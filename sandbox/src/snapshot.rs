@@ -197,6 +197,18 @@ pub(crate) fn folder_below(root: &Path, workdir: &str) -> Result<PathBuf> {
     Ok(p)
 }
 
+/// The entries of `dir` in name order (`doing` names the operation in an
+/// error).
+fn sorted_entries(dir: &Path, doing: &str) -> Result<Vec<std::fs::DirEntry>> {
+    let io = |e| Error::io(format!("{doing} {}", dir.display()), e);
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .map_err(io)?
+        .collect::<std::io::Result<_>>()
+        .map_err(io)?;
+    entries.sort_by_key(|e| e.file_name());
+    Ok(entries)
+}
+
 fn append_tree(
     b: &mut tar::Builder<Vec<u8>>,
     dir: &Path,
@@ -205,12 +217,7 @@ fn append_tree(
     gid: u32,
 ) -> Result<()> {
     let io = |e| Error::io(format!("archiving {}", dir.display()), e);
-    let mut entries: Vec<_> = std::fs::read_dir(dir)
-        .map_err(io)?
-        .collect::<std::io::Result<_>>()
-        .map_err(io)?;
-    entries.sort_by_key(|e| e.file_name());
-    for entry in entries {
+    for entry in sorted_entries(dir, "archiving")? {
         let path = entry.path();
         let name = prefix.join(entry.file_name());
         let meta = std::fs::symlink_metadata(&path).map_err(io)?;
@@ -238,8 +245,6 @@ fn append_tree(
     Ok(())
 }
 
-/// Copies `src` into `dst` (which exists), skipping `.git` entries at every
-/// depth and anything that is not a file, folder or symlink.
 /// A stamp of what [`Snapshot::from_dir`] would copy from `src`: every
 /// entry's path, kind, size and modification time (`.git` left out, as the
 /// copy leaves it out). Equal stamps mean an unchanged folder, so a
@@ -248,12 +253,7 @@ pub fn folder_stamp(src: &Path) -> Result<String> {
     use sha2::{Digest, Sha256};
     fn walk(dir: &Path, rel: &Path, h: &mut Sha256) -> Result<()> {
         let io = |e| Error::io(format!("reading {}", dir.display()), e);
-        let mut entries: Vec<_> = std::fs::read_dir(dir)
-            .map_err(io)?
-            .collect::<std::io::Result<_>>()
-            .map_err(io)?;
-        entries.sort_by_key(|e| e.file_name());
-        for entry in entries {
+        for entry in sorted_entries(dir, "reading")? {
             if entry.file_name() == ".git" {
                 continue;
             }
@@ -288,6 +288,8 @@ pub fn folder_stamp(src: &Path) -> Result<String> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// Copies `src` into `dst` (which exists), skipping `.git` entries at every
+/// depth and anything that is not a file, folder or symlink.
 pub(crate) fn copy_tree(src: &Path, dst: &Path) -> Result<()> {
     let io = |e| Error::io(format!("copying {}", src.display()), e);
     for entry in std::fs::read_dir(src).map_err(io)? {
