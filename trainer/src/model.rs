@@ -1,10 +1,11 @@
 //! Training forward and backward of Qwen3.5.
 //!
-//! The forward calls the same `arcticd_kernels::cpu` functions in the same
-//! order as the engine's `Qwen3_5::forward` (engine/src/model/qwen3_5.rs),
-//! so a token's log-probability here is the engine's, bit for bit; it differs
-//! only in keeping the activations the backward needs ([`Activations`]). The
-//! backward walks the layers in reverse with the `*_backward` kernels.
+//! The forward is the engine's (`Qwen3_5::forward_keeping`,
+//! engine/src/model/qwen3_5.rs): the same layer code that prefills, decodes
+//! and scores, with the activations the backward needs kept
+//! (`arcticd_engine::model::saved`), so a token's log-probability here is
+//! the engine's, bit for bit. The backward walks the layers in reverse with
+//! the `*_backward` kernels.
 //!
 //! Batches are packed without padding: every sequence starts at position 0
 //! with fresh conv/recurrent state, attention runs per sequence, and the conv
@@ -19,27 +20,22 @@
 
 use crate::grads::{FullAttnGrad, LinearAttnGrad, MixerGrad, ModelGrads};
 use crate::{Error, Result};
-use arcticd_engine::model::qwen3_5::{FullAttention, Layer, Linear, LinearAttention, Mixer};
+use arcticd_engine::model::qwen3_5::{FullAttention, Linear, LinearAttention, Mixer};
+use arcticd_engine::model::saved::{FullActs, Keep, Kept, LayerActs, LinearActs, MixerActs};
 use arcticd_engine::Qwen3_5;
 use arcticd_kernels::cpu::{
-    activation::{
-        sigmoid, sigmoid_gate_backward, sigmoid_gate_forward, silu_backward, silu_forward,
-        silu_mul_backward, silu_mul_forward, softplus, softplus_grad,
-    },
-    attention::{attention_backward, attention_forward, AttnDims},
-    conv1d::{conv1d_backward, conv1d_forward},
-    embedding::{embedding_backward, embedding_forward},
-    gated_delta::{
-        gated_delta_backward_from_checkpoints, gated_delta_recurrent_forward_checkpointed,
-        GatedDeltaDims, CHECKPOINT_EVERY,
-    },
-    l2norm::{l2norm_backward, l2norm_forward},
+    activation::{sigmoid_gate_backward, silu_backward, silu_mul_backward, softplus_grad},
+    attention::{attention_backward, AttnDims},
+    conv1d::conv1d_backward,
+    embedding::embedding_backward,
+    gated_delta::{gated_delta_backward_from_checkpoints, GatedDeltaDims},
+    l2norm::l2norm_backward,
     logsoftmax::{
         entropy_backward, entropy_forward, logprob_gather_backward, logprob_gather_forward,
     },
     matmul::{matmul_backward, matmul_forward},
-    rmsnorm::{gated_rmsnorm_backward, gated_rmsnorm_forward, rmsnorm_backward, rmsnorm_forward},
-    rope::{rope_backward, rope_forward},
+    rmsnorm::{gated_rmsnorm_backward, rmsnorm_backward},
+    rope::rope_backward,
 };
 
 /// A packed batch: token ids of every sequence back to back.
@@ -82,105 +78,28 @@ impl Packed {
         self.ids.len()
     }
 
+    /// Each sequence's ids.
+    pub fn sequences(&self) -> Vec<&[u32]> {
+        self.spans
+            .iter()
+            .map(|&(start, n)| &self.ids[start..start + n])
+            .collect()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
-}
-
-/// Saved activations of a Gated DeltaNet mixer.
-#[derive(Debug)]
-struct LinearActs {
-    qkv: Vec<f32>,
-    conv_pre: Vec<f32>,
-    q_raw: Vec<f32>,
-    k_raw: Vec<f32>,
-    rn_q: Vec<f32>,
-    rn_k: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    z: Vec<f32>,
-    a: Vec<f32>,
-    beta: Vec<f32>,
-    g: Vec<f32>,
-    core: Vec<f32>,
-    rstd: Vec<f32>,
-    normed: Vec<f32>,
-    /// Per sequence, the recurrent state every `CHECKPOINT_EVERY` tokens.
-    checkpoints: Vec<Vec<f32>>,
-}
-
-/// Saved activations of a gated full-attention mixer.
-#[derive(Debug)]
-struct FullActs {
-    q_raw: Vec<f32>,
-    gate: Vec<f32>,
-    k_raw: Vec<f32>,
-    q_rstd: Vec<f32>,
-    k_rstd: Vec<f32>,
-    /// Post-norm, post-RoPE.
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    /// Attention output before the sigmoid gate, and after it.
-    attn: Vec<f32>,
-    gated: Vec<f32>,
-}
-
-#[derive(Debug)]
-enum MixerActs {
-    Linear(Box<LinearActs>),
-    Full(Box<FullActs>),
-}
-
-/// A layer's activations, or only its input when they are recomputed.
-#[derive(Debug)]
-enum Saved {
-    All(Box<LayerActs>),
-    Input(Vec<f32>),
-}
-
-#[derive(Debug)]
-struct LayerActs {
-    x_in: Vec<f32>,
-    rstd1: Vec<f32>,
-    xn1: Vec<f32>,
-    mixer: MixerActs,
-    x_mid: Vec<f32>,
-    rstd2: Vec<f32>,
-    xn2: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    act: Vec<f32>,
 }
 
 /// Everything the backward needs from one forward.
 #[derive(Debug)]
 pub struct Activations {
     pub packed: Packed,
-    layers: Vec<Saved>,
+    layers: Vec<Kept>,
     x_last: Vec<f32>,
     final_rstd: Vec<f32>,
     /// Final hidden states after the final norm, `[tokens, hidden]`.
     pub hidden: Vec<f32>,
-}
-
-fn linear_fwd(l: &Linear, inp: &[f32], n: usize) -> Result<Vec<f32>> {
-    let mut out = vec![0.0f32; n * l.out_features];
-    let bias = match &l.bias {
-        Some(b) => Some(b.as_f32()?),
-        None => None,
-    };
-    matmul_forward(
-        &mut out,
-        inp,
-        l.weight.as_f32()?,
-        bias,
-        n,
-        l.in_features,
-        l.out_features,
-    )?;
-    Ok(out)
 }
 
 /// `dinp += dout @ W`, `dW += dout^T inp` (and the bias).
@@ -206,19 +125,6 @@ fn linear_bwd(
     Ok(())
 }
 
-fn rmsnorm_fwd(
-    inp: &[f32],
-    w: &arcticd_kernels::Tensor,
-    c: usize,
-    eps: f32,
-) -> Result<(Vec<f32>, Vec<f32>)> {
-    let n = inp.len() / c;
-    let mut out = vec![0.0f32; inp.len()];
-    let mut rstd = vec![0.0f32; n];
-    rmsnorm_forward(&mut out, &mut rstd, inp, w.as_f32()?, n, c, eps)?;
-    Ok((out, rstd))
-}
-
 /// How much of the forward the backward keeps.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ForwardOptions {
@@ -234,299 +140,22 @@ pub fn forward(model: &Qwen3_5, packed: Packed) -> Result<Activations> {
     forward_with(model, packed, ForwardOptions::default())
 }
 
-/// The training forward with [`ForwardOptions`].
+/// The training forward with [`ForwardOptions`]: the engine's forward
+/// (`Qwen3_5::forward_keeping`), the same layer code the engine serves with.
 pub fn forward_with(model: &Qwen3_5, packed: Packed, opts: ForwardOptions) -> Result<Activations> {
-    let c = &model.config;
-    let h = c.hidden_size;
-    let t = packed.len();
-    let mut x = vec![0.0f32; t * h];
-    embedding_forward(
-        &mut x,
-        &packed.ids,
-        model.embed_tokens.as_f32()?,
-        c.vocab_size,
-        h,
-    )?;
-    let mut layers = Vec::with_capacity(model.layers.len());
-    for layer in &model.layers {
-        let (x_out, acts) = layer_forward(model, layer, &x, &packed)?;
-        layers.push(if opts.recompute_layers {
-            Saved::Input(x)
-        } else {
-            Saved::All(Box::new(acts))
-        });
-        x = x_out;
-    }
-    let (hidden, final_rstd) = rmsnorm_fwd(&x, &model.norm, h, c.rms_norm_eps)?;
+    let keep = if opts.recompute_layers {
+        Keep::Inputs
+    } else {
+        Keep::All
+    };
+    let trace = model.forward_keeping(&packed.sequences(), keep)?;
     Ok(Activations {
         packed,
-        layers,
-        x_last: x,
-        final_rstd,
-        hidden,
+        layers: trace.layers,
+        x_last: trace.x_last,
+        final_rstd: trace.final_rstd,
+        hidden: trace.hidden,
     })
-}
-
-/// One decoder layer, as the engine runs it; returns the layer's output and
-/// its activations.
-fn layer_forward(
-    model: &Qwen3_5,
-    layer: &Layer,
-    x_in: &[f32],
-    packed: &Packed,
-) -> Result<(Vec<f32>, LayerActs)> {
-    let c = &model.config;
-    let h = c.hidden_size;
-    let t = packed.len();
-    let (xn1, rstd1) = rmsnorm_fwd(x_in, &layer.input_layernorm, h, c.rms_norm_eps)?;
-    let (mixed, mixer) = match &layer.mixer {
-        Mixer::Linear(la) => {
-            let (out, acts) = linear_attention_fwd(model, la, &xn1, packed)?;
-            (out, MixerActs::Linear(Box::new(acts)))
-        }
-        Mixer::Full(fa) => {
-            let (out, acts) = full_attention_fwd(model, fa, &xn1, packed)?;
-            (out, MixerActs::Full(Box::new(acts)))
-        }
-    };
-    let mut x = x_in.to_vec();
-    for (a, b) in x.iter_mut().zip(&mixed) {
-        *a += b;
-    }
-    let (xn2, rstd2) = rmsnorm_fwd(&x, &layer.post_attention_layernorm, h, c.rms_norm_eps)?;
-    let gate = linear_fwd(&layer.gate_proj, &xn2, t)?;
-    let up = linear_fwd(&layer.up_proj, &xn2, t)?;
-    let mut act = vec![0.0f32; gate.len()];
-    silu_mul_forward(&mut act, &gate, &up, t, c.intermediate_size)?;
-    let mlp = linear_fwd(&layer.down_proj, &act, t)?;
-    let x_mid = x.clone();
-    for (a, b) in x.iter_mut().zip(&mlp) {
-        *a += b;
-    }
-    let acts = LayerActs {
-        x_in: x_in.to_vec(),
-        rstd1,
-        xn1,
-        mixer,
-        x_mid,
-        rstd2,
-        xn2,
-        gate,
-        up,
-        act,
-    };
-    Ok((x, acts))
-}
-
-fn linear_attention_fwd(
-    model: &Qwen3_5,
-    la: &LinearAttention,
-    xn: &[f32],
-    packed: &Packed,
-) -> Result<(Vec<f32>, LinearActs)> {
-    let c = &model.config;
-    let t = packed.len();
-    let (nk, nv, dk, dv) = (
-        c.linear_num_key_heads,
-        c.linear_num_value_heads,
-        c.linear_key_head_dim,
-        c.linear_value_head_dim,
-    );
-    let conv_dim = c.linear_conv_dim();
-    let kc = c.conv_kernel;
-    let qkv = linear_fwd(&la.in_proj_qkv, xn, t)?;
-    let z = linear_fwd(&la.in_proj_z, xn, t)?;
-    let b = linear_fwd(&la.in_proj_b, xn, t)?;
-    let a = linear_fwd(&la.in_proj_a, xn, t)?;
-
-    let mut conv_pre = vec![0.0f32; t * conv_dim];
-    for &(start, n) in &packed.spans {
-        let mut state = vec![0.0f32; (kc - 1) * conv_dim];
-        conv1d_forward(
-            &mut conv_pre[start * conv_dim..(start + n) * conv_dim],
-            &mut state,
-            &qkv[start * conv_dim..(start + n) * conv_dim],
-            la.conv1d.as_f32()?,
-            n,
-            conv_dim,
-            kc,
-        )?;
-    }
-    let mut conv = conv_pre.clone();
-    silu_forward(&mut conv);
-
-    let (qd, vd) = (nk * dk, nv * dv);
-    let mut q_raw = Vec::with_capacity(t * qd);
-    let mut k_raw = Vec::with_capacity(t * qd);
-    let mut v = Vec::with_capacity(t * vd);
-    for row in conv.chunks_exact(conv_dim) {
-        q_raw.extend_from_slice(&row[..qd]);
-        k_raw.extend_from_slice(&row[qd..2 * qd]);
-        v.extend_from_slice(&row[2 * qd..]);
-    }
-    let mut q = vec![0.0f32; t * qd];
-    let mut k = vec![0.0f32; t * qd];
-    let mut rn_q = vec![0.0f32; t * nk];
-    let mut rn_k = vec![0.0f32; t * nk];
-    l2norm_forward(&mut q, &mut rn_q, &q_raw, t * nk, dk, 1e-6)?;
-    l2norm_forward(&mut k, &mut rn_k, &k_raw, t * nk, dk, 1e-6)?;
-    let scale = 1.0 / (dk as f32).sqrt();
-    for x in q.iter_mut() {
-        *x *= scale;
-    }
-    let a_log = la.a_log.as_f32()?;
-    let dt_bias = la.dt_bias.as_f32()?;
-    let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
-    let g: Vec<f32> = a
-        .iter()
-        .enumerate()
-        .map(|(i, &x)| {
-            let hh = i % nv;
-            -a_log[hh].exp() * softplus(x + dt_bias[hh])
-        })
-        .collect();
-
-    let mut core = vec![0.0f32; t * vd];
-    let mut checkpoints = Vec::with_capacity(packed.spans.len());
-    for &(start, n) in &packed.spans {
-        let dims = GatedDeltaDims {
-            t: n,
-            nk,
-            nv,
-            dk,
-            dv,
-        };
-        let mut state = vec![0.0f32; nv * dk * dv];
-        let mut cps = vec![0.0f32; n.div_ceil(CHECKPOINT_EVERY).max(1) * nv * dk * dv];
-        let (qs, ks, vs) = (
-            &q[start * qd..(start + n) * qd],
-            &k[start * qd..(start + n) * qd],
-            &v[start * vd..(start + n) * vd],
-        );
-        let (gs, bs) = (
-            &g[start * nv..(start + n) * nv],
-            &beta[start * nv..(start + n) * nv],
-        );
-        let out = &mut core[start * vd..(start + n) * vd];
-        // The recurrent form at every length, as the engine runs it, so the
-        // numbers are the engine's; the states it passes every
-        // CHECKPOINT_EVERY tokens are kept for the backward.
-        gated_delta_recurrent_forward_checkpointed(
-            out, &mut state, qs, ks, vs, gs, bs, dims, &mut cps,
-        )?;
-        checkpoints.push(cps);
-    }
-    let mut normed = vec![0.0f32; t * vd];
-    let mut rstd = vec![0.0f32; t * nv];
-    gated_rmsnorm_forward(
-        &mut normed,
-        &mut rstd,
-        &core,
-        &z,
-        la.norm.as_f32()?,
-        t * nv,
-        dv,
-        c.rms_norm_eps,
-    )?;
-    let out = linear_fwd(&la.out_proj, &normed, t)?;
-    Ok((
-        out,
-        LinearActs {
-            qkv,
-            conv_pre,
-            q_raw,
-            k_raw,
-            rn_q,
-            rn_k,
-            q,
-            k,
-            v,
-            z,
-            a,
-            beta,
-            g,
-            core,
-            rstd,
-            normed,
-            checkpoints,
-        },
-    ))
-}
-
-fn full_attention_fwd(
-    model: &Qwen3_5,
-    fa: &FullAttention,
-    xn: &[f32],
-    packed: &Packed,
-) -> Result<(Vec<f32>, FullActs)> {
-    let c = &model.config;
-    let t = packed.len();
-    let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-    let qg = linear_fwd(&fa.q_proj, xn, t)?;
-    let mut q_raw = Vec::with_capacity(t * nh * hd);
-    let mut gate = Vec::with_capacity(t * nh * hd);
-    for head in qg.chunks_exact(2 * hd) {
-        q_raw.extend_from_slice(&head[..hd]);
-        gate.extend_from_slice(&head[hd..]);
-    }
-    let k_raw = linear_fwd(&fa.k_proj, xn, t)?;
-    let v = linear_fwd(&fa.v_proj, xn, t)?;
-    let (mut q, q_rstd) = rmsnorm_fwd(&q_raw, &fa.q_norm, hd, c.rms_norm_eps)?;
-    let (mut k, k_rstd) = rmsnorm_fwd(&k_raw, &fa.k_norm, hd, c.rms_norm_eps)?;
-    rope_forward(
-        &mut q,
-        &packed.positions,
-        nh,
-        hd,
-        c.rotary_dim,
-        c.rope_theta,
-    )?;
-    rope_forward(
-        &mut k,
-        &packed.positions,
-        nkv,
-        hd,
-        c.rotary_dim,
-        c.rope_theta,
-    )?;
-
-    let (qrow, kvrow) = (nh * hd, nkv * hd);
-    let mut attn = vec![0.0f32; t * qrow];
-    let scale = 1.0 / (hd as f32).sqrt();
-    for &(start, n) in &packed.spans {
-        attention_forward(
-            &mut attn[start * qrow..(start + n) * qrow],
-            &q[start * qrow..(start + n) * qrow],
-            &k[start * kvrow..(start + n) * kvrow],
-            &v[start * kvrow..(start + n) * kvrow],
-            AttnDims {
-                nq: n,
-                nk: n,
-                n_heads: nh,
-                n_kv_heads: nkv,
-                head_dim: hd,
-            },
-            scale,
-        )?;
-    }
-    let mut gated = attn.clone();
-    sigmoid_gate_forward(&mut gated, &gate)?;
-    let out = linear_fwd(&fa.o_proj, &gated, t)?;
-    Ok((
-        out,
-        FullActs {
-            q_raw,
-            gate,
-            k_raw,
-            q_rstd,
-            k_rstd,
-            q,
-            k,
-            v,
-            attn,
-            gated,
-        },
-    ))
 }
 
 /// Rows of logits made at once, as `Qwen3_5::score` chunks them (so a 248k
@@ -727,18 +356,20 @@ pub fn backward(
         h,
     )?;
     let im = c.intermediate_size;
-    for ((layer, saved), lg) in model
+    let sequences = acts.packed.sequences();
+    for (li, ((layer, kept), lg)) in model
         .layers
         .iter()
         .zip(&acts.layers)
         .zip(grads.layers.iter_mut())
+        .enumerate()
         .rev()
     {
         let recomputed;
-        let la: &LayerActs = match saved {
-            Saved::All(a) => a,
-            Saved::Input(x_in) => {
-                recomputed = layer_forward(model, layer, x_in, &acts.packed)?.1;
+        let la: &LayerActs = match kept {
+            Kept::All(a) => a,
+            Kept::Input(x_in) => {
+                recomputed = model.recompute_layer(li, x_in, &sequences)?;
                 &recomputed
             }
         };

@@ -2,5 +2,7 @@
 //! the one arcticd trains and serves.
 
 pub mod qwen3_5;
+pub mod saved;
 
 pub use qwen3_5::{LinearPacks, PagedPast, Qwen3_5, SeqCache, SeqInput};
+pub use saved::{Keep, Kept, Trace};

@@ -9,9 +9,14 @@
 //! and decode. Sequences never see each other: attention, conv and recurrent
 //! state are all per sequence.
 //!
+//! The trainer's forward is this forward too, with activations kept
+//! (`forward_keeping`, see `saved`): one layer implementation for
+//! prefill, decode, scoring and training.
+//!
 //! Not for: paging, scheduling or sampling (the engine's cache and scheduler
 //! sit above this), nor the backward (trainer).
 
+use super::saved::{FullActs, Keep, Kept, LayerActs, LinearActs, MixerActs, Trace};
 use crate::config::{LayerType, ModelConfig};
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
@@ -20,7 +25,10 @@ use arcticd_kernels::cpu::{
     attention::{attention_forward, attention_forward_paged, AttnDims, PagedKv, MIN_BLOCKED_NQ},
     conv1d::conv1d_forward,
     embedding::embedding_forward,
-    gated_delta::{gated_delta_recurrent_forward, warm_state, GatedDeltaDims},
+    gated_delta::{
+        gated_delta_recurrent_forward, gated_delta_recurrent_forward_checkpointed, warm_state,
+        GatedDeltaDims, CHECKPOINT_EVERY,
+    },
     l2norm::l2norm_forward,
     logsoftmax::logprob_gather_forward,
     matmul::{matmul_forward, matmul_forward_packed, pack_linear},
@@ -199,12 +207,52 @@ fn split_rows<'a>(
     pieces
 }
 
-fn rmsnorm(inp: &[f32], weight: &Tensor, c: usize, eps: f32) -> Result<Vec<f32>> {
+/// RMSNorm over rows of `c`: the output and each row's reciprocal RMS.
+fn rmsnorm(inp: &[f32], weight: &Tensor, c: usize, eps: f32) -> Result<(Vec<f32>, Vec<f32>)> {
     let n = inp.len() / c;
     let mut out = vec![0.0f32; inp.len()];
     let mut rstd = vec![0.0f32; n];
     rmsnorm_forward(&mut out, &mut rstd, inp, weight.as_f32()?, n, c, eps)?;
-    Ok(out)
+    Ok((out, rstd))
+}
+
+/// How a packed batch lies: every new token's id and position, and per
+/// sequence `(start, new tokens, tokens already in its cache)`.
+struct Layout {
+    ids: Vec<u32>,
+    positions: Vec<u32>,
+    spans: Vec<(usize, usize, usize)>,
+}
+
+impl Layout {
+    fn of(batch: &[SeqInput<'_>]) -> Result<Self> {
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut spans = Vec::with_capacity(batch.len());
+        for (s, seq) in batch.iter().enumerate() {
+            if seq.tokens.is_empty() {
+                return Err(Error::Input(format!("sequence {s} is empty")));
+            }
+            let (n, past) = (seq.tokens.len(), seq.cache.len);
+            spans.push((ids.len(), n, past));
+            ids.extend_from_slice(seq.tokens);
+            positions.extend((past..past + n).map(|p| p as u32));
+        }
+        Ok(Layout {
+            ids,
+            positions,
+            spans,
+        })
+    }
+}
+
+/// `sequences` paired with their (fresh) caches.
+fn fresh_batch<'a>(sequences: &[&'a [u32]], caches: &'a mut [SeqCache]) -> Vec<SeqInput<'a>> {
+    sequences
+        .iter()
+        .zip(caches.iter_mut())
+        .map(|(&tokens, cache)| SeqInput { tokens, cache })
+        .collect()
 }
 
 /// Gated DeltaNet mixer weights.
@@ -471,65 +519,170 @@ impl Qwen3_5 {
                 batch.len()
             )));
         }
-        let c = &self.config;
-        let h = c.hidden_size;
-        let mut ids = Vec::new();
-        let mut spans = Vec::with_capacity(batch.len());
-        for (s, seq) in batch.iter().enumerate() {
-            if seq.tokens.is_empty() {
-                return Err(Error::Input(format!("sequence {s} is empty")));
-            }
-            spans.push((ids.len(), seq.tokens.len(), seq.cache.len));
-            ids.extend_from_slice(seq.tokens);
-        }
-        let t = ids.len();
-        let mut x = vec![0.0f32; t * h];
-        embedding_forward(&mut x, &ids, self.embed_tokens.as_f32()?, c.vocab_size, h)
-            .map_err(|e| Error::Input(e.to_string()))?;
-        let positions: Vec<u32> = spans
-            .iter()
-            .flat_map(|&(_, n, past)| (past..past + n).map(|p| p as u32))
-            .collect();
-
-        for (li, layer) in self.layers.iter().enumerate() {
-            let xn = rmsnorm(&x, &layer.input_layernorm, h, c.rms_norm_eps)?;
-            let mixed = match &layer.mixer {
-                Mixer::Linear(la) => self.linear_attention(la, li, &xn, &spans, batch, packs)?,
-                Mixer::Full(fa) => {
-                    self.full_attention(fa, li, &xn, &spans, &positions, batch, pasts, packs)?
-                }
-            };
-            for (a, b) in x.iter_mut().zip(&mixed) {
-                *a += b;
-            }
-            let xn = rmsnorm(&x, &layer.post_attention_layernorm, h, c.rms_norm_eps)?;
-            let [gate, up]: [Vec<f32>; 2] =
-                project(&[&layer.gate_proj, &layer.up_proj], &xn, t, packs)?
-                    .try_into()
-                    .expect("two projections");
-            let mut act = vec![0.0f32; gate.len()];
-            silu_mul_forward(&mut act, &gate, &up, t, c.intermediate_size)?;
-            let mlp = layer.down_proj.forward_with(&act, t, packs)?;
-            for (a, b) in x.iter_mut().zip(&mlp) {
-                *a += b;
-            }
+        let layout = Layout::of(batch)?;
+        let mut x = self.embed(&layout.ids)?;
+        for li in 0..self.layers.len() {
+            self.layer_forward(li, &mut x, &layout, batch, pasts, packs, false)?;
         }
         for seq in batch.iter_mut() {
             seq.cache.len += seq.tokens.len();
         }
-        rmsnorm(&x, &self.norm, h, c.rms_norm_eps)
+        Ok(self.final_norm(&x)?.0)
     }
 
+    /// The training forward: `sequences`, each from position 0 with fresh
+    /// state, packed back to back, through the same layer code as
+    /// [`forward`](Self::forward) (so every number is the engine's, bit for
+    /// bit), keeping what a backward needs ([`Keep`]).
+    pub fn forward_keeping(&self, sequences: &[&[u32]], keep: Keep) -> Result<Trace> {
+        let mut caches: Vec<SeqCache> = sequences.iter().map(|_| self.new_cache()).collect();
+        let mut batch = fresh_batch(sequences, &mut caches);
+        let layout = Layout::of(&batch)?;
+        let mut x = self.embed(&layout.ids)?;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for li in 0..self.layers.len() {
+            let all = keep == Keep::All;
+            let x_in = (!all).then(|| x.clone());
+            let acts = self.layer_forward(li, &mut x, &layout, &mut batch, None, None, all)?;
+            layers.push(match (x_in, acts) {
+                (Some(x_in), _) => Kept::Input(x_in),
+                (None, Some(acts)) => Kept::All(Box::new(acts)),
+                (None, None) => {
+                    return Err(Error::Invariant(format!("layer {li} kept no activations")))
+                }
+            });
+        }
+        let (hidden, final_rstd) = self.final_norm(&x)?;
+        Ok(Trace {
+            layers,
+            x_last: x,
+            final_rstd,
+            hidden,
+        })
+    }
+
+    /// Layer `li`'s activations again, from its input `x_in`, for the
+    /// sequences of [`forward_keeping`](Self::forward_keeping): what a
+    /// backward over [`Keep::Inputs`] runs, the same code and bits.
+    pub fn recompute_layer(
+        &self,
+        li: usize,
+        x_in: &[f32],
+        sequences: &[&[u32]],
+    ) -> Result<LayerActs> {
+        if li >= self.layers.len() {
+            return Err(Error::Input(format!(
+                "layer {li} of a model with {} layers",
+                self.layers.len()
+            )));
+        }
+        let mut caches: Vec<SeqCache> = sequences.iter().map(|_| self.new_cache()).collect();
+        let mut batch = fresh_batch(sequences, &mut caches);
+        let layout = Layout::of(&batch)?;
+        if x_in.len() != layout.ids.len() * self.config.hidden_size {
+            return Err(Error::Input(format!(
+                "layer input of {} values for {} tokens",
+                x_in.len(),
+                layout.ids.len()
+            )));
+        }
+        let mut x = x_in.to_vec();
+        self.layer_forward(li, &mut x, &layout, &mut batch, None, None, true)?
+            .ok_or_else(|| Error::Invariant(format!("layer {li} kept no activations")))
+    }
+
+    /// The token embeddings `[tokens, hidden]`.
+    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let (v, h) = (self.config.vocab_size, self.config.hidden_size);
+        let mut x = vec![0.0f32; ids.len() * h];
+        embedding_forward(&mut x, ids, self.embed_tokens.as_f32()?, v, h)
+            .map_err(|e| Error::Input(e.to_string()))?;
+        Ok(x)
+    }
+
+    /// The final norm of the residual stream, and its reciprocal RMS per row.
+    fn final_norm(&self, x: &[f32]) -> Result<(Vec<f32>, Vec<f32>)> {
+        let c = &self.config;
+        rmsnorm(x, &self.norm, c.hidden_size, c.rms_norm_eps)
+    }
+
+    /// Decoder layer `li` over the packed batch: `x` (the residual stream)
+    /// is updated in place and each sequence's cache of this layer
+    /// advances. With `keep`, the layer's activations come back for a
+    /// backward; the arithmetic is the same either way.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_forward(
+        &self,
+        li: usize,
+        x: &mut [f32],
+        layout: &Layout,
+        batch: &mut [SeqInput<'_>],
+        pasts: Option<&[Option<PagedPast<'_>>]>,
+        packs: Option<&LinearPacks>,
+        keep: bool,
+    ) -> Result<Option<LayerActs>> {
+        let c = &self.config;
+        let (h, t, eps) = (c.hidden_size, layout.ids.len(), c.rms_norm_eps);
+        let layer = &self.layers[li];
+        let x_in = keep.then(|| x.to_vec());
+        let (xn1, rstd1) = rmsnorm(x, &layer.input_layernorm, h, eps)?;
+        let (mixed, mixer) = match &layer.mixer {
+            Mixer::Linear(la) => {
+                let (out, acts) =
+                    self.linear_attention(la, li, &xn1, layout, batch, packs, keep)?;
+                (out, acts.map(|a| MixerActs::Linear(Box::new(a))))
+            }
+            Mixer::Full(fa) => {
+                let (out, acts) =
+                    self.full_attention(fa, li, &xn1, layout, batch, pasts, packs, keep)?;
+                (out, acts.map(|a| MixerActs::Full(Box::new(a))))
+            }
+        };
+        for (a, b) in x.iter_mut().zip(&mixed) {
+            *a += b;
+        }
+        let x_mid = keep.then(|| x.to_vec());
+        let (xn2, rstd2) = rmsnorm(x, &layer.post_attention_layernorm, h, eps)?;
+        let [gate, up]: [Vec<f32>; 2] =
+            project(&[&layer.gate_proj, &layer.up_proj], &xn2, t, packs)?
+                .try_into()
+                .expect("two projections");
+        let mut act = vec![0.0f32; gate.len()];
+        silu_mul_forward(&mut act, &gate, &up, t, c.intermediate_size)?;
+        let mlp = layer.down_proj.forward_with(&act, t, packs)?;
+        for (a, b) in x.iter_mut().zip(&mlp) {
+            *a += b;
+        }
+        let (Some(x_in), Some(mixer), Some(x_mid)) = (x_in, mixer, x_mid) else {
+            return Ok(None);
+        };
+        Ok(Some(LayerActs {
+            x_in,
+            rstd1,
+            xn1,
+            mixer,
+            x_mid,
+            rstd2,
+            xn2,
+            gate,
+            up,
+            act,
+        }))
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn linear_attention(
         &self,
         la: &LinearAttention,
         li: usize,
         xn: &[f32],
-        spans: &[(usize, usize, usize)],
+        layout: &Layout,
         batch: &mut [SeqInput<'_>],
         packs: Option<&LinearPacks>,
-    ) -> Result<Vec<f32>> {
+        keep: bool,
+    ) -> Result<(Vec<f32>, Option<LinearActs>)> {
         let c = &self.config;
+        let spans = &layout.spans;
         let t = xn.len() / c.hidden_size;
         let (nk, nv, dk, dv) = (
             c.linear_num_key_heads,
@@ -573,6 +726,7 @@ impl Qwen3_5 {
                 kc,
             )?;
         }
+        let conv_pre = keep.then(|| conv.clone());
         silu_forward(&mut conv);
 
         // Split channels [q | k | v] and normalise q, k per head.
@@ -587,9 +741,10 @@ impl Qwen3_5 {
         }
         let mut q = vec![0.0f32; t * qd];
         let mut k = vec![0.0f32; t * qd];
-        let mut rn = vec![0.0f32; t * nk];
-        l2norm_forward(&mut q, &mut rn, &q_raw, t * nk, dk, 1e-6)?;
-        l2norm_forward(&mut k, &mut rn, &k_raw, t * nk, dk, 1e-6)?;
+        let mut rn_q = vec![0.0f32; t * nk];
+        let mut rn_k = vec![0.0f32; t * nk];
+        l2norm_forward(&mut q, &mut rn_q, &q_raw, t * nk, dk, 1e-6)?;
+        l2norm_forward(&mut k, &mut rn_k, &k_raw, t * nk, dk, 1e-6)?;
         let scale = 1.0 / (dk as f32).sqrt();
         for x in q.iter_mut() {
             *x *= scale;
@@ -616,10 +771,12 @@ impl Qwen3_5 {
             .enumerate()
             .collect();
         // Sequences in parallel (their states are independent); each one's
-        // arithmetic is the same whatever runs beside it.
+        // arithmetic is the same whatever runs beside it. With `keep`, the
+        // states every CHECKPOINT_EVERY tokens are kept for the backward.
         let states = &states;
-        jobs.into_par_iter()
-            .try_for_each(|(i, ((&(start, n, _), seq), out))| -> Result<()> {
+        let checkpoints = jobs
+            .into_par_iter()
+            .map(|(i, ((&(start, n, _), seq), out))| -> Result<Vec<f32>> {
                 let dims = GatedDeltaDims {
                     t: n,
                     nk,
@@ -645,11 +802,19 @@ impl Qwen3_5 {
                 // which the engine's prefix cache and the trainer's log-prob
                 // agreement rely on. The chunked form (held to 1e-5 of this one in
                 // the kernel tests) is the GPU prefill path.
-                gated_delta_recurrent_forward(
-                    out, state, args.0, args.1, args.2, args.3, args.4, dims,
+                if !keep {
+                    gated_delta_recurrent_forward(
+                        out, state, args.0, args.1, args.2, args.3, args.4, dims,
+                    )?;
+                    return Ok(Vec::new());
+                }
+                let mut cps = vec![0.0f32; n.div_ceil(CHECKPOINT_EVERY).max(1) * nv * dk * dv];
+                gated_delta_recurrent_forward_checkpointed(
+                    out, state, args.0, args.1, args.2, args.3, args.4, dims, &mut cps,
                 )?;
-                Ok(())
-            })?;
+                Ok(cps)
+            })
+            .collect::<Result<Vec<_>>>()?;
         let mut normed = vec![0.0f32; t * vd];
         let mut rstd = vec![0.0f32; t * nv];
         gated_rmsnorm_forward(
@@ -662,7 +827,27 @@ impl Qwen3_5 {
             dv,
             c.rms_norm_eps,
         )?;
-        la.out_proj.forward_with(&normed, t, packs)
+        let out = la.out_proj.forward_with(&normed, t, packs)?;
+        let acts = conv_pre.map(|conv_pre| LinearActs {
+            qkv,
+            conv_pre,
+            q_raw,
+            k_raw,
+            rn_q,
+            rn_k,
+            q,
+            k,
+            v,
+            z,
+            a,
+            beta,
+            g,
+            core,
+            rstd,
+            normed,
+            checkpoints,
+        });
+        Ok((out, acts))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -671,13 +856,14 @@ impl Qwen3_5 {
         fa: &FullAttention,
         li: usize,
         xn: &[f32],
-        spans: &[(usize, usize, usize)],
-        positions: &[u32],
+        layout: &Layout,
         batch: &mut [SeqInput<'_>],
         pasts: Option<&[Option<PagedPast<'_>>]>,
         packs: Option<&LinearPacks>,
-    ) -> Result<Vec<f32>> {
+        keep: bool,
+    ) -> Result<(Vec<f32>, Option<FullActs>)> {
         let c = &self.config;
+        let (spans, positions) = (&layout.spans, &layout.positions);
         let t = xn.len() / c.hidden_size;
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
         let [qg, k_raw, v]: [Vec<f32>; 3] = project(&fa.input_projections(), xn, t, packs)?
@@ -690,8 +876,8 @@ impl Qwen3_5 {
             q_raw.extend_from_slice(&head[..hd]);
             gate.extend_from_slice(&head[hd..]);
         }
-        let mut q = rmsnorm(&q_raw, &fa.q_norm, hd, c.rms_norm_eps)?;
-        let mut k = rmsnorm(&k_raw, &fa.k_norm, hd, c.rms_norm_eps)?;
+        let (mut q, q_rstd) = rmsnorm(&q_raw, &fa.q_norm, hd, c.rms_norm_eps)?;
+        let (mut k, k_rstd) = rmsnorm(&k_raw, &fa.k_norm, hd, c.rms_norm_eps)?;
         rope_forward(&mut q, positions, nh, hd, c.rotary_dim, c.rope_theta)?;
         rope_forward(&mut k, positions, nkv, hd, c.rotary_dim, c.rope_theta)?;
 
@@ -793,10 +979,23 @@ impl Qwen3_5 {
                 )?;
                 Ok(())
             })?;
+        let attn = keep.then(|| out.clone());
         sigmoid_gate_forward(&mut out, &gate)?;
-        fa.o_proj.forward_with(&out, t, packs)
+        let projected = fa.o_proj.forward_with(&out, t, packs)?;
+        let acts = attn.map(|attn| FullActs {
+            q_raw,
+            gate,
+            k_raw,
+            q_rstd,
+            k_rstd,
+            q,
+            k,
+            v,
+            attn,
+            gated: out,
+        });
+        Ok((projected, acts))
     }
-
     /// Logits `[n, vocab]` for hidden rows `[n, hidden]`.
     pub fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
         self.logits_with(hidden, None)
