@@ -18,7 +18,7 @@
 //! pass, or only each layer's input with `ForwardOptions::recompute_layers`;
 //! the gated-delta backward recomputes its states from per-chunk checkpoints.
 
-use crate::grads::{FullAttnGrad, LinearAttnGrad, MixerGrad, ModelGrads};
+use crate::grads::{FullAttnGrad, LinearAttnGrad, ModelGrads};
 use crate::{Error, Result};
 use arcticd_engine::model::qwen3_5::{FullAttention, Linear, LinearAttention, Mixer};
 use arcticd_engine::model::saved::{FullActs, Keep, Kept, LayerActs, LinearActs, MixerActs};
@@ -407,10 +407,10 @@ pub fn backward(
         )?;
         // x_mid = x_in + mixer(xn1).
         let dxn1 = match (&layer.mixer, &la.mixer, &mut lg.mixer) {
-            (Mixer::Linear(m), MixerActs::Linear(a), MixerGrad::Linear(g)) => {
+            (Mixer::Linear(m), MixerActs::Linear(a), Mixer::Linear(g)) => {
                 linear_attention_bwd(model, m, a, g, &la.xn1, &dx, &acts.packed)?
             }
-            (Mixer::Full(m), MixerActs::Full(a), MixerGrad::Full(g)) => {
+            (Mixer::Full(m), MixerActs::Full(a), Mixer::Full(g)) => {
                 full_attention_bwd(model, m, a, g, &la.xn1, &dx, &acts.packed)?
             }
             _ => {

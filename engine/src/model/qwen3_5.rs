@@ -44,29 +44,25 @@ use std::path::Path;
 
 /// A linear layer's weight `[out, in]` and optional bias.
 #[derive(Debug, Clone)]
-pub struct Linear {
-    pub weight: Tensor,
-    pub bias: Option<Tensor>,
+pub struct Linear<T = Tensor> {
+    pub weight: T,
+    pub bias: Option<T>,
     pub in_features: usize,
     pub out_features: usize,
 }
 
-impl Linear {
-    fn load(ck: &Checkpoint, name: &str, in_f: usize, out_f: usize, bias: bool) -> Result<Self> {
-        let weight = ck.get_f32(&format!("{name}.weight"), &[out_f, in_f])?;
-        let bias = if bias {
-            Some(ck.get_f32(&format!("{name}.bias"), &[out_f])?)
-        } else {
-            None
-        };
-        Ok(Linear {
-            weight,
-            bias,
+impl Linear<Shape> {
+    fn plan(in_f: usize, out_f: usize, bias: bool) -> Self {
+        Linear {
+            weight: vec![out_f, in_f],
+            bias: bias.then(|| vec![out_f]),
             in_features: in_f,
             out_features: out_f,
-        })
+        }
     }
+}
 
+impl Linear {
     /// `out[n, out] = inp[n, in] @ W^T + b`.
     pub fn forward(&self, inp: &[f32], n: usize) -> Result<Vec<f32>> {
         self.forward_with(inp, n, None)
@@ -257,19 +253,19 @@ fn fresh_batch<'a>(sequences: &[&'a [u32]], caches: &'a mut [SeqCache]) -> Vec<S
 
 /// Gated DeltaNet mixer weights.
 #[derive(Debug, Clone)]
-pub struct LinearAttention {
-    pub in_proj_qkv: Linear,
-    pub in_proj_z: Linear,
-    pub in_proj_b: Linear,
-    pub in_proj_a: Linear,
+pub struct LinearAttention<T = Tensor> {
+    pub in_proj_qkv: Linear<T>,
+    pub in_proj_z: Linear<T>,
+    pub in_proj_b: Linear<T>,
+    pub in_proj_a: Linear<T>,
     /// Depthwise conv weight `[conv_dim, 1, kernel]`, the checkpoint's shape
     /// (so parameter names and shapes are exactly Hugging Face's).
-    pub conv1d: Tensor,
-    pub a_log: Tensor,
-    pub dt_bias: Tensor,
+    pub conv1d: T,
+    pub a_log: T,
+    pub dt_bias: T,
     /// Gated RMSNorm weight `[dv]` (plain w).
-    pub norm: Tensor,
-    pub out_proj: Linear,
+    pub norm: T,
+    pub out_proj: Linear<T>,
 }
 
 impl LinearAttention {
@@ -286,14 +282,14 @@ impl LinearAttention {
 
 /// Gated full-attention mixer weights.
 #[derive(Debug, Clone)]
-pub struct FullAttention {
+pub struct FullAttention<T = Tensor> {
     /// `[n_heads * head_dim * 2, hidden]`: per head, query then gate.
-    pub q_proj: Linear,
-    pub k_proj: Linear,
-    pub v_proj: Linear,
-    pub o_proj: Linear,
-    pub q_norm: Tensor,
-    pub k_norm: Tensor,
+    pub q_proj: Linear<T>,
+    pub k_proj: Linear<T>,
+    pub v_proj: Linear<T>,
+    pub o_proj: Linear<T>,
+    pub q_norm: T,
+    pub k_norm: T,
 }
 
 impl FullAttention {
@@ -304,31 +300,40 @@ impl FullAttention {
 }
 
 #[derive(Debug, Clone)]
-pub enum Mixer {
-    Linear(Box<LinearAttention>),
-    Full(Box<FullAttention>),
+pub enum Mixer<T = Tensor> {
+    Linear(Box<LinearAttention<T>>),
+    Full(Box<FullAttention<T>>),
 }
 
 #[derive(Debug, Clone)]
-pub struct Layer {
-    pub input_layernorm: Tensor,
-    pub mixer: Mixer,
-    pub post_attention_layernorm: Tensor,
-    pub gate_proj: Linear,
-    pub up_proj: Linear,
-    pub down_proj: Linear,
+pub struct Layer<T = Tensor> {
+    pub input_layernorm: T,
+    pub mixer: Mixer<T>,
+    pub post_attention_layernorm: T,
+    pub gate_proj: Linear<T>,
+    pub up_proj: Linear<T>,
+    pub down_proj: Linear<T>,
 }
 
-/// Qwen3.5 text model with f32 parameters on the CPU.
+/// The Qwen3.5 text model's parameter tree, one `T` per parameter: the
+/// model itself with `T = Tensor` (f32 parameters on the CPU), and any
+/// other per-parameter value with another `T` (the trainer's gradients are
+/// `Qwen3_5<Vec<f32>>`, [`Qwen3_5::plan`] is `Qwen3_5<Shape>`). The tree is
+/// laid out once, from the config, in [`plan`](Qwen3_5::plan); parameter
+/// names (Hugging Face's) and their order are given once, in
+/// [`try_map`](Qwen3_5::try_map).
 #[derive(Debug, Clone)]
-pub struct Qwen3_5 {
+pub struct Qwen3_5<T = Tensor> {
     pub config: ModelConfig,
-    pub embed_tokens: Tensor,
-    pub layers: Vec<Layer>,
-    pub norm: Tensor,
+    pub embed_tokens: T,
+    pub layers: Vec<Layer<T>>,
+    pub norm: T,
     /// `None` when tied to `embed_tokens`.
-    pub lm_head: Option<Tensor>,
+    pub lm_head: Option<T>,
 }
+
+/// A parameter's shape, the leaf of [`Qwen3_5::plan`].
+pub type Shape = Vec<usize>;
 
 /// Per-sequence decode state. Linear layers: conv history `[K-1, conv_dim]`
 /// and recurrent state `[nv, dk, dv]` (fp32, always). Attention layers: the
@@ -375,86 +380,20 @@ impl Qwen3_5 {
     }
 
     pub fn from_checkpoint(config: ModelConfig, ck: &Checkpoint) -> Result<Self> {
-        let c = &config;
-        let p = c.weight_prefix.clone();
-        let h = c.hidden_size;
-        let embed_tokens = ck.get_f32(&format!("{p}embed_tokens.weight"), &[c.vocab_size, h])?;
-        let mut layers = Vec::with_capacity(c.num_layers());
-        for (i, lt) in c.layer_types.iter().enumerate() {
-            let lp = format!("{p}layers.{i}.");
-            let mixer = match lt {
-                LayerType::LinearAttention => {
-                    let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
-                    let a = format!("{lp}linear_attn.");
-                    let conv_dim = c.linear_conv_dim();
-                    let conv =
-                        ck.get_f32(&format!("{a}conv1d.weight"), &[conv_dim, 1, c.conv_kernel])?;
-                    if ck.contains(&format!("{a}conv1d.bias")) {
-                        return Err(Error::Weights(format!(
-                            "{a}conv1d.bias: a conv bias is not part of Qwen3.5"
-                        )));
-                    }
-                    Mixer::Linear(Box::new(LinearAttention {
-                        in_proj_qkv: Linear::load(
-                            ck,
-                            &format!("{a}in_proj_qkv"),
-                            h,
-                            conv_dim,
-                            false,
-                        )?,
-                        in_proj_z: Linear::load(ck, &format!("{a}in_proj_z"), h, nv * dv, false)?,
-                        in_proj_b: Linear::load(ck, &format!("{a}in_proj_b"), h, nv, false)?,
-                        in_proj_a: Linear::load(ck, &format!("{a}in_proj_a"), h, nv, false)?,
-                        conv1d: conv,
-                        a_log: ck.get_f32(&format!("{a}A_log"), &[nv])?,
-                        dt_bias: ck.get_f32(&format!("{a}dt_bias"), &[nv])?,
-                        norm: ck.get_f32(&format!("{a}norm.weight"), &[dv])?,
-                        out_proj: Linear::load(ck, &format!("{a}out_proj"), nv * dv, h, false)?,
-                    }))
-                }
-                LayerType::FullAttention => {
-                    let a = format!("{lp}self_attn.");
-                    let (nh, nkv, hd, bias) =
-                        (c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias);
-                    Mixer::Full(Box::new(FullAttention {
-                        q_proj: Linear::load(ck, &format!("{a}q_proj"), h, nh * hd * 2, bias)?,
-                        k_proj: Linear::load(ck, &format!("{a}k_proj"), h, nkv * hd, bias)?,
-                        v_proj: Linear::load(ck, &format!("{a}v_proj"), h, nkv * hd, bias)?,
-                        o_proj: Linear::load(ck, &format!("{a}o_proj"), nh * hd, h, bias)?,
-                        q_norm: ck.get_f32(&format!("{a}q_norm.weight"), &[hd])?,
-                        k_norm: ck.get_f32(&format!("{a}k_norm.weight"), &[hd])?,
-                    }))
-                }
-            };
-            let m = format!("{lp}mlp.");
-            let im = c.intermediate_size;
-            layers.push(Layer {
-                input_layernorm: ck.get_f32(&format!("{lp}input_layernorm.weight"), &[h])?,
-                mixer,
-                post_attention_layernorm: ck
-                    .get_f32(&format!("{lp}post_attention_layernorm.weight"), &[h])?,
-                gate_proj: Linear::load(ck, &format!("{m}gate_proj"), h, im, false)?,
-                up_proj: Linear::load(ck, &format!("{m}up_proj"), h, im, false)?,
-                down_proj: Linear::load(ck, &format!("{m}down_proj"), im, h, false)?,
-            });
+        for (i, lt) in config.layer_types.iter().enumerate() {
+            let bias = format!("{}layers.{i}.linear_attn.conv1d.bias", config.weight_prefix);
+            if *lt == LayerType::LinearAttention && ck.contains(&bias) {
+                return Err(Error::Weights(format!(
+                    "{bias}: a conv bias is not part of Qwen3.5"
+                )));
+            }
         }
-        let norm = ck.get_f32(&format!("{p}norm.weight"), &[h])?;
-        let lm_head = if c.tie_word_embeddings {
-            None
-        } else if ck.contains("lm_head.weight") {
-            Some(ck.get_f32("lm_head.weight", &[c.vocab_size, h])?)
-        } else {
+        if !config.tie_word_embeddings && !ck.contains("lm_head.weight") {
             return Err(Error::Weights(
                 "missing tensor lm_head.weight (and tie_word_embeddings is false)".into(),
             ));
-        };
-        Ok(Qwen3_5 {
-            config,
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-        })
+        }
+        Qwen3_5::plan(config).try_map(|name, shape| ck.get_f32(&name, shape))
     }
 
     /// An empty decode state for one sequence.
@@ -1080,63 +1019,198 @@ impl Qwen3_5 {
     }
 }
 
-/// Walk every parameter in one fixed order; `$($mut)?` picks `&` or `&mut`.
-/// One body for both, so the immutable and mutable lists cannot drift apart.
-macro_rules! walk_params {
-    ($model:expr, $out:ident, $($mut:tt)?) => {{
-        let m = $model;
-        let p = m.config.weight_prefix.clone();
-        $out.push((format!("{p}embed_tokens.weight"), & $($mut)? m.embed_tokens));
-        for (i, layer) in (& $($mut)? m.layers).into_iter().enumerate() {
-            let l = format!("{p}layers.{i}.");
-            $out.push((format!("{l}input_layernorm.weight"), & $($mut)? layer.input_layernorm));
-            $out.push((format!("{l}post_attention_layernorm.weight"), & $($mut)? layer.post_attention_layernorm));
-            match & $($mut)? layer.mixer {
-                Mixer::Linear(la) => {
-                    let a = format!("{l}linear_attn.");
-                    $out.push((format!("{a}in_proj_qkv.weight"), & $($mut)? la.in_proj_qkv.weight));
-                    $out.push((format!("{a}in_proj_z.weight"), & $($mut)? la.in_proj_z.weight));
-                    $out.push((format!("{a}in_proj_b.weight"), & $($mut)? la.in_proj_b.weight));
-                    $out.push((format!("{a}in_proj_a.weight"), & $($mut)? la.in_proj_a.weight));
-                    $out.push((format!("{a}conv1d.weight"), & $($mut)? la.conv1d));
-                    $out.push((format!("{a}A_log"), & $($mut)? la.a_log));
-                    $out.push((format!("{a}dt_bias"), & $($mut)? la.dt_bias));
-                    $out.push((format!("{a}norm.weight"), & $($mut)? la.norm));
-                    $out.push((format!("{a}out_proj.weight"), & $($mut)? la.out_proj.weight));
-                }
-                Mixer::Full(fa) => {
-                    let a = format!("{l}self_attn.");
-                    for (n, lin) in [
-                        ("q_proj", & $($mut)? fa.q_proj),
-                        ("k_proj", & $($mut)? fa.k_proj),
-                        ("v_proj", & $($mut)? fa.v_proj),
-                        ("o_proj", & $($mut)? fa.o_proj),
-                    ] {
-                        $out.push((format!("{a}{n}.weight"), & $($mut)? lin.weight));
-                        if let Some(b) = & $($mut)? lin.bias {
-                            $out.push((format!("{a}{n}.bias"), b));
-                        }
-                    }
-                    $out.push((format!("{a}q_norm.weight"), & $($mut)? fa.q_norm));
-                    $out.push((format!("{a}k_norm.weight"), & $($mut)? fa.k_norm));
-                }
-            }
-            let mm = format!("{l}mlp.");
-            $out.push((format!("{mm}gate_proj.weight"), & $($mut)? layer.gate_proj.weight));
-            $out.push((format!("{mm}up_proj.weight"), & $($mut)? layer.up_proj.weight));
-            $out.push((format!("{mm}down_proj.weight"), & $($mut)? layer.down_proj.weight));
+impl Qwen3_5<Shape> {
+    /// Every parameter's shape, laid out from the config.
+    pub fn plan(config: ModelConfig) -> Self {
+        let c = &config;
+        let h = c.hidden_size;
+        let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
+        let (nh, nkv, hd, bias) = (c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias);
+        let (conv_dim, im) = (c.linear_conv_dim(), c.intermediate_size);
+        let layers = c
+            .layer_types
+            .iter()
+            .map(|lt| Layer {
+                input_layernorm: vec![h],
+                mixer: match lt {
+                    LayerType::LinearAttention => Mixer::Linear(Box::new(LinearAttention {
+                        in_proj_qkv: Linear::plan(h, conv_dim, false),
+                        in_proj_z: Linear::plan(h, nv * dv, false),
+                        in_proj_b: Linear::plan(h, nv, false),
+                        in_proj_a: Linear::plan(h, nv, false),
+                        conv1d: vec![conv_dim, 1, c.conv_kernel],
+                        a_log: vec![nv],
+                        dt_bias: vec![nv],
+                        norm: vec![dv],
+                        out_proj: Linear::plan(nv * dv, h, false),
+                    })),
+                    LayerType::FullAttention => Mixer::Full(Box::new(FullAttention {
+                        q_proj: Linear::plan(h, nh * hd * 2, bias),
+                        k_proj: Linear::plan(h, nkv * hd, bias),
+                        v_proj: Linear::plan(h, nkv * hd, bias),
+                        o_proj: Linear::plan(nh * hd, h, bias),
+                        q_norm: vec![hd],
+                        k_norm: vec![hd],
+                    })),
+                },
+                post_attention_layernorm: vec![h],
+                gate_proj: Linear::plan(h, im, false),
+                up_proj: Linear::plan(h, im, false),
+                down_proj: Linear::plan(im, h, false),
+            })
+            .collect();
+        Qwen3_5 {
+            embed_tokens: vec![c.vocab_size, h],
+            layers,
+            norm: vec![h],
+            lm_head: (!c.tie_word_embeddings).then(|| vec![c.vocab_size, h]),
+            config,
         }
-        $out.push((format!("{p}norm.weight"), & $($mut)? m.norm));
-        if let Some(h) = & $($mut)? m.lm_head {
-            $out.push(("lm_head.weight".to_string(), h));
+    }
+}
+
+/// A linear layer's leaves through `$f` under `$name`; `[$($r)*]` is the
+/// binding (`&` or `&mut`), as in [`map_tree`].
+macro_rules! map_linear {
+    ($l:expr, $name:expr, $f:ident, [$($r:tt)*]) => {{
+        let l = $l;
+        let name = $name;
+        Linear {
+            weight: $f(format!("{name}.weight"), $($r)* l.weight)?,
+            bias: match $($r)* l.bias {
+                Some(b) => Some($f(format!("{name}.bias"), b)?),
+                None => None,
+            },
+            in_features: l.in_features,
+            out_features: l.out_features,
         }
     }};
 }
 
+/// The one walk of the parameter tree: every parameter, with its Hugging
+/// Face name, through `$f` (a `&mut FnMut(String, leaf) -> Result<U, E>`)
+/// in one fixed order, into a tree of the results. `[$($r)*]` picks `&` or
+/// `&mut`: one body for both, so the two walks cannot drift apart.
+macro_rules! map_tree {
+    ($model:expr, $f:ident, [$($r:tt)*]) => {{
+        let m = $model;
+        let p = m.config.weight_prefix.clone();
+        let config = m.config.clone();
+        let embed_tokens = $f(format!("{p}embed_tokens.weight"), $($r)* m.embed_tokens)?;
+        let mut layers = Vec::with_capacity(m.layers.len());
+        for (i, layer) in ($($r)* m.layers).into_iter().enumerate() {
+            let l = format!("{p}layers.{i}.");
+            let input_layernorm = $f(format!("{l}input_layernorm.weight"), $($r)* layer.input_layernorm)?;
+            let post_attention_layernorm = $f(format!("{l}post_attention_layernorm.weight"), $($r)* layer.post_attention_layernorm)?;
+            let mixer = match $($r)* layer.mixer {
+                Mixer::Linear(la) => {
+                    let a = format!("{l}linear_attn.");
+                    Mixer::Linear(Box::new(LinearAttention {
+                        in_proj_qkv: map_linear!($($r)* la.in_proj_qkv, format!("{a}in_proj_qkv"), $f, [$($r)*]),
+                        in_proj_z: map_linear!($($r)* la.in_proj_z, format!("{a}in_proj_z"), $f, [$($r)*]),
+                        in_proj_b: map_linear!($($r)* la.in_proj_b, format!("{a}in_proj_b"), $f, [$($r)*]),
+                        in_proj_a: map_linear!($($r)* la.in_proj_a, format!("{a}in_proj_a"), $f, [$($r)*]),
+                        conv1d: $f(format!("{a}conv1d.weight"), $($r)* la.conv1d)?,
+                        a_log: $f(format!("{a}A_log"), $($r)* la.a_log)?,
+                        dt_bias: $f(format!("{a}dt_bias"), $($r)* la.dt_bias)?,
+                        norm: $f(format!("{a}norm.weight"), $($r)* la.norm)?,
+                        out_proj: map_linear!($($r)* la.out_proj, format!("{a}out_proj"), $f, [$($r)*]),
+                    }))
+                }
+                Mixer::Full(fa) => {
+                    let a = format!("{l}self_attn.");
+                    Mixer::Full(Box::new(FullAttention {
+                        q_proj: map_linear!($($r)* fa.q_proj, format!("{a}q_proj"), $f, [$($r)*]),
+                        k_proj: map_linear!($($r)* fa.k_proj, format!("{a}k_proj"), $f, [$($r)*]),
+                        v_proj: map_linear!($($r)* fa.v_proj, format!("{a}v_proj"), $f, [$($r)*]),
+                        o_proj: map_linear!($($r)* fa.o_proj, format!("{a}o_proj"), $f, [$($r)*]),
+                        q_norm: $f(format!("{a}q_norm.weight"), $($r)* fa.q_norm)?,
+                        k_norm: $f(format!("{a}k_norm.weight"), $($r)* fa.k_norm)?,
+                    }))
+                }
+            };
+            let mm = format!("{l}mlp.");
+            layers.push(Layer {
+                input_layernorm,
+                mixer,
+                post_attention_layernorm,
+                gate_proj: map_linear!($($r)* layer.gate_proj, format!("{mm}gate_proj"), $f, [$($r)*]),
+                up_proj: map_linear!($($r)* layer.up_proj, format!("{mm}up_proj"), $f, [$($r)*]),
+                down_proj: map_linear!($($r)* layer.down_proj, format!("{mm}down_proj"), $f, [$($r)*]),
+            });
+        }
+        let norm = $f(format!("{p}norm.weight"), $($r)* m.norm)?;
+        let lm_head = match $($r)* m.lm_head {
+            Some(h) => Some($f("lm_head.weight".to_string(), h)?),
+            None => None,
+        };
+        Qwen3_5 {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+        }
+    }};
+}
+
+impl<T> Qwen3_5<T> {
+    /// The same tree with `f(name, leaf)` at every leaf, visited in the
+    /// order of [`named`](Self::named); the first error stops the walk.
+    pub fn try_map<'a, U, E>(
+        &'a self,
+        mut f: impl FnMut(String, &'a T) -> std::result::Result<U, E>,
+    ) -> std::result::Result<Qwen3_5<U>, E> {
+        Ok(map_tree!(self, f, [&]))
+    }
+
+    /// [`try_map`](Self::try_map) through mutable leaves.
+    pub fn try_map_mut<'a, U, E>(
+        &'a mut self,
+        mut f: impl FnMut(String, &'a mut T) -> std::result::Result<U, E>,
+    ) -> std::result::Result<Qwen3_5<U>, E> {
+        Ok(map_tree!(self, f, [&mut]))
+    }
+
+    /// The same tree with `f(leaf)` at every leaf.
+    pub fn map<U>(&self, mut f: impl FnMut(&T) -> U) -> Qwen3_5<U> {
+        let mapped = self.try_map(|_, t| Ok::<U, std::convert::Infallible>(f(t)));
+        match mapped {
+            Ok(tree) => tree,
+            Err(never) => match never {},
+        }
+    }
+
+    /// Every parameter with its Hugging Face name (under `weight_prefix`,
+    /// and `lm_head.weight` when untied), in one fixed order: the order the
+    /// optimizer, the gradients and the checkpoint writer all walk.
+    pub fn named(&self) -> Vec<(String, &T)> {
+        let mut out = Vec::new();
+        let walked = self.try_map(|name, t| {
+            out.push((name, t));
+            Ok::<(), std::convert::Infallible>(())
+        });
+        match walked {
+            Ok(_) => out,
+            Err(never) => match never {},
+        }
+    }
+
+    /// Mutable form of [`named`](Self::named), same order.
+    pub fn named_mut(&mut self) -> Vec<(String, &mut T)> {
+        let mut out = Vec::new();
+        let walked = self.try_map_mut(|name, t| {
+            out.push((name, t));
+            Ok::<(), std::convert::Infallible>(())
+        });
+        match walked {
+            Ok(_) => out,
+            Err(never) => match never {},
+        }
+    }
+}
+
 impl Qwen3_5 {
-    /// Every parameter with its Hugging Face name (under `weight_prefix`, and
-    /// `lm_head.weight` when untied), in a fixed order. The trainer's
-    /// optimizer and checkpoint writer walk this list.
     /// Every two-dimensional parameter (linear weights, embeddings / output
     /// head) packed for the matrix product; see [`LinearPacks`].
     pub fn pack_linears(&self) -> Result<LinearPacks> {
@@ -1178,18 +1252,15 @@ impl Qwen3_5 {
         Ok(packs)
     }
 
+    /// [`named`](Self::named), the model's parameters.
     pub fn named_params(&self) -> Vec<(String, &Tensor)> {
-        let mut out = Vec::new();
-        walk_params!(self, out,);
-        out
+        self.named()
     }
 
-    /// Mutable form of [`named_params`](Self::named_params), same order: the
-    /// parameter store is updated in place through this.
+    /// [`named_mut`](Self::named_mut): the parameter store is updated in
+    /// place through this.
     pub fn named_params_mut(&mut self) -> Vec<(String, &mut Tensor)> {
-        let mut out: Vec<(String, &mut Tensor)> = Vec::new();
-        walk_params!(self, out, mut);
-        out
+        self.named_mut()
     }
 }
 
@@ -1197,6 +1268,36 @@ impl Qwen3_5 {
 mod tests {
     use super::*;
     use crate::init::{init_model, TINY};
+
+    /// The plan, the loaded model and the checkpoint agree: the same names
+    /// in the same order, each parameter of its planned shape, and every
+    /// tensor of the checkpoint is one of them.
+    #[test]
+    fn the_plan_names_every_checkpoint_tensor_once() {
+        let dir = std::env::temp_dir().join(format!("arcticd-plan-{}", std::process::id()));
+        init_model(TINY, &dir, 5).unwrap();
+        let model = Qwen3_5::load(&dir).unwrap();
+        let ck = Checkpoint::open(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        let plan = Qwen3_5::plan(model.config.clone());
+        let planned = plan.named();
+        let loaded = model.named_params();
+        assert_eq!(planned.len(), loaded.len());
+        for ((pn, shape), (ln, t)) in planned.iter().zip(&loaded) {
+            assert_eq!(pn, ln);
+            assert_eq!(&t.shape().to_vec(), *shape, "{pn}");
+        }
+        let mut names: Vec<&str> = ck.names().collect();
+        names.sort();
+        let mut ours: Vec<&str> = planned.iter().map(|(n, _)| n.as_str()).collect();
+        ours.sort();
+        assert_eq!(names, ours);
+        // A tree of another leaf type walks in the same order.
+        let sizes = model.map(|t| t.numel());
+        let sized: Vec<usize> = sizes.named().into_iter().map(|(_, n)| *n).collect();
+        let numels: Vec<usize> = loaded.iter().map(|(_, t)| t.numel()).collect();
+        assert_eq!(sized, numels);
+    }
 
     /// Packed weights, single and side by side, give the unpacked bits, in
     /// a prefill of two sequences and in the decode step after it.
