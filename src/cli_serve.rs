@@ -34,12 +34,13 @@ pub struct ServeArgs {
     /// Engine replicas sharing the weights.
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
-    /// Cache memory per replica in MiB (KV blocks and recurrent-state slots).
-    #[arg(long, default_value_t = 256)]
-    pub cache_memory: usize,
-    /// Size the caches instead as this fraction (0 < F <= 0.95) of the
-    /// memory available once the model is loaded, split evenly between the
-    /// replicas; overrides --cache-memory.
+    /// Cache memory per replica in MiB (KV blocks and recurrent-state
+    /// slots). Default: --cache-fraction of the memory left after loading.
+    #[arg(long, conflicts_with = "cache_fraction")]
+    pub cache_memory: Option<usize>,
+    /// Size the caches as this fraction (0 < F <= 0.95) of the memory
+    /// available once the model is loaded, split evenly between the
+    /// replicas (the default, at 0.5, when --cache-memory is not given).
     #[arg(long)]
     pub cache_fraction: Option<f64>,
     /// Most sequences running at once per replica.
@@ -70,18 +71,15 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
     });
-    let cache_memory = match args.cache_fraction {
-        None => args.cache_memory << 20,
-        Some(f) => {
+    let cache_memory = match args.cache_memory {
+        Some(mib) => mib << 20,
+        None => {
+            let f = args.cache_fraction.unwrap_or(DEFAULT_CACHE_FRACTION);
             let meminfo = std::fs::read_to_string("/proc/meminfo")
                 .context("--cache-fraction reads the available memory from /proc/meminfo")?;
             cache_from_fraction(f, &meminfo, args.replicas.max(1))?
         }
     };
-    eprintln!(
-        "arcticd serve: {} MiB of cache per replica",
-        cache_memory >> 20
-    );
     let config = EngineConfig {
         cache_memory,
         max_num_seqs: args.max_num_seqs,
@@ -92,6 +90,24 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     };
     let store = ParamStore::new(model);
     let router = Router::start(args.replicas.max(1), store, Some(tokenizer.clone()), config)?;
+    if let Some(first) = router.replicas().first() {
+        let info = first.info();
+        eprintln!(
+            "arcticd serve: {} MiB of cache per replica: up to {} sequences at once{}, \
+             {} positions of K/V",
+            cache_memory >> 20,
+            info.max_num_seqs,
+            if info.max_num_seqs < args.max_num_seqs {
+                format!(
+                    " (--max-num-seqs {}: the cache holds the state of only {})",
+                    args.max_num_seqs, info.max_num_seqs
+                )
+            } else {
+                String::new()
+            },
+            info.capacity_tokens
+        );
+    }
     let state = AppState::new(
         router.clone(),
         tokenizer,
@@ -151,6 +167,10 @@ async fn shutdown_signal() {
 /// Cache bytes per replica for `--cache-fraction`: `fraction` of
 /// `MemAvailable` in `meminfo` (the text of /proc/meminfo), split between
 /// `replicas`.
+/// The share of the memory left after loading that the caches take when
+/// neither --cache-memory nor --cache-fraction is given.
+const DEFAULT_CACHE_FRACTION: f64 = 0.5;
+
 fn cache_from_fraction(fraction: f64, meminfo: &str, replicas: usize) -> Result<usize> {
     if !(fraction > 0.0 && fraction <= 0.95) {
         anyhow::bail!("--cache-fraction must be in (0, 0.95], got {fraction}");

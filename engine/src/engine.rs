@@ -26,7 +26,7 @@
 //! Not for: HTTP or text (the server), routing across replicas (`router.rs`).
 
 use crate::error::Failure;
-use crate::kv_cache::PagedKvCache;
+use crate::kv_cache::{fit_slots, CacheLayout, PagedKvCache};
 use crate::model::{LinearPacks, PagedPast, Qwen3_5, SeqCache, SeqInput};
 use crate::params::ParamStore;
 use crate::sampler::{Sampled, Sampler, SamplingParams};
@@ -223,6 +223,11 @@ pub struct EngineInfo {
     pub max_model_len: usize,
     /// Positions the KV pool holds; one sequence can never exceed it.
     pub capacity_tokens: usize,
+    /// Sequences that run at once: `max_num_seqs`, or fewer when the cache
+    /// memory holds fewer state slots (see `kv_cache::fit_slots`).
+    pub max_num_seqs: usize,
+    /// Prefix-cache state snapshots kept, fitted the same way.
+    pub prefix_snapshots: usize,
 }
 
 enum Command {
@@ -486,25 +491,45 @@ pub fn start(
     config: EngineConfig,
 ) -> Result<EngineHandle> {
     config.validate()?;
-    let (cache, vocab_size, mut eos) = {
+    let (cache, fit, vocab_size, mut eos) = {
         let model = store.read();
         let unit_blocks = config.prefix_unit / config.block_size;
-        let max_blocks = config.max_num_seqs * config.max_model_len.div_ceil(config.block_size)
-            + config.prefix_snapshots * unit_blocks;
+        let fit = fit_slots(
+            &CacheLayout::new(&model.config),
+            config.block_size,
+            config.cache_memory,
+            config.max_num_seqs,
+            config.prefix_snapshots,
+            unit_blocks.max(1),
+        )?;
+        let max_blocks = fit.running * config.max_model_len.div_ceil(config.block_size)
+            + fit.snapshots * unit_blocks;
         let cache = PagedKvCache::with_budget(
             &model.config,
             config.block_size,
             config.cache_memory,
-            config.max_num_seqs + config.prefix_snapshots,
+            fit.running + fit.snapshots,
             unit_blocks.max(1),
             max_blocks,
         )?;
         (
             cache,
+            fit,
             model.config.vocab_size,
             model.config.eos_token_ids.clone(),
         )
     };
+    if fit.reduced {
+        tracing::warn!(
+            "cache memory {} MiB holds the state of {} running sequences (of max_num_seqs {}) \
+             and {} prefix snapshots (of {})",
+            config.cache_memory >> 20,
+            fit.running,
+            config.max_num_seqs,
+            fit.snapshots,
+            config.prefix_snapshots
+        );
+    }
     if let Some(t) = &tokenizer {
         for id in t.eos_token_ids() {
             if !eos.contains(&id) {
@@ -518,6 +543,8 @@ pub fn start(
             vocab_size,
             max_model_len: config.max_model_len,
             capacity_tokens: cache.capacity_tokens(),
+            max_num_seqs: fit.running,
+            prefix_snapshots: fit.snapshots,
         },
         next_id: AtomicU64::new(0),
         stopped: AtomicBool::new(false),
@@ -527,7 +554,7 @@ pub fn start(
         .blocks_total
         .store(cache.pool().num_blocks() as u64, Ordering::Relaxed);
     let limits = Limits {
-        max_num_seqs: config.max_num_seqs,
+        max_num_seqs: fit.running,
         max_batched_tokens: config.max_batched_tokens,
         unit: config.prefix_unit,
     };

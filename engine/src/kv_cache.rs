@@ -92,6 +92,61 @@ pub struct PagedKvCache {
     free_slots: Vec<SlotId>,
 }
 
+/// Sequences that run at once and prefix-cache snapshots kept, as fitted
+/// to a cache budget by [`fit_slots`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotFit {
+    pub running: usize,
+    pub snapshots: usize,
+    /// Whether fewer than asked fit.
+    pub reduced: bool,
+}
+
+/// How many of `running` sequences and `snapshots` prefix snapshots a
+/// budget of `budget_bytes` holds: every state slot (one per running
+/// sequence and per snapshot, `layout.slot_bytes()` each) plus at least
+/// `min_blocks` K/V blocks. When all asked do not fit, the slots get at
+/// most half the budget (the rest is K/V), running sequences first, at
+/// least one. A real model's state is large (Qwen3.5-0.8B: about 20 MB a
+/// sequence), so a fixed number of running sequences would not fit a
+/// modest budget; the engine runs fewer instead of refusing to start.
+pub fn fit_slots(
+    layout: &CacheLayout,
+    block_size: usize,
+    budget_bytes: usize,
+    running: usize,
+    snapshots: usize,
+    min_blocks: usize,
+) -> Result<SlotFit> {
+    let slot = layout.slot_bytes();
+    let kv_floor = layout.block_bytes(block_size) * min_blocks;
+    let asked = (running + snapshots)
+        .checked_mul(slot)
+        .and_then(|b| b.checked_add(kv_floor));
+    if asked.is_some_and(|b| b <= budget_bytes) {
+        return Ok(SlotFit {
+            running,
+            snapshots,
+            reduced: false,
+        });
+    }
+    let fit = (budget_bytes / 2).checked_div(slot).unwrap_or(usize::MAX);
+    if fit == 0 || budget_bytes - slot.min(budget_bytes) < kv_floor {
+        return Err(Error::Config(format!(
+            "cache memory {budget_bytes} bytes cannot hold one sequence: its state slot takes \
+             {slot} bytes and at least {kv_floor} bytes of K/V blocks are needed beside it; \
+             give the cache at least {} bytes",
+            2 * slot.max(kv_floor)
+        )));
+    }
+    let r = running.min(fit).max(1);
+    Ok(SlotFit {
+        running: r,
+        snapshots: snapshots.min(fit.saturating_sub(r)),
+        reduced: true,
+    })
+}
+
 impl PagedKvCache {
     /// Split `budget_bytes` into `num_slots` state slots and as many K/V
     /// blocks as fit in the rest. Errors when not even `min_blocks` fit.
@@ -343,6 +398,37 @@ impl PagedKvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Asked numbers when they fit; otherwise slots within half the
+    /// budget, running sequences first; an error below one sequence.
+    #[test]
+    fn state_slots_are_fitted_to_the_budget() {
+        // A large state beside small K/V, as in the real models.
+        let layout = CacheLayout {
+            kv_row: 1,
+            conv_len: 100,
+            rec_len: 1000,
+            ..layout()
+        };
+        let slot = layout.slot_bytes();
+        let roomy = fit_slots(&layout, 16, 13 * slot, 8, 4, 4).unwrap();
+        assert_eq!(
+            (roomy.running, roomy.snapshots, roomy.reduced),
+            (8, 4, false)
+        );
+        let tight = fit_slots(&layout, 16, 10 * slot, 8, 4, 4).unwrap();
+        assert_eq!(
+            (tight.running, tight.snapshots, tight.reduced),
+            (5, 0, true)
+        );
+        let three = fit_slots(&layout, 16, 6 * slot, 2, 4, 4).unwrap();
+        assert_eq!(
+            (three.running, three.snapshots, three.reduced),
+            (2, 1, true)
+        );
+        assert!(fit_slots(&layout, 16, slot, 8, 4, 4).is_err());
+        assert!(fit_slots(&layout, 16, 0, 8, 4, 4).is_err());
+    }
 
     fn layout() -> CacheLayout {
         CacheLayout {

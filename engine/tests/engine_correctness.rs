@@ -276,6 +276,43 @@ fn preemption_gives_the_same_tokens() {
     assert!(worst < 1e-4);
 }
 
+/// A cache that holds fewer state slots than `max_num_seqs` asks for runs
+/// fewer sequences at once, says so in its info, and gives the same tokens;
+/// one that cannot hold a single sequence is a clear error.
+#[test]
+fn a_small_cache_runs_fewer_sequences_with_the_same_tokens() {
+    let dir = tiny_model("fit", 4);
+    let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+    let layout = arcticd_engine::kv_cache::CacheLayout::new(&store.read().config);
+    let roomy = engine::start(store.clone(), None, small_config()).unwrap();
+    assert_eq!(roomy.info().max_num_seqs, 16);
+    let cfg = EngineConfig {
+        cache_memory: layout.slot_bytes() * 6 + layout.block_bytes(16) * 40,
+        ..small_config()
+    };
+    let small = engine::start(store.clone(), None, cfg).unwrap();
+    let info = small.info();
+    eprintln!(
+        "fitted: {} running, {} snapshots",
+        info.max_num_seqs, info.prefix_snapshots
+    );
+    assert!((1..16).contains(&info.max_num_seqs));
+    let reqs: Vec<Request> = (0..6)
+        .map(|i| greedy(prompt(30 + 5 * i, i as u32), 20))
+        .collect();
+    let a = run_all(&roomy, &reqs);
+    let b = run_all(&small, &reqs);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(x.tokens, y.tokens);
+    }
+    let none = EngineConfig {
+        cache_memory: layout.slot_bytes() / 2,
+        ..small_config()
+    };
+    let err = engine::start(store, None, none).unwrap_err().to_string();
+    assert!(err.contains("cannot hold one sequence"), "{err}");
+}
+
 /// Greedy 40 tokens after a 90-token prompt, with the weights updated
 /// (version 0 -> 1) once 10 tokens are out. Returns the prompt, the choice
 /// and the store.
