@@ -111,8 +111,9 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
 
 #[derive(Args)]
 pub struct InitModelArgs {
-    /// `tiny` (tests, well under 1M parameters), `small` (a few million) or `demo` (the RL
-    /// demo's warm start: small's vocabulary, a narrow shallow body).
+    /// `tiny` (tests, well under 1M parameters), `small` (a few million), `demo` (the RL
+    /// demo's warm start: small's vocabulary, a narrow shallow body) or `qwen3.5-0.8b`
+    /// (the real 0.8B shape, random bf16 weights: 1.5 GB).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Output directory (created if missing).

@@ -444,17 +444,18 @@ impl AppState {
         Ok(choices)
     }
 
+    /// Text of generated ids (ids past the tokenizer have none).
     fn decode(&self, ids: &[u32]) -> AppResult<String> {
         self.inner
             .tokenizer
-            .decode(ids, true)
+            .decode_generated(ids, true)
             .map_err(AppError::internal)
     }
 
     fn token_text(&self, id: u32) -> String {
         self.inner
             .tokenizer
-            .decode(&[id], false)
+            .decode_generated(&[id], false)
             .unwrap_or_default()
     }
 }

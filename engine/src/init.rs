@@ -31,6 +31,14 @@ pub struct Preset {
     pub lin_v_heads: usize,
     pub lin_head_dim: usize,
     pub tie: bool,
+    /// The tokenizer is trained to `vocab` tokens and the model's
+    /// vocabulary is what it reached (`None`), or the tokenizer is trained
+    /// to this many and the model keeps `vocab` rows anyway, as real
+    /// checkpoints pad theirs (`Some`: a real vocabulary size without
+    /// training a tokenizer that large).
+    pub tokenizer_vocab: Option<usize>,
+    /// The checkpoint's precision on disk.
+    pub dtype: SaveDType,
 }
 
 pub const TINY: Preset = Preset {
@@ -46,6 +54,8 @@ pub const TINY: Preset = Preset {
     lin_v_heads: 4,
     lin_head_dim: 16,
     tie: true,
+    tokenizer_vocab: None,
+    dtype: SaveDType::F32,
 };
 
 pub const SMALL: Preset = Preset {
@@ -61,6 +71,8 @@ pub const SMALL: Preset = Preset {
     lin_v_heads: 4,
     lin_head_dim: 64,
     tie: true,
+    tokenizer_vocab: None,
+    dtype: SaveDType::F32,
 };
 
 /// The RL demo's model: `small`'s vocabulary (short token sequences) with
@@ -79,6 +91,30 @@ pub const DEMO: Preset = Preset {
     lin_v_heads: 4,
     lin_head_dim: 32,
     tie: true,
+    tokenizer_vocab: None,
+    dtype: SaveDType::F32,
+};
+
+/// The real Qwen3.5-0.8B text shape (DESIGN.md, "Facts checked") with
+/// random weights in bf16, as the released checkpoint is stored: for
+/// trying real sizes (memory, cache sizing, decode speed) without the
+/// released weights. Its tokenizer is a small generated one; the model
+/// keeps the real 248,320-row vocabulary.
+pub const QWEN3_5_0_8B: Preset = Preset {
+    name: "qwen3.5-0.8b",
+    vocab: 248_320,
+    hidden: 1024,
+    intermediate: 3584,
+    layers: 24,
+    heads: 8,
+    kv_heads: 2,
+    head_dim: 256,
+    lin_k_heads: 16,
+    lin_v_heads: 16,
+    lin_head_dim: 128,
+    tie: true,
+    tokenizer_vocab: Some(4096),
+    dtype: SaveDType::BF16,
 };
 
 pub fn preset(name: &str) -> Result<Preset> {
@@ -86,8 +122,9 @@ pub fn preset(name: &str) -> Result<Preset> {
         "tiny" => Ok(TINY),
         "small" => Ok(SMALL),
         "demo" => Ok(DEMO),
+        "qwen3.5-0.8b" => Ok(QWEN3_5_0_8B),
         other => Err(Error::Input(format!(
-            "unknown preset {other:?} (choose tiny, small or demo)"
+            "unknown preset {other:?} (choose tiny, small, demo or qwen3.5-0.8b)"
         ))),
     }
 }
@@ -102,8 +139,11 @@ pub struct InitReport {
 /// Write a random model of `preset` into `out` (created if missing).
 pub fn init_model(p: Preset, out: &Path, seed: u64) -> Result<InitReport> {
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let tok = write_tokenizer_files(out, p.vocab)?;
-    let vocab = tok.vocab_size;
+    let tok = write_tokenizer_files(out, p.tokenizer_vocab.unwrap_or(p.vocab))?;
+    let vocab = match p.tokenizer_vocab {
+        Some(_) => p.vocab.max(tok.vocab_size),
+        None => tok.vocab_size,
+    };
     let layer_types: Vec<&str> = (0..p.layers)
         .map(|i| {
             if (i + 1) % 4 == 0 {
@@ -140,7 +180,10 @@ pub fn init_model(p: Preset, out: &Path, seed: u64) -> Result<InitReport> {
         "layer_types": layer_types,
         "eos_token_id": tok.im_end_id,
         "pad_token_id": tok.endoftext_id,
-        "dtype": "float32",
+        "dtype": match p.dtype {
+            SaveDType::F32 => "float32",
+            SaveDType::BF16 => "bfloat16",
+        },
         "use_cache": true,
     });
     let cfg = crate::config::ModelConfig::from_json(&config)?;
@@ -255,7 +298,7 @@ pub fn init_model(p: Preset, out: &Path, seed: u64) -> Result<InitReport> {
         .iter()
         .map(|(n, s, d)| (n.clone(), s.clone(), d.as_slice()))
         .collect();
-    save_safetensors(&out.join("model.safetensors"), &refs, SaveDType::F32)?;
+    save_safetensors(&out.join("model.safetensors"), &refs, p.dtype)?;
     let text = serde_json::to_string_pretty(&config).map_err(|e| Error::Config(e.to_string()))?;
     write_atomic(&out.join("config.json"), text.as_bytes())?;
     let gen: Value = json!({"eos_token_id": [tok.im_end_id, tok.endoftext_id], "pad_token_id": tok.endoftext_id});

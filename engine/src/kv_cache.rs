@@ -202,9 +202,13 @@ impl PagedKvCache {
             }
             s
         };
+        // One zeroed allocation per pool (not `vec![pool; n]`, whose clones
+        // write every byte): the OS hands out zero pages as they are first
+        // used, so a large cache costs memory only as it fills.
+        let pools = || -> Vec<Vec<f32>> { (0..n_attn).map(|_| vec![0.0; per_layer]).collect() };
         PagedKvCache {
-            k: vec![vec![0.0; per_layer]; n_attn],
-            v: vec![vec![0.0; per_layer]; n_attn],
+            k: pools(),
+            v: pools(),
             slots: (0..num_slots).map(|_| empty_slot()).collect(),
             free_slots: (0..num_slots as SlotId).rev().collect(),
             pool: BlockPool::new(num_blocks),

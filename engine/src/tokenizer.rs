@@ -141,6 +141,19 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(format!("decode: {e}")))
     }
 
+    /// The text a model generated: [`decode`](Self::decode), where ids past
+    /// the tokenizer (a model's padded vocabulary rows; Qwen3.5 pads to
+    /// 248,320) have no text instead of being an error. For model output
+    /// only: an id a client sends is checked with `decode`.
+    pub fn decode_generated(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        let known: Vec<u32> = ids
+            .iter()
+            .copied()
+            .filter(|&id| self.inner.id_to_token(id).is_some())
+            .collect();
+        self.decode(&known, skip_special)
+    }
+
     /// The id of a vocabulary entry or added token, written as the
     /// tokenizer stores it (byte-level form for vocabulary entries, e.g.
     /// `Ġthe` for " the").
@@ -923,6 +936,12 @@ mod tests {
             tok.decode(&[5, 1_000_000], false),
             Err(Error::Input(_))
         ));
+        // Generated ids past the tokenizer (a padded vocabulary) have no text.
+        let padded = tok.vocab_size() as u32 + 7;
+        assert_eq!(
+            tok.decode_generated(&[5, padded, 6], false).unwrap(),
+            tok.decode(&[5, 6], false).unwrap()
+        );
     }
 
     #[test]
