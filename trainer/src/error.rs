@@ -26,6 +26,10 @@ pub enum Error {
     /// A run directory that cannot be used or resumed.
     #[error("run directory: {0}")]
     Run(String),
+    /// A collective between data-parallel ranks that could not complete
+    /// (a rank failed or left, ranks disagree, weights diverged).
+    #[error("data-parallel: {0}")]
+    Collective(String),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -6,6 +6,7 @@
 //! rollout harness and the async orchestrator build on this.
 
 pub mod checkpoint;
+pub mod comm;
 pub mod data;
 pub mod error;
 pub mod grads;

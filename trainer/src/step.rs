@@ -5,11 +5,22 @@
 //! AdamW on the master weights, and an in-place write of the shared parameter
 //! store (which bumps its weight version).
 //!
+//! Data-parallel: with a [`Communicator`] (`Trainer::with_comm`) each rank
+//! steps on its share of the batch with its own copy of the weights. Counts
+//! are summed first, so every rank normalizes the loss by the whole batch;
+//! the gradients are summed after the backward, so every rank holds the
+//! same gradient bits and takes the same clip and AdamW step, and its
+//! weights stay equal to the other ranks' without a broadcast (a checksum
+//! of them is compared every `TrainConfig::checksum_every` steps). A rank
+//! whose share fails makes every rank fail the step (no rank is left
+//! waiting in a collective).
+//!
 //! The forward/backward only read the store (read guard per micro-batch), so
 //! engines keep generating meanwhile; only the final write takes the write
 //! guard. A batch with a non-finite loss or gradient is skipped: logged in
 //! the metrics, counted, weights untouched.
 
+use crate::comm::{all_gather_f64, Communicator};
 use crate::grads::ModelGrads;
 use crate::loss::{pg_loss, sft_loss, Aggregation, PgConfig, PgMetrics, PgSeq};
 use crate::model::{self, Packed};
@@ -39,6 +50,10 @@ pub struct TrainConfig {
     pub recompute_layers: bool,
     /// Policy-gradient loss settings.
     pub pg: PgConfig,
+    /// Data-parallel: compare a checksum of every rank's weights after
+    /// every this many steps, and fail the step when they differ (0: never).
+    /// Default 10.
+    pub checksum_every: u64,
 }
 
 impl Default for TrainConfig {
@@ -50,6 +65,7 @@ impl Default for TrainConfig {
             micro_batch_tokens: 16384,
             recompute_layers: false,
             pg: PgConfig::default(),
+            checksum_every: 10,
         }
     }
 }
@@ -181,6 +197,9 @@ pub struct StepMetrics {
     pub mismatch: Option<MismatchSplit>,
     /// Seconds the engines were paused for the write (0 when none).
     pub update_secs: f64,
+    /// Data-parallel: the checksum every rank's weights agreed on after this
+    /// step, when it was checked.
+    pub weights_checksum: Option<u64>,
 }
 
 /// Contiguous micro-batches of `lens` with at most `budget` tokens each (a
@@ -254,6 +273,8 @@ pub struct Trainer {
     pub skipped_steps: u64,
     /// Paused around each write of the store (the engines reading it).
     pub gate: Option<std::sync::Arc<dyn WriteGate>>,
+    /// The data-parallel group this trainer is a rank of (None: alone).
+    comm: Option<Arc<dyn Communicator>>,
 }
 
 impl Trainer {
@@ -272,7 +293,83 @@ impl Trainer {
             grads,
             skipped_steps: 0,
             gate: None,
+            comm: None,
         })
+    }
+
+    /// This trainer as one rank of a data-parallel group: each step's batch
+    /// is this rank's share, and every rank must step together.
+    pub fn with_comm(mut self, comm: Arc<dyn Communicator>) -> Self {
+        self.comm = Some(comm);
+        self
+    }
+
+    /// Every rank's `local` values (each `n` long), in rank order; without
+    /// a group, this trainer's alone. When any rank's `local` is an error,
+    /// every rank fails (this rank with its own error where it has one), so
+    /// none is left waiting in a later collective.
+    fn sync(&self, local: Result<Vec<f64>>, n: usize) -> Result<Vec<Vec<f64>>> {
+        let Some(comm) = &self.comm else {
+            return local.map(|v| vec![v]);
+        };
+        let mut words = vec![0.0; n + 1];
+        match &local {
+            Ok(v) if v.len() == n => words[1..].copy_from_slice(v),
+            _ => words[0] = 1.0,
+        }
+        let all = all_gather_f64(comm.as_ref(), &words)?;
+        let local = local?;
+        if local.len() != n {
+            return Err(Error::Shape(format!(
+                "{} values to sync, not {n}",
+                local.len()
+            )));
+        }
+        if let Some(r) = all.iter().position(|w| w[0] != 0.0) {
+            return Err(Error::Collective(format!(
+                "rank {r} failed this step, so rank {} stops it too",
+                comm.rank()
+            )));
+        }
+        Ok(all.into_iter().map(|w| w[1..].to_vec()).collect())
+    }
+
+    /// Sums the gradients over the ranks (nothing alone).
+    fn reduce_grads(&mut self) -> Result<()> {
+        if let Some(comm) = &self.comm {
+            for (_, g) in self.grads.named_mut() {
+                comm.all_reduce_sum(g)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fails when the ranks' weights differ; returns the checksum they
+    /// agree on. Checked every `checksum_every` steps of a group.
+    fn check_weights(&self) -> Result<Option<u64>> {
+        let (Some(comm), every) = (&self.comm, self.config.checksum_every) else {
+            return Ok(None);
+        };
+        if every == 0 || !self.optimizer.step.is_multiple_of(every) {
+            return Ok(None);
+        }
+        let sum = weights_checksum(&self.store.read())?;
+        let all = comm.all_gather(&[sum])?;
+        if all.iter().any(|w| w[0] != sum) {
+            let sums: Vec<String> = all.iter().map(|w| format!("{:016x}", w[0])).collect();
+            return Err(Error::Collective(format!(
+                "the ranks' weights differ after step {}: checksums {}",
+                self.optimizer.step,
+                sums.join(", ")
+            )));
+        }
+        tracing::info!(
+            step = self.optimizer.step,
+            ranks = all.len(),
+            checksum = format!("{sum:016x}"),
+            "weights identical on every rank"
+        );
+        Ok(Some(sum))
     }
 
     /// Learning rate of the next step.
@@ -356,6 +453,7 @@ impl Trainer {
             pg: None,
             mismatch: None,
             update_secs: 0.0,
+            weights_checksum: None,
         };
         if !finite || !loss.is_finite() || !norm.is_finite() {
             self.skipped_steps += 1;
@@ -384,6 +482,7 @@ impl Trainer {
         res?;
         metrics.step = self.optimizer.step;
         metrics.weight_version = version;
+        metrics.weights_checksum = self.check_weights()?;
         tracing::info!(
             step = metrics.step,
             lr,
@@ -397,45 +496,73 @@ impl Trainer {
     }
 
     /// One SFT step: token-mean cross-entropy over the batch's targets.
+    ///
+    /// In a data-parallel group `batch` is this rank's share (it may be
+    /// empty); the loss is the whole batch's.
     pub fn sft_step(&mut self, batch: &[SftExample]) -> Result<StepMetrics> {
         let vocab = self.store.read().config.vocab_size;
-        let mut n_targets = 0;
-        for (i, ex) in batch.iter().enumerate() {
-            n_targets += check_example(i, &ex.tokens, &ex.loss_mask, vocab)?;
-        }
+        let local = batch
+            .iter()
+            .enumerate()
+            .try_fold(0, |n, (i, ex)| {
+                Ok(n + check_example(i, &ex.tokens, &ex.loss_mask, vocab)?)
+            })
+            .map(|n: usize| vec![n as f64]);
+        let n_targets = column_sum(&self.sync(local, 1)?, 0) as usize;
         if n_targets == 0 {
             return Err(Error::Input("the batch has no target tokens".into()));
         }
         let tokens: Vec<&[u32]> = batch.iter().map(|e| e.tokens.as_slice()).collect();
         let masks: Vec<&[u8]> = batch.iter().map(|e| e.loss_mask.as_slice()).collect();
-        let (loss, parts) = self.accumulate(&tokens, &masks, false, 1.0, |ctx| {
-            sft_loss(ctx.lp, n_targets).map(|(l, d)| (l, d, None))
-        })?;
-        self.finish(loss, n_targets, parts)
+        let local = self
+            .accumulate(&tokens, &masks, false, 1.0, |ctx| {
+                sft_loss(ctx.lp, n_targets).map(|(l, d)| (l, d, None))
+            })
+            .map(|(loss, parts)| vec![loss, parts as f64]);
+        let all = self.reduce(local, 2)?;
+        self.finish(column_sum(&all, 0), n_targets, column_sum(&all, 1) as usize)
+    }
+
+    /// [`sync`](Self::sync) of what each rank's accumulation gave, then the
+    /// gradients summed over the ranks.
+    fn reduce(&mut self, local: Result<Vec<f64>>, n: usize) -> Result<Vec<Vec<f64>>> {
+        let all = self.sync(local, n)?;
+        self.reduce_grads()?;
+        Ok(all)
     }
 
     /// One policy-gradient step (see `loss::pg_loss`).
+    ///
+    /// In a data-parallel group `batch` is this rank's share (it may be
+    /// empty); the loss and the metrics are the whole batch's.
     pub fn pg_step(&mut self, batch: &[PgExample]) -> Result<StepMetrics> {
         let vocab = self.store.read().config.vocab_size;
-        let mut n_tokens = 0;
-        let mut n_seqs = 0;
-        for (i, ex) in batch.iter().enumerate() {
-            let n = check_example(i, &ex.tokens, &ex.loss_mask, vocab)?;
-            if ex.behaviour_logprobs.len() != ex.tokens.len()
-                || ex
-                    .proximal_logprobs
-                    .as_ref()
-                    .is_some_and(|p| p.len() != ex.tokens.len())
-            {
-                return Err(Error::Input(format!(
-                    "example {i}: {} tokens but {} behaviour log-probs",
-                    ex.tokens.len(),
-                    ex.behaviour_logprobs.len()
-                )));
+        let local = (|| {
+            let (mut n_tokens, mut n_seqs) = (0, 0);
+            for (i, ex) in batch.iter().enumerate() {
+                let n = check_example(i, &ex.tokens, &ex.loss_mask, vocab)?;
+                if ex.behaviour_logprobs.len() != ex.tokens.len()
+                    || ex
+                        .proximal_logprobs
+                        .as_ref()
+                        .is_some_and(|p| p.len() != ex.tokens.len())
+                {
+                    return Err(Error::Input(format!(
+                        "example {i}: {} tokens but {} behaviour log-probs",
+                        ex.tokens.len(),
+                        ex.behaviour_logprobs.len()
+                    )));
+                }
+                n_tokens += n;
+                n_seqs += usize::from(n > 0);
             }
-            n_tokens += n;
-            n_seqs += usize::from(n > 0);
-        }
+            Ok(vec![n_tokens as f64, n_seqs as f64])
+        })();
+        let counts = self.sync(local, 2)?;
+        let (n_tokens, n_seqs) = (
+            column_sum(&counts, 0) as usize,
+            column_sum(&counts, 1) as usize,
+        );
         let normalizer = match self.config.pg.aggregation {
             Aggregation::TokenMean => n_tokens,
             Aggregation::SequenceMean => n_seqs,
@@ -458,7 +585,7 @@ impl Trainer {
         let versioned = batch
             .iter()
             .all(|e| e.weight_versions.len() == e.tokens.len());
-        let (loss, parts) = self.accumulate(&tokens, &masks, entropy, cfg.temperature, |ctx| {
+        let local = self.accumulate(&tokens, &masks, entropy, cfg.temperature, |ctx| {
             // Group this micro-batch's rows by sequence (rows come in order).
             // (sequence in the micro-batch, l_t, b_t, H_t) per trajectory.
             type Rows = (usize, Vec<f32>, Vec<f32>, Vec<f32>, Option<Vec<f32>>);
@@ -498,7 +625,51 @@ impl Trainer {
             merge_pg(&mut all, &m);
             let dent = entropy.then(|| g.dent.into_iter().flatten().collect());
             Ok((m.loss, g.dlp.into_iter().flatten().collect(), dent))
-        })?;
+        });
+        // What each rank measured, as sums and maxima until combined.
+        let local = local.map(|(loss, parts)| {
+            vec![
+                loss,
+                parts as f64,
+                all.mismatch_mean,
+                all.mismatch_max,
+                all.clipped_fraction,
+                all.masked_fraction,
+                all.kl,
+                all.entropy,
+                all.tokens as f64,
+                f64::from(u8::from(versioned)),
+                split.same_version_tokens as f64,
+                split.same_version_mean,
+                split.same_version_max,
+                split.lag_tokens as f64,
+                split.lag_mean,
+                split.lag_max,
+            ]
+        });
+        let ranks = self.reduce(local, 16)?;
+        let max = |c: usize| ranks.iter().fold(0.0f64, |a, r| a.max(r[c]));
+        let (loss, parts) = (column_sum(&ranks, 0), column_sum(&ranks, 1) as usize);
+        all = PgMetrics {
+            loss,
+            tokens: column_sum(&ranks, 8) as usize,
+            mismatch_mean: column_sum(&ranks, 2),
+            mismatch_max: max(3),
+            clipped_fraction: column_sum(&ranks, 4),
+            masked_fraction: column_sum(&ranks, 5),
+            kl: column_sum(&ranks, 6),
+            entropy: column_sum(&ranks, 7),
+        };
+        let versioned = ranks.iter().all(|r| r[9] != 0.0);
+        split = MismatchSplit {
+            trainer_version,
+            same_version_tokens: column_sum(&ranks, 10) as usize,
+            same_version_mean: column_sum(&ranks, 11),
+            same_version_max: max(12),
+            lag_tokens: column_sum(&ranks, 13) as usize,
+            lag_mean: column_sum(&ranks, 14),
+            lag_max: max(15),
+        };
         if all.tokens > 0 {
             all.mismatch_mean /= all.tokens as f64;
             all.clipped_fraction /= all.tokens as f64;
@@ -523,6 +694,25 @@ impl Trainer {
         }
         Ok(metrics)
     }
+}
+
+/// Column `c` of every rank's values, summed in rank order.
+fn column_sum(ranks: &[Vec<f64>], c: usize) -> f64 {
+    ranks.iter().map(|r| r[c]).sum()
+}
+
+/// A hash of every parameter's bits, in the walk's order: equal on two
+/// ranks exactly when their weights are (up to hash collisions).
+pub fn weights_checksum(model: &Qwen3_5) -> Result<u64> {
+    use std::hash::Hasher;
+    let mut h = std::hash::DefaultHasher::new();
+    for (name, p) in model.named_params() {
+        h.write(name.as_bytes());
+        for x in p.as_f32()? {
+            h.write_u32(x.to_bits());
+        }
+    }
+    Ok(h.finish())
 }
 
 /// Sums micro-batch metrics; fractions and the mean mismatch are kept as

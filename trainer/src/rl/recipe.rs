@@ -434,6 +434,7 @@ impl Recipe {
                 temperature: self.rollout.temperature,
                 ..PgConfig::default()
             },
+            ..TrainConfig::default()
         }
     }
 }
