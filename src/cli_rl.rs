@@ -5,6 +5,7 @@
 //! plots are.
 
 use anyhow::{bail, Context, Result};
+use arcticd_engine::config::ModelConfig;
 use arcticd_trainer::rl::{self, Recipe, RunOptions};
 use clap::Args;
 use serde_json::Value;
@@ -196,6 +197,14 @@ pub fn train(a: TrainArgs) -> Result<()> {
         recipe.group_size,
         out.display()
     );
+    // `rl::run` checks the same plan before it loads the weights.
+    if let Some(config) = recipe
+        .model
+        .as_deref()
+        .and_then(|m| ModelConfig::from_dir(m).ok())
+    {
+        eprintln!("memory plan:\n{}", rl::memory_plan(&recipe, &config));
+    }
     // Resumed runs start past 0; the bar shows updates of the whole run.
     let progress = Arc::new(Mutex::new(
         crate::progress::Progress::new(Some(steps), "train").with_interval(Duration::ZERO),

@@ -164,23 +164,20 @@ async fn shutdown_signal() {
     }
 }
 
-/// Cache bytes per replica for `--cache-fraction`: `fraction` of
-/// `MemAvailable` in `meminfo` (the text of /proc/meminfo), split between
-/// `replicas`.
 /// The share of the memory left after loading that the caches take when
 /// neither --cache-memory nor --cache-fraction is given.
 const DEFAULT_CACHE_FRACTION: f64 = 0.5;
 
+/// Cache bytes per replica for `--cache-fraction`: `fraction` of
+/// `MemAvailable` in `meminfo` (the text of /proc/meminfo), split between
+/// `replicas`.
 fn cache_from_fraction(fraction: f64, meminfo: &str, replicas: usize) -> Result<usize> {
     if !(fraction > 0.0 && fraction <= 0.95) {
         anyhow::bail!("--cache-fraction must be in (0, 0.95], got {fraction}");
     }
-    let kib: u64 = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    let available = arcticd_trainer::memory::parse_mem_available(meminfo)
         .context("no MemAvailable line in /proc/meminfo")?;
-    let bytes = (kib as f64 * 1024.0 * fraction / replicas as f64) as usize;
+    let bytes = (available as f64 * fraction / replicas as f64) as usize;
     if bytes < 1 << 20 {
         anyhow::bail!("--cache-fraction {fraction} leaves under 1 MiB of cache per replica");
     }

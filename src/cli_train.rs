@@ -10,10 +10,12 @@
 use crate::progress::Progress;
 use anyhow::{Context, Result};
 use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::config::ModelConfig;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_engine::{ParamStore, Qwen3_5};
 use arcticd_trainer::checkpoint::save_checkpoint;
 use arcticd_trainer::data::{batch_for_step, read_sft_jsonl, ChatRender};
+use arcticd_trainer::memory::{host_memory_available, MemoryPlan, PlanShape};
 use arcticd_trainer::optim::{AdamWConfig, LrSchedule};
 use arcticd_trainer::step::{TrainConfig, Trainer};
 use clap::Args;
@@ -63,9 +65,9 @@ pub struct SftArgs {
 
 pub fn sft(args: SftArgs) -> Result<()> {
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be positive");
-    let model = Qwen3_5::load(&args.model)
+    let model_config = ModelConfig::from_dir(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
-    let vocab = model.config.vocab_size;
+    let vocab = model_config.vocab_size;
     // Tokenizer and template only matter for {"messages": ...} lines.
     let tokenizer = Tokenizer::from_dir(&args.model).ok();
     let template = ChatTemplate::from_dir(&args.model).ok().flatten();
@@ -77,6 +79,24 @@ pub fn sft(args: SftArgs) -> Result<()> {
         _ => None,
     };
     let data = read_sft_jsonl(&args.data, vocab, chat.as_ref())?;
+    // What the run will hold, before the weights are loaded: a micro-batch
+    // is at most the budget (or one longer sequence), of at most a batch's
+    // sequences.
+    let longest = data.iter().map(|e| e.tokens.len()).max().unwrap_or(1);
+    let plan = MemoryPlan::training(
+        &model_config,
+        PlanShape {
+            tokens: (args.batch_size * longest)
+                .min(args.micro_batch_tokens)
+                .max(longest),
+            sequences: args.batch_size,
+            recompute_layers: false,
+        },
+    );
+    eprintln!("memory plan:\n{plan}");
+    plan.check(host_memory_available())?;
+    let model = Qwen3_5::load(&args.model)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
     let config = TrainConfig {
         optimizer: AdamWConfig {
             lr: args.lr,

@@ -30,6 +30,9 @@ pub enum Error {
     /// (a rank failed or left, ranks disagree, weights diverged).
     #[error("data-parallel: {0}")]
     Collective(String),
+    /// A run whose memory plan does not fit.
+    #[error("memory: {0}")]
+    Memory(String),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -12,6 +12,7 @@ pub mod error;
 pub mod grads;
 pub mod harness;
 pub mod loss;
+pub mod memory;
 pub mod model;
 pub mod optim;
 pub mod rft;

@@ -20,6 +20,7 @@
 
 use crate::grads::{FullAttnGrad, LinearAttnGrad, ModelGrads};
 use crate::{Error, Result};
+use arcticd_engine::model::logit_rows_per_chunk;
 use arcticd_engine::model::qwen3_5::{FullAttention, Linear, LinearAttention, Mixer};
 use arcticd_engine::model::saved::{FullActs, Keep, Kept, LayerActs, LinearActs, MixerActs};
 use arcticd_engine::Qwen3_5;
@@ -158,12 +159,6 @@ pub fn forward_with(model: &Qwen3_5, packed: Packed, opts: ForwardOptions) -> Re
     })
 }
 
-/// Rows of logits made at once, as `Qwen3_5::score` chunks them (so a 248k
-/// vocabulary never needs `tokens x vocab` floats, and results match it).
-fn rows_per_chunk(vocab: usize) -> usize {
-    (1 << 24) / vocab.max(1) + 1
-}
-
 /// `lp[i] = log p(targets[i] | hidden row rows[i])`.
 pub fn token_logprobs(
     model: &Qwen3_5,
@@ -191,7 +186,7 @@ pub fn token_logprobs_entropy(
     let (h, vsz) = (model.config.hidden_size, model.config.vocab_size);
     check_rows(hidden.len() / h.max(1), rows, targets)?;
     let w = model.lm_head_weight().as_f32()?;
-    let per = rows_per_chunk(vsz);
+    let per = logit_rows_per_chunk(vsz);
     let mut lps = Vec::with_capacity(rows.len());
     let mut ents = Vec::with_capacity(if entropy { rows.len() } else { 0 });
     for (rc, tc) in rows.chunks(per).zip(targets.chunks(per)) {
@@ -293,7 +288,7 @@ pub fn token_logprobs_entropy_backward(
         Some(g) => g,
         None => &mut grads.embed_tokens,
     };
-    let per = rows_per_chunk(vsz);
+    let per = logit_rows_per_chunk(vsz);
     let mut dhidden = vec![0.0f32; n * h];
     let mut start = 0;
     for (rc, tc) in rows.chunks(per).zip(targets.chunks(per)) {

@@ -4,5 +4,5 @@
 pub mod qwen3_5;
 pub mod saved;
 
-pub use qwen3_5::{LinearPacks, PagedPast, Qwen3_5, SeqCache, SeqInput};
-pub use saved::{Keep, Kept, Trace};
+pub use qwen3_5::{logit_rows_per_chunk, LinearPacks, PagedPast, Qwen3_5, SeqCache, SeqInput};
+pub use saved::{planned_floats, planned_layer_floats, Keep, Kept, Trace};

@@ -187,6 +187,13 @@ fn project(
     Ok(outs)
 }
 
+/// Rows of logits made at once by scoring and by the trainer's log-probs:
+/// a 248k vocabulary never needs `tokens x vocab` floats (64 MiB a chunk),
+/// and the two chunk alike, so their results match.
+pub fn logit_rows_per_chunk(vocab: usize) -> usize {
+    (1 << 24) / vocab.max(1) + 1
+}
+
 /// `buf` cut into one piece of `n * row` floats per span `(start, n, _)`;
 /// the spans tile it in order.
 fn split_rows<'a>(
@@ -991,7 +998,7 @@ impl Qwen3_5 {
             }
             start += seq.len();
         }
-        let rows_per_chunk = (1 << 24) / vsz.max(1) + 1;
+        let rows_per_chunk = logit_rows_per_chunk(vsz);
         let mut lps = Vec::with_capacity(rows.len());
         for (rchunk, tchunk) in rows
             .chunks(rows_per_chunk)
@@ -1297,6 +1304,40 @@ mod tests {
         let sized: Vec<usize> = sizes.named().into_iter().map(|(_, n)| *n).collect();
         let numels: Vec<usize> = loaded.iter().map(|(_, t)| t.numel()).collect();
         assert_eq!(sized, numels);
+    }
+
+    /// A memory plan's activation count is what a training forward keeps,
+    /// to the value, with sequences shorter and longer than a checkpoint
+    /// interval, in both keep modes, and one layer at a time.
+    #[test]
+    fn planned_activations_are_what_the_forward_keeps() {
+        use crate::model::saved::{planned_floats, planned_layer_floats};
+        let dir = std::env::temp_dir().join(format!("arcticd-acts-{}", std::process::id()));
+        init_model(TINY, &dir, 6).unwrap();
+        let model = Qwen3_5::load(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        let c = &model.config;
+        let every = arcticd_kernels::cpu::gated_delta::CHECKPOINT_EVERY;
+        let lens = [1, 7, every, every + 3, 2 * every + 1];
+        let seqs: Vec<Vec<u32>> = lens
+            .iter()
+            .map(|&n| (0..n as u32).map(|i| (i * 7 + 1) % 50).collect())
+            .collect();
+        let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
+        for keep in [Keep::All, Keep::Inputs] {
+            let trace = model.forward_keeping(&refs, keep).unwrap();
+            assert_eq!(trace.floats(), planned_floats(c, &lens, keep), "{keep:?}");
+        }
+        let trace = model.forward_keeping(&refs, Keep::Inputs).unwrap();
+        for (li, kept) in trace.layers.iter().enumerate() {
+            let Kept::Input(x) = kept else { panic!() };
+            let acts = model.recompute_layer(li, x, &refs).unwrap();
+            assert_eq!(
+                acts.floats(),
+                planned_layer_floats(c, li, &lens),
+                "layer {li}"
+            );
+        }
     }
 
     /// Packed weights, single and side by side, give the unpacked bits, in

@@ -19,5 +19,5 @@ pub mod pool;
 pub mod recipe;
 pub mod run_dir;
 
-pub use orchestrator::{run, RunOptions, RunSummary};
+pub use orchestrator::{memory_plan, run, RunOptions, RunSummary};
 pub use recipe::Recipe;

@@ -31,9 +31,11 @@ use crate::checkpoint::{load_optimizer, save_checkpoint_with};
 use crate::harness::engine_policy::EnginePolicy;
 use crate::harness::trajectory::Trajectory;
 use crate::harness::{Harness, Policy};
+use crate::memory::{host_memory_available, MemoryPlan, PlanShape};
 use crate::step::{Trainer, WriteGate};
 use crate::{Error, Result};
 use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::config::ModelConfig;
 use arcticd_engine::engine::EngineConfig;
 use arcticd_engine::router::Router;
 use arcticd_engine::tokenizer::Tokenizer;
@@ -314,6 +316,27 @@ fn load_task_file(path: &Path) -> Result<Vec<Arc<Task>>> {
     Ok(tasks.into_iter().map(Arc::new).collect())
 }
 
+/// What a run of `recipe` holds: the trainer at its micro-batch budget
+/// (trajectories of at most the engines' context), the replicas' caches,
+/// and the frozen evaluation engine when evaluations or rechecks run.
+pub fn memory_plan(recipe: &Recipe, config: &ModelConfig) -> MemoryPlan {
+    let engine = recipe.engine_config();
+    let trajectories = recipe.group_size * recipe.groups_per_step;
+    let mut plan = MemoryPlan::training(
+        config,
+        PlanShape {
+            tokens: recipe
+                .micro_batch_tokens
+                .min(trajectories * engine.max_model_len)
+                .max(engine.max_model_len),
+            sequences: trajectories,
+            recompute_layers: false,
+        },
+    );
+    plan.add_engines(config, recipe.replicas, engine.cache_memory, true);
+    plan
+}
+
 /// Runs (or resumes) a training run to its last update.
 pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     let run_dir = RunDir::new(&opts.out);
@@ -357,6 +380,11 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         Some((dir, s, _)) => (dir.clone(), Some(s.clone())),
         None => (model_dir.clone(), None),
     };
+    let model_config = ModelConfig::from_dir(&weights_dir)
+        .map_err(|e| Error::Recipe(format!("model {}: {e}", weights_dir.display())))?;
+    let plan = memory_plan(&recipe, &model_config);
+    tracing::info!("memory plan:\n{plan}");
+    plan.check(host_memory_available())?;
     let model = Qwen3_5::load(&weights_dir)
         .map_err(|e| Error::Recipe(format!("model {}: {e}", weights_dir.display())))?;
     let version0 = start.as_ref().map_or(0, |s| s.weight_version);

@@ -1,0 +1,242 @@
+//! The training memory plan: what a run will hold, computed from the model
+//! config before anything is allocated, printed at the start of a run, and
+//! refused with a clear error when it cannot fit.
+//!
+//! On the CPU every buffer is f32: the weights the engines and the trainer
+//! read (one copy, the parameter store), the AdamW master weights and two
+//! moments, the gradients, the activations a micro-batch keeps
+//! ([`planned_floats`], the same count the forward's trace measures), and a
+//! backward's working set (the gradients of one layer's activations, the
+//! recomputed layer with `recompute_layers`, and a chunk of logits with its
+//! gradient). A run of `arcticd train` adds the engines' caches.
+
+use crate::{Error, Result};
+use arcticd_engine::config::ModelConfig;
+use arcticd_engine::model::{logit_rows_per_chunk, planned_floats, planned_layer_floats, Keep};
+use arcticd_engine::Qwen3_5;
+use std::fmt;
+
+/// What the trainer's micro-batches look like, for the plan.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanShape {
+    /// The most tokens a micro-batch holds.
+    pub tokens: usize,
+    /// The most sequences a micro-batch holds (each sequence's recurrent
+    /// state is checkpointed on its own).
+    pub sequences: usize,
+    pub recompute_layers: bool,
+}
+
+/// Named byte counts, largest use first as they were added.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// Where the plan must fit ("host memory", a GPU).
+    pub device: String,
+    pub items: Vec<(String, u64)>,
+}
+
+impl MemoryPlan {
+    /// The trainer's memory for `config` at `shape`, on the CPU.
+    pub fn training(config: &ModelConfig, shape: PlanShape) -> Self {
+        let params: u64 = Qwen3_5::plan(config.clone())
+            .named()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum();
+        let f = |floats: usize| floats as u64 * 4;
+        let per = shape.tokens.div_ceil(shape.sequences.max(1)).max(1);
+        let lens = vec![per; shape.sequences.max(1)];
+        let keep = if shape.recompute_layers {
+            Keep::Inputs
+        } else {
+            Keep::All
+        };
+        let layer = (0..config.layer_types.len())
+            .map(|li| planned_layer_floats(config, li, &lens))
+            .max()
+            .unwrap_or(0);
+        // The gradients of one layer's activations, and the recomputed
+        // layer itself when only inputs are kept.
+        let working = layer * if shape.recompute_layers { 2 } else { 1 };
+        let rows = logit_rows_per_chunk(config.vocab_size).min(shape.tokens.max(1));
+        let logits = 2 * rows * config.vocab_size;
+        let mut plan = MemoryPlan {
+            device: "host memory".into(),
+            items: Vec::new(),
+        };
+        plan.add(format!("weights, f32 ({params} parameters)"), params * 4);
+        plan.add("AdamW master weights, f32", params * 4);
+        plan.add("AdamW moments, f32 (two)", params * 8);
+        plan.add("gradients, f32", params * 4);
+        plan.add(
+            format!(
+                "activations kept ({} tokens{})",
+                shape.tokens,
+                if shape.recompute_layers {
+                    ", layer inputs only"
+                } else {
+                    ""
+                }
+            ),
+            f(planned_floats(config, &lens, keep)),
+        );
+        plan.add("backward working set (one layer)", f(working));
+        plan.add(
+            format!("logits and their gradient ({rows} rows)"),
+            f(logits),
+        );
+        plan
+    }
+
+    /// Adds `replicas` engines reading the one weight copy: each one's
+    /// cache (K/V blocks and state slots, `cache_bytes`) and, where the CPU
+    /// packs weights for its matrix product (AVX-512), its packed copy of
+    /// them; with `frozen`, the frozen copy of the weights and its engine
+    /// that evaluations use while they run.
+    pub fn add_engines(
+        &mut self,
+        config: &ModelConfig,
+        replicas: usize,
+        cache_bytes: usize,
+        frozen: bool,
+    ) {
+        let plan = Qwen3_5::plan(config.clone());
+        let params: u64 = plan
+            .named()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum();
+        let r = replicas as u64;
+        self.add(
+            format!("engine caches ({replicas} x {})", mib(cache_bytes as u64)),
+            r * cache_bytes as u64,
+        );
+        if arcticd_kernels::cpu::sgemm::available() {
+            // Every matrix that is multiplied; the embedding table only
+            // when it is also the output head.
+            let packed: u64 = plan
+                .named()
+                .iter()
+                .filter(|(n, s)| {
+                    s.len() == 2
+                        && (config.tie_word_embeddings || !n.ends_with("embed_tokens.weight"))
+                })
+                .map(|(_, s)| s.iter().product::<usize>() as u64)
+                .sum();
+            self.add(format!("packed weights ({replicas} x)"), r * packed * 4);
+        }
+        if frozen {
+            self.add(
+                "evaluation: frozen weights and one engine cache",
+                params * 4 + cache_bytes as u64,
+            );
+        }
+    }
+
+    /// Adds one named use.
+    pub fn add(&mut self, what: impl Into<String>, bytes: u64) {
+        self.items.push((what.into(), bytes));
+    }
+
+    pub fn total(&self) -> u64 {
+        self.items.iter().map(|(_, b)| b).sum()
+    }
+
+    /// Fails, with the plan and what to change, when it needs more than
+    /// `available` bytes; passes when `available` is unknown.
+    pub fn check(&self, available: Option<u64>) -> Result<()> {
+        match available {
+            Some(a) if self.total() > a => Err(Error::Memory(format!(
+                "the run needs {} of {} but {} is available:\n{self}\nlower micro_batch_tokens, \
+                 turn on recompute_layers, or give the engines less cache",
+                mib(self.total()),
+                self.device,
+                mib(a)
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes (None where there is none).
+pub fn host_memory_available() -> Option<u64> {
+    parse_mem_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+pub fn parse_mem_available(meminfo: &str) -> Option<u64> {
+    let kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+impl fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (what, bytes) in &self.items {
+            writeln!(f, "  {:>12}  {what}", mib(*bytes))?;
+        }
+        write!(f, "  {:>12}  in all, of {}", mib(self.total()), self.device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arcticd_engine::init::{init_model, TINY};
+
+    fn tiny_config() -> ModelConfig {
+        let dir = std::env::temp_dir().join(format!("arcticd-memplan-{}", std::process::id()));
+        init_model(TINY, &dir, 1).unwrap();
+        let c = ModelConfig::from_dir(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        c
+    }
+
+    #[test]
+    fn the_plan_counts_every_buffer_and_refuses_what_does_not_fit() {
+        let c = tiny_config();
+        let shape = PlanShape {
+            tokens: 512,
+            sequences: 4,
+            recompute_layers: false,
+        };
+        let plan = MemoryPlan::training(&c, shape);
+        let params: u64 = Qwen3_5::plan(c.clone())
+            .named()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum();
+        // Weights, masters, two moments, gradients: 5 f32 copies.
+        let state: u64 = plan.items[..4].iter().map(|(_, b)| b).sum();
+        assert_eq!(state, params * 20);
+        let acts = plan.items[4].1;
+        assert_eq!(acts, 4 * planned_floats(&c, &[128; 4], Keep::All) as u64);
+        // Recomputing layers keeps less.
+        let small = MemoryPlan::training(
+            &c,
+            PlanShape {
+                recompute_layers: true,
+                ..shape
+            },
+        );
+        assert!(small.items[4].1 < acts / 4, "{small}");
+        assert!(plan.check(None).is_ok());
+        assert!(plan.check(Some(plan.total())).is_ok());
+        let err = plan.check(Some(plan.total() - 1)).unwrap_err().to_string();
+        assert!(
+            err.contains("AdamW moments") && err.contains("micro_batch_tokens"),
+            "{err}"
+        );
+        println!("{plan}");
+    }
+}
