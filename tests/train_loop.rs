@@ -79,7 +79,8 @@ max_new_tokens = 24
 max_context_tokens = 4096
 "#;
 
-/// A tiny model, four toy tasks and the recipe in `dir`.
+/// A tiny model, four toy tasks and the recipe, with the top-level keys
+/// of `extra`, in `dir`.
 fn setup(dir: &Path, extra: &str) -> PathBuf {
     ok(
         arcticd()
@@ -98,7 +99,8 @@ fn setup(dir: &Path, extra: &str) -> PathBuf {
         "tasks toy",
     );
     let recipe = dir.join("r.toml");
-    std::fs::write(&recipe, format!("{RECIPE}\n{extra}")).unwrap();
+    // Top-level keys: before the recipe's [rollout] table.
+    std::fs::write(&recipe, format!("{extra}\n{RECIPE}")).unwrap();
     recipe
 }
 
@@ -120,11 +122,43 @@ fn steps_of(run: &Path) -> Vec<u64> {
 
 #[test]
 fn trained_tokens_are_honest_about_their_weights() {
-    if !local_ready() {
+    honest_run("");
+}
+
+/// Two data-parallel trainer ranks, each with its own weights and its own
+/// replica: the ranks' checksums agree at every update, and the tokens
+/// either replica generated re-score under rank 0's checkpoints to the
+/// same bits' worth.
+#[test]
+fn two_ranks_keep_identical_weights_without_a_broadcast() {
+    let Some((_dir, run)) = honest_run("ranks = 2\nreplicas = 2\nchecksum_every = 1\n") else {
         return;
+    };
+    let metrics = read_jsonl(&run.join("metrics.jsonl"));
+    let checked = metrics
+        .iter()
+        .filter(|m| m["weights_checksum"].is_string())
+        .count();
+    let trained = metrics
+        .iter()
+        .filter(|m| m["update_skipped"] == Value::Bool(false))
+        .count();
+    assert!(trained > 0);
+    assert_eq!(checked, trained, "{metrics:?}");
+    let tokens: Vec<u64> =
+        serde_json::from_value(metrics.last().unwrap()["replica_tokens"].clone()).unwrap();
+    println!("replica tokens {tokens:?}");
+}
+
+/// A run of the test recipe plus `extra`, its trained tokens re-scored
+/// under the checkpoint of the version that generated them. None when the
+/// sandbox is not ready (skipped).
+fn honest_run(extra: &str) -> Option<(TempDir, PathBuf)> {
+    if !local_ready() {
+        return None;
     }
     let dir = TempDir::new("train-loop").unwrap();
-    let recipe = setup(dir.path(), "");
+    let recipe = setup(dir.path(), extra);
     let run = dir.path().join("run");
     ok(
         arcticd()
@@ -233,6 +267,7 @@ fn trained_tokens_are_honest_about_their_weights() {
         worst <= 1e-5,
         "behaviour log-probs differ from the checkpoint's by {worst:e}"
     );
+    Some((dir, run))
 }
 
 /// Runs until the fault point's marker appears, then SIGKILLs.

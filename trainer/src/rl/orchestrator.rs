@@ -28,14 +28,16 @@ use super::pool::TaskPool;
 use super::recipe::{Keep, Recipe, SandboxBackend};
 use super::run_dir::{append_jsonl, write_jsonl, RunDir, RunState, Totals};
 use crate::checkpoint::{load_optimizer, save_checkpoint_with};
+use crate::comm::{Communicator, LocalComm};
 use crate::harness::engine_policy::EnginePolicy;
 use crate::harness::trajectory::Trajectory;
 use crate::harness::{Harness, Policy};
 use crate::memory::{host_memory_available, MemoryPlan, PlanShape};
-use crate::step::{Trainer, WriteGate};
+use crate::step::{PgExample, StepMetrics, Trainer, WriteGate};
 use crate::{Error, Result};
 use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::config::ModelConfig;
+use arcticd_engine::engine;
 use arcticd_engine::engine::EngineConfig;
 use arcticd_engine::router::Router;
 use arcticd_engine::tokenizer::Tokenizer;
@@ -51,18 +53,114 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{Notify, Semaphore};
 
-/// The engines as the trainer's write gate.
-struct RouterGate(Router);
+/// A trainer rank's engines (the replicas reading its weights) as its
+/// write gate.
+struct RouterGate {
+    router: Router,
+    replicas: Vec<usize>,
+}
 
 impl WriteGate for RouterGate {
     fn pause(&self) -> Result<()> {
-        self.0.pause()?;
+        for &r in &self.replicas {
+            self.router.replicas()[r].pause()?;
+        }
         fault_point("weight_update");
         Ok(())
     }
     fn resume(&self) {
-        self.0.resume()
+        for &r in &self.replicas {
+            self.router.replicas()[r].resume();
+        }
     }
+}
+
+/// The trainer ranks past rank 0 (which steps on the loop's own thread),
+/// one thread each with its own copy of the weights, taking its share of
+/// every batch.
+struct Ranks {
+    shares: Vec<mpsc::Sender<Vec<PgExample>>>,
+    results: Vec<mpsc::Receiver<Result<StepMetrics>>>,
+}
+
+impl Ranks {
+    /// Starts `trainers` (ranks 1.., in order) on threads of their own.
+    fn start(trainers: Vec<Trainer>) -> Ranks {
+        let (mut shares, mut results) = (Vec::new(), Vec::new());
+        for (i, mut trainer) in trainers.into_iter().enumerate() {
+            let (share_tx, share_rx) = mpsc::channel::<Vec<PgExample>>();
+            let (result_tx, result_rx) = mpsc::channel();
+            std::thread::Builder::new()
+                .name(format!("trainer-rank-{}", i + 1))
+                .spawn(move || {
+                    for share in share_rx {
+                        if result_tx.send(trainer.pg_step(&share)).is_err() {
+                            break;
+                        }
+                    }
+                })
+                .expect("spawning a trainer rank");
+            shares.push(share_tx);
+            results.push(result_rx);
+        }
+        Ranks { shares, results }
+    }
+
+    /// One policy-gradient step over every rank: `trainer` (rank 0) here,
+    /// the others on their threads, each on a contiguous share of
+    /// `examples` of about equal tokens.
+    fn pg_step(&self, trainer: &mut Trainer, examples: &[PgExample]) -> Result<StepMetrics> {
+        if self.shares.is_empty() {
+            return trainer.pg_step(examples);
+        }
+        let shares = split_by_tokens(examples, self.shares.len() + 1);
+        for (r, (tx, share)) in self.shares.iter().zip(&shares[1..]).enumerate() {
+            tx.send(share.to_vec())
+                .map_err(|_| Error::Collective(format!("trainer rank {} has stopped", r + 1)))?;
+        }
+        let mine = trainer.pg_step(shares[0]);
+        let mut first_err = None;
+        for (r, rx) in self.results.iter().enumerate() {
+            let got = rx.recv().unwrap_or_else(|_| {
+                Err(Error::Collective(format!(
+                    "trainer rank {} has stopped",
+                    r + 1
+                )))
+            });
+            if let Err(e) = got {
+                first_err.get_or_insert(e);
+            }
+        }
+        let m = mine?;
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(m),
+        }
+    }
+}
+
+/// `examples` in `n` contiguous shares of about equal token counts: each
+/// example goes to the share its middle token falls in (a share may be
+/// empty).
+fn split_by_tokens(examples: &[PgExample], n: usize) -> Vec<&[PgExample]> {
+    let n = n.max(1);
+    let total: usize = examples.iter().map(|e| e.tokens.len()).sum();
+    let mut bounds = vec![0; n + 1];
+    let mut prefix = 0;
+    for (i, e) in examples.iter().enumerate() {
+        let len = e.tokens.len();
+        let share = ((2 * prefix + len) * n / (2 * total).max(1)).min(n - 1);
+        bounds[share + 1] = i + 1;
+        prefix += len;
+    }
+    // Shares that got no example end where the one before them does.
+    for k in 1..=n {
+        bounds[k] = bounds[k].max(bounds[k - 1]);
+    }
+    bounds[n] = examples.len();
+    (0..n)
+        .map(|k| &examples[bounds[k]..bounds[k + 1]])
+        .collect()
 }
 
 /// Test hook for crash tests: with `ARCTICD_FAULT_PAUSE=<point>` (and
@@ -317,7 +415,8 @@ fn load_task_file(path: &Path) -> Result<Vec<Arc<Task>>> {
 }
 
 /// What a run of `recipe` holds: the trainer at its micro-batch budget
-/// (trajectories of at most the engines' context), the replicas' caches,
+/// (trajectories of at most the engines' context) on every rank, the
+/// replicas' caches,
 /// and the frozen evaluation engine when evaluations or rechecks run.
 pub fn memory_plan(recipe: &Recipe, config: &ModelConfig) -> MemoryPlan {
     let engine = recipe.engine_config();
@@ -333,6 +432,13 @@ pub fn memory_plan(recipe: &Recipe, config: &ModelConfig) -> MemoryPlan {
             recompute_layers: false,
         },
     );
+    if recipe.ranks > 1 {
+        // Every rank holds all of it for its own copy and share.
+        for (what, bytes) in &mut plan.items {
+            *what = format!("{what}, x {} ranks", recipe.ranks);
+            *bytes *= recipe.ranks as u64;
+        }
+    }
     plan.add_engines(config, recipe.replicas, engine.cache_memory, true);
     plan
 }
@@ -388,19 +494,49 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     let model = Qwen3_5::load(&weights_dir)
         .map_err(|e| Error::Recipe(format!("model {}: {e}", weights_dir.display())))?;
     let version0 = start.as_ref().map_or(0, |s| s.weight_version);
+    // One copy of the weights per trainer rank; rank 0's is `store`.
+    let stores: Vec<Arc<ParamStore>> = (1..recipe.ranks)
+        .map(|_| ParamStore::with_version(model.clone(), version0))
+        .collect();
     let store = ParamStore::with_version(model, version0);
-    let mut trainer = Trainer::new(store.clone(), recipe.train_config())?;
-    if start.is_some() {
-        load_optimizer(&weights_dir, &mut trainer.optimizer)?;
-    }
+    let stores: Vec<Arc<ParamStore>> = std::iter::once(store.clone()).chain(stores).collect();
     let engine_cfg = recipe.engine_config();
-    let router = Router::start(
-        recipe.replicas,
-        store.clone(),
-        Some(tokenizer.clone()),
-        engine_cfg.clone(),
+    let router = Router::new(
+        (0..recipe.replicas)
+            .map(|r| {
+                engine::start(
+                    stores[r % stores.len()].clone(),
+                    Some(tokenizer.clone()),
+                    engine_cfg.clone(),
+                )
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?,
     )?;
-    trainer.gate = Some(Arc::new(RouterGate(router.clone())));
+    let mut comms: Vec<Option<Arc<dyn Communicator>>> = if recipe.ranks > 1 {
+        LocalComm::world(recipe.ranks)?
+            .into_iter()
+            .map(|c| Some(Arc::new(c) as Arc<dyn Communicator>))
+            .collect()
+    } else {
+        vec![None]
+    };
+    let mut trainers = Vec::with_capacity(stores.len());
+    for (rank, (s, comm)) in stores.iter().zip(comms.iter_mut()).enumerate() {
+        let mut t = Trainer::new(s.clone(), recipe.train_config())?;
+        if start.is_some() {
+            load_optimizer(&weights_dir, &mut t.optimizer)?;
+        }
+        t.gate = Some(Arc::new(RouterGate {
+            router: router.clone(),
+            replicas: (rank..recipe.replicas).step_by(stores.len()).collect(),
+        }));
+        if let Some(c) = comm.take() {
+            t = t.with_comm(c);
+        }
+        trainers.push(t);
+    }
+    let mut trainer = trainers.remove(0);
+    let ranks = Ranks::start(trainers);
 
     let mut pool = TaskPool::new(
         tasks.iter().map(|t| t.instance_id.clone()).collect(),
@@ -619,7 +755,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 totals.skipped_updates += 1;
                 None
             } else {
-                Some(trainer.pg_step(&batch.examples)?)
+                Some(ranks.pg_step(&mut trainer, &batch.examples)?)
             };
             if sm.as_ref().is_some_and(|m| m.skipped) {
                 // A non-finite loss or gradient: weights untouched, counted.
@@ -723,6 +859,13 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 json!(pg.as_ref().map(|p| p.clipped_fraction)),
             );
             put("lr", json!(trainer.lr()));
+            put(
+                "weights_checksum",
+                json!(sm
+                    .as_ref()
+                    .and_then(|m| m.weights_checksum)
+                    .map(|c| format!("{c:016x}"))),
+            );
             put("tokens", json!(s.trained_tokens));
             put(
                 "update_skipped",
@@ -1030,4 +1173,35 @@ fn resume_state(
         dir.display()
     );
     Ok(Some((dir, s, lost)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shares_split_the_tokens_evenly_and_keep_every_example() {
+        let ex = |n: usize| PgExample {
+            tokens: vec![1; n],
+            loss_mask: vec![1; n],
+            behaviour_logprobs: vec![0.0; n],
+            proximal_logprobs: None,
+            advantage: 0.0,
+            weight_versions: vec![],
+        };
+        let batch: Vec<PgExample> = [10, 10, 10, 10, 30, 10, 10, 10].map(ex).to_vec();
+        let lens = |shares: &[&[PgExample]]| -> Vec<usize> {
+            shares
+                .iter()
+                .map(|s| s.iter().map(|e| e.tokens.len()).sum())
+                .collect()
+        };
+        assert_eq!(lens(&split_by_tokens(&batch, 1)), vec![100]);
+        assert_eq!(lens(&split_by_tokens(&batch, 2)), vec![40, 60]);
+        assert_eq!(lens(&split_by_tokens(&batch, 4)), vec![20, 20, 30, 30]);
+        // More ranks than examples: some get empty shares.
+        let two = &batch[..2];
+        assert_eq!(lens(&split_by_tokens(two, 4)), vec![0, 10, 0, 10]);
+        assert_eq!(lens(&split_by_tokens(&[], 3)), vec![0, 0, 0]);
+    }
 }

@@ -96,8 +96,18 @@ pub struct Recipe {
     pub stale: StalePolicy,
     /// Rollouts in flight at once (each holds one sandbox). Default 8.
     pub concurrency: usize,
-    /// Engine replicas over the one parameter store. Default 1.
+    /// Engine replicas. Default 1.
     pub replicas: usize,
+    /// Data-parallel trainer ranks, each with its own copy of the weights,
+    /// read by its own replicas (replica r is rank r mod ranks's); every
+    /// rank trains on its share of each batch, gradients are summed across
+    /// them and every rank takes the same step, so no weights are ever
+    /// copied between them. `replicas` must be a multiple. Default 1.
+    pub ranks: usize,
+    /// With several ranks, compare a checksum of every rank's weights
+    /// every this many updates, recorded in the metrics (0: never).
+    /// Default 10.
+    pub checksum_every: u64,
     /// Seed of the task order. Default 0.
     pub seed: u64,
     /// Peak learning rate. Default 1e-6.
@@ -208,6 +218,8 @@ impl Default for Recipe {
             stale: StalePolicy::Drop,
             concurrency: 8,
             replicas: 1,
+            ranks: 1,
+            checksum_every: 10,
             seed: 0,
             lr: 1e-6,
             warmup: 0,
@@ -331,8 +343,11 @@ impl Recipe {
         if self.groups_per_step == 0 {
             return bad("groups_per_step must be at least 1");
         }
-        if self.concurrency == 0 || self.replicas == 0 {
-            return bad("concurrency and replicas must be at least 1");
+        if self.concurrency == 0 || self.replicas == 0 || self.ranks == 0 {
+            return bad("concurrency, replicas and ranks must be at least 1");
+        }
+        if !self.replicas.is_multiple_of(self.ranks) {
+            return bad("replicas must be a multiple of ranks (each rank's weights are read by its own replicas)");
         }
         if !(self.lr.is_finite() && self.lr >= 0.0) {
             return bad("lr must be a finite number >= 0");
@@ -434,7 +449,7 @@ impl Recipe {
                 temperature: self.rollout.temperature,
                 ..PgConfig::default()
             },
-            ..TrainConfig::default()
+            checksum_every: self.checksum_every,
         }
     }
 }
@@ -529,6 +544,12 @@ mod tests {
         assert!(Recipe::from_toml_with("", "r", &["nokey=1".into()]).is_err());
         assert!(Recipe::from_toml_with("", "r", &["steps".into()]).is_err());
         assert!(Recipe::from_toml("group_size = 1\n", "r").is_err());
+        let err = Recipe::from_toml("ranks = 2\n", "r")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("multiple of ranks"), "{err}");
+        assert!(Recipe::from_toml("ranks = 2\nreplicas = 4\n", "r").is_ok());
+        assert!(Recipe::from_toml("ranks = 0\n", "r").is_err());
         assert!(Recipe::from_toml("stale = \"sometimes\"\n", "r").is_err());
         assert!(Recipe::from_toml("steps = \"many\"\n", "r").is_err());
     }
