@@ -356,3 +356,72 @@ fn trainer_logprobs_at_temperature_equal_the_samplers() {
         assert!(off > 1e-3, "T={t} must change the log-probs");
     }
 }
+
+/// Per tensor, `|g - ref| / |ref|` and the largest `|g_i - ref_i| / |ref_i|`.
+fn errors(g: &[f32], r: &[f32]) -> (f64, f64) {
+    let element = g
+        .iter()
+        .zip(r)
+        .filter(|(_, r)| **r != 0.0)
+        .map(|(g, r)| ((*g as f64 - *r as f64) / *r as f64).abs())
+        .fold(0.0, f64::max);
+    (rel_err(g, r), element)
+}
+
+/// One 3,840-token sequence with weights of both signs, against float64
+/// autograd (tests/ref/make_long_grad_fixture.py): every gradient at least
+/// as accurate as PyTorch float32's, within a small factor, element by
+/// element on the decay parameters (A_log, dt_bias), whose gradients are
+/// sums that mostly cancel and whose sign Adam turns into a full step.
+#[test]
+fn long_sequence_gradients_against_float64() {
+    let dir = fixture("long_f64");
+    let m = Qwen3_5::load(&fixture("gqa_untied")).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("batch.json")).unwrap()).unwrap();
+    let ids: Vec<u32> = serde_json::from_value(v["ids"].clone()).unwrap();
+    let weights: Vec<f64> = serde_json::from_value(v["weights"].clone()).unwrap();
+    let torch: HashMap<String, HashMap<String, f64>> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("torch_f32_errors.json")).unwrap())
+            .unwrap();
+    let want = read_f32_tensors(&dir.join("ref_grads.safetensors"));
+
+    let packed = Packed::new(std::slice::from_ref(&ids), m.config.vocab_size).unwrap();
+    let rows: Vec<usize> = (0..ids.len() - 1).collect();
+    let targets = ids[1..].to_vec();
+    let w: Vec<f32> = weights[1..].iter().map(|&x| x as f32).collect();
+    let acts = model::forward(&m, packed).unwrap();
+    let mut grads = ModelGrads::zeros_like(&m);
+    let dhidden =
+        model::token_logprobs_backward(&m, &mut grads, &acts.hidden, &rows, &targets, &w).unwrap();
+    model::backward(&m, &acts, &dhidden, &mut grads).unwrap();
+
+    let (mut all_d, mut all_r, mut all_t) = (0.0f64, 0.0f64, 0.0f64);
+    let mut failures = Vec::new();
+    for (name, g) in grads.named() {
+        let r = &want[&name];
+        let (norm, element) = errors(g, r);
+        let t = &torch[&name];
+        let (t_norm, t_element) = (t["norm"], t["element"]);
+        let rr: f64 = r.iter().map(|x| (*x as f64).powi(2)).sum();
+        all_d += norm.powi(2) * rr;
+        all_r += rr;
+        all_t += t_norm.powi(2) * rr;
+        let decay = name.ends_with("A_log") || name.ends_with("dt_bias");
+        println!(
+            "{name:<45} ours: norm {norm:.2e} element {element:.2e}   torch f32: norm {t_norm:.2e} element {t_element:.2e}"
+        );
+        // A factor of 4 over PyTorch float32 (or 1e-5, where float32 is
+        // nearly exact), on the tensor and, for the decay parameters, on
+        // every element.
+        if norm > (4.0 * t_norm).max(1e-5) || (decay && element > (4.0 * t_element).max(1e-5)) {
+            failures.push(name);
+        }
+    }
+    let (ours, theirs) = ((all_d / all_r).sqrt(), (all_t / all_r).sqrt());
+    println!("whole gradient: ours {ours:.2e}, torch f32 {theirs:.2e}");
+    assert!(
+        failures.is_empty(),
+        "less accurate than float32 PyTorch: {failures:?}"
+    );
+}
