@@ -12,6 +12,7 @@ BIN=${BIN:-target/release/arcticd}
 STEPS=${STEPS:-12}
 [ -x "$BIN" ] || cargo build --release --bin arcticd
 common=(--set "steps=$STEPS" --set eval_every=0 --set replicas=2)
+mkdir -p runs
 declare -A sets=(
   [full]=""
   [bf16]="state_dtype=bf16"
