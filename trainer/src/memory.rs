@@ -38,11 +38,7 @@ pub struct MemoryPlan {
 impl MemoryPlan {
     /// The trainer's memory for `config` at `shape`, on the CPU.
     pub fn training(config: &ModelConfig, shape: PlanShape) -> Self {
-        let params: u64 = Qwen3_5::plan(config.clone())
-            .named()
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>() as u64)
-            .sum();
+        let params = Qwen3_5::plan(config.clone()).parameters();
         let f = |floats: usize| floats as u64 * 4;
         let per = shape.tokens.div_ceil(shape.sequences.max(1)).max(1);
         let lens = vec![per; shape.sequences.max(1)];
@@ -101,11 +97,7 @@ impl MemoryPlan {
         frozen: bool,
     ) {
         let plan = Qwen3_5::plan(config.clone());
-        let params: u64 = plan
-            .named()
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>() as u64)
-            .sum();
+        let params = plan.parameters();
         let r = replicas as u64;
         self.add(
             format!("engine caches ({replicas} x {})", mib(cache_bytes as u64)),
@@ -211,11 +203,7 @@ mod tests {
             recompute_layers: false,
         };
         let plan = MemoryPlan::training(&c, shape);
-        let params: u64 = Qwen3_5::plan(c.clone())
-            .named()
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>() as u64)
-            .sum();
+        let params = Qwen3_5::plan(c.clone()).parameters();
         // Weights, masters, two moments, gradients: 5 f32 copies.
         let state: u64 = plan.items[..4].iter().map(|(_, b)| b).sum();
         assert_eq!(state, params * 20);

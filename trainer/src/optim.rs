@@ -53,9 +53,15 @@ pub enum LrSchedule {
     /// `step / warmup` for `step < warmup`, then 1
     /// (transformers' `get_constant_schedule_with_warmup`).
     LinearWarmup { warmup: u64 },
-    /// Linear warmup, then half a cosine from 1 to 0 at `total` steps
-    /// (transformers' `get_cosine_schedule_with_warmup`).
-    Cosine { warmup: u64, total: u64 },
+    /// Linear warmup, then half a cosine from 1 down to `floor` at `total`
+    /// steps, then `floor` (transformers' `get_cosine_schedule_with_warmup`
+    /// at floor 0, `get_cosine_with_min_lr_schedule_with_warmup` above it).
+    Cosine {
+        warmup: u64,
+        total: u64,
+        #[serde(default)]
+        floor: f64,
+    },
 }
 
 impl LrSchedule {
@@ -70,9 +76,14 @@ impl LrSchedule {
         match *self {
             LrSchedule::Constant => 1.0,
             LrSchedule::LinearWarmup { warmup } => warm(warmup).unwrap_or(1.0),
-            LrSchedule::Cosine { warmup, total } => warm(warmup).unwrap_or_else(|| {
+            LrSchedule::Cosine {
+                warmup,
+                total,
+                floor,
+            } => warm(warmup).unwrap_or_else(|| {
                 let progress = (step - warmup) as f64 / total.saturating_sub(warmup).max(1) as f64;
-                (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
+                let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos());
+                floor + (1.0 - floor) * cosine.max(0.0)
             }),
         }
     }
@@ -206,11 +217,21 @@ mod tests {
         let c = LrSchedule::Cosine {
             warmup: 2,
             total: 6,
+            floor: 0.0,
         };
         assert_eq!(c.factor(1), 0.5);
         assert!((c.factor(2) - 1.0).abs() < 1e-12);
         assert!((c.factor(4) - 0.5).abs() < 1e-12);
         assert!(c.factor(6).abs() < 1e-12);
-        assert!(c.factor(9) >= 0.0);
+        assert!(c.factor(9).abs() < 1e-12);
+        let f = LrSchedule::Cosine {
+            warmup: 0,
+            total: 4,
+            floor: 0.1,
+        };
+        assert!((f.factor(0) - 1.0).abs() < 1e-12);
+        assert!((f.factor(2) - 0.55).abs() < 1e-12);
+        assert!((f.factor(4) - 0.1).abs() < 1e-12);
+        assert!((f.factor(40) - 0.1).abs() < 1e-12);
     }
 }

@@ -92,6 +92,7 @@ pub fn train_sft(
         schedule: LrSchedule::Cosine {
             warmup: cfg.warmup,
             total: cfg.steps as u64,
+            floor: 0.0,
         },
         grad_clip: (cfg.grad_clip > 0.0).then_some(cfg.grad_clip),
         ..TrainConfig::default()

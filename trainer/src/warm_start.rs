@@ -356,6 +356,16 @@ pub async fn build_warm_start(
             tracing::warn!(task = %t.task_id, detail = %t.detail, "warm start: demonstration did not run as scripted; dropped");
         }
     }
+    if kept.is_empty() {
+        let why = trajs
+            .first()
+            .map(|t| format!(": the first ended {:?} ({})", t.termination, t.detail))
+            .unwrap_or_default();
+        return Err(Error::Input(format!(
+            "none of the {} demonstrations ran as scripted{why}",
+            trajs.len()
+        )));
+    }
     let examples: Vec<SftExample> = kept
         .iter()
         .map(|t| SftExample {

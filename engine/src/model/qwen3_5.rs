@@ -1027,6 +1027,14 @@ impl Qwen3_5 {
 }
 
 impl Qwen3_5<Shape> {
+    /// How many numbers the model holds.
+    pub fn parameters(&self) -> u64 {
+        self.named()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum()
+    }
+
     /// Every parameter's shape, laid out from the config.
     pub fn plan(config: ModelConfig) -> Self {
         let c = &config;

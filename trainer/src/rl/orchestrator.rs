@@ -85,7 +85,7 @@ struct Ranks {
 
 impl Ranks {
     /// Starts `trainers` (ranks 1.., in order) on threads of their own.
-    fn start(trainers: Vec<Trainer>) -> Ranks {
+    fn start(trainers: Vec<Trainer>) -> Result<Ranks> {
         let (mut shares, mut results) = (Vec::new(), Vec::new());
         for (i, mut trainer) in trainers.into_iter().enumerate() {
             let (share_tx, share_rx) = mpsc::channel::<Vec<PgExample>>();
@@ -99,11 +99,11 @@ impl Ranks {
                         }
                     }
                 })
-                .expect("spawning a trainer rank");
+                .map_err(|e| Error::Run(format!("starting trainer rank {}: {e}", i + 1)))?;
             shares.push(share_tx);
             results.push(result_rx);
         }
-        Ranks { shares, results }
+        Ok(Ranks { shares, results })
     }
 
     /// One policy-gradient step over every rank: `trainer` (rank 0) here,
@@ -536,7 +536,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         trainers.push(t);
     }
     let mut trainer = trainers.remove(0);
-    let ranks = Ranks::start(trainers);
+    let ranks = Ranks::start(trainers)?;
 
     let mut pool = TaskPool::new(
         tasks.iter().map(|t| t.instance_id.clone()).collect(),

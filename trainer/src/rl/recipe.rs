@@ -33,6 +33,16 @@ pub enum StalePolicy {
     Mask,
 }
 
+/// The learning rate after the warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrDecay {
+    /// The peak rate to the end.
+    Constant,
+    /// Half a cosine from the peak down to `min_lr` at the last update.
+    Cosine,
+}
+
 /// What happens to a rollout cut by a token or turn budget (DAPO's
 /// overlong handling).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -114,6 +124,11 @@ pub struct Recipe {
     pub lr: f64,
     /// Linear warmup updates. Default 0.
     pub warmup: u64,
+    /// The learning rate after the warmup: "constant" (the default) or
+    /// "cosine", half a cosine from `lr` down to `min_lr` at update `steps`.
+    pub lr_decay: LrDecay,
+    /// Where the cosine decay ends. Default 0.0.
+    pub min_lr: f64,
     /// AdamW decoupled weight decay. Default 0.0.
     pub weight_decay: f64,
     /// AdamW beta1. Default 0.9.
@@ -223,6 +238,8 @@ impl Default for Recipe {
             seed: 0,
             lr: 1e-6,
             warmup: 0,
+            lr_decay: LrDecay::Constant,
+            min_lr: 0.0,
             weight_decay: 0.0,
             beta1: 0.9,
             beta2: 0.999,
@@ -352,6 +369,9 @@ impl Recipe {
         if !(self.lr.is_finite() && self.lr >= 0.0) {
             return bad("lr must be a finite number >= 0");
         }
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return bad("min_lr must be a finite number between 0 and lr");
+        }
         if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
             return bad("grad_clip must be a finite number >= 0 (0 = off)");
         }
@@ -430,7 +450,17 @@ impl Recipe {
                 eps: self.eps,
                 weight_decay: self.weight_decay,
             },
-            schedule: if self.warmup > 0 {
+            schedule: if self.lr_decay == LrDecay::Cosine {
+                LrSchedule::Cosine {
+                    warmup: self.warmup,
+                    total: self.steps,
+                    floor: if self.lr > 0.0 {
+                        self.min_lr / self.lr
+                    } else {
+                        0.0
+                    },
+                }
+            } else if self.warmup > 0 {
                 LrSchedule::LinearWarmup {
                     warmup: self.warmup,
                 }
@@ -552,6 +582,28 @@ mod tests {
         assert!(Recipe::from_toml("ranks = 0\n", "r").is_err());
         assert!(Recipe::from_toml("stale = \"sometimes\"\n", "r").is_err());
         assert!(Recipe::from_toml("steps = \"many\"\n", "r").is_err());
+    }
+
+    #[test]
+    fn cosine_decay_reaches_min_lr_at_the_last_update() {
+        let r = Recipe::from_toml(
+            "steps = 100\nlr = 3e-4\nwarmup = 10\nlr_decay = \"cosine\"\nmin_lr = 3e-5\n",
+            "r",
+        )
+        .unwrap();
+        let s = r.train_config().schedule;
+        let lr = |step: u64| r.lr * s.factor(step);
+        assert!((lr(5) - 1.5e-4).abs() < 1e-12);
+        assert!((lr(10) - 3e-4).abs() < 1e-12);
+        assert!((lr(55) - 1.65e-4).abs() < 1e-12);
+        assert!((lr(100) - 3e-5).abs() < 1e-12);
+        assert!((lr(300) - 3e-5).abs() < 1e-12);
+        assert_eq!(
+            Recipe::default().train_config().schedule,
+            LrSchedule::Constant
+        );
+        assert!(Recipe::from_toml("lr = 1e-4\nmin_lr = 1e-3\n", "r").is_err());
+        assert!(Recipe::from_toml("lr_decay = \"linear\"\n", "r").is_err());
     }
 
     #[test]
