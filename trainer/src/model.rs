@@ -25,7 +25,9 @@ use arcticd_engine::model::qwen3_5::{FullAttention, Linear, LinearAttention, Mix
 use arcticd_engine::model::saved::{FullActs, Keep, Kept, LayerActs, LinearActs, MixerActs};
 use arcticd_engine::Qwen3_5;
 use arcticd_kernels::cpu::{
-    activation::{sigmoid_gate_backward, silu_backward, silu_mul_backward, softplus_grad},
+    activation::{
+        gated_delta_gating_backward, sigmoid_gate_backward, silu_backward, silu_mul_backward,
+    },
     attention::{attention_backward, AttnDims},
     conv1d::conv1d_backward,
     embedding::embedding_backward,
@@ -553,14 +555,19 @@ fn linear_attention_bwd(
     let dt_bias = la.dt_bias.as_f32()?;
     let mut db = vec![0.0f32; t * nv];
     let mut da = vec![0.0f32; t * nv];
-    for i in 0..t * nv {
-        let hh = i % nv;
-        let be = s.beta[i];
-        db[i] = dbeta[i] * be * (1.0 - be);
-        g.a_log[hh] += dg[i] * s.g[i];
-        da[i] = dg[i] * -a_log[hh].exp() * softplus_grad(s.a[i] + dt_bias[hh]);
-        g.dt_bias[hh] += da[i];
-    }
+    gated_delta_gating_backward(
+        &mut da,
+        &mut db,
+        &mut g.a_log,
+        &mut g.dt_bias,
+        &dg,
+        &dbeta,
+        &s.g,
+        &s.beta,
+        &s.a,
+        a_log,
+        dt_bias,
+    )?;
     let mut dxn = vec![0.0f32; t * hsz];
     linear_bwd(&la.in_proj_qkv, &mut g.in_proj_qkv, &mut dxn, &dqkv, xn, t)?;
     linear_bwd(&la.in_proj_z, &mut g.in_proj_z, &mut dxn, &dz, xn, t)?;

@@ -12,6 +12,7 @@
 use crate::grads::ModelGrads;
 use crate::{Error, Result};
 use arcticd_engine::Qwen3_5;
+use arcticd_kernels::cpu::adamw::{adamw_update, AdamWStep};
 use serde::{Deserialize, Serialize};
 
 /// AdamW hyper-parameters (torch defaults).
@@ -154,29 +155,15 @@ impl AdamW {
         }
         self.step += 1;
         let c = self.config;
-        let bc1 = 1.0 - c.beta1.powi(self.step as i32);
-        let bc2_sqrt = (1.0 - c.beta2.powi(self.step as i32)).sqrt();
-        let decay = (1.0 - lr * c.weight_decay) as f32;
-        let step_size = (lr / bc1) as f32;
-        let (b1w, b2, b2w) = (
-            (1.0 - c.beta1) as f32,
-            c.beta2 as f32,
-            (1.0 - c.beta2) as f32,
-        );
-        let (bc2s, eps) = (bc2_sqrt as f32, c.eps as f32);
+        let s = AdamWStep::new(lr, c.beta1, c.beta2, c.eps, c.weight_decay, self.step);
         for (i, (_, g)) in named.iter().enumerate() {
-            let (p, m, v) = (
+            adamw_update(
                 &mut self.master[i],
                 &mut self.exp_avg[i],
                 &mut self.exp_avg_sq[i],
-            );
-            for j in 0..g.len() {
-                p[j] *= decay;
-                m[j] += b1w * (g[j] - m[j]);
-                v[j] = v[j] * b2 + b2w * g[j] * g[j];
-                let denom = v[j].sqrt() / bc2s + eps;
-                p[j] -= step_size * (m[j] / denom);
-            }
+                g,
+                &s,
+            )?;
         }
         Ok(())
     }

@@ -201,6 +201,57 @@ pub fn sigmoid_gate_backward(
     Ok(())
 }
 
+/// Backward of the Gated DeltaNet gating over `[t, nv]` (`g = -exp(a_log[h])
+/// * softplus(a + dt_bias[h])`, `beta = sigmoid(b)`) from the saved `g`,
+/// `beta` and pre-activation `a`: `da` and `db` are written; `da_log` and
+/// `ddt_bias` accumulate, token by token in order.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_gating_backward(
+    da: &mut [f32],
+    db: &mut [f32],
+    da_log: &mut [f32],
+    ddt_bias: &mut [f32],
+    dg: &[f32],
+    dbeta: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    a: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+) -> Result<()> {
+    let (n, nv) = (dg.len(), a_log.len());
+    if [
+        da.len(),
+        db.len(),
+        dbeta.len(),
+        g.len(),
+        beta.len(),
+        a.len(),
+    ]
+    .iter()
+    .any(|&l| l != n)
+        || [da_log.len(), ddt_bias.len(), dt_bias.len()]
+            .iter()
+            .any(|&l| l != nv)
+        || (nv == 0 && n > 0)
+        || (nv > 0 && n % nv != 0)
+    {
+        return Err(Error::Shape(format!(
+            "gated_delta_gating_backward: dg {n} for {nv} heads, da {} db {} dbeta {} g {} beta {} a {} da_log {} ddt_bias {} dt_bias {}",
+            da.len(), db.len(), dbeta.len(), g.len(), beta.len(), a.len(), da_log.len(), ddt_bias.len(), dt_bias.len()
+        )));
+    }
+    for i in 0..n {
+        let h = i % nv;
+        let be = beta[i];
+        db[i] = dbeta[i] * be * (1.0 - be);
+        da_log[h] += dg[i] * g[i];
+        da[i] = dg[i] * -a_log[h].exp() * softplus_grad(a[i] + dt_bias[h]);
+        ddt_bias[h] += da[i];
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,6 +6,7 @@
 //! parameter gradients and the residual stream and overwrite the rest.
 
 pub mod activation;
+pub mod adamw;
 pub mod attention;
 pub mod conv1d;
 pub mod embedding;

@@ -20,3 +20,78 @@ extern "C" __global__ void conv1d_update(float* out, float* state, const float* 
     if (k > 1) st[(size_t)(k - 2) * c + ch] = x;
     out[i] = acc;
 }
+
+// Prefill of one sequence: out[t, c] = sum_j w[c, j] * v[ti + j, c] over the
+// virtual input v = [state (K-1 rows); inp (t rows)]. One thread per
+// (token, channel). The state is then advanced by conv1d_state_advance.
+extern "C" __global__ void conv1d_forward(float* out, const float* state, const float* inp,
+                                          const float* weight, int t, int c, int k) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= (long long)t * c) return;
+    int ti = (int)(i / c), ch = (int)(i % c);
+    int hist = k - 1;
+    const float* w = weight + (size_t)ch * k;
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++) {
+        int r = ti + j;
+        float x = r < hist ? state[(size_t)r * c + ch] : inp[(size_t)(r - hist) * c + ch];
+        acc += w[j] * x;
+    }
+    out[i] = acc;
+}
+
+// state <- the last K-1 rows of [state; inp], one thread per channel (K at
+// most 8).
+extern "C" __global__ void conv1d_state_advance(float* state, const float* inp, int t, int c,
+                                                int k) {
+    int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= c || k < 2) return;
+    int hist = k - 1;
+    float keep[7];
+    for (int j = 0; j < hist; j++) {
+        int r = t + j;  // row of [state; inp] that becomes state row j
+        keep[j] = r < hist ? state[(size_t)r * c + ch] : inp[(size_t)(r - hist) * c + ch];
+    }
+    for (int j = 0; j < hist; j++) state[(size_t)j * c + ch] = keep[j];
+}
+
+// Backward, input side: the gradient of the virtual input row r is
+// dv[r, c] = sum_j w[c, j] * dout[r - j, c] over 0 <= r - j < t. Rows
+// r >= K-1 go to dinp (written), rows below to dstate0 (written, when not
+// null). One thread per (row, channel).
+extern "C" __global__ void conv1d_backward_input(float* dinp, float* dstate0, const float* dout,
+                                                 const float* weight, int t, int c, int k) {
+    int hist = k - 1;
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= (long long)(t + hist) * c) return;
+    int r = (int)(i / c), ch = (int)(i % c);
+    const float* w = weight + (size_t)ch * k;
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++) {
+        int ti = r - j;
+        if (ti >= 0 && ti < t) acc += w[j] * dout[(size_t)ti * c + ch];
+    }
+    if (r >= hist) dinp[(size_t)(r - hist) * c + ch] = acc;
+    else if (dstate0) dstate0[(size_t)r * c + ch] = acc;
+}
+
+// Backward, weight side: dweight[c, j] += sum_ti dout[ti, c] * v[ti + j, c],
+// one block per channel, a block sum per tap (fixed order).
+extern "C" __global__ void conv1d_backward_weight(float* dweight, const float* dout,
+                                                  const float* state0, const float* inp, int t,
+                                                  int c, int k) {
+    __shared__ float scratch[32];
+    int ch = blockIdx.x;
+    if (ch >= c) return;
+    int hist = k - 1;
+    for (int j = 0; j < k; j++) {
+        float acc = 0.0f;
+        for (int ti = threadIdx.x; ti < t; ti += blockDim.x) {
+            int r = ti + j;
+            float x = r < hist ? state0[(size_t)r * c + ch] : inp[(size_t)(r - hist) * c + ch];
+            acc += dout[(size_t)ti * c + ch] * x;
+        }
+        acc = block_sum(acc, scratch);
+        if (threadIdx.x == 0) dweight[(size_t)ch * k + j] += acc;
+    }
+}

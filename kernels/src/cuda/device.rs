@@ -843,6 +843,8 @@ impl CudaDevice {
     }
 }
 
+mod backward;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -850,7 +852,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     /// The device, or None (skipped) where this machine has no GPU.
-    fn gpu() -> Option<CudaDevice> {
+    pub(super) fn gpu() -> Option<CudaDevice> {
         let required = std::env::var_os("ARCTICD_REQUIRE_GPU").is_some();
         if !driver_available() || !super::super::nvrtc_available() {
             assert!(
@@ -870,11 +872,11 @@ mod tests {
         }
     }
 
-    fn rand_vec(rng: &mut rand::rngs::StdRng, n: usize, scale: f32) -> Vec<f32> {
+    pub(super) fn rand_vec(rng: &mut rand::rngs::StdRng, n: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|_| rng.gen_range(-scale..scale)).collect()
     }
 
-    fn close(name: &str, got: &[f32], want: &[f32], tol: f32) {
+    pub(super) fn close(name: &str, got: &[f32], want: &[f32], tol: f32) {
         assert_eq!(got.len(), want.len(), "{name}");
         for (i, (a, b)) in got.iter().zip(want).enumerate() {
             assert!(

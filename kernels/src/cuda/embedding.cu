@@ -28,3 +28,22 @@ extern "C" __global__ void f32_to_bf16_copy(bf16_t* out, const float* inp, long 
          i += (long long)gridDim.x * blockDim.x)
         out[i] = f32_to_bf16(inp[i]);
 }
+
+// Backward of the lookup, deterministic: the host sorts the token
+// positions by id (stable, so each id's tokens stay in position order) and
+// passes, per distinct id u, ids_sorted[u] and its tokens
+// order[starts[u] .. starts[u + 1]]. One block per distinct id adds its
+// tokens' gradients in that order: dtable[id] += sum dout[t] (accumulates).
+extern "C" __global__ void embedding_backward(float* dtable, const float* dout,
+                                              const u32* ids_sorted, const u32* starts,
+                                              const u32* order, int distinct, int c) {
+    int u = blockIdx.x;
+    if (u >= distinct) return;
+    float* row = dtable + (size_t)ids_sorted[u] * c;
+    u32 a = starts[u], b = starts[u + 1];
+    for (int i = threadIdx.x; i < c; i += blockDim.x) {
+        float acc = row[i];
+        for (u32 k = a; k < b; k++) acc += dout[(size_t)order[k] * c + i];
+        row[i] = acc;
+    }
+}

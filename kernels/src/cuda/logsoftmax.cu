@@ -3,6 +3,18 @@
 // logits * inv_temp (the engine reports and the trainer trains the same
 // quantity). CPU reference: kernels/src/cpu/logsoftmax.rs.
 
+// log sum_i exp(x[i] * inv_temp) over one row, every thread of the block
+// taking part (max first, then the sum of shifted exponentials).
+__device__ float row_logsumexp(const float* x, int vocab, float inv_temp, float* scratch) {
+    float m = NEG_INF;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, x[i] * inv_temp);
+    m = block_max(m, scratch);
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(x[i] * inv_temp - m);
+    sum = block_sum(sum, scratch);
+    return m + logf(sum);
+}
+
 // out[r] = log softmax(logits[r] * inv_temp)[targets[r]]
 extern "C" __global__ void logprob_gather_forward(float* out, const float* logits,
                                                   const u32* targets, int rows, int vocab,
@@ -11,15 +23,10 @@ extern "C" __global__ void logprob_gather_forward(float* out, const float* logit
     int r = blockIdx.x;
     if (r >= rows) return;
     const float* x = logits + (size_t)r * vocab;
-    float m = NEG_INF;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) m = fmaxf(m, x[i] * inv_temp);
-    m = block_max(m, scratch);
-    float sum = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(x[i] * inv_temp - m);
-    sum = block_sum(sum, scratch);
+    float lse = row_logsumexp(x, vocab, inv_temp, scratch);
     if (threadIdx.x == 0) {
         u32 t = targets[r];
-        out[r] = t < (u32)vocab ? x[t] * inv_temp - m - logf(sum) : F32_NAN;
+        out[r] = t < (u32)vocab ? x[t] * inv_temp - lse : F32_NAN;
     }
 }
 
@@ -54,4 +61,22 @@ extern "C" __global__ void argmax_forward(u32* out, const float* logits, int row
             }
         out[r] = best_i[0] == 0x7fffffff ? 0u : (u32)best_i[0];
     }
+}
+
+// Backward of logprob_gather_forward, written: with p = softmax(logits[r] *
+// inv_temp), dlogits[r] = dlp[r] * inv_temp * (onehot(targets[r]) - p). The
+// softmax is recomputed from the logits (nothing [rows, vocab] is kept).
+extern "C" __global__ void logprob_gather_backward(float* dlogits, const float* dlp,
+                                                   const float* logits, const u32* targets,
+                                                   int rows, int vocab, float inv_temp) {
+    __shared__ float scratch[32];
+    int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* x = logits + (size_t)r * vocab;
+    float* d = dlogits + (size_t)r * vocab;
+    float lse = row_logsumexp(x, vocab, inv_temp, scratch);
+    float g = dlp[r] * inv_temp;
+    u32 y = targets[r];
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+        d[i] = -g * expf(x[i] * inv_temp - lse) + ((u32)i == y ? g : 0.0f);
 }

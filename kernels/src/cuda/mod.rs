@@ -51,6 +51,11 @@ pub const MODULES: &[Module] = &[
             "add_rmsnorm_forward",
             "gated_rmsnorm_forward",
             "l2norm_forward",
+            "rmsnorm_backward",
+            "gated_rmsnorm_backward",
+            "rmsnorm_weight_grad",
+            "gated_rmsnorm_weight_grad",
+            "l2norm_backward",
         ],
     },
     Module {
@@ -61,6 +66,11 @@ pub const MODULES: &[Module] = &[
             "sigmoid_gate_forward",
             "silu_forward",
             "gated_delta_gating_forward",
+            "silu_backward",
+            "silu_mul_backward",
+            "sigmoid_gate_backward",
+            "gated_delta_gating_backward",
+            "gated_delta_gating_param_grad",
         ],
     },
     Module {
@@ -70,17 +80,24 @@ pub const MODULES: &[Module] = &[
             "embedding_forward_f32",
             "embedding_forward_bf16",
             "f32_to_bf16_copy",
+            "embedding_backward",
         ],
     },
     Module {
         name: "rope",
         source: include_str!("rope.cu"),
-        kernels: &["qk_norm_rope_forward"],
+        kernels: &["qk_norm_rope_forward", "qk_norm_rope_backward"],
     },
     Module {
         name: "conv1d",
         source: include_str!("conv1d.cu"),
-        kernels: &["conv1d_update"],
+        kernels: &[
+            "conv1d_update",
+            "conv1d_forward",
+            "conv1d_state_advance",
+            "conv1d_backward_input",
+            "conv1d_backward_weight",
+        ],
     },
     Module {
         name: "gated_delta",
@@ -99,7 +116,16 @@ pub const MODULES: &[Module] = &[
     Module {
         name: "logsoftmax",
         source: include_str!("logsoftmax.cu"),
-        kernels: &["logprob_gather_forward", "argmax_forward"],
+        kernels: &[
+            "logprob_gather_forward",
+            "argmax_forward",
+            "logprob_gather_backward",
+        ],
+    },
+    Module {
+        name: "optim",
+        source: include_str!("optim.cu"),
+        kernels: &["adamw_update", "scale_f32", "sum_squares_partial"],
     },
 ];
 
@@ -386,6 +412,17 @@ mod tests {
                 assert!(
                     m.source.contains(&format!("void {k}(")),
                     "{k} not in {}.cu",
+                    m.name
+                );
+            }
+        }
+        // And every kernel a source defines is listed (so it gets loaded).
+        for m in MODULES {
+            for part in m.source.split("__global__ void ").skip(1) {
+                let name = part.split('(').next().unwrap_or_default().trim();
+                assert!(
+                    m.kernels.contains(&name),
+                    "{name} in {}.cu is not listed",
                     m.name
                 );
             }
