@@ -1,20 +1,91 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one short script: run it on a machine with
-# an NVIDIA GPU, the CUDA 13 driver and NVRTC on the loader path (PyPI's
-# nvidia-cuda-nvrtc wheel puts libnvrtc in nvidia/cu13/lib). Every GPU test
-# compares a CUDA op with its CPU reference; with ARCTICD_REQUIRE_GPU set a
-# missing device is a failure, not a skip.
+# The checks that need a GPU, as one short script, ending in one JSON of
+# numbers on stdout: every CUDA kernel test (each op against its CPU
+# reference, forwards and backwards; with ARCTICD_REQUIRE_GPU set a
+# missing device is a failure, not a skip) and the CUDA kernel benchmarks
+# (kernels/benches/cuda.rs, each as a fraction of the HBM bandwidth).
 #
-#   bash scripts/gpu-check.sh            # build, then the GPU tests
-#   BIN_ONLY=1 bash scripts/gpu-check.sh # build the test binary only (no GPU)
+# Needs an NVIDIA driver and NVRTC on the loader path (PyPI's
+# nvidia-cuda-nvrtc wheel puts libnvrtc in nvidia/cu13/lib; NVRTC_LIB
+# names the folder). A GPU machine without Rust or a network runs the
+# binaries staged beforehand on a build machine:
+#
+#   BIN_ONLY=1 bash scripts/gpu-check.sh   # build machine: stage target/gpu-check/
+#                                          # (stripped binaries, NVRTC xz'd: ~37 MB)
+#   bash scripts/gpu-check.sh              # GPU machine: staged binaries, else cargo
+#
+# Exit status 0 only when every test passed and the benchmarks ran.
+#
+# HBM_TBS (default 4.8, the H200's) is the bandwidth the fractions use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+stage=target/gpu-check
 if [ -z "${NVRTC_LIB:-}" ]; then
-  NVRTC_LIB=$(python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null || true)
+  for py in .venv/bin/python3 python3; do
+    NVRTC_LIB=$("$py" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null || true)
+    [ -n "$NVRTC_LIB" ] && break
+  done
+  if [ -z "$NVRTC_LIB" ] && [ -d "$stage/nvrtc" ] && [ -z "${BIN_ONLY:-}" ]; then
+    # The staged NVRTC, compressed to travel: unpacked once.
+    NVRTC_LIB=$(pwd)/$stage/nvrtc
+    for z in "$NVRTC_LIB"/*.xz; do [ -f "${z%.xz}" ] || xz -dk "$z"; done
+  fi
 fi
-[ -n "$NVRTC_LIB" ] && export LD_LIBRARY_PATH="$NVRTC_LIB:${LD_LIBRARY_PATH:-}"
-cargo test --release -p arcticd-kernels --features cuda --no-run
-[ -n "${BIN_ONLY:-}" ] && exit 0
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-ARCTICD_REQUIRE_GPU=1 ARCTICD_REQUIRE_NVRTC=1 \
-  cargo test --release -p arcticd-kernels --features cuda -- cuda:: --test-threads 1
+if [ -n "$NVRTC_LIB" ]; then export LD_LIBRARY_PATH="$NVRTC_LIB:${LD_LIBRARY_PATH:-}"; fi
+
+# The executables cargo builds for the kernels' tests and the CUDA benches.
+executables() {
+  cargo "$@" -p arcticd-kernels --features cuda --no-run --message-format=json 2>/dev/null |
+    grep -o '"executable":"[^"]*"' | sed 's/"executable":"//; s/"$//'
+}
+
+if [ -n "${BIN_ONLY:-}" ]; then
+  mkdir -p "$stage"
+  tests=$(executables test --release --lib | head -1)
+  bench=$(executables bench --bench cuda | head -1)
+  # Stripped, and NVRTC (its library and builtins) xz-compressed: about
+  # 40 MB in all, small enough to carry to a GPU machine.
+  strip -o "$stage/kernels-tests" "$tests"
+  strip -o "$stage/cuda-bench" "$bench"
+  if [ -n "$NVRTC_LIB" ] && [ -d "$NVRTC_LIB" ]; then
+    rm -rf "$stage/nvrtc" && mkdir -p "$stage/nvrtc"
+    for lib in libnvrtc.so.13 libnvrtc-builtins.so.13.0; do
+      xz -T0 -6 -c "$NVRTC_LIB/$lib" > "$stage/nvrtc/$lib.xz"
+    done
+  fi
+  du -sh "$stage" >&2
+  exit 0
+fi
+
+if [ -x "$stage/kernels-tests" ] && [ -x "$stage/cuda-bench" ]; then
+  tests="$stage/kernels-tests"
+  bench="$stage/cuda-bench"
+else
+  tests=$(executables test --release --lib | head -1)
+  bench=$(executables bench --bench cuda | head -1)
+fi
+
+gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || echo "unknown")
+echo "GPU: $gpu" >&2
+log=$(mktemp -d)
+set +e
+ARCTICD_REQUIRE_GPU=1 ARCTICD_REQUIRE_NVRTC=1 "$tests" cuda:: --test-threads 1 > "$log/tests.txt" 2>&1
+tests_rc=$?
+"$bench" --bench --output-format bencher > "$log/bench.txt" 2> "$log/bench.err"
+bench_rc=$?
+set -e
+cat "$log/tests.txt" >&2
+grep -v '^bytes ' "$log/bench.err" >&2 || true
+
+passed=$(grep -c '^test .* ok$' "$log/tests.txt" || true)
+failed=$(grep -c '^test .* FAILED$' "$log/tests.txt" || true)
+failures=$(grep '^test .* FAILED$' "$log/tests.txt" | awk '{printf "%s\"%s\"", (n++ ? "," : ""), $2}')
+benches=$(awk -v hbm="${HBM_TBS:-4.8}" '
+  FNR == NR { if ($1 == "bytes") bytes[$2] = $3; next }
+  $1 == "test" && $4 == "bench:" {
+    ns = $5; b = bytes[$2]; tbs = (ns > 0 && b > 0) ? b / ns / 1000 : 0
+    printf "%s{\"name\":\"%s\",\"ns\":%s,\"bytes\":%s,\"tb_s\":%.4f,\"hbm_fraction\":%.4f}", (n++ ? "," : ""), $2, ns, (b ? b : 0), tbs, tbs / hbm
+  }' "$log/bench.err" "$log/bench.txt")
+printf '{"gpu":"%s","tests":{"rc":%d,"passed":%d,"failed":%d,"failures":[%s]},"bench_rc":%d,"hbm_tb_s":%s,"benches":[%s]}\n' \
+  "$gpu" "$tests_rc" "$passed" "$failed" "$failures" "$bench_rc" "${HBM_TBS:-4.8}" "$benches"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -1,0 +1,309 @@
+//! Criterion benchmarks of the CUDA kernels at the real Qwen3.5-0.8B shapes
+//! (hidden 1024, intermediate 3,584, 16 linear heads of 128, conv channels
+//! 6,144, vocab 248,320), 8,192 tokens per step for the training ops.
+//! Throughput is the bytes each kernel must move at least, so a result
+//! reads as a fraction of the GPU's memory bandwidth; every benchmark also
+//! prints `bytes GROUP/NAME/ID N` on stderr, which `scripts/gpu-check.sh`
+//! joins with criterion's times into one JSON against the H200's 4.8 TB/s.
+//!
+//! Needs the `cuda` feature and a GPU; without one it says so and exits.
+//!
+//!     cargo bench -p arcticd-kernels --features cuda --bench cuda
+
+use arcticd_kernels::cpu::adamw::AdamWStep;
+use arcticd_kernels::cuda::device::CudaDevice;
+use criterion::{measurement::WallTime, BenchmarkGroup, BenchmarkId, Criterion, Throughput};
+use cudarc::driver::CudaSlice;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+const T: usize = 8192;
+const HIDDEN: usize = 1024;
+const INTER: usize = 3584;
+const NV: usize = 16;
+const DK: usize = 128;
+const CONV: usize = 6144;
+const VOCAB: usize = 248_320;
+
+fn buf(d: &CudaDevice, rng: &mut StdRng, n: usize, scale: f32) -> CudaSlice<f32> {
+    let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
+    d.upload(&v).expect("upload")
+}
+
+/// One benchmark of `op` (then a device synchronize, so each sample is the
+/// kernels' time) moving `bytes`.
+fn bench(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    d: &CudaDevice,
+    (group, name, id): (&str, &str, &str),
+    bytes: usize,
+    mut op: impl FnMut(),
+) {
+    eprintln!("bytes {group}/{name}/{id} {bytes}");
+    g.throughput(Throughput::Bytes(bytes as u64));
+    g.bench_function(BenchmarkId::new(name, id), |b| {
+        b.iter(|| {
+            op();
+            d.synchronize().expect("synchronize");
+        })
+    });
+}
+
+fn norms(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
+    const G: &str = "cuda_norm";
+    let mut g = c.benchmark_group(G);
+    let n = T * HIDDEN;
+    let (x, w, dy) = (
+        buf(d, rng, n, 1.0),
+        buf(d, rng, HIDDEN, 0.5),
+        buf(d, rng, n, 1.0),
+    );
+    let (mut y, mut r) = (d.zeros(n).unwrap(), d.zeros(T).unwrap());
+    let (mut dx, mut dw) = (d.zeros(n).unwrap(), d.zeros(HIDDEN).unwrap());
+    bench(
+        &mut g,
+        d,
+        (G, "rmsnorm_forward", "8192x1024"),
+        2 * n * 4,
+        || {
+            d.rmsnorm_forward(&mut y, &mut r, &x, &w, T, HIDDEN, 1e-6)
+                .unwrap()
+        },
+    );
+    // Reads dout and inp twice (the row pass and the weight sums), adds
+    // into dinp.
+    bench(
+        &mut g,
+        d,
+        (G, "rmsnorm_backward", "8192x1024"),
+        6 * n * 4,
+        || {
+            d.rmsnorm_backward(&mut dx, &mut dw, &dy, &x, &w, &r, T, HIDDEN)
+                .unwrap()
+        },
+    );
+    g.finish();
+}
+
+fn elementwise(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
+    const G: &str = "cuda_elementwise";
+    let mut g = c.benchmark_group(G);
+    let n = T * INTER;
+    let (gate, up, dy) = (
+        buf(d, rng, n, 4.0),
+        buf(d, rng, n, 1.0),
+        buf(d, rng, n, 1.0),
+    );
+    let (mut out, mut dg, mut du) = (
+        d.zeros(n).unwrap(),
+        d.zeros(n).unwrap(),
+        d.zeros(n).unwrap(),
+    );
+    bench(
+        &mut g,
+        d,
+        (G, "silu_mul_forward", "8192x3584"),
+        3 * n * 4,
+        || d.silu_mul_forward(&mut out, &gate, &up).unwrap(),
+    );
+    bench(
+        &mut g,
+        d,
+        (G, "silu_mul_backward", "8192x3584"),
+        5 * n * 4,
+        || {
+            d.silu_mul_backward(&mut dg, &mut du, &dy, &gate, &up)
+                .unwrap()
+        },
+    );
+    g.finish();
+}
+
+fn linear_attention(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
+    const G: &str = "cuda_linear_attention";
+    let mut g = c.benchmark_group(G);
+    let (k, n) = (4, T * CONV);
+    let (x, w, dy) = (
+        buf(d, rng, n, 1.0),
+        buf(d, rng, CONV * k, 0.5),
+        buf(d, rng, n, 1.0),
+    );
+    let state0 = d.zeros((k - 1) * CONV).unwrap();
+    let mut state = d.zeros((k - 1) * CONV).unwrap();
+    let (mut out, mut dx, mut dw) = (
+        d.zeros(n).unwrap(),
+        d.zeros(n).unwrap(),
+        d.zeros(CONV * k).unwrap(),
+    );
+    bench(
+        &mut g,
+        d,
+        (G, "conv1d_forward", "8192x6144"),
+        2 * n * 4,
+        || {
+            d.conv1d_forward(&mut out, &mut state, &x, &w, T, CONV, k)
+                .unwrap()
+        },
+    );
+    bench(
+        &mut g,
+        d,
+        (G, "conv1d_backward", "8192x6144"),
+        4 * n * 4,
+        || {
+            d.conv1d_backward(&mut dx, &mut dw, None, &dy, &state0, &x, &w, T, CONV, k)
+                .unwrap()
+        },
+    );
+    let m = T * NV;
+    let (a, bb) = (buf(d, rng, m, 3.0), buf(d, rng, m, 3.0));
+    let (a_log, dt_bias) = (buf(d, rng, NV, 1.0), buf(d, rng, NV, 1.0));
+    let (mut gg, mut beta) = (d.zeros(m).unwrap(), d.zeros(m).unwrap());
+    let (dg, dbeta) = (buf(d, rng, m, 1.0), buf(d, rng, m, 1.0));
+    let (mut da, mut db) = (d.zeros(m).unwrap(), d.zeros(m).unwrap());
+    let (mut dal, mut ddt) = (d.zeros(NV).unwrap(), d.zeros(NV).unwrap());
+    d.gated_delta_gating_forward(&mut gg, &mut beta, &a, &bb, &a_log, &dt_bias, NV)
+        .unwrap();
+    bench(
+        &mut g,
+        d,
+        (G, "gating_backward", "8192x16"),
+        8 * m * 4,
+        || {
+            d.gated_delta_gating_backward(
+                &mut da, &mut db, &mut dal, &mut ddt, &dg, &dbeta, &gg, &beta, &a, &a_log, &dt_bias,
+            )
+            .unwrap()
+        },
+    );
+    // One decode step of the recurrence at batch 32: the fp32 state
+    // ([32, 16, 128, 128]) is read and written once.
+    let seqs = 32;
+    let mut st = d.zeros(seqs * NV * DK * DK).unwrap();
+    let slots: Vec<u32> = (0..seqs as u32).collect();
+    let slots = d.upload(&slots).unwrap();
+    let (q, kk, v) = (
+        buf(d, rng, seqs * NV * DK, 0.1),
+        buf(d, rng, seqs * NV * DK, 0.1),
+        buf(d, rng, seqs * NV * DK, 1.0),
+    );
+    let (gd, bd) = (buf(d, rng, seqs * NV, 0.1), buf(d, rng, seqs * NV, 0.5));
+    let mut o = d.zeros(seqs * NV * DK).unwrap();
+    let state_bytes = 2 * seqs * NV * DK * DK * 4;
+    bench(
+        &mut g,
+        d,
+        (G, "gated_delta_decode", "32x16x128x128"),
+        state_bytes,
+        || {
+            d.gated_delta_decode(
+                &mut o,
+                &mut st,
+                &q,
+                &kk,
+                &v,
+                &gd,
+                &bd,
+                &slots,
+                (NV, NV, DK, DK),
+            )
+            .unwrap()
+        },
+    );
+    g.finish();
+}
+
+fn vocabulary(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
+    const G: &str = "cuda_vocabulary";
+    let mut g = c.benchmark_group(G);
+    let rows = 64;
+    let logits = buf(d, rng, rows * VOCAB, 10.0);
+    let targets: Vec<u32> = (0..rows).map(|_| rng.gen_range(0..VOCAB as u32)).collect();
+    let targets = d.upload(&targets).unwrap();
+    let (mut lp, dlp) = (d.zeros(rows).unwrap(), buf(d, rng, rows, 1.0));
+    let mut dl = d.zeros(rows * VOCAB).unwrap();
+    let lb = rows * VOCAB * 4;
+    bench(
+        &mut g,
+        d,
+        (G, "logprob_gather_forward", "64x248320"),
+        lb,
+        || {
+            d.logprob_gather_forward(&mut lp, &logits, &targets, VOCAB, 1.0)
+                .unwrap()
+        },
+    );
+    bench(
+        &mut g,
+        d,
+        (G, "logprob_gather_backward", "64x248320"),
+        2 * lb,
+        || {
+            d.logprob_gather_backward(&mut dl, &dlp, &logits, &targets, VOCAB, 1.0)
+                .unwrap()
+        },
+    );
+    // The embedding's gradient: 8,192 tokens over 512 distinct ids.
+    let ids: Vec<u32> = (0..T).map(|_| rng.gen_range(0..512)).collect();
+    let dy = buf(d, rng, T * HIDDEN, 1.0);
+    let mut table = d.zeros(VOCAB * HIDDEN).unwrap();
+    bench(
+        &mut g,
+        d,
+        (G, "embedding_backward", "8192x1024"),
+        T * HIDDEN * 4,
+        || {
+            d.embedding_backward(&mut table, &dy, &ids, VOCAB, HIDDEN)
+                .unwrap()
+        },
+    );
+    g.finish();
+}
+
+fn optimizer(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
+    const G: &str = "cuda_optimizer";
+    let mut g = c.benchmark_group(G);
+    // A 100M-parameter slice (the 0.8B model is eight of them).
+    let n = 100_000_000;
+    let mut p = buf(d, rng, n, 1.0);
+    let grad = buf(d, rng, n, 0.01);
+    let (mut m, mut v) = (d.zeros(n).unwrap(), d.zeros(n).unwrap());
+    let mut bits = d.zeros::<u16>(n).unwrap();
+    let s = AdamWStep::new(1e-6, 0.9, 0.999, 1e-8, 0.0, 10);
+    // Reads param, grad and two moments; writes param, two moments, bf16.
+    bench(
+        &mut g,
+        d,
+        (G, "adamw_update", "100M"),
+        n * (7 * 4 + 2),
+        || {
+            d.adamw_update(&mut p, &mut m, &mut v, Some(&mut bits), &grad, &s)
+                .unwrap()
+        },
+    );
+    bench(&mut g, d, (G, "sum_squares", "100M"), n * 4, || {
+        d.sum_squares(&grad).unwrap();
+    });
+    g.finish();
+}
+
+fn main() {
+    let d = match CudaDevice::new(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("cuda benchmarks skipped: {e}");
+            return;
+        }
+    };
+    let mut c = Criterion::default()
+        .sample_size(20)
+        .warm_up_time(std::time::Duration::from_millis(300))
+        .measurement_time(std::time::Duration::from_secs(1))
+        .configure_from_args();
+    let mut rng = StdRng::seed_from_u64(0);
+    norms(&mut c, &d, &mut rng);
+    elementwise(&mut c, &d, &mut rng);
+    linear_attention(&mut c, &d, &mut rng);
+    vocabulary(&mut c, &d, &mut rng);
+    optimizer(&mut c, &d, &mut rng);
+    c.final_summary();
+}
