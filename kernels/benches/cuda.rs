@@ -209,6 +209,45 @@ fn linear_attention(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
             .unwrap()
         },
     );
+    // The recurrence's backward over 2,048 tokens (one block per value
+    // head, by re-computation): what it must read and write at least.
+    let t = 2048;
+    let dims = arcticd_kernels::cpu::gated_delta::GatedDeltaDims {
+        t,
+        nk: NV,
+        nv: NV,
+        dk: DK,
+        dv: DK,
+    };
+    let tv = t * NV * DK;
+    let (q, kk, v, dout) = (
+        buf(d, rng, tv, 0.1),
+        buf(d, rng, tv, 0.1),
+        buf(d, rng, tv, 1.0),
+        buf(d, rng, tv, 1.0),
+    );
+    let (gt, bt) = (buf(d, rng, t * NV, 0.1), buf(d, rng, t * NV, 0.5));
+    let s0 = d.zeros(NV * DK * DK).unwrap();
+    let (mut dq, mut dkk, mut dvv) = (
+        d.zeros(tv).unwrap(),
+        d.zeros(tv).unwrap(),
+        d.zeros(tv).unwrap(),
+    );
+    let (mut dgg, mut dbb) = (d.zeros(t * NV).unwrap(), d.zeros(t * NV).unwrap());
+    let io = (7 * tv + 4 * t * NV) * 4;
+    bench(
+        &mut g,
+        d,
+        (G, "gated_delta_backward", "2048x16x128x128"),
+        io,
+        || {
+            d.gated_delta_backward(
+                &mut dq, &mut dkk, &mut dvv, &mut dgg, &mut dbb, None, &dout, &s0, &q, &kk, &v,
+                &gt, &bt, dims,
+            )
+            .unwrap()
+        },
+    );
     g.finish();
 }
 

@@ -85,3 +85,179 @@ extern "C" __global__ void gated_delta_prefill(float* out, float* state, const f
         }
     }
 }
+
+// ---- backward -----------------------------------------------------------
+// The recurrence's backward for one sequence of t tokens from state0, one
+// block per value head, by re-computation (fp32 throughout, as the CPU
+// reference kernels/src/cpu/gated_delta.rs computes it):
+//   1. forward from state0, keeping the state at every chunk start
+//      (ckpt[c], chunk = GD_CHUNK tokens);
+//   2. chunks in reverse: replay the chunk from its checkpoint keeping
+//      every state (st[0..len]) and v - S_a^T k (res), then walk its tokens
+//      backwards carrying dS, the gradient of the state.
+// Per token, with S_a = e^g S_prev, delta = beta (v - S_a^T k),
+// S = S_a + k delta^T, o = S^T q:
+//   dS += q do^T;  ddelta = dS^T k;  dv = beta ddelta;
+//   dbeta = ddelta . (v - S_a^T k);  dkv = -beta ddelta;
+//   dq = S do;  dk = dS delta + S_a dkv;
+//   dS_a = dS + k dkv^T;  dg = sum(S_a * dS_a);  dS_prev = e^g dS_a.
+// Phases alternate between a thread per column j (dv) and per row i (dk).
+// dq and dk are written per value head ([t, nv, dk]); gd_backward_reduce
+// adds a key head's value heads in order. Scratch per head: ckpt
+// [chunks, dk, dv], st [GD_CHUNK + 1, dk, dv], dS [dk, dv], res
+// [GD_CHUNK, dv]. Shared: q, k, do, delta, dkv and two partial sums.
+#define GD_CHUNK 64
+
+extern "C" __global__ void gated_delta_backward(
+    float* dq_v, float* dk_v, float* dv_out, float* dg_out, float* dbeta_out, float* dstate0,
+    float* ckpt, float* st, float* dS_all, float* res_all, const float* dout, const float* state0,
+    const float* q, const float* k, const float* v, const float* g, const float* beta, int t,
+    int nk, int nv, int dk, int dv) {
+    extern __shared__ float sh[];
+    float* sq = sh;            // dk
+    float* sk = sq + dk;       // dk
+    float* sdo = sk + dk;      // dv
+    float* sdelta = sdo + dv;  // dv
+    float* sdkv = sdelta + dv; // dv
+    __shared__ float scratch[32];
+    int h = blockIdx.x;
+    if (h >= nv) return;
+    int kh = h / (nv / nk);
+    size_t sn = (size_t)dk * dv;
+    int chunks = (t + GD_CHUNK - 1) / GD_CHUNK;
+    float* ck = ckpt + (size_t)h * chunks * sn;
+    float* sts = st + (size_t)h * (GD_CHUNK + 1) * sn;
+    float* dS = dS_all + (size_t)h * sn;
+    float* res = res_all + (size_t)h * GD_CHUNK * dv;
+    const float* s0 = state0 + (size_t)h * sn;
+
+    // 1. Checkpoints: ck[c] is the state before token c * GD_CHUNK.
+    for (size_t x = threadIdx.x; x < sn; x += blockDim.x) {
+        ck[x] = s0[x];
+        dS[x] = 0.0f;
+    }
+    __syncthreads();
+    for (int c = 0; c + 1 < chunks; c++) {
+        float* S = ck + (size_t)(c + 1) * sn;
+        for (size_t x = threadIdx.x; x < sn; x += blockDim.x) S[x] = ck[(size_t)c * sn + x];
+        __syncthreads();
+        for (int tt = c * GD_CHUNK; tt < (c + 1) * GD_CHUNK; tt++) {
+            for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+                sq[i] = q[((size_t)tt * nk + kh) * dk + i];
+                sk[i] = k[((size_t)tt * nk + kh) * dk + i];
+            }
+            __syncthreads();
+            float decay = expf(g[(size_t)tt * nv + h]), b = beta[(size_t)tt * nv + h];
+            for (int j = threadIdx.x; j < dv; j += blockDim.x)
+                gd_column_step(S, sq, decay, b, v[((size_t)tt * nv + h) * dv + j], j, dk, dv);
+            __syncthreads();
+        }
+    }
+
+    // 2. Chunks in reverse.
+    for (int c = chunks - 1; c >= 0; c--) {
+        int t0 = c * GD_CHUNK;
+        int len = t - t0 < GD_CHUNK ? t - t0 : GD_CHUNK;
+        for (size_t x = threadIdx.x; x < sn; x += blockDim.x) sts[x] = ck[(size_t)c * sn + x];
+        __syncthreads();
+        // Replay: st[u + 1] is the state after token t0 + u; res[u] = v - S_a^T k.
+        for (int u = 0; u < len; u++) {
+            int tt = t0 + u;
+            for (int i = threadIdx.x; i < dk; i += blockDim.x) sk[i] = k[((size_t)tt * nk + kh) * dk + i];
+            __syncthreads();
+            float decay = expf(g[(size_t)tt * nv + h]), b = beta[(size_t)tt * nv + h];
+            const float* P = sts + (size_t)u * sn;
+            float* S = sts + (size_t)(u + 1) * sn;
+            for (int j = threadIdx.x; j < dv; j += blockDim.x) {
+                float kv = 0.0f;
+                for (int i = 0; i < dk; i++) kv += P[(size_t)i * dv + j] * decay * sk[i];
+                float r = v[((size_t)tt * nv + h) * dv + j] - kv;
+                res[(size_t)u * dv + j] = r;
+                float delta = b * r;
+                for (int i = 0; i < dk; i++)
+                    S[(size_t)i * dv + j] = P[(size_t)i * dv + j] * decay + sk[i] * delta;
+            }
+            __syncthreads();
+        }
+        for (int u = len - 1; u >= 0; u--) {
+            int tt = t0 + u;
+            float decay = expf(g[(size_t)tt * nv + h]), b = beta[(size_t)tt * nv + h];
+            const float* P = sts + (size_t)u * sn;        // state before the token
+            const float* S = sts + (size_t)(u + 1) * sn;  // state after it
+            for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+                sq[i] = q[((size_t)tt * nk + kh) * dk + i];
+                sk[i] = k[((size_t)tt * nk + kh) * dk + i];
+            }
+            for (int j = threadIdx.x; j < dv; j += blockDim.x)
+                sdo[j] = dout[((size_t)tt * nv + h) * dv + j];
+            __syncthreads();
+            // Columns: dS += q do^T, then ddelta, dv, dbeta's share, dkv.
+            float pb = 0.0f;
+            for (int j = threadIdx.x; j < dv; j += blockDim.x) {
+                float dd = 0.0f;
+                for (int i = 0; i < dk; i++) {
+                    float x = dS[(size_t)i * dv + j] + sq[i] * sdo[j];
+                    dS[(size_t)i * dv + j] = x;
+                    dd += x * sk[i];
+                }
+                float r = res[(size_t)u * dv + j];
+                dv_out[((size_t)tt * nv + h) * dv + j] = b * dd;
+                pb += dd * r;
+                sdelta[j] = b * r;
+                sdkv[j] = -b * dd;
+            }
+            pb = block_sum(pb, scratch);
+            if (threadIdx.x == 0) dbeta_out[(size_t)tt * nv + h] = pb;
+            __syncthreads();
+            // Rows: dq = S do, dk = dS delta + S_a dkv.
+            for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+                float a = 0.0f, bk = 0.0f;
+                for (int j = 0; j < dv; j++) {
+                    a += S[(size_t)i * dv + j] * sdo[j];
+                    bk += dS[(size_t)i * dv + j] * sdelta[j] + P[(size_t)i * dv + j] * decay * sdkv[j];
+                }
+                dq_v[((size_t)tt * nv + h) * dk + i] = a;
+                dk_v[((size_t)tt * nv + h) * dk + i] = bk;
+            }
+            __syncthreads();
+            // Columns: dS_a = dS + k dkv^T; dg's share; dS_prev = e^g dS_a.
+            float pg = 0.0f;
+            for (int j = threadIdx.x; j < dv; j += blockDim.x) {
+                for (int i = 0; i < dk; i++) {
+                    float x = dS[(size_t)i * dv + j] + sk[i] * sdkv[j];
+                    pg += P[(size_t)i * dv + j] * decay * x;
+                    dS[(size_t)i * dv + j] = x * decay;
+                }
+            }
+            pg = block_sum(pg, scratch);
+            if (threadIdx.x == 0) dg_out[(size_t)tt * nv + h] = pg;
+            __syncthreads();
+        }
+    }
+    if (dstate0)
+        for (size_t x = threadIdx.x; x < sn; x += blockDim.x) dstate0[(size_t)h * sn + x] = dS[x];
+}
+
+// dq[t, kh] = sum over the value heads h of key head kh, in order, of
+// dq_v[t, h] (and the same for dk). One thread per (token, key head, i).
+extern "C" __global__ void gated_delta_backward_reduce(float* dq, float* dk, const float* dq_v,
+                                                       const float* dk_v, int t, int nk, int nv,
+                                                       int dkd) {
+    long long n = (long long)t * nk * dkd;
+    for (long long x = blockIdx.x * (long long)blockDim.x + threadIdx.x; x < n;
+         x += (long long)gridDim.x * blockDim.x) {
+        int i = (int)(x % dkd);
+        long long row = x / dkd;
+        int kh = (int)(row % nk);
+        long long tt = row / nk;
+        int group = nv / nk;
+        float a = 0.0f, b = 0.0f;
+        for (int u = 0; u < group; u++) {
+            size_t at = ((size_t)tt * nv + kh * group + u) * dkd + i;
+            a += dq_v[at];
+            b += dk_v[at];
+        }
+        dq[x] = a;
+        dk[x] = b;
+    }
+}

@@ -102,7 +102,12 @@ pub const MODULES: &[Module] = &[
     Module {
         name: "gated_delta",
         source: include_str!("gated_delta.cu"),
-        kernels: &["gated_delta_decode", "gated_delta_prefill"],
+        kernels: &[
+            "gated_delta_decode",
+            "gated_delta_prefill",
+            "gated_delta_backward",
+            "gated_delta_backward_reduce",
+        ],
     },
     Module {
         name: "attention",

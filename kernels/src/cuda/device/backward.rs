@@ -479,6 +479,99 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// Backward of the gated delta rule over one sequence of `t` tokens
+    /// that started from `state0 [nv, dk, dv]` (as
+    /// `cpu::gated_delta::gated_delta_backward`, the recurrent form by
+    /// re-computation from states kept every 64 tokens): every gradient is
+    /// written; `dq`, `dk [t, nk, dk]` sum the value heads of a key head.
+    /// Layouts as the forward's. One block per value head: correct first,
+    /// the chunked (WY) backward is the fast path still to come.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_delta_backward(
+        &self,
+        dq: &mut CudaSlice<f32>,
+        dk: &mut CudaSlice<f32>,
+        dv: &mut CudaSlice<f32>,
+        dg: &mut CudaSlice<f32>,
+        dbeta: &mut CudaSlice<f32>,
+        dstate0: Option<&mut CudaSlice<f32>>,
+        dout: &CudaSlice<f32>,
+        state0: &CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        dims: crate::cpu::gated_delta::GatedDeltaDims,
+    ) -> Result<()> {
+        let op = "gated_delta_backward";
+        let crate::cpu::gated_delta::GatedDeltaDims {
+            t,
+            nk,
+            nv,
+            dk: kd,
+            dv: vd,
+        } = dims;
+        if nk == 0 || !nv.is_multiple_of(nk) || kd == 0 || vd == 0 {
+            return Err(Error::Shape(format!("{op}: {dims:?}")));
+        }
+        let sn = kd * vd;
+        shape(
+            op,
+            &[
+                ("dq", dq.len(), t * nk * kd),
+                ("dk", dk.len(), t * nk * kd),
+                ("dv", dv.len(), t * nv * vd),
+                ("dg", dg.len(), t * nv),
+                ("dbeta", dbeta.len(), t * nv),
+                ("dout", dout.len(), t * nv * vd),
+                ("state0", state0.len(), nv * sn),
+                ("q", q.len(), t * nk * kd),
+                ("k", k.len(), t * nk * kd),
+                ("v", v.len(), t * nv * vd),
+                ("g", g.len(), t * nv),
+                ("beta", beta.len(), t * nv),
+            ],
+        )?;
+        if let Some(ds) = &dstate0 {
+            shape(op, &[("dstate0", ds.len(), nv * sn)])?;
+        }
+        if t == 0 {
+            if let Some(ds) = dstate0 {
+                self.scale(ds, 0.0)?;
+            }
+            return Ok(());
+        }
+        const CHUNK: usize = 64;
+        let chunks = t.div_ceil(CHUNK);
+        let mut ckpt = self.zeros::<f32>(nv * chunks * sn)?;
+        let mut st = self.zeros::<f32>(nv * (CHUNK + 1) * sn)?;
+        let mut ds_all = self.zeros::<f32>(nv * sn)?;
+        let mut res = self.zeros::<f32>(nv * CHUNK * vd)?;
+        let mut dq_v = self.zeros::<f32>(t * nv * kd)?;
+        let mut dk_v = self.zeros::<f32>(t * nv * kd)?;
+        let ints = [t, nk, nv, kd, vd]
+            .iter()
+            .map(|&x| int(op, "size", x))
+            .collect::<Result<Vec<i32>>>()?;
+        let cfg = LaunchConfig {
+            grid_dim: (nv as u32, 1, 1),
+            block_dim: (kd.max(vd).next_multiple_of(32).min(1024) as u32, 1, 1),
+            shared_mem_bytes: ((2 * kd + 3 * vd) * 4) as u32,
+        };
+        match dstate0 {
+            Some(ds) => launch!(self, op, cfg; &mut dq_v, &mut dk_v, dv, dg, dbeta, ds,
+                &mut ckpt, &mut st, &mut ds_all, &mut res, dout, state0, q, k, v, g, beta,
+                &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]),
+            None => launch!(self, op, cfg; &mut dq_v, &mut dk_v, dv, dg, dbeta, &NULL,
+                &mut ckpt, &mut st, &mut ds_all, &mut res, dout, state0, q, k, v, g, beta,
+                &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]),
+        }
+        launch!(self, "gated_delta_backward_reduce", elems(t * nk * kd); dq, dk, &dq_v, &dk_v,
+            &ints[0], &ints[1], &ints[2], &ints[3]);
+        Ok(())
+    }
+
     /// One AdamW step on one tensor, in place (as
     /// `cpu::adamw::adamw_update`), with the updated weight also written
     /// as bf16 to `out_bf16` when given: the engine's copy, in the same pass.
@@ -857,6 +950,88 @@ mod tests {
             close("conv1d dinp", &d.download(&gx).unwrap(), &dx, 1e-5);
             close("conv1d dweight", &d.download(&gw).unwrap(), &dw, 1e-4);
             close("conv1d dstate0", &d.download(&gds).unwrap(), &ds, 1e-5);
+        }
+    }
+
+    #[test]
+    fn gated_delta_backward_matches_cpu() {
+        let Some(d) = gpu() else { return };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(16);
+        let up = |x: &[f32]| d.upload(x).unwrap();
+        // Over one chunk boundary and not, GQA, odd head sizes.
+        for (t, nk, nv, dk, dv) in [(5, 1, 1, 8, 8), (130, 2, 4, 32, 24), (64, 1, 2, 128, 128)] {
+            let dims = cpu::gated_delta::GatedDeltaDims { t, nk, nv, dk, dv };
+            let unit = |v: Vec<f32>| -> Vec<f32> {
+                v.chunks(dk)
+                    .flat_map(|r| {
+                        let n = r.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+                        r.iter().map(move |x| x / n).collect::<Vec<_>>()
+                    })
+                    .collect()
+            };
+            let q = unit(rand_vec(&mut rng, t * nk * dk, 1.0));
+            let k = unit(rand_vec(&mut rng, t * nk * dk, 1.0));
+            let v = rand_vec(&mut rng, t * nv * dv, 1.0);
+            let g: Vec<f32> = (0..t * nv).map(|_| -rng.gen_range(0.0..0.5f32)).collect();
+            let beta: Vec<f32> = (0..t * nv).map(|_| rng.gen_range(0.1..0.9f32)).collect();
+            let state0 = rand_vec(&mut rng, nv * dk * dv, 0.5);
+            let dout = rand_vec(&mut rng, t * nv * dv, 1.0);
+            let (mut dq, mut dkk, mut dvv) = (
+                vec![0.0; t * nk * dk],
+                vec![0.0; t * nk * dk],
+                vec![0.0; t * nv * dv],
+            );
+            let (mut dg, mut db, mut ds) = (
+                vec![0.0; t * nv],
+                vec![0.0; t * nv],
+                vec![0.0; nv * dk * dv],
+            );
+            cpu::gated_delta::gated_delta_backward(
+                &mut dq,
+                &mut dkk,
+                &mut dvv,
+                &mut dg,
+                &mut db,
+                Some(&mut ds),
+                &dout,
+                &state0,
+                &q,
+                &k,
+                &v,
+                &g,
+                &beta,
+                dims,
+            )
+            .unwrap();
+            let mut gq = d.zeros(t * nk * dk).unwrap();
+            let mut gk = d.zeros(t * nk * dk).unwrap();
+            let mut gv = d.zeros(t * nv * dv).unwrap();
+            let (mut gg, mut gb) = (d.zeros(t * nv).unwrap(), d.zeros(t * nv).unwrap());
+            let mut gs = d.zeros(nv * dk * dv).unwrap();
+            d.gated_delta_backward(
+                &mut gq,
+                &mut gk,
+                &mut gv,
+                &mut gg,
+                &mut gb,
+                Some(&mut gs),
+                &up(&dout),
+                &up(&state0),
+                &up(&q),
+                &up(&k),
+                &up(&v),
+                &up(&g),
+                &up(&beta),
+                dims,
+            )
+            .unwrap();
+            // Long fp32 sums in another order: relative to each size.
+            close("gd dq", &d.download(&gq).unwrap(), &dq, 1e-3);
+            close("gd dk", &d.download(&gk).unwrap(), &dkk, 1e-3);
+            close("gd dv", &d.download(&gv).unwrap(), &dvv, 1e-3);
+            close("gd dg", &d.download(&gg).unwrap(), &dg, 1e-3);
+            close("gd dbeta", &d.download(&gb).unwrap(), &db, 1e-3);
+            close("gd dstate0", &d.download(&gs).unwrap(), &ds, 1e-3);
         }
     }
 
