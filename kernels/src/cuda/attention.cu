@@ -135,3 +135,140 @@ extern "C" __global__ void varlen_attention_prefill(float* out, const float* q, 
     }
     attn_merge_and_store(out + ((size_t)t * n_heads + h) * hd, m, l, acc, hd, shared);
 }
+
+// ---- backward -----------------------------------------------------------
+// Causal GQA attention backward for one sequence (nq queries, the last nq
+// of nk positions), the probabilities recomputed from q and k as
+// FlashAttention's backward does (CPU reference: attention_backward in
+// kernels/src/cpu/attention.rs). With s_j = scale q . k_j, p = softmax(s),
+// D = do . o = sum_j p_j (do . v_j):
+//   ds_j = p_j (do . v_j - D);  dq = scale sum_j ds_j k_j;
+//   dk_j = scale sum_i ds_ij q_i;  dv_j = sum_i p_ij do_i.
+// attention_backward_dq: one block per (query, head), 256 threads (thread
+// d owns dim d of dq), keys in tiles of ATTN_BWD_TILE; it also writes the
+// row's log-sum-exp and D for attention_backward_dkv: one block per (key,
+// KV head), the (query, head) pairs that see the key in tiles. Every sum
+// runs in a fixed order (no atomics).
+#define ATTN_BWD_TILE 64
+
+__device__ __forceinline__ float dot_hd(const float* a, const float* b, int hd) {
+    float s = 0.0f;
+    for (int d = 0; d < hd; d++) s += a[d] * b[d];
+    return s;
+}
+
+extern "C" __global__ void attention_backward_dq(float* dq, float* lse_out, float* dd_out,
+                                                 const float* dout, const float* q,
+                                                 const float* k, const float* v, int nq, int nk,
+                                                 int heads, int kv_heads, int hd, float scale) {
+    extern __shared__ float sh[];
+    float* sq = sh;
+    float* sdo = sq + hd;
+    float* sds = sdo + hd;
+    __shared__ float scratch[32];
+    int i = blockIdx.x / heads, h = blockIdx.x % heads;
+    if (i >= nq) return;
+    int g = h / (heads / kv_heads);
+    size_t row = ((size_t)i * heads + h) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        sq[d] = q[row + d];
+        sdo[d] = dout[row + d];
+    }
+    __syncthreads();
+    int live = nk - nq + i + 1;
+    const size_t kstride = (size_t)kv_heads * hd;
+    const float* kg = k + (size_t)g * hd;
+    const float* vg = v + (size_t)g * hd;
+    float m = NEG_INF;
+    for (int j = threadIdx.x; j < live; j += blockDim.x)
+        m = fmaxf(m, scale * dot_hd(sq, kg + j * kstride, hd));
+    m = block_max(m, scratch);
+    float l = 0.0f;
+    for (int j = threadIdx.x; j < live; j += blockDim.x)
+        l += expf(scale * dot_hd(sq, kg + j * kstride, hd) - m);
+    l = block_sum(l, scratch);
+    float lse = m + logf(l);
+    float dpart = 0.0f;
+    for (int j = threadIdx.x; j < live; j += blockDim.x) {
+        float p = expf(scale * dot_hd(sq, kg + j * kstride, hd) - lse);
+        dpart += p * dot_hd(sdo, vg + j * kstride, hd);
+    }
+    float D = block_sum(dpart, scratch);
+    float acc = 0.0f;
+    for (int j0 = 0; j0 < live; j0 += ATTN_BWD_TILE) {
+        int n = live - j0 < ATTN_BWD_TILE ? live - j0 : ATTN_BWD_TILE;
+        if (threadIdx.x < ATTN_BWD_TILE) {
+            float ds = 0.0f;
+            if ((int)threadIdx.x < n) {
+                int j = j0 + threadIdx.x;
+                float p = expf(scale * dot_hd(sq, kg + j * kstride, hd) - lse);
+                ds = p * (dot_hd(sdo, vg + j * kstride, hd) - D);
+            }
+            sds[threadIdx.x] = ds;
+        }
+        __syncthreads();
+        if ((int)threadIdx.x < hd)
+            for (int u = 0; u < n; u++) acc += sds[u] * kg[(j0 + u) * kstride + threadIdx.x];
+        __syncthreads();
+    }
+    if ((int)threadIdx.x < hd) dq[row + threadIdx.x] = scale * acc;
+    if (threadIdx.x == 0) {
+        lse_out[(size_t)i * heads + h] = lse;
+        dd_out[(size_t)i * heads + h] = D;
+    }
+}
+
+extern "C" __global__ void attention_backward_dkv(float* dk, float* dv, const float* dout,
+                                                  const float* q, const float* k, const float* v,
+                                                  const float* lse, const float* dd, int nq,
+                                                  int nk, int heads, int kv_heads, int hd,
+                                                  float scale) {
+    extern __shared__ float sh[];
+    float* sk = sh;
+    float* sv = sk + hd;
+    float* sp = sv + hd;
+    float* sds = sp + ATTN_BWD_TILE;
+    int j = blockIdx.x / kv_heads, g = blockIdx.x % kv_heads;
+    if (j >= nk) return;
+    int group = heads / kv_heads;
+    size_t krow = ((size_t)j * kv_heads + g) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        sk[d] = k[krow + d];
+        sv[d] = v[krow + d];
+    }
+    __syncthreads();
+    // Query i sees key j when j <= nk - nq + i.
+    int i0 = j - (nk - nq);
+    if (i0 < 0) i0 = 0;
+    int total = (nq - i0) * group;
+    float adk = 0.0f, adv = 0.0f;
+    for (int x0 = 0; x0 < total; x0 += ATTN_BWD_TILE) {
+        int n = total - x0 < ATTN_BWD_TILE ? total - x0 : ATTN_BWD_TILE;
+        if (threadIdx.x < ATTN_BWD_TILE) {
+            float p = 0.0f, ds = 0.0f;
+            if ((int)threadIdx.x < n) {
+                int x = x0 + threadIdx.x;
+                int i = i0 + x / group, h = g * group + x % group;
+                size_t row = ((size_t)i * heads + h) * hd;
+                p = expf(scale * dot_hd(q + row, sk, hd) - lse[(size_t)i * heads + h]);
+                ds = p * (dot_hd(dout + row, sv, hd) - dd[(size_t)i * heads + h]);
+            }
+            sp[threadIdx.x] = p;
+            sds[threadIdx.x] = ds;
+        }
+        __syncthreads();
+        if ((int)threadIdx.x < hd)
+            for (int u = 0; u < n; u++) {
+                int x = x0 + u;
+                int i = i0 + x / group, h = g * group + x % group;
+                size_t row = ((size_t)i * heads + h) * hd;
+                adv += sp[u] * dout[row + threadIdx.x];
+                adk += sds[u] * q[row + threadIdx.x];
+            }
+        __syncthreads();
+    }
+    if ((int)threadIdx.x < hd) {
+        dk[krow + threadIdx.x] = scale * adk;
+        dv[krow + threadIdx.x] = adv;
+    }
+}

@@ -116,6 +116,8 @@ pub const MODULES: &[Module] = &[
             "paged_kv_write",
             "paged_attention_decode",
             "varlen_attention_prefill",
+            "attention_backward_dq",
+            "attention_backward_dkv",
         ],
     },
     Module {
