@@ -75,6 +75,9 @@ pub const MODEL_MAX_LENGTH: usize = 262_144;
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     eos_token_ids: Vec<u32>,
+    /// `known[id]`: the id is a vocabulary entry or an added token. Looked
+    /// up once at load, so the checks on every decoded id allocate nothing.
+    known: Vec<bool>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -110,10 +113,25 @@ impl Tokenizer {
             .iter()
             .filter_map(|t| inner.token_to_id(t))
             .collect();
+        let ids = inner.get_vocab(true).into_values();
+        let mut known = Vec::new();
+        for id in ids {
+            let i = id as usize;
+            if i >= known.len() {
+                known.resize(i + 1, false);
+            }
+            known[i] = true;
+        }
         Self {
             inner,
             eos_token_ids,
+            known,
         }
+    }
+
+    /// Whether `id` has a token.
+    fn has(&self, id: u32) -> bool {
+        self.known.get(id as usize).copied().unwrap_or(false)
     }
 
     /// Token ids of `text`. Added tokens written in the text become their one
@@ -130,7 +148,7 @@ impl Tokenizer {
     /// (`<|im_end|>`, not `<tool_call>`) are left out. Bytes that do not form
     /// valid UTF-8 (a sequence cut inside a character) become U+FFFD.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        if let Some(&bad) = ids.iter().find(|&&id| self.inner.id_to_token(id).is_none()) {
+        if let Some(&bad) = ids.iter().find(|&&id| !self.has(id)) {
             return Err(Error::Input(format!(
                 "token id {bad} is not in the vocabulary (size {})",
                 self.vocab_size()
@@ -146,11 +164,10 @@ impl Tokenizer {
     /// 248,320) have no text instead of being an error. For model output
     /// only: an id a client sends is checked with `decode`.
     pub fn decode_generated(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        let known: Vec<u32> = ids
-            .iter()
-            .copied()
-            .filter(|&id| self.inner.id_to_token(id).is_some())
-            .collect();
+        if ids.iter().all(|&id| self.has(id)) {
+            return self.decode(ids, skip_special);
+        }
+        let known: Vec<u32> = ids.iter().copied().filter(|&id| self.has(id)).collect();
         self.decode(&known, skip_special)
     }
 
