@@ -15,7 +15,7 @@ use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_engine::{ParamStore, Qwen3_5};
 use arcticd_trainer::checkpoint::save_checkpoint;
 use arcticd_trainer::data::{batch_for_step, read_sft_jsonl, ChatRender};
-use arcticd_trainer::memory::{host_memory_available, MemoryPlan, PlanShape};
+use arcticd_trainer::memory::{host_memory_available, MemoryPlan, Placement, PlanShape};
 use arcticd_trainer::optim::{AdamWConfig, LrSchedule};
 use arcticd_trainer::step::{TrainConfig, Trainer};
 use clap::Args;
@@ -144,5 +144,91 @@ pub fn sft(args: SftArgs) -> Result<()> {
     let model = trainer.store.read();
     save_checkpoint(&args.out, &model, &args.model, Some(&trainer.optimizer))
         .with_context(|| format!("writing checkpoint {}", args.out.display()))?;
+    Ok(())
+}
+
+/// Where `arcticd plan` places the trainer's buffers.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum PlacementArg {
+    /// Host memory, every buffer f32 (the trainer of `sft` and `train`).
+    Cpu,
+    /// One GPU: bf16 weights the engine reads, fp32 masters, moments,
+    /// gradients and activations (the device trainer's design).
+    Gpu,
+}
+
+#[derive(Args)]
+pub struct PlanArgs {
+    /// Model folder (its config.json is all that is read).
+    #[arg(long, required_unless_present = "preset", conflicts_with = "preset")]
+    pub model: Option<PathBuf>,
+    /// A built-in shape instead: tiny, small, demo, qwen3.5-0.8b, qwen3.5-4b.
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// Tokens per micro-batch.
+    #[arg(long, default_value_t = 32_768)]
+    pub tokens: usize,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 1)]
+    pub sequences: usize,
+    /// Keep only each layer's input and recompute the layer in the backward.
+    #[arg(long)]
+    pub recompute_layers: bool,
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub placement: PlacementArg,
+    /// Memory the plan must fit in, GB (10^9 bytes). Default: this host's
+    /// available memory with `--placement cpu`; required with `gpu` (141
+    /// for an H200).
+    #[arg(long)]
+    pub memory_gb: Option<f64>,
+}
+
+/// `arcticd plan`: the training memory plan of a model at a micro-batch
+/// shape, before anything is allocated; fails when it does not fit.
+pub fn plan(args: PlanArgs) -> Result<()> {
+    let config = match (&args.model, &args.preset) {
+        (Some(dir), _) => ModelConfig::from_dir(dir)
+            .with_context(|| format!("reading the config of {}", dir.display()))?,
+        (None, Some(name)) => {
+            arcticd_engine::init::preset_config(&arcticd_engine::init::preset(name)?)?
+        }
+        (None, None) => anyhow::bail!("give --model DIR or --preset NAME"),
+    };
+    if args.tokens == 0 || args.sequences == 0 || args.sequences > args.tokens {
+        anyhow::bail!(
+            "--tokens and --sequences must be positive, with no more sequences than tokens"
+        );
+    }
+    let placement = match args.placement {
+        PlacementArg::Cpu => Placement::Host,
+        PlacementArg::Gpu => Placement::Gpu,
+    };
+    let available = match (args.memory_gb, args.placement) {
+        (Some(gb), _) if gb.is_finite() && gb > 0.0 => Some((gb * 1e9) as u64),
+        (Some(gb), _) => anyhow::bail!("--memory-gb {gb} is not a positive number"),
+        (None, PlacementArg::Cpu) => host_memory_available(),
+        (None, PlacementArg::Gpu) => {
+            anyhow::bail!("--placement gpu needs --memory-gb (141 for an H200)")
+        }
+    };
+    let plan = MemoryPlan::training_on(
+        &config,
+        PlanShape {
+            tokens: args.tokens,
+            sequences: args.sequences,
+            recompute_layers: args.recompute_layers,
+        },
+        placement,
+    );
+    // A plan that does not fit is shown by its error.
+    plan.check(available)?;
+    println!("{plan}");
+    if let Some(a) = available {
+        println!(
+            "fits: {:.1} GB of {:.1} GB",
+            plan.total() as f64 / 1e9,
+            a as f64 / 1e9
+        );
+    }
     Ok(())
 }

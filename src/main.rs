@@ -59,6 +59,8 @@ enum Command {
     Plot(cli_plot::PlotArgs),
     /// Build the RL demo's warm-started model: SFT on scripted expert trajectories of toy tasks.
     WarmStart(cli_warm::WarmStartArgs),
+    /// The training memory plan of a model at a micro-batch shape, on the CPU or one GPU.
+    Plan(cli_train::PlanArgs),
 }
 
 fn main() {
@@ -84,6 +86,7 @@ fn main() {
         Command::Rft(args) => cli_rft::rft(args),
         Command::Plot(args) => cli_plot::plot(args),
         Command::WarmStart(args) => cli_warm::warm_start(args),
+        Command::Plan(args) => cli_train::plan(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

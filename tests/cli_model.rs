@@ -177,3 +177,30 @@ fn init_score_generate_and_bad_input() {
     std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_dir_all(&other).ok();
 }
+
+/// `arcticd plan`: Qwen3.5-4B at 32k tokens on one 141 GB GPU fits only
+/// with layer recomputation; a plan that does not fit is a clean error
+/// that names the biggest use; bad input is refused.
+#[test]
+fn plan_sizes_a_real_shape_and_refuses_what_does_not_fit() {
+    let base = [
+        "plan",
+        "--preset",
+        "qwen3.5-4b",
+        "--placement",
+        "gpu",
+        "--memory-gb",
+        "141",
+    ];
+    let out = arcticd(&[&base[..], &["--recompute-layers"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("bf16") && text.contains("fits:"), "{text}");
+    let out = arcticd(&base);
+    assert_clean_error(&out, "activations kept (32768 tokens)");
+    assert_clean_error(&arcticd(&["plan", "--preset", "qwen9"]), "unknown preset");
+    assert_clean_error(
+        &arcticd(&["plan", "--preset", "tiny", "--placement", "gpu"]),
+        "--memory-gb",
+    );
+}

@@ -117,33 +117,42 @@ pub const QWEN3_5_0_8B: Preset = Preset {
     dtype: SaveDType::BF16,
 };
 
+/// The Qwen3.5-4B text shape as public code transcribes it (DESIGN.md,
+/// "Facts checked"): untied, 32 linear value heads over 16 key heads. For
+/// planning memory (`arcticd plan`) and trying real sizes.
+pub const QWEN3_5_4B: Preset = Preset {
+    name: "qwen3.5-4b",
+    vocab: 248_320,
+    hidden: 2560,
+    intermediate: 9216,
+    layers: 32,
+    heads: 16,
+    kv_heads: 4,
+    head_dim: 256,
+    lin_k_heads: 16,
+    lin_v_heads: 32,
+    lin_head_dim: 128,
+    tie: false,
+    tokenizer_vocab: Some(4096),
+    dtype: SaveDType::BF16,
+};
+
 pub fn preset(name: &str) -> Result<Preset> {
     match name {
         "tiny" => Ok(TINY),
         "small" => Ok(SMALL),
         "demo" => Ok(DEMO),
         "qwen3.5-0.8b" => Ok(QWEN3_5_0_8B),
+        "qwen3.5-4b" => Ok(QWEN3_5_4B),
         other => Err(Error::Input(format!(
-            "unknown preset {other:?} (choose tiny, small, demo or qwen3.5-0.8b)"
+            "unknown preset {other:?} (choose tiny, small, demo, qwen3.5-0.8b or qwen3.5-4b)"
         ))),
     }
 }
 
-/// What `init_model` wrote.
-#[derive(Debug, Clone)]
-pub struct InitReport {
-    pub parameters: usize,
-    pub vocab_size: usize,
-}
-
-/// Write a random model of `preset` into `out` (created if missing).
-pub fn init_model(p: Preset, out: &Path, seed: u64) -> Result<InitReport> {
-    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let tok = write_tokenizer_files(out, p.tokenizer_vocab.unwrap_or(p.vocab))?;
-    let vocab = match p.tokenizer_vocab {
-        Some(_) => p.vocab.max(tok.vocab_size),
-        None => tok.vocab_size,
-    };
+/// The `config.json` of `p` with a vocabulary of `vocab` and the given
+/// end-of-sequence and padding ids.
+fn preset_config_json(p: &Preset, vocab: usize, eos: u32, pad: u32) -> serde_json::Value {
     let layer_types: Vec<&str> = (0..p.layers)
         .map(|i| {
             if (i + 1) % 4 == 0 {
@@ -153,7 +162,7 @@ pub fn init_model(p: Preset, out: &Path, seed: u64) -> Result<InitReport> {
             }
         })
         .collect();
-    let config = json!({
+    json!({
         "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",
         "vocab_size": vocab,
@@ -178,14 +187,38 @@ pub fn init_model(p: Preset, out: &Path, seed: u64) -> Result<InitReport> {
         "linear_num_key_heads": p.lin_k_heads,
         "linear_num_value_heads": p.lin_v_heads,
         "layer_types": layer_types,
-        "eos_token_id": tok.im_end_id,
-        "pad_token_id": tok.endoftext_id,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
         "dtype": match p.dtype {
             SaveDType::F32 => "float32",
             SaveDType::BF16 => "bfloat16",
         },
         "use_cache": true,
-    });
+    })
+}
+
+/// The model config of `p` at its own vocabulary size, written nowhere
+/// (for planning: the ids of special tokens are placeholders).
+pub fn preset_config(p: &Preset) -> Result<crate::config::ModelConfig> {
+    crate::config::ModelConfig::from_json(&preset_config_json(p, p.vocab, 0, 0))
+}
+
+/// What `init_model` wrote.
+#[derive(Debug, Clone)]
+pub struct InitReport {
+    pub parameters: usize,
+    pub vocab_size: usize,
+}
+
+/// Write a random model of `preset` into `out` (created if missing).
+pub fn init_model(p: Preset, out: &Path, seed: u64) -> Result<InitReport> {
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let tok = write_tokenizer_files(out, p.tokenizer_vocab.unwrap_or(p.vocab))?;
+    let vocab = match p.tokenizer_vocab {
+        Some(_) => p.vocab.max(tok.vocab_size),
+        None => tok.vocab_size,
+    };
+    let config = preset_config_json(&p, vocab, tok.im_end_id, tok.endoftext_id);
     let cfg = crate::config::ModelConfig::from_json(&config)?;
 
     let mut rng = StdRng::seed_from_u64(seed);
@@ -215,7 +248,7 @@ pub fn init_model(p: Preset, out: &Path, seed: u64) -> Result<InitReport> {
         push("lm_head.weight".into(), normal(vec![vocab, h], s, &mut rng));
     }
     let conv_dim = cfg.linear_conv_dim();
-    for (i, lt) in layer_types.iter().enumerate() {
+    for (i, lt) in cfg.layer_types.iter().enumerate() {
         let l = format!("model.layers.{i}.");
         push(
             format!("{l}input_layernorm.weight"),
@@ -237,7 +270,7 @@ pub fn init_model(p: Preset, out: &Path, seed: u64) -> Result<InitReport> {
             format!("{l}mlp.down_proj.weight"),
             normal(vec![h, p.intermediate], s, &mut rng),
         );
-        if *lt == "linear_attention" {
+        if *lt == crate::config::LayerType::LinearAttention {
             let a = format!("{l}linear_attn.");
             let (nv, dv) = (p.lin_v_heads, p.lin_head_dim);
             push(

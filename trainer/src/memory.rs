@@ -9,6 +9,10 @@
 //! backward's working set (the gradients of one layer's activations, the
 //! recomputed layer with `recompute_layers`, and a chunk of logits with its
 //! gradient). A run of `arcticd train` adds the engines' caches.
+//!
+//! On a GPU ([`Placement::Gpu`], the device trainer's design; planned with
+//! `arcticd plan` before it exists) the weights the engine reads are bf16
+//! and everything else as on the CPU.
 
 use crate::{Error, Result};
 use arcticd_engine::config::ModelConfig;
@@ -27,6 +31,17 @@ pub struct PlanShape {
     pub recompute_layers: bool,
 }
 
+/// Where the trainer's buffers live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// Host memory, every buffer f32 (the trainer today).
+    Host,
+    /// One GPU, the design of the device trainer: bf16 weights that the
+    /// engine reads, written from fp32 masters at the end of each step;
+    /// fp32 moments, gradients and activations.
+    Gpu,
+}
+
 /// Named byte counts, largest use first as they were added.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryPlan {
@@ -38,6 +53,12 @@ pub struct MemoryPlan {
 impl MemoryPlan {
     /// The trainer's memory for `config` at `shape`, on the CPU.
     pub fn training(config: &ModelConfig, shape: PlanShape) -> Self {
+        Self::training_on(config, shape, Placement::Host)
+    }
+
+    /// The trainer's memory for `config` at `shape`, placed as `placement`
+    /// says.
+    pub fn training_on(config: &ModelConfig, shape: PlanShape, placement: Placement) -> Self {
         let params = Qwen3_5::plan(config.clone()).parameters();
         let f = |floats: usize| floats as u64 * 4;
         let per = shape.tokens.div_ceil(shape.sequences.max(1)).max(1);
@@ -57,10 +78,19 @@ impl MemoryPlan {
         let rows = logit_rows_per_chunk(config.vocab_size).min(shape.tokens.max(1));
         let logits = 2 * rows * config.vocab_size;
         let mut plan = MemoryPlan {
-            device: "host memory".into(),
+            device: match placement {
+                Placement::Host => "host memory".into(),
+                Placement::Gpu => "GPU memory".into(),
+            },
             items: Vec::new(),
         };
-        plan.add(format!("weights, f32 ({params} parameters)"), params * 4);
+        match placement {
+            Placement::Host => plan.add(format!("weights, f32 ({params} parameters)"), params * 4),
+            Placement::Gpu => plan.add(
+                format!("weights the engine reads, bf16 ({params} parameters)"),
+                params * 2,
+            ),
+        }
         plan.add("AdamW master weights, f32", params * 4);
         plan.add("AdamW moments, f32 (two)", params * 8);
         plan.add("gradients, f32", params * 4);
@@ -192,6 +222,34 @@ mod tests {
         let c = ModelConfig::from_dir(&dir).unwrap();
         std::fs::remove_dir_all(&dir).ok();
         c
+    }
+
+    /// The 4B model on one 141 GB GPU (issue sizes): 18 bytes per
+    /// parameter of weights and optimizer state; at 32k tokens the
+    /// activations fit only when layers are recomputed.
+    #[test]
+    fn qwen3_5_4b_on_one_h200() {
+        let c = arcticd_engine::init::preset_config(&arcticd_engine::init::QWEN3_5_4B).unwrap();
+        let params = Qwen3_5::plan(c.clone()).parameters();
+        assert!((4_000_000_000..5_500_000_000).contains(&params), "{params}");
+        let h200 = 141_000_000_000;
+        let at = |recompute_layers| {
+            MemoryPlan::training_on(
+                &c,
+                PlanShape {
+                    tokens: 32_768,
+                    sequences: 1,
+                    recompute_layers,
+                },
+                Placement::Gpu,
+            )
+        };
+        let (full, recompute) = (at(false), at(true));
+        let state: u64 = full.items[..4].iter().map(|(_, b)| b).sum();
+        assert_eq!(state, params * 18);
+        assert!(full.check(Some(h200)).is_err(), "{full}");
+        assert!(recompute.check(Some(h200)).is_ok(), "{recompute}");
+        assert!(recompute.total() < full.total());
     }
 
     #[test]
