@@ -193,7 +193,11 @@ fn plan_sizes_a_real_shape_and_refuses_what_does_not_fit() {
         "141",
     ];
     let out = arcticd(&[&base[..], &["--recompute-layers"]].concat());
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("bf16") && text.contains("fits:"), "{text}");
     let out = arcticd(&base);
