@@ -204,3 +204,126 @@ pub fn bench_forward(args: BenchForwardArgs) -> Result<()> {
     println!("{out}");
     Ok(())
 }
+
+#[derive(Args)]
+pub struct BenchDecodeArgs {
+    /// Checkpoint directory.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Sequences decoding at once, one measurement per value.
+    #[arg(long, value_delimiter = ',', default_value = "1,32")]
+    pub batch: Vec<usize>,
+    /// Prompt tokens per sequence (random ids).
+    #[arg(long, default_value_t = 16)]
+    pub prompt_len: usize,
+    /// Tokens generated per sequence.
+    #[arg(long, default_value_t = 32)]
+    pub new_tokens: usize,
+    /// Engine cache memory in MiB (KV blocks and recurrent-state slots).
+    #[arg(long, default_value_t = 1024)]
+    pub cache_memory: usize,
+}
+
+/// Resident and peak resident memory of this process in bytes, from
+/// /proc/self/status (`None` where there is no such file).
+fn memory_now() -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |key: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        let kb: u64 = line[key.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kb << 10)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// Greedy decoding through the engine (the serving path: packed weights,
+/// paged caches, the scheduler) with `batch` sequences at once; prints one
+/// JSON line per batch size with generated tokens/s (prefill of the short
+/// prompts included, after a warm-up run that also packs the weights) and
+/// the process's memory.
+pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
+    use arcticd_engine::engine::{self, Choice, EngineConfig, Request};
+    use arcticd_engine::sampler::SamplingParams;
+    use arcticd_engine::ParamStore;
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+    if args.batch.is_empty() || args.batch.contains(&0) || args.prompt_len == 0 {
+        bail!("--batch values and --prompt-len must be positive");
+    }
+    if args.new_tokens == 0 {
+        bail!("--new-tokens must be positive");
+    }
+    let model = Qwen3_5::load(&args.model)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
+    let vocab = model.config.vocab_size as u32;
+    let parameters: usize = model.named_params().iter().map(|(_, t)| t.numel()).sum();
+    let loaded = memory_now();
+    let max_batch = *args.batch.iter().max().unwrap_or(&1);
+    let store = ParamStore::new(model);
+    let eng = engine::start(
+        store,
+        None,
+        EngineConfig {
+            cache_memory: args.cache_memory << 20,
+            max_num_seqs: max_batch,
+            max_model_len: args.prompt_len + args.new_tokens + 16,
+            enable_prefix_cache: false,
+            ..Default::default()
+        },
+    )?;
+    let mut rng = StdRng::seed_from_u64(0);
+    let mut run = |batch: usize| -> Result<f64> {
+        let start = std::time::Instant::now();
+        let mut subs = Vec::with_capacity(batch);
+        for _ in 0..batch {
+            let prompt: Vec<u32> = (0..args.prompt_len)
+                .map(|_| rng.gen_range(0..vocab))
+                .collect();
+            subs.push(eng.submit(Request {
+                prompt,
+                params: SamplingParams {
+                    ignore_eos: true,
+                    ..SamplingParams::greedy(args.new_tokens)
+                },
+            })?);
+        }
+        for mut s in subs {
+            let mut choices = vec![Choice::default()];
+            loop {
+                let event = s
+                    .events
+                    .blocking_recv()
+                    .context("the engine stopped mid-request")?;
+                if engine::apply_event(&mut choices, event)? > 0 {
+                    break;
+                }
+            }
+        }
+        Ok(start.elapsed().as_secs_f64())
+    };
+    run(1)?;
+    for &batch in &args.batch {
+        let seconds = run(batch)?;
+        let (rss, peak) = memory_now().unwrap_or((0, 0));
+        let out = serde_json::json!({
+            "engine": "arcticd",
+            "parameters": parameters,
+            "batch": batch,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "threads": rayon::current_num_threads(),
+            "seconds": seconds,
+            "tokens_per_s": (batch * args.new_tokens) as f64 / seconds,
+            "rss_after_load_mib": loaded.map(|(r, _)| r >> 20),
+            "rss_mib": rss >> 20,
+            "peak_rss_mib": peak >> 20,
+        });
+        println!("{out}");
+    }
+    eng.shutdown();
+    Ok(())
+}

@@ -37,6 +37,8 @@ enum Command {
     InitModel(cli_model::InitModelArgs),
     /// Time the model's full forward on a random packed batch (tokens/s as JSON).
     BenchForward(cli_model::BenchForwardArgs),
+    /// Time the engine's decoding at given batch sizes (tokens/s and memory as JSON).
+    BenchDecode(cli_model::BenchDecodeArgs),
     /// Run commands in an isolated sandbox, or build its base image.
     Sandbox(cli_sandbox::SandboxArgs),
     /// Task files: generate the toy pool, validate tasks, audit them for loose tests.
@@ -75,6 +77,7 @@ fn main() {
         Command::Generate(args) => cli_model::generate(args),
         Command::InitModel(args) => cli_model::init_model(args),
         Command::BenchForward(args) => cli_model::bench_forward(args),
+        Command::BenchDecode(args) => cli_model::bench_decode(args),
         Command::Sandbox(args) => cli_sandbox::main(args),
         Command::Tasks(args) => cli_tasks::main(args),
         Command::CheckFormat(args) => cli_harness::check_format(args),

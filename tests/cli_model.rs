@@ -208,3 +208,43 @@ fn plan_sizes_a_real_shape_and_refuses_what_does_not_fit() {
         "--memory-gb",
     );
 }
+
+/// `arcticd bench-decode`: one JSON line per batch size, every sequence's
+/// tokens generated; bad arguments are clean errors.
+#[test]
+fn bench_decode_reports_each_batch_size() {
+    let dir = tmpdir("bench-decode");
+    init_tiny(&dir);
+    let o = dir.to_str().unwrap();
+    let out = arcticd(&[
+        "bench-decode",
+        "--model",
+        o,
+        "--batch",
+        "1,3",
+        "--new-tokens",
+        "4",
+        "--cache-memory",
+        "16",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for (line, batch) in lines.iter().zip([1, 3]) {
+        assert_eq!(line["batch"], batch);
+        assert_eq!(line["new_tokens"], 4);
+        assert!(line["tokens_per_s"].as_f64().unwrap() > 0.0, "{line}");
+    }
+    assert_clean_error(
+        &arcticd(&["bench-decode", "--model", o, "--batch", "0"]),
+        "positive",
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

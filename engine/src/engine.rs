@@ -570,8 +570,6 @@ pub fn start(
         scratch: Vec::new(),
         shared: shared.clone(),
         version,
-        packs: LinearPacks::default(),
-        packs_version: None,
         max_model_len: config.max_model_len,
         state_dtype: config.state_dtype,
         rebuild_caches: config.rebuild_caches,
@@ -594,9 +592,6 @@ struct EngineLoop {
     shared: Arc<Shared>,
     /// Weight version the cached states were computed with.
     version: u64,
-    /// The weights packed for the matrix product, and their version.
-    packs: LinearPacks,
-    packs_version: Option<u64>,
     max_model_len: usize,
     state_dtype: StateDtype,
     rebuild_caches: bool,
@@ -739,15 +734,10 @@ impl EngineLoop {
         if plan.is_empty() {
             return;
         }
-        if self.packs_version != Some(version) {
-            // Weights packed once per version (see `LinearPacks`); without
-            // them the products are the same, only slower.
-            self.packs = model.pack_linears().unwrap_or_else(|e| {
-                tracing::warn!("cannot pack the weights ({e}); products pack per call");
-                LinearPacks::default()
-            });
-            self.packs_version = Some(version);
-        }
+        // Weights packed once per version for every replica (see
+        // `LinearPacks`); without them the products are the same, only
+        // slower.
+        let packs = store.packs(&model, version);
         while self.scratch.len() < plan.len() {
             self.scratch.push(model.new_cache());
         }
@@ -783,7 +773,7 @@ impl EngineLoop {
             // row's arithmetic does not depend on the rows beside it (every
             // kernel is batch-invariant), so the bits are those of one call
             // over the whole batch.
-            let (m, packs): (&Qwen3_5, &LinearPacks) = (&model, &self.packs);
+            let (m, packs): (&Qwen3_5, &LinearPacks) = (&model, &packs);
             let pools = sched.cache.pages();
             let block_size = sched.cache.block_size();
             let pasts: Vec<Option<PagedPast<'_>>> = plan

@@ -3,16 +3,20 @@
 //! optimizer step while the engines are paused between two steps (docs/ARCHITECTURE.md,
 //! "Weights"). Readers take a read guard for the duration of one forward;
 //! `update` takes the write guard, applies the change in place (no copy of
-//! the model) and bumps `weight_version`.
+//! the model) and bumps `weight_version`. The weights packed for the
+//! matrix product are kept here too, once per version for every replica.
 
-use crate::model::Qwen3_5;
+use crate::model::{LinearPacks, Qwen3_5};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 
 #[derive(Debug)]
 pub struct ParamStore {
     model: RwLock<Qwen3_5>,
     version: AtomicU64,
+    /// The current version's packed weights, built by the first reader
+    /// that needs them.
+    packs: Mutex<Option<(u64, Arc<LinearPacks>)>>,
 }
 
 impl ParamStore {
@@ -21,6 +25,7 @@ impl ParamStore {
         Arc::new(ParamStore {
             model: RwLock::new(model),
             version: AtomicU64::new(0),
+            packs: Mutex::new(None),
         })
     }
 
@@ -30,6 +35,7 @@ impl ParamStore {
         Arc::new(ParamStore {
             model: RwLock::new(model),
             version: AtomicU64::new(version),
+            packs: Mutex::new(None),
         })
     }
 
@@ -52,5 +58,57 @@ impl ParamStore {
         let r = f(&mut guard);
         let v = self.version.fetch_add(1, Ordering::AcqRel) + 1;
         (v, r)
+    }
+
+    /// The weights of `version` packed for the matrix product (see
+    /// [`LinearPacks`]), one copy for every replica reading this store: the
+    /// first caller at a version packs them, the others wait and share it.
+    /// `model` is the caller's read guard at `version` (so the version
+    /// cannot move meanwhile). The previous version's packs are released
+    /// first, and freed once no step still holds them; a failure to pack is
+    /// logged and gives empty packs (the products then pack per call, with
+    /// the same bits).
+    pub fn packs(&self, model: &Qwen3_5, version: u64) -> Arc<LinearPacks> {
+        let mut slot = self.packs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((v, p)) = slot.as_ref() {
+            if *v == version {
+                return p.clone();
+            }
+        }
+        *slot = None;
+        let packs = Arc::new(model.pack_linears().unwrap_or_else(|e| {
+            tracing::warn!("cannot pack the weights ({e}); products pack per call");
+            LinearPacks::default()
+        }));
+        *slot = Some((version, packs.clone()));
+        packs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::init::{init_model, TINY};
+
+    /// Readers at one version share one pack; an update gives a new one.
+    #[test]
+    fn packs_are_shared_per_version() {
+        let dir = std::env::temp_dir().join(format!("arcticd-params-packs-{}", std::process::id()));
+        init_model(TINY, &dir, 0).unwrap();
+        let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+        let first = {
+            let m = store.read();
+            store.packs(&m, store.weight_version())
+        };
+        let again = {
+            let m = store.read();
+            store.packs(&m, store.weight_version())
+        };
+        assert!(Arc::ptr_eq(&first, &again));
+        let (v, ()) = store.update(|_| ());
+        let m = store.read();
+        let next = store.packs(&m, v);
+        assert!(!Arc::ptr_eq(&first, &next));
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

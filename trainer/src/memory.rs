@@ -116,9 +116,11 @@ impl MemoryPlan {
 
     /// Adds `replicas` engines reading the one weight copy: each one's
     /// cache (K/V blocks and state slots, `cache_bytes`) and, where the CPU
-    /// packs weights for its matrix product (AVX-512), its packed copy of
-    /// them; with `frozen`, the frozen copy of the weights and its engine
-    /// that evaluations use while they run.
+    /// packs weights for its matrix product (AVX-512), the one packed copy
+    /// they share (counted in f32: weights that are all bf16 values, as
+    /// loaded from a bf16 checkpoint, pack in half that); with `frozen`, the
+    /// frozen copy of the weights and its engine that evaluations use while
+    /// they run.
     pub fn add_engines(
         &mut self,
         config: &ModelConfig,
@@ -133,24 +135,27 @@ impl MemoryPlan {
             format!("engine caches ({replicas} x {})", mib(cache_bytes as u64)),
             r * cache_bytes as u64,
         );
-        if arcticd_kernels::cpu::sgemm::available() {
-            // Every matrix that is multiplied; the embedding table only
-            // when it is also the output head.
-            let packed: u64 = plan
-                .named()
+        // Every matrix that is multiplied (the embedding table only when it
+        // is also the output head), packed once per weight copy.
+        let packed: u64 = if arcticd_kernels::cpu::sgemm::available() {
+            plan.named()
                 .iter()
                 .filter(|(n, s)| {
                     s.len() == 2
                         && (config.tie_word_embeddings || !n.ends_with("embed_tokens.weight"))
                 })
-                .map(|(_, s)| s.iter().product::<usize>() as u64)
-                .sum();
-            self.add(format!("packed weights ({replicas} x)"), r * packed * 4);
+                .map(|(_, s)| s.iter().product::<usize>() as u64 * 4)
+                .sum()
+        } else {
+            0
+        };
+        if packed > 0 {
+            self.add("packed weights (shared by the engines)", packed);
         }
         if frozen {
             self.add(
-                "evaluation: frozen weights and one engine cache",
-                params * 4 + cache_bytes as u64,
+                "evaluation: frozen weights, their packed copy and one engine cache",
+                params * 4 + packed + cache_bytes as u64,
             );
         }
     }

@@ -119,6 +119,18 @@ pub struct LinearPacks {
 }
 
 impl LinearPacks {
+    /// Bytes of every packed matrix together.
+    pub fn bytes(&self) -> usize {
+        let single: usize = self.single.values().map(PackedB::bytes).sum();
+        single + self.fused.values().map(|(p, _)| p.bytes()).sum::<usize>()
+    }
+
+    /// Whether every matrix is packed in bf16 (its values all bf16 values;
+    /// see [`PackedB`]).
+    pub fn all_bf16(&self) -> bool {
+        self.single.values().all(PackedB::is_bf16) && self.fused.values().all(|(p, _)| p.is_bf16())
+    }
+
     fn get(&self, weight: &[f32]) -> Option<&PackedB> {
         self.single
             .get(&(weight.as_ptr() as usize))
@@ -1349,50 +1361,72 @@ mod tests {
     }
 
     /// Packed weights, single and side by side, give the unpacked bits, in
-    /// a prefill of two sequences and in the decode step after it.
+    /// a prefill of two sequences and in the decode step after it; with
+    /// f32 weights and with weights that are all bf16 values (then packed in
+    /// bf16, half the bytes).
     #[test]
     fn packed_weights_give_the_same_bits() {
         let dir = std::env::temp_dir().join(format!("arcticd-packs-{}", std::process::id()));
         init_model(TINY, &dir, 3).unwrap();
-        let model = Qwen3_5::load(&dir).unwrap();
+        let mut model = Qwen3_5::load(&dir).unwrap();
         std::fs::remove_dir_all(&dir).ok();
-        let packs = model.pack_linears().unwrap();
-        let mut runs = Vec::new();
-        for p in [None, Some(&packs)] {
-            let mut caches = [model.new_cache(), model.new_cache()];
-            let [c0, c1] = &mut caches;
-            let mut out = Vec::new();
-            let prompts: [Vec<u32>; 2] = [(1..20).collect(), (30..36).collect()];
-            let mut batch = [
-                SeqInput {
-                    tokens: &prompts[0],
-                    cache: c0,
-                },
-                SeqInput {
-                    tokens: &prompts[1],
-                    cache: c1,
-                },
-            ];
-            let hidden = model.forward_with(&mut batch, p).unwrap();
-            out.extend(model.logits_with(&hidden, p).unwrap());
-            let [c0, c1] = &mut caches;
-            let mut batch = [
-                SeqInput {
-                    tokens: &[7],
-                    cache: c0,
-                },
-                SeqInput {
-                    tokens: &[9],
-                    cache: c1,
-                },
-            ];
-            let hidden = model.forward_with(&mut batch, p).unwrap();
-            out.extend(model.logits_with(&hidden, p).unwrap());
-            runs.push(out.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
+        let mut f32_bytes = 0;
+        for weights in ["f32", "bf16"] {
+            if weights == "bf16" {
+                for (_, t) in model.named_params_mut() {
+                    for x in t.as_f32_mut().unwrap() {
+                        *x = half::bf16::from_f32(*x).to_f32();
+                    }
+                }
+            }
+            let packs = model.pack_linears().unwrap();
+            let mut runs = Vec::new();
+            for p in [None, Some(&packs)] {
+                let mut caches = [model.new_cache(), model.new_cache()];
+                let [c0, c1] = &mut caches;
+                let mut out = Vec::new();
+                let prompts: [Vec<u32>; 2] = [(1..20).collect(), (30..36).collect()];
+                let mut batch = [
+                    SeqInput {
+                        tokens: &prompts[0],
+                        cache: c0,
+                    },
+                    SeqInput {
+                        tokens: &prompts[1],
+                        cache: c1,
+                    },
+                ];
+                let hidden = model.forward_with(&mut batch, p).unwrap();
+                out.extend(model.logits_with(&hidden, p).unwrap());
+                let [c0, c1] = &mut caches;
+                let mut batch = [
+                    SeqInput {
+                        tokens: &[7],
+                        cache: c0,
+                    },
+                    SeqInput {
+                        tokens: &[9],
+                        cache: c1,
+                    },
+                ];
+                let hidden = model.forward_with(&mut batch, p).unwrap();
+                out.extend(model.logits_with(&hidden, p).unwrap());
+                runs.push(out.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
+            }
+            if arcticd_kernels::cpu::sgemm::available() {
+                assert!(!packs.fused.is_empty() && !packs.single.is_empty());
+                match weights {
+                    "f32" => {
+                        assert!(!packs.all_bf16());
+                        f32_bytes = packs.bytes();
+                    }
+                    _ => {
+                        assert!(packs.all_bf16());
+                        assert_eq!(2 * packs.bytes(), f32_bytes);
+                    }
+                }
+            }
+            assert_eq!(runs[0], runs[1], "{weights} weights");
         }
-        if arcticd_kernels::cpu::sgemm::available() {
-            assert!(!packs.fused.is_empty() && !packs.single.is_empty());
-        }
-        assert_eq!(runs[0], runs[1]);
     }
 }

@@ -133,17 +133,33 @@ pub fn sgemm_packed(
 }
 
 /// B `[k, n]` in the panels [`sgemm`] packs it into, every block at once.
+///
+/// Stored as bf16 when every value of B is a bf16 value (a checkpoint read
+/// from bf16, as served models are): half the memory, and half the bytes a
+/// decode step streams. The kernel widens each value back to the same f32
+/// (widening is exact), so the products' bits do not change; weights that
+/// are not all bf16 values (the trainer's fp32 masters after an update)
+/// stay f32.
 #[derive(Debug, Clone)]
 pub struct PackedB {
     k: usize,
     n: usize,
     /// Start of block (column block jb, depth block pb) at `jb * n_pc + pb`.
     offsets: Vec<usize>,
-    data: Vec<f32>,
+    data: Panels,
+}
+
+/// A packed B's values.
+#[derive(Debug, Clone)]
+enum Panels {
+    F32(Vec<f32>),
+    /// The high halves of the f32 values (their low halves are zero).
+    Bf16(Vec<u16>),
 }
 
 impl PackedB {
-    /// Packs `b` (`[k, n]`). Errors when AVX-512 is missing or `b` is short.
+    /// Packs `b` (`[k, n]`), in bf16 where that loses nothing (see
+    /// [`PackedB`]). Errors when AVX-512 is missing or `b` is short.
     pub fn new(b: Strided<'_>, k: usize, n: usize) -> Result<PackedB> {
         if !available() {
             return Err(Error::NoDevice("a CPU with AVX-512 (sgemm)".into()));
@@ -158,15 +174,26 @@ impl PackedB {
                 len += npan * NR * KC.min(k - pc);
             }
         }
-        let mut data = vec![0.0f32; len];
+        let narrow = all_bf16(b, k, n);
+        let mut wide = vec![0.0f32; if narrow { 0 } else { len }];
+        let mut half = vec![0u16; if narrow { len } else { 0 }];
+        // A bf16 pack goes through one block of f32 at a time.
+        let mut block = vec![0.0f32; if narrow { KC * NC } else { 0 }];
         let mut i = 0;
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
             for pc in (0..k).step_by(KC) {
                 let kc = KC.min(k - pc);
                 let start = offsets[i];
-                let end = start + nc.div_ceil(NR) * NR * kc;
-                pack_b(&mut data[start..end], b, pc, kc, jc, nc, true);
+                let size = nc.div_ceil(NR) * NR * kc;
+                if narrow {
+                    pack_b(&mut block[..size], b, pc, kc, jc, nc, true);
+                    for (h, x) in half[start..start + size].iter_mut().zip(&block[..size]) {
+                        *h = (x.to_bits() >> 16) as u16;
+                    }
+                } else {
+                    pack_b(&mut wide[start..start + size], b, pc, kc, jc, nc, true);
+                }
                 i += 1;
             }
         }
@@ -174,13 +201,64 @@ impl PackedB {
             k,
             n,
             offsets,
-            data,
+            data: if narrow {
+                Panels::Bf16(half)
+            } else {
+                Panels::F32(wide)
+            },
         })
     }
 
     /// Depth (rows) and width (columns) of the packed matrix.
     pub fn dims(&self) -> (usize, usize) {
         (self.k, self.n)
+    }
+
+    /// Bytes the packed values take.
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            Panels::F32(v) => v.len() * 4,
+            Panels::Bf16(v) => v.len() * 2,
+        }
+    }
+
+    /// Whether the values are held as bf16 (see [`PackedB`]).
+    pub fn is_bf16(&self) -> bool {
+        matches!(self.data, Panels::Bf16(_))
+    }
+}
+
+/// Whether every value of `b` (`[k, n]`) is a bf16 value: its low 16 bits
+/// are zero.
+fn all_bf16(b: Strided<'_>, k: usize, n: usize) -> bool {
+    let exact = |x: f32| x.to_bits() & 0xffff == 0;
+    // Along the smaller stride inside (an nn.Linear weight read as B is
+    // contiguous along k).
+    if b.rs <= b.cs {
+        (0..n).all(|j| (0..k).all(|p| exact(b.data[p * b.rs + j * b.cs])))
+    } else {
+        (0..k).all(|p| (0..n).all(|j| exact(b.data[p * b.rs + j * b.cs])))
+    }
+}
+
+/// One block of packed B panels, in either precision.
+#[derive(Clone, Copy)]
+enum PanelRef<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl PanelRef<'_> {
+    fn is_bf16(&self) -> bool {
+        matches!(self, PanelRef::Bf16(_))
+    }
+
+    /// The address of value `at` (the panel starting there).
+    fn panel(&self, at: usize) -> *const u8 {
+        match self {
+            PanelRef::F32(v) => v[at..].as_ptr() as *const u8,
+            PanelRef::Bf16(v) => v[at..].as_ptr() as *const u8,
+        }
     }
 }
 
@@ -240,14 +318,18 @@ fn run(
         let npan = nc.div_ceil(NR);
         for pc in (0..k).step_by(KC) {
             let kc = KC.min(k - pc);
-            let bp: &[f32] = match b {
+            let bp = match b {
                 BSource::Strided(b) => {
                     pack_b(&mut bpack[..npan * NR * kc], b, pc, kc, jc, nc, threads > 1);
-                    &bpack[..npan * NR * kc]
+                    PanelRef::F32(&bpack[..npan * NR * kc])
                 }
                 BSource::Packed(p) => {
                     let start = p.offsets[block];
-                    &p.data[start..start + npan * NR * kc]
+                    let end = start + npan * NR * kc;
+                    match &p.data {
+                        Panels::F32(v) => PanelRef::F32(&v[start..end]),
+                        Panels::Bf16(v) => PanelRef::Bf16(&v[start..end]),
+                    }
                 }
             };
             block += 1;
@@ -296,7 +378,12 @@ fn run(
                         // memory (a weight read by a few decode rows), and
                         // without this the kernel waited on it half its
                         // time.
-                        let run_tile: TileFn = if ip == 0 { tile::<true> } else { tile::<false> };
+                        let run_tile: TileFn = match (ip == 0, bp.is_bf16()) {
+                            (true, false) => tile::<true, false>,
+                            (false, false) => tile::<false, false>,
+                            (true, true) => tile::<true, true>,
+                            (false, true) => tile::<false, true>,
+                        };
                         let i0 = ic + ip * MR;
                         let mr = MR.min(m - i0);
                         // SAFETY: the panels hold MR (NR) x kc values; the
@@ -306,7 +393,7 @@ fn run(
                             run_tile(
                                 kc,
                                 apack.as_ptr().add(ip * MR * kc),
-                                bp.as_ptr().add(jp * NR * kc),
+                                bp.panel(jp * NR * kc),
                                 cp,
                                 i0 * ldc + j0,
                                 ldc,
@@ -536,19 +623,20 @@ unsafe fn transpose16(_: *const f32, _: usize, _: *mut f32, _: usize, _: usize) 
 }
 
 /// [`tile`] with its prefetch choice made.
-type TileFn = unsafe fn(usize, *const f32, *const f32, SendPtr, usize, usize, usize, usize, bool);
+type TileFn = unsafe fn(usize, *const f32, *const u8, SendPtr, usize, usize, usize, usize, bool);
 
 /// One `mr x nr` tile of C at `c.0 + off`: straight into C when whole,
 /// through a zero-padded copy at the edges. With `FETCH`, the B panel after
-/// this one is prefetched while the tile runs.
+/// this one is prefetched while the tile runs; with `BF16`, B's values are
+/// bf16 (see [`PackedB`]), else f32.
 ///
 /// # Safety
 /// `a` and `b` point at packed panels of `kc` steps; the tile lies inside C.
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile<const FETCH: bool>(
+unsafe fn tile<const FETCH: bool, const BF16: bool>(
     kc: usize,
     a: *const f32,
-    b: *const f32,
+    b: *const u8,
     c: SendPtr,
     off: usize,
     ldc: usize,
@@ -558,7 +646,7 @@ unsafe fn tile<const FETCH: bool>(
 ) {
     let dst = c.0.add(off);
     if nr == NR {
-        rows_kernel::<FETCH>(mr, kc, a, b, dst, ldc, load);
+        rows_kernel::<FETCH, BF16>(mr, kc, a, b, dst, ldc, load);
         return;
     }
     let mut buf = [0.0f32; MR * NR];
@@ -567,7 +655,7 @@ unsafe fn tile<const FETCH: bool>(
             std::ptr::copy_nonoverlapping(dst.add(i * ldc), buf.as_mut_ptr().add(i * NR), nr);
         }
     }
-    rows_kernel::<FETCH>(mr, kc, a, b, buf.as_mut_ptr(), NR, load);
+    rows_kernel::<FETCH, BF16>(mr, kc, a, b, buf.as_mut_ptr(), NR, load);
     for i in 0..mr {
         std::ptr::copy_nonoverlapping(buf.as_ptr().add(i * NR), dst.add(i * ldc), nr);
     }
@@ -578,46 +666,49 @@ unsafe fn tile<const FETCH: bool>(
 ///
 /// # Safety
 /// As [`kernel`], with `1 <= mr <= MR` rows of C.
-unsafe fn rows_kernel<const FETCH: bool>(
+unsafe fn rows_kernel<const FETCH: bool, const BF16: bool>(
     mr: usize,
     kc: usize,
     a: *const f32,
-    b: *const f32,
+    b: *const u8,
     c: *mut f32,
     ldc: usize,
     load: bool,
 ) {
     match mr {
-        1 => kernel::<1, FETCH>(kc, a, b, c, ldc, load),
-        2 => kernel::<2, FETCH>(kc, a, b, c, ldc, load),
-        3 => kernel::<3, FETCH>(kc, a, b, c, ldc, load),
-        4 => kernel::<4, FETCH>(kc, a, b, c, ldc, load),
-        5 => kernel::<5, FETCH>(kc, a, b, c, ldc, load),
-        6 => kernel::<6, FETCH>(kc, a, b, c, ldc, load),
-        7 => kernel::<7, FETCH>(kc, a, b, c, ldc, load),
-        8 => kernel::<8, FETCH>(kc, a, b, c, ldc, load),
-        9 => kernel::<9, FETCH>(kc, a, b, c, ldc, load),
-        10 => kernel::<10, FETCH>(kc, a, b, c, ldc, load),
-        11 => kernel::<11, FETCH>(kc, a, b, c, ldc, load),
-        _ => kernel::<MR, FETCH>(kc, a, b, c, ldc, load),
+        1 => kernel::<1, FETCH, BF16>(kc, a, b, c, ldc, load),
+        2 => kernel::<2, FETCH, BF16>(kc, a, b, c, ldc, load),
+        3 => kernel::<3, FETCH, BF16>(kc, a, b, c, ldc, load),
+        4 => kernel::<4, FETCH, BF16>(kc, a, b, c, ldc, load),
+        5 => kernel::<5, FETCH, BF16>(kc, a, b, c, ldc, load),
+        6 => kernel::<6, FETCH, BF16>(kc, a, b, c, ldc, load),
+        7 => kernel::<7, FETCH, BF16>(kc, a, b, c, ldc, load),
+        8 => kernel::<8, FETCH, BF16>(kc, a, b, c, ldc, load),
+        9 => kernel::<9, FETCH, BF16>(kc, a, b, c, ldc, load),
+        10 => kernel::<10, FETCH, BF16>(kc, a, b, c, ldc, load),
+        11 => kernel::<11, FETCH, BF16>(kc, a, b, c, ldc, load),
+        _ => kernel::<MR, FETCH, BF16>(kc, a, b, c, ldc, load),
     }
 }
 
 /// An `R x NR` tile (`R <= MR` rows of an MR-row panel): `acc = C or 0;
 /// for p: acc += a[p] (x) b[p]`. Every row's arithmetic is the same for
 /// every `R`. With `FETCH`, each step also prefetches the same step of the
-/// next B panel (`kc * NR` floats on), so it arrives before it is needed;
-/// a prefetch never faults and changes no value.
+/// next B panel (`kc * NR` values on), so it arrives before it is needed;
+/// a prefetch never faults and changes no value. With `BF16`, each step's
+/// `NR` values of B are bf16 and widened to f32 (exactly: the bits move to
+/// the high half) before the same multiply-adds.
 ///
 /// # Safety
-/// AVX-512F is present; `a` holds `kc * MR`, `b` `kc * NR` floats; `c` is a
-/// writable `R x NR` tile with row stride `ldc`.
+/// AVX-512F is present; `a` holds `kc * MR` floats, `b` `kc * NR` values
+/// (f32, or bf16 with `BF16`); `c` is a writable `R x NR` tile with row
+/// stride `ldc`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn kernel<const R: usize, const FETCH: bool>(
+unsafe fn kernel<const R: usize, const FETCH: bool, const BF16: bool>(
     kc: usize,
     a: *const f32,
-    b: *const f32,
+    b: *const u8,
     c: *mut f32,
     ldc: usize,
     load: bool,
@@ -630,22 +721,38 @@ unsafe fn kernel<const R: usize, const FETCH: bool>(
             acc[2 * i + 1] = _mm512_loadu_ps(c.add(i * ldc + 16));
         }
     }
+    // Bytes of one step of B, and from a step to the same step of the next
+    // panel.
+    let step = if BF16 { 2 * NR } else { 4 * NR };
+    let ahead = kc * step;
     let (mut a, mut b) = (a, b);
-    let ahead = kc * NR;
     for _ in 0..kc {
         if FETCH {
             _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(ahead) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(ahead + 16) as *const i8);
+            if !BF16 {
+                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(ahead + 64) as *const i8);
+            }
         }
-        let b0 = _mm512_loadu_ps(b);
-        let b1 = _mm512_loadu_ps(b.add(16));
+        let (b0, b1) = if BF16 {
+            let lo = _mm256_loadu_si256(b as *const __m256i);
+            let hi = _mm256_loadu_si256(b.add(32) as *const __m256i);
+            (
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(lo))),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi))),
+            )
+        } else {
+            (
+                _mm512_loadu_ps(b as *const f32),
+                _mm512_loadu_ps(b.add(64) as *const f32),
+            )
+        };
         for i in 0..R {
             let ai = _mm512_set1_ps(*a.add(i));
             acc[2 * i] = _mm512_fmadd_ps(ai, b0, acc[2 * i]);
             acc[2 * i + 1] = _mm512_fmadd_ps(ai, b1, acc[2 * i + 1]);
         }
         a = a.add(MR);
-        b = b.add(NR);
+        b = b.add(step);
     }
     for i in 0..R {
         _mm512_storeu_ps(c.add(i * ldc), acc[2 * i]);
@@ -654,10 +761,10 @@ unsafe fn kernel<const R: usize, const FETCH: bool>(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel<const R: usize, const FETCH: bool>(
+unsafe fn kernel<const R: usize, const FETCH: bool, const BF16: bool>(
     _: usize,
     _: *const f32,
-    _: *const f32,
+    _: *const u8,
     _: *mut f32,
     _: usize,
     _: bool,
@@ -750,6 +857,21 @@ mod tests {
         }
     }
 
+    /// Whether the product with `packed` (B packed beforehand) gives the
+    /// bits of the product with `b`, overwriting and accumulating.
+    fn packed_matches(m: usize, a: Strided, b: Strided, packed: &PackedB) -> bool {
+        let (k, n) = packed.dims();
+        [false, true].into_iter().all(|accumulate| {
+            let mut want = vec![0.5f32; m * n];
+            let mut got = want.clone();
+            sgemm(m, n, k, a, b, &mut want, n, accumulate, true).unwrap();
+            sgemm_packed(m, a, packed, &mut got, n, accumulate, true).unwrap();
+            got.iter()
+                .zip(&want)
+                .all(|(x, y)| x.to_bits() == y.to_bits())
+        })
+    }
+
     #[test]
     fn packed_b_gives_the_same_bits() {
         if !available() {
@@ -772,18 +894,61 @@ mod tests {
             };
             let packed = PackedB::new(b, k, n).unwrap();
             assert_eq!(packed.dims(), (k, n));
-            for accumulate in [false, true] {
-                let mut want = vec![0.5f32; m * n];
-                let mut got = want.clone();
-                sgemm(m, n, k, a, b, &mut want, n, accumulate, true).unwrap();
-                sgemm_packed(m, a, &packed, &mut got, n, accumulate, true).unwrap();
+            assert!(packed_matches(m, a, b, &packed), "m {m} n {n} k {k}");
+        }
+    }
+
+    /// A B whose values are all bf16 values is packed in bf16 (half the
+    /// bytes) and gives the bits of the f32 product; one value off bf16
+    /// keeps the whole pack f32.
+    #[test]
+    fn bf16_valued_b_packs_in_half_the_bytes_with_the_same_bits() {
+        if !available() {
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(9);
+        let bf = |x: f32| half::bf16::from_f32(x).to_f32();
+        for &(m, n, k) in &[(1, 40, 300), (13, 1100, 70), (3, 32, 513), (130, 4, 600)] {
+            let av: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let mut wv: Vec<f32> = (0..n * k).map(|_| bf(rng.gen_range(-1.0..1.0))).collect();
+            let mut narrow_bytes = 0;
+            let a = Strided {
+                data: &av,
+                rs: k,
+                cs: 1,
+            };
+            for layout in ["linear", "row-major"] {
+                let b = match layout {
+                    "linear" => Strided {
+                        data: &wv,
+                        rs: 1,
+                        cs: k,
+                    },
+                    _ => Strided {
+                        data: &wv,
+                        rs: n,
+                        cs: 1,
+                    },
+                };
+                let packed = PackedB::new(b, k, n).unwrap();
+                assert!(packed.is_bf16(), "{layout} m {m} n {n} k {k}");
+                narrow_bytes = packed.bytes();
                 assert!(
-                    got.iter()
-                        .zip(&want)
-                        .all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "m {m} n {n} k {k}"
+                    packed_matches(m, a, b, &packed),
+                    "{layout} m {m} n {n} k {k}"
                 );
             }
+            let last = wv.len() - 1;
+            wv[last] = f32::from_bits(wv[last].to_bits() | 1);
+            let b = Strided {
+                data: &wv,
+                rs: 1,
+                cs: k,
+            };
+            let packed = PackedB::new(b, k, n).unwrap();
+            assert!(!packed.is_bf16(), "m {m} n {n} k {k}");
+            assert_eq!(packed.bytes(), 2 * narrow_bytes);
+            assert!(packed_matches(m, a, b, &packed), "m {m} n {n} k {k}");
         }
     }
 
