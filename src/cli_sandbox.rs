@@ -88,6 +88,24 @@ pub fn main(args: SandboxArgs) -> Result<()> {
     }
 }
 
+/// The base image the toy tasks run in, built when missing (cached by
+/// tag); says how long a build took, after `who` (the command's name).
+pub async fn ensure_base_image(docker: bool, who: &str) -> Result<()> {
+    let built = image::build_base_image(image::DEFAULT_TAG, docker, false)
+        .await
+        .context(
+            "building the sandbox base image (needs root and debootstrap: \
+             apt-get install debootstrap, or run `arcticd sandbox build-image` once)",
+        )?;
+    if built.rootfs_built {
+        eprintln!(
+            "{who}: built the sandbox base image in {:.0} s",
+            built.seconds
+        );
+    }
+    Ok(())
+}
+
 async fn run(a: RunArgs) -> Result<()> {
     let mut policy = match &a.policy {
         Some(json) => serde_json::from_str::<Policy>(json).context("parsing --policy")?,

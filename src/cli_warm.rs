@@ -5,7 +5,6 @@
 
 use crate::cli_sandbox::BackendKind;
 use anyhow::{Context, Result};
-use arcticd_sandbox::image;
 use arcticd_trainer::harness::RolloutConfig;
 use arcticd_trainer::warm_start::{self, WarmStartConfig};
 use std::path::PathBuf;
@@ -40,15 +39,7 @@ pub fn warm_start(a: WarmStartArgs) -> Result<()> {
     let report = rt.block_on(async {
         // The toy tasks run in the base image: built once, cached by tag.
         let docker = matches!(a.backend, BackendKind::Docker);
-        let built = image::build_base_image(image::DEFAULT_TAG, docker, false)
-            .await
-            .context(
-                "building the sandbox base image (needs root and debootstrap: \
-                 apt-get install debootstrap, or run `arcticd sandbox build-image` once)",
-            )?;
-        if built.rootfs_built {
-            eprintln!("built the sandbox base image in {:.0} s", built.seconds);
-        }
+        crate::cli_sandbox::ensure_base_image(docker, "warm-start").await?;
         let backend = crate::cli_tasks::backend(a.backend).await?;
         let r =
             warm_start::build_warm_start(&cfg, &rollout, backend.as_ref(), &a.out, None).await?;

@@ -12,7 +12,6 @@
 //! the second run starts training at once.
 
 use anyhow::{bail, Context, Result};
-use arcticd_sandbox::image;
 use arcticd_sandbox::tasks::{self, toy, Format};
 use arcticd_trainer::harness::eval::{run_eval, select_solved, EvalConfig};
 use arcticd_trainer::harness::{EnginePolicyRouter, Harness, Policy, RolloutConfig};
@@ -183,18 +182,7 @@ pub fn prepare(sets: &[String]) -> Result<Recipe> {
         }
     );
     let docker = backend_kind == SandboxBackend::Docker;
-    let built = rt
-        .block_on(image::build_base_image(image::DEFAULT_TAG, docker, false))
-        .with_context(|| {
-            "building the sandbox base image (needs root and debootstrap: \
-             apt-get install debootstrap, or run `arcticd sandbox build-image` once)"
-        })?;
-    if built.rootfs_built {
-        eprintln!(
-            "demo: built the sandbox base image in {:.0} s",
-            built.seconds
-        );
-    }
+    rt.block_on(crate::cli_sandbox::ensure_base_image(docker, "demo"))?;
 
     let eval = pool(&root.join("held-out"), HELD_OUT.0, HELD_OUT.1)?;
 
