@@ -71,6 +71,21 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
     });
+    // The weights are packed for the matrix product before the caches are
+    // sized, so the memory left is what is really left, and the first
+    // request does not wait for the packing.
+    let store = ParamStore::new(model);
+    {
+        let model = store.read();
+        let packs = store.packs(&model, store.weight_version());
+        if packs.bytes() > 0 {
+            eprintln!(
+                "arcticd serve: weights packed for the matrix product: {} MiB{}",
+                packs.bytes() >> 20,
+                if packs.all_bf16() { " (bf16)" } else { "" }
+            );
+        }
+    }
     let cache_memory = match args.cache_memory {
         Some(mib) => mib << 20,
         None => {
@@ -88,7 +103,6 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         enable_prefix_cache: !args.no_prefix_cache,
         ..Default::default()
     };
-    let store = ParamStore::new(model);
     let router = Router::start(args.replicas.max(1), store, Some(tokenizer.clone()), config)?;
     if let Some(first) = router.replicas().first() {
         let info = first.info();
