@@ -116,7 +116,7 @@ impl MemoryPlan {
 
     /// Adds `replicas` engines reading the one weight copy: each one's
     /// cache (K/V blocks and state slots, `cache_bytes`) and, where the CPU
-    /// packs weights for its matrix product (AVX-512), the one packed copy
+    /// packs weights for its matrix product (AVX-512 or AVX2), the one packed copy
     /// they share (counted in f32: weights that are all bf16 values, as
     /// loaded from a bf16 checkpoint, pack in half that); with `frozen`, the
     /// frozen copy of the weights and its engine that evaluations use while

@@ -45,8 +45,9 @@ fn min_rows(oc: usize) -> usize {
 /// Batch-invariant: a row's result is bit-identical however many rows are
 /// computed with it. The engine relies on this (a prefix-cache hit, a
 /// preempted sequence, a lone request and a batched one give the same bits)
-/// and so does the trainer (its log-probs are the engine's). With AVX-512
-/// the product runs on [`sgemm`] (invariant by construction); elsewhere on
+/// and so does the trainer (its log-probs are the engine's). With AVX-512,
+/// or AVX2 and FMA, the product runs on [`sgemm`] (invariant by
+/// construction, and the same bits on either); elsewhere on
 /// the `gemm` crate, with small products padded with zero rows up to
 /// [`min_rows`] and the reduction cut into [`K_SLICE`]-deep slices, so every
 /// row goes through the same microkernel with the same summation order.
@@ -96,7 +97,8 @@ pub fn matmul_forward(
 }
 
 /// An `nn.Linear` weight `[oc, c]` packed for [`matmul_forward_packed`], or
-/// `None` where [`sgemm`] does not run (no AVX-512): callers then use
+/// `None` where [`sgemm`] does not run (neither AVX-512 nor AVX2 + FMA):
+/// callers then use
 /// [`matmul_forward`].
 pub fn pack_linear(weight: &[f32], c: usize, oc: usize) -> Result<Option<sgemm::PackedB>> {
     check("weight", weight.len(), oc * c)?;
@@ -149,7 +151,7 @@ pub fn matmul_forward_packed(
     Ok(())
 }
 
-/// The forward's product without AVX-512, on the `gemm` crate: padded to
+/// The forward's product where [`sgemm`] does not run, on the `gemm` crate: padded to
 /// [`min_rows`] and sliced along the reduction (see [`matmul_forward`]).
 fn linear_portable(out: &mut [f32], inp: &[f32], weight: &[f32], n: usize, c: usize, oc: usize) {
     if n < min_rows(oc) {

@@ -1,5 +1,6 @@
-//! Single-precision matrix product on AVX-512: `C[m, n] (+)= A[m, k] B[k, n]`
-//! with A and B read through any strides and C row-major.
+//! Single-precision matrix product on AVX-512, or on AVX2 with FMA:
+//! `C[m, n] (+)= A[m, k] B[k, n]` with A and B read through any strides and
+//! C row-major.
 //!
 //! Every element of C is one chain of fused multiply-adds over `k` in
 //! order, starting from zero (or from C's value when accumulating). Blocking,
@@ -11,12 +12,17 @@
 //! Layout follows the usual packed-panel scheme: B is packed per
 //! `KC x NC` block into `NR`-column panels (`[panel][p][NR]`), A per `MC x
 //! KC` block into `MR`-row panels (`[panel][p][MR]`), zero-padded at the
-//! edges; a `MR x NR` microkernel keeps its tile in 24 zmm registers. The
-//! threads split a block's row blocks and column panels; each owns the C
-//! tiles it writes.
+//! edges; a `MR x NR` microkernel keeps its tile in 24 zmm registers (on
+//! AVX2, a quarter of the tile's columns at a time in 12 ymm registers).
+//! The threads split a block's row blocks and column panels; each owns the
+//! C tiles it writes.
 //!
-//! Not for: machines without AVX-512 ([`available`] says so and callers
-//! fall back to the `gemm` crate, see `matmul.rs`), or anything but f32.
+//! Both instruction sets run the same chain per element (a fused
+//! multiply-add is exactly rounded whatever the vector width), so a
+//! product's bits do not depend on which one the CPU has.
+//!
+//! Not for: machines with neither ([`available`] says so and callers fall
+//! back to the `gemm` crate, see `matmul.rs`), or anything but f32.
 
 use crate::{Error, Result};
 use rayon::prelude::*;
@@ -42,16 +48,44 @@ pub struct Strided<'a> {
     pub cs: usize,
 }
 
-/// Whether this CPU runs [`sgemm`].
-pub fn available() -> bool {
+/// The vector instructions the microkernel runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    Avx512,
+    Avx2,
+}
+
+/// The best [`Isa`] this CPU has, if any.
+fn isa() -> Option<Isa> {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512f")
+        let avx2 = std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma");
+        #[cfg(test)]
+        if avx2 && tests::FORCE_AVX2.load(std::sync::atomic::Ordering::Relaxed) {
+            return Some(Isa::Avx2);
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            Some(Isa::Avx512)
+        } else if avx2 {
+            Some(Isa::Avx2)
+        } else {
+            None
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        false
+        None
     }
+}
+
+/// Whether this CPU runs [`sgemm`] (AVX-512, or AVX2 with FMA).
+pub fn available() -> bool {
+    isa().is_some()
+}
+
+fn unavailable() -> Error {
+    Error::NoDevice("a CPU with AVX-512, or AVX2 and FMA (sgemm)".into())
 }
 
 fn covers(name: &str, len: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> Result<()> {
@@ -78,8 +112,8 @@ unsafe impl Sync for SendPtr {}
 
 /// `C[m, n] = A[m, k] B[k, n]`, or `C += A B` with `accumulate`. C is
 /// row-major with leading dimension `ldc >= n`. `parallel` allows rayon
-/// threads (large products only). Errors when AVX-512 is missing or a view
-/// is too short for its shape.
+/// threads (large products only). Errors when the CPU has neither
+/// instruction set ([`available`]) or a view is too short for its shape.
 #[allow(clippy::too_many_arguments)]
 pub fn sgemm(
     m: usize,
@@ -159,10 +193,11 @@ enum Panels {
 
 impl PackedB {
     /// Packs `b` (`[k, n]`), in bf16 where that loses nothing (see
-    /// [`PackedB`]). Errors when AVX-512 is missing or `b` is short.
+    /// [`PackedB`]). Errors when [`sgemm`] does not run here or `b` is
+    /// short.
     pub fn new(b: Strided<'_>, k: usize, n: usize) -> Result<PackedB> {
         if !available() {
-            return Err(Error::NoDevice("a CPU with AVX-512 (sgemm)".into()));
+            return Err(unavailable());
         }
         covers("B", b.data.len(), k, n, b.rs, b.cs)?;
         let mut offsets = Vec::new();
@@ -281,9 +316,7 @@ fn run(
     accumulate: bool,
     parallel: bool,
 ) -> Result<()> {
-    if !available() {
-        return Err(Error::NoDevice("a CPU with AVX-512 (sgemm)".into()));
-    }
+    let isa = isa().ok_or_else(unavailable)?;
     covers("A", a.data.len(), m, k, a.rs, a.cs)?;
     if m > 0 && n > 0 && (ldc < n || (m - 1) * ldc + n > c.len()) {
         return Err(Error::Shape(format!(
@@ -378,11 +411,15 @@ fn run(
                         // memory (a weight read by a few decode rows), and
                         // without this the kernel waited on it half its
                         // time.
-                        let run_tile: TileFn = match (ip == 0, bp.is_bf16()) {
-                            (true, false) => tile::<true, false>,
-                            (false, false) => tile::<false, false>,
-                            (true, true) => tile::<true, true>,
-                            (false, true) => tile::<false, true>,
+                        let run_tile: TileFn = match (isa, ip == 0, bp.is_bf16()) {
+                            (Isa::Avx512, true, false) => tile::<true, false, true>,
+                            (Isa::Avx512, false, false) => tile::<false, false, true>,
+                            (Isa::Avx512, true, true) => tile::<true, true, true>,
+                            (Isa::Avx512, false, true) => tile::<false, true, true>,
+                            (Isa::Avx2, true, false) => tile::<true, false, false>,
+                            (Isa::Avx2, false, false) => tile::<false, false, false>,
+                            (Isa::Avx2, true, true) => tile::<true, true, false>,
+                            (Isa::Avx2, false, true) => tile::<false, true, false>,
                         };
                         let i0 = ic + ip * MR;
                         let mr = MR.min(m - i0);
@@ -522,14 +559,22 @@ unsafe fn pack<const W: usize>(
                 std::ptr::copy_nonoverlapping(src.add(p * ps), dst.add(p * W), lanes);
             }
         }
-    } else if ps == 1 {
+    } else if ps == 1 && available() {
         // A transpose (an `nn.Linear` weight read as B, row-major
-        // activations read as A), up to 16 x 16 at a time in registers.
-        let full = depth - depth % 16;
-        for p0 in (0..full).step_by(16) {
-            for x0 in (0..lanes).step_by(16) {
-                let n = 16.min(lanes - x0);
-                transpose16(src.add(x0 * xs + p0), xs, dst.add(p0 * W + x0), W, n);
+        // activations read as A), up to 16 x 16 (AVX2: 8 x 8) at a time in
+        // registers.
+        let wide = isa() == Some(Isa::Avx512);
+        let t = if wide { 16 } else { 8 };
+        let full = depth - depth % t;
+        for p0 in (0..full).step_by(t) {
+            for x0 in (0..lanes).step_by(t) {
+                let n = t.min(lanes - x0);
+                let (s, d) = (src.add(x0 * xs + p0), dst.add(p0 * W + x0));
+                if wide {
+                    transpose16(s, xs, d, W, n);
+                } else {
+                    transpose8(s, xs, d, W, n);
+                }
             }
         }
         for x in 0..lanes {
@@ -622,18 +667,72 @@ unsafe fn transpose16(_: *const f32, _: usize, _: *mut f32, _: usize, _: usize) 
     unreachable!("sgemm runs only where `available()` is true")
 }
 
-/// [`tile`] with its prefetch choice made.
+/// `dst[r * ds + c] = src[c * ss + r]` for r < 8, c < n <= 8: an 8 x n
+/// transpose through registers (rows interleaved by 32 bits, then 64 bits,
+/// then 128-bit lanes); missing source rows read as zeros and only the
+/// first n values of each destination row are written.
+///
+/// # Safety
+/// AVX2 is present; the n source rows of 8 floats and the 8 destination
+/// rows of n floats are in bounds.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn transpose8(src: *const f32, ss: usize, dst: *mut f32, ds: usize, n: usize) {
+    use std::arch::x86_64::*;
+    let mut r = [_mm256_setzero_ps(); 8];
+    for (i, row) in r.iter_mut().enumerate().take(n) {
+        *row = _mm256_loadu_ps(src.add(i * ss));
+    }
+    let mut t = [_mm256_setzero_ps(); 8];
+    for i in 0..4 {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4g + j] holds column j (and j + 4 in the high lane) of rows 4g..4g+4.
+    let mut u = [_mm256_setzero_ps(); 8];
+    for g in 0..2 {
+        let (lo, hi) = (t[4 * g], t[4 * g + 2]);
+        let (lo2, hi2) = (t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g] = _mm256_shuffle_ps::<0x44>(lo, hi);
+        u[4 * g + 1] = _mm256_shuffle_ps::<0xee>(lo, hi);
+        u[4 * g + 2] = _mm256_shuffle_ps::<0x44>(lo2, hi2);
+        u[4 * g + 3] = _mm256_shuffle_ps::<0xee>(lo2, hi2);
+    }
+    let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lane);
+    for j in 0..4 {
+        _mm256_maskstore_ps(
+            dst.add(j * ds),
+            mask,
+            _mm256_permute2f128_ps::<0x20>(u[j], u[4 + j]),
+        );
+        _mm256_maskstore_ps(
+            dst.add((j + 4) * ds),
+            mask,
+            _mm256_permute2f128_ps::<0x31>(u[j], u[4 + j]),
+        );
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn transpose8(_: *const f32, _: usize, _: *mut f32, _: usize, _: usize) {
+    unreachable!("sgemm runs only where `available()` is true")
+}
+
+/// [`tile`] with its prefetch, precision and instruction set chosen.
 type TileFn = unsafe fn(usize, *const f32, *const u8, SendPtr, usize, usize, usize, usize, bool);
 
 /// One `mr x nr` tile of C at `c.0 + off`: straight into C when whole,
 /// through a zero-padded copy at the edges. With `FETCH`, the B panel after
 /// this one is prefetched while the tile runs; with `BF16`, B's values are
-/// bf16 (see [`PackedB`]), else f32.
+/// bf16 (see [`PackedB`]), else f32; `Z` runs the AVX-512 kernel, else the
+/// AVX2 one.
 ///
 /// # Safety
-/// `a` and `b` point at packed panels of `kc` steps; the tile lies inside C.
+/// `a` and `b` point at packed panels of `kc` steps; the tile lies inside C;
+/// the CPU has the instruction set `Z` names.
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile<const FETCH: bool, const BF16: bool>(
+unsafe fn tile<const FETCH: bool, const BF16: bool, const Z: bool>(
     kc: usize,
     a: *const f32,
     b: *const u8,
@@ -646,7 +745,7 @@ unsafe fn tile<const FETCH: bool, const BF16: bool>(
 ) {
     let dst = c.0.add(off);
     if nr == NR {
-        rows_kernel::<FETCH, BF16>(mr, kc, a, b, dst, ldc, load);
+        rows_kernel::<FETCH, BF16, Z>(mr, kc, a, b, dst, ldc, load);
         return;
     }
     let mut buf = [0.0f32; MR * NR];
@@ -655,7 +754,7 @@ unsafe fn tile<const FETCH: bool, const BF16: bool>(
             std::ptr::copy_nonoverlapping(dst.add(i * ldc), buf.as_mut_ptr().add(i * NR), nr);
         }
     }
-    rows_kernel::<FETCH, BF16>(mr, kc, a, b, buf.as_mut_ptr(), NR, load);
+    rows_kernel::<FETCH, BF16, Z>(mr, kc, a, b, buf.as_mut_ptr(), NR, load);
     for i in 0..mr {
         std::ptr::copy_nonoverlapping(buf.as_ptr().add(i * NR), dst.add(i * ldc), nr);
     }
@@ -665,8 +764,9 @@ unsafe fn tile<const FETCH: bool, const BF16: bool>(
 /// a weight by one or a few rows; the padding rows are not computed).
 ///
 /// # Safety
-/// As [`kernel`], with `1 <= mr <= MR` rows of C.
-unsafe fn rows_kernel<const FETCH: bool, const BF16: bool>(
+/// As [`kernel`] (or [`kernel_avx2`] without `Z`), with `1 <= mr <= MR`
+/// rows of C.
+unsafe fn rows_kernel<const FETCH: bool, const BF16: bool, const Z: bool>(
     mr: usize,
     kc: usize,
     a: *const f32,
@@ -675,20 +775,17 @@ unsafe fn rows_kernel<const FETCH: bool, const BF16: bool>(
     ldc: usize,
     load: bool,
 ) {
-    match mr {
-        1 => kernel::<1, FETCH, BF16>(kc, a, b, c, ldc, load),
-        2 => kernel::<2, FETCH, BF16>(kc, a, b, c, ldc, load),
-        3 => kernel::<3, FETCH, BF16>(kc, a, b, c, ldc, load),
-        4 => kernel::<4, FETCH, BF16>(kc, a, b, c, ldc, load),
-        5 => kernel::<5, FETCH, BF16>(kc, a, b, c, ldc, load),
-        6 => kernel::<6, FETCH, BF16>(kc, a, b, c, ldc, load),
-        7 => kernel::<7, FETCH, BF16>(kc, a, b, c, ldc, load),
-        8 => kernel::<8, FETCH, BF16>(kc, a, b, c, ldc, load),
-        9 => kernel::<9, FETCH, BF16>(kc, a, b, c, ldc, load),
-        10 => kernel::<10, FETCH, BF16>(kc, a, b, c, ldc, load),
-        11 => kernel::<11, FETCH, BF16>(kc, a, b, c, ldc, load),
-        _ => kernel::<MR, FETCH, BF16>(kc, a, b, c, ldc, load),
+    macro_rules! rows {
+        ($($r:literal)*) => {
+            match (mr, Z) {
+                $(($r, true) => kernel::<$r, FETCH, BF16>(kc, a, b, c, ldc, load),
+                ($r, false) => kernel_avx2::<$r, FETCH, BF16>(kc, a, b, c, ldc, load),)*
+                (_, true) => kernel::<MR, FETCH, BF16>(kc, a, b, c, ldc, load),
+                (_, false) => kernel_avx2::<MR, FETCH, BF16>(kc, a, b, c, ldc, load),
+            }
+        };
     }
+    rows!(1 2 3 4 5 6 7 8 9 10 11)
 }
 
 /// An `R x NR` tile (`R <= MR` rows of an MR-row panel): `acc = C or 0;
@@ -760,6 +857,144 @@ unsafe fn kernel<const R: usize, const FETCH: bool, const BF16: bool>(
     }
 }
 
+/// [`kernel`] on AVX2: the same tile and the same chain per element, in
+/// blocks whose accumulators fit the sixteen ymm registers beside a step of
+/// B and the broadcast value: one or two rows across all 32 columns (B
+/// streams once, as decoding needs), else up to six rows across 16
+/// columns at a time.
+///
+/// # Safety
+/// AVX2 and FMA are present; otherwise as [`kernel`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn kernel_avx2<const R: usize, const FETCH: bool, const BF16: bool>(
+    kc: usize,
+    a: *const f32,
+    b: *const u8,
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+) {
+    // Rows `i..` of the tile as one block of H rows and W registers.
+    macro_rules! block {
+        ($h:literal, $w:literal, $i:literal) => {
+            block_avx2::<$h, $w, FETCH, BF16>(kc, a.add($i), b, c.add($i * ldc), ldc, load, $i == 0)
+        };
+    }
+    match R {
+        1 => block!(1, 4, 0),
+        2 => block!(2, 4, 0),
+        3 => block!(3, 2, 0),
+        4 => block!(4, 2, 0),
+        5 => block!(5, 2, 0),
+        6 => block!(6, 2, 0),
+        7 => {
+            block!(6, 2, 0);
+            block!(1, 4, 6)
+        }
+        8 => {
+            block!(6, 2, 0);
+            block!(2, 4, 6)
+        }
+        9 => {
+            block!(6, 2, 0);
+            block!(3, 2, 6)
+        }
+        10 => {
+            block!(6, 2, 0);
+            block!(4, 2, 6)
+        }
+        11 => {
+            block!(6, 2, 0);
+            block!(5, 2, 6)
+        }
+        _ => {
+            block!(6, 2, 0);
+            block!(6, 2, 6)
+        }
+    }
+}
+
+/// `H` rows of a tile (A's values at `a[p * MR + i]`, C's rows from `c`),
+/// `8 * W` columns at a time: `acc = C or 0; for p: acc += a[p] (x) b[p]`.
+/// With `FETCH` and `first`, the first column group's pass prefetches the
+/// next B panel as [`kernel`] does.
+///
+/// # Safety
+/// As [`kernel_avx2`], for rows `0..H` from `a` and `c`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_avx2<const H: usize, const W: usize, const FETCH: bool, const BF16: bool>(
+    kc: usize,
+    a: *const f32,
+    b: *const u8,
+    c: *mut f32,
+    ldc: usize,
+    load: bool,
+    first: bool,
+) {
+    use std::arch::x86_64::*;
+    let size = if BF16 { 2 } else { 4 };
+    let step = size * NR;
+    let ahead = kc * step;
+    for g in 0..NR / (8 * W) {
+        let col = g * 8 * W;
+        let mut acc = [[_mm256_setzero_ps(); W]; H];
+        if load {
+            for (i, row) in acc.iter_mut().enumerate() {
+                for (w, x) in row.iter_mut().enumerate() {
+                    *x = _mm256_loadu_ps(c.add(i * ldc + col + 8 * w));
+                }
+            }
+        }
+        let (mut ap, mut bp) = (a, b.add(size * col));
+        for _ in 0..kc {
+            if FETCH && first && g == 0 {
+                _mm_prefetch::<_MM_HINT_T0>(bp.wrapping_add(ahead) as *const i8);
+                if !BF16 {
+                    _mm_prefetch::<_MM_HINT_T0>(bp.wrapping_add(ahead + 64) as *const i8);
+                }
+            }
+            let mut bv = [_mm256_setzero_ps(); W];
+            for (w, v) in bv.iter_mut().enumerate() {
+                let at = bp.add(size * 8 * w);
+                *v = if BF16 {
+                    let h = _mm_loadu_si128(at as *const __m128i);
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+                } else {
+                    _mm256_loadu_ps(at as *const f32)
+                };
+            }
+            for (i, row) in acc.iter_mut().enumerate() {
+                let ai = _mm256_set1_ps(*ap.add(i));
+                for (x, v) in row.iter_mut().zip(&bv) {
+                    *x = _mm256_fmadd_ps(ai, *v, *x);
+                }
+            }
+            ap = ap.add(MR);
+            bp = bp.add(step);
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (w, x) in row.iter().enumerate() {
+                _mm256_storeu_ps(c.add(i * ldc + col + 8 * w), *x);
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn kernel_avx2<const R: usize, const FETCH: bool, const BF16: bool>(
+    _: usize,
+    _: *const f32,
+    _: *const u8,
+    _: *mut f32,
+    _: usize,
+    _: bool,
+) {
+    unreachable!("sgemm runs only where `available()` is true")
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn kernel<const R: usize, const FETCH: bool, const BF16: bool>(
     _: usize,
@@ -776,6 +1011,26 @@ unsafe fn kernel<const R: usize, const FETCH: bool, const BF16: bool>(
 mod tests {
     use super::*;
     use rand::{rngs::StdRng, Rng, SeedableRng};
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// Makes [`isa`] answer AVX2 on a CPU that has AVX-512 too, so both
+    /// kernels are tested there. Tests that run meanwhile get AVX2's bits,
+    /// which are the same.
+    pub(super) static FORCE_AVX2: AtomicBool = AtomicBool::new(false);
+
+    /// `f` on every instruction set this CPU has.
+    fn on_each_isa(mut f: impl FnMut(Isa)) {
+        let Some(best) = isa() else {
+            eprintln!("skipped: no AVX-512 or AVX2 + FMA on this CPU");
+            return;
+        };
+        f(best);
+        if best == Isa::Avx512 && std::arch::is_x86_feature_detected!("avx2") {
+            FORCE_AVX2.store(true, Ordering::Relaxed);
+            f(Isa::Avx2);
+            FORCE_AVX2.store(false, Ordering::Relaxed);
+        }
+    }
 
     /// The chain the kernel promises, element by element.
     fn chain(m: usize, n: usize, k: usize, a: Strided, b: Strided, c0: Option<&[f32]>) -> Vec<f32> {
@@ -794,10 +1049,10 @@ mod tests {
 
     #[test]
     fn equals_the_fma_chain_bit_for_bit_at_every_shape_and_layout() {
-        if !available() {
-            eprintln!("skipped: no AVX-512 on this CPU");
-            return;
-        }
+        on_each_isa(chain_at_every_shape);
+    }
+
+    fn chain_at_every_shape(isa: Isa) {
         let mut rng = StdRng::seed_from_u64(7);
         let shapes = [
             (1, 1, 1),
@@ -848,7 +1103,7 @@ mod tests {
                         let want = chain(m, n, k, a, b, accumulate.then_some(&c0[..]));
                         assert!(
                             c.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()),
-                            "m {m} n {n} k {k} acc {accumulate} par {parallel} rs {}",
+                            "{isa:?} m {m} n {n} k {k} acc {accumulate} par {parallel} rs {}",
                             a.rs
                         );
                     }
@@ -874,9 +1129,10 @@ mod tests {
 
     #[test]
     fn packed_b_gives_the_same_bits() {
-        if !available() {
-            return;
-        }
+        on_each_isa(packed_b_same_bits);
+    }
+
+    fn packed_b_same_bits(isa: Isa) {
         let mut rng = StdRng::seed_from_u64(8);
         for &(m, n, k) in &[(1, 40, 300), (33, 1100, 70), (5, 32, 256), (130, 4, 600)] {
             let av: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
@@ -894,7 +1150,10 @@ mod tests {
             };
             let packed = PackedB::new(b, k, n).unwrap();
             assert_eq!(packed.dims(), (k, n));
-            assert!(packed_matches(m, a, b, &packed), "m {m} n {n} k {k}");
+            assert!(
+                packed_matches(m, a, b, &packed),
+                "{isa:?} m {m} n {n} k {k}"
+            );
         }
     }
 
@@ -903,9 +1162,10 @@ mod tests {
     /// keeps the whole pack f32.
     #[test]
     fn bf16_valued_b_packs_in_half_the_bytes_with_the_same_bits() {
-        if !available() {
-            return;
-        }
+        on_each_isa(bf16_packs);
+    }
+
+    fn bf16_packs(isa: Isa) {
         let mut rng = StdRng::seed_from_u64(9);
         let bf = |x: f32| half::bf16::from_f32(x).to_f32();
         for &(m, n, k) in &[(1, 40, 300), (13, 1100, 70), (3, 32, 513), (130, 4, 600)] {
@@ -935,7 +1195,7 @@ mod tests {
                 narrow_bytes = packed.bytes();
                 assert!(
                     packed_matches(m, a, b, &packed),
-                    "{layout} m {m} n {n} k {k}"
+                    "{isa:?} {layout} m {m} n {n} k {k}"
                 );
             }
             let last = wv.len() - 1;
