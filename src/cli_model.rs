@@ -244,7 +244,8 @@ fn memory_now() -> Option<(u64, u64)> {
 /// Greedy decoding through the engine (the serving path: packed weights,
 /// paged caches, the scheduler) with `batch` sequences at once; prints one
 /// JSON line per batch size with generated tokens/s (prefill of the short
-/// prompts included, after a warm-up run that also packs the weights) and
+/// prompts included, after a warm-up run; the weights are loaded packed,
+/// as `arcticd serve` loads them) and
 /// the process's memory.
 pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
     use arcticd_engine::engine::{self, Choice, EngineConfig, Request};
@@ -257,13 +258,14 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
     if args.new_tokens == 0 {
         bail!("--new-tokens must be positive");
     }
-    let model = Qwen3_5::load(&args.model)
+    let (model, packs) = Qwen3_5::load_packed(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
     let vocab = model.config.vocab_size as u32;
     let parameters: usize = model.named_params().iter().map(|(_, t)| t.numel()).sum();
+    let weight_mib = (packs.bytes() + model.held_bytes()) >> 20;
     let loaded = memory_now();
     let max_batch = *args.batch.iter().max().unwrap_or(&1);
-    let store = ParamStore::new(model);
+    let store = ParamStore::packed(model, packs);
     let eng = engine::start(
         store,
         None,
@@ -312,6 +314,7 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
         let out = serde_json::json!({
             "engine": "arcticd",
             "parameters": parameters,
+            "weights_mib": weight_mib,
             "batch": batch,
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,

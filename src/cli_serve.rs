@@ -61,7 +61,11 @@ pub struct ServeArgs {
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
-    let model = Qwen3_5::load(&args.model)
+    // Loaded packed for the matrix product, layer by layer, before the
+    // caches are sized: each matrix is held once (in bf16 when its values
+    // are bf16, as in bf16 checkpoints), the memory left is what is really
+    // left, and the first request does not wait for the packing.
+    let (model, packs) = Qwen3_5::load_packed(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
     let tokenizer = Arc::new(Tokenizer::from_dir(&args.model)?);
     let template = ChatTemplate::from_dir(&args.model)?;
@@ -71,21 +75,17 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
     });
-    // The weights are packed for the matrix product before the caches are
-    // sized, so the memory left is what is really left, and the first
-    // request does not wait for the packing.
-    let store = ParamStore::new(model);
-    {
-        let model = store.read();
-        let packs = store.packs(&model, store.weight_version());
-        if packs.bytes() > 0 {
-            eprintln!(
-                "arcticd serve: weights packed for the matrix product: {} MiB{}",
-                packs.bytes() >> 20,
-                if packs.all_bf16() { " (bf16)" } else { "" }
-            );
-        }
-    }
+    eprintln!(
+        "arcticd serve: weights in memory: {} MiB packed for the matrix product{}, {} MiB unpacked",
+        packs.bytes() >> 20,
+        if packs.all_bf16() && packs.bytes() > 0 {
+            " (bf16)"
+        } else {
+            ""
+        },
+        model.held_bytes() >> 20,
+    );
+    let store = ParamStore::packed(model, packs);
     let cache_memory = match args.cache_memory {
         Some(mib) => mib << 20,
         None => {

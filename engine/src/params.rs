@@ -29,6 +29,19 @@ impl ParamStore {
         })
     }
 
+    /// Wrap a model loaded with its packs by [`Qwen3_5::load_packed`], at
+    /// weight version 0: the packs are this version's. Such a model holds
+    /// its matrices only packed, so it is for reading (serving, sampling):
+    /// after an [`update`](Self::update) its matrices cannot be packed
+    /// again, and forwards fail with an error naming the released tensor.
+    pub fn packed(model: Qwen3_5, packs: LinearPacks) -> Arc<Self> {
+        Arc::new(ParamStore {
+            model: RwLock::new(model),
+            version: AtomicU64::new(0),
+            packs: Mutex::new(Some((0, Arc::new(packs)))),
+        })
+    }
+
     /// Wrap a model at a given weight version (a resumed run continues the
     /// version numbering of its checkpoint).
     pub fn with_version(model: Qwen3_5, version: u64) -> Arc<Self> {
@@ -110,5 +123,62 @@ mod tests {
         let next = store.packs(&m, v);
         assert!(!Arc::ptr_eq(&first, &next));
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A store made from a packed load serves its packs at version 0,
+    /// holds the matrices once, and gives the same logits as a store that
+    /// packs a fully loaded model.
+    #[test]
+    fn a_packed_load_serves_the_same_bits_from_its_packs() {
+        let dir =
+            std::env::temp_dir().join(format!("arcticd-params-packed-{}", std::process::id()));
+        init_model(TINY, &dir, 4).unwrap();
+        let full = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+        let (model, packs) = Qwen3_5::load_packed(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        let packed = ParamStore::packed(model, packs);
+        let logits = |store: &ParamStore| {
+            let m = store.read();
+            let p = store.packs(&m, store.weight_version());
+            let mut cache = m.new_cache();
+            let tokens: Vec<u32> = (1..12).collect();
+            let mut batch = [crate::model::SeqInput {
+                tokens: &tokens,
+                cache: &mut cache,
+            }];
+            let hidden = m.forward_with(&mut batch, Some(&p)).unwrap();
+            let out = m.logits_with(&hidden, Some(&p)).unwrap();
+            (
+                out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                m.held_bytes(),
+                p.bytes(),
+            )
+        };
+        let (want, full_bytes, _) = logits(&full);
+        let (got, held, pack_bytes) = logits(&packed);
+        assert_eq!(got, want);
+        if arcticd_kernels::cpu::sgemm::available() {
+            assert!(pack_bytes > 0);
+            // Only the embedding table and the vectors are left unpacked.
+            let m = packed.read();
+            let kept: usize = m.embed_tokens.held_bytes()
+                + m.named_params()
+                    .iter()
+                    .filter(|(_, t)| t.shape().len() != 2)
+                    .map(|(_, t)| t.held_bytes())
+                    .sum::<usize>();
+            assert_eq!(held, kept);
+            assert!(held < full_bytes);
+            // Read unpacked, a released matrix is an error, not a panic.
+            let mut cache = m.new_cache();
+            let mut batch = [crate::model::SeqInput {
+                tokens: &[1, 2],
+                cache: &mut cache,
+            }];
+            let e = m.forward_with(&mut batch, None).unwrap_err().to_string();
+            assert!(e.contains("released"), "{e}");
+        } else {
+            assert_eq!(held, full_bytes);
+        }
     }
 }

@@ -9,6 +9,10 @@ pub enum Error {
     DType { expected: String, got: String },
     #[error("device {0} is not available in this build")]
     NoDevice(String),
+    /// A read of a tensor whose elements were released (kept only in a
+    /// packed form for the matrix product).
+    #[error("tensor {0} was released after packing (read-only, served from its packed form)")]
+    Released(String),
     #[error("index out of range: {0}")]
     Index(String),
     /// NVRTC rejected a kernel module; `log` is its compiler output.

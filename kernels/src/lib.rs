@@ -17,4 +17,4 @@ pub mod tensor;
 
 pub use device::Device;
 pub use error::{Error, Result};
-pub use tensor::{DType, Storage, Tensor};
+pub use tensor::{DType, Storage, Tensor, TensorId};

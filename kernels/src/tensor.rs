@@ -51,16 +51,44 @@ pub enum Storage {
     Cpu(CpuStorage),
     /// Reserved for the CUDA backend; never constructed in this build.
     Cuda(CudaStandIn),
+    /// The elements were dropped because another form of them (a matrix
+    /// packed for the product) is what is read now: the tensor keeps its
+    /// shape, dtype and identity, and every read of its data is an error.
+    Released(DType),
 }
 
 /// Uninhabited stand-in for device memory in builds without CUDA.
 #[derive(Debug, Clone)]
 pub enum CudaStandIn {}
 
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Tensor {
     shape: Vec<usize>,
     storage: Storage,
+    id: TensorId,
+}
+
+/// A tensor's identity: unique within the process, kept through in-place
+/// writes, a reshape and [`Tensor::release`]; a clone is a new tensor with
+/// a new identity. Derived data (a packed copy of a weight) is found by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TensorId(u64);
+
+impl TensorId {
+    fn next() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        TensorId(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+impl Clone for Tensor {
+    fn clone(&self) -> Self {
+        Tensor {
+            shape: self.shape.clone(),
+            storage: self.storage.clone(),
+            id: TensorId::next(),
+        }
+    }
 }
 
 fn numel(shape: &[usize]) -> usize {
@@ -78,6 +106,7 @@ impl Tensor {
         Ok(Tensor {
             shape: shape.to_vec(),
             storage: Storage::Cpu(storage),
+            id: TensorId::next(),
         })
     }
 
@@ -101,7 +130,40 @@ impl Tensor {
         Tensor {
             shape: shape.to_vec(),
             storage: Storage::Cpu(CpuStorage::F32(vec![0.0; numel(shape)])),
+            id: TensorId::next(),
         }
+    }
+
+    /// A tensor of `shape` and `dtype` whose elements are not held (see
+    /// [`Storage::Released`]): a placeholder to be filled, or a parameter
+    /// read only in another form.
+    pub fn released(shape: &[usize], dtype: DType) -> Self {
+        Tensor {
+            shape: shape.to_vec(),
+            storage: Storage::Released(dtype),
+            id: TensorId::next(),
+        }
+    }
+
+    /// Drop the elements, keeping shape, dtype and identity.
+    pub fn release(&mut self) {
+        self.storage = Storage::Released(self.dtype());
+    }
+
+    pub fn is_released(&self) -> bool {
+        matches!(self.storage, Storage::Released(_))
+    }
+
+    /// Bytes of elements held (0 once released).
+    pub fn held_bytes(&self) -> usize {
+        match self.storage {
+            Storage::Released(_) => 0,
+            _ => self.numel() * self.dtype().size_in_bytes(),
+        }
+    }
+
+    pub fn id(&self) -> TensorId {
+        self.id
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -117,11 +179,12 @@ impl Tensor {
             Storage::Cpu(CpuStorage::F16(_)) => DType::F16,
             Storage::Cpu(CpuStorage::U32(_)) => DType::U32,
             Storage::Cuda(s) => match *s {},
+            Storage::Released(dt) => *dt,
         }
     }
     pub fn device(&self) -> Device {
         match &self.storage {
-            Storage::Cpu(_) => Device::Cpu,
+            Storage::Cpu(_) | Storage::Released(_) => Device::Cpu,
             Storage::Cuda(s) => match *s {},
         }
     }
@@ -144,6 +207,7 @@ impl Tensor {
     /// Widen to f32 (a copy for bf16/f16, a move for f32).
     pub fn to_f32(self) -> Result<Self> {
         let shape = self.shape;
+        let id = self.id;
         let data = match self.storage {
             Storage::Cpu(CpuStorage::F32(v)) => v,
             Storage::Cpu(CpuStorage::BF16(v)) => v.iter().map(|x| x.to_f32()).collect(),
@@ -155,10 +219,12 @@ impl Tensor {
                 })
             }
             Storage::Cuda(s) => match s {},
+            Storage::Released(_) => return Err(Error::Released(format!("{shape:?}"))),
         };
         Ok(Tensor {
             shape,
             storage: Storage::Cpu(CpuStorage::F32(data)),
+            id,
         })
     }
 
@@ -166,6 +232,7 @@ impl Tensor {
     pub fn as_f32(&self) -> Result<&[f32]> {
         match &self.storage {
             Storage::Cpu(CpuStorage::F32(v)) => Ok(v),
+            Storage::Released(_) => Err(self.released_error()),
             _ => Err(Error::DType {
                 expected: "f32".into(),
                 got: self.dtype().to_string(),
@@ -174,6 +241,9 @@ impl Tensor {
     }
     pub fn as_f32_mut(&mut self) -> Result<&mut [f32]> {
         let dt = self.dtype();
+        if self.is_released() {
+            return Err(self.released_error());
+        }
         match &mut self.storage {
             Storage::Cpu(CpuStorage::F32(v)) => Ok(v),
             _ => Err(Error::DType {
@@ -185,6 +255,7 @@ impl Tensor {
     pub fn as_u32(&self) -> Result<&[u32]> {
         match &self.storage {
             Storage::Cpu(CpuStorage::U32(v)) => Ok(v),
+            Storage::Released(_) => Err(self.released_error()),
             _ => Err(Error::DType {
                 expected: "u32".into(),
                 got: self.dtype().to_string(),
@@ -193,9 +264,38 @@ impl Tensor {
     }
 }
 
+impl Tensor {
+    fn released_error(&self) -> Error {
+        Error::Released(format!("{:?} {}", self.shape, self.dtype()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A released tensor keeps shape, dtype and identity and refuses every
+    /// read with an error; a clone is a new identity.
+    #[test]
+    fn released_tensors_refuse_reads() {
+        let mut t = Tensor::from_f32(vec![1.0; 6], &[2, 3]).unwrap();
+        let id = t.id();
+        assert_ne!(t.clone().id(), id);
+        assert_eq!(t.held_bytes(), 24);
+        t.as_f32_mut().unwrap()[0] = 2.0;
+        assert_eq!(t.id(), id);
+        t.release();
+        assert!(t.is_released());
+        assert_eq!(
+            (t.id(), t.shape(), t.dtype(), t.held_bytes()),
+            (id, &[2usize, 3][..], DType::F32, 0)
+        );
+        let e = t.as_f32().unwrap_err().to_string();
+        assert!(e.contains("released"), "{e}");
+        assert!(t.as_f32_mut().is_err() && t.clone().to_f32().is_err());
+        let r = Tensor::released(&[4], DType::BF16);
+        assert_eq!((r.numel(), r.dtype(), r.held_bytes()), (4, DType::BF16, 0));
+    }
 
     #[test]
     fn shape_is_checked() {

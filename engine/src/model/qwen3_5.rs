@@ -37,9 +37,9 @@ use arcticd_kernels::cpu::{
     rope::rope_forward,
     sgemm::PackedB,
 };
-use arcticd_kernels::Tensor;
+use arcticd_kernels::{DType, Tensor, TensorId};
 use rayon::prelude::*;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 /// A linear layer's weight `[out, in]` and optional bias.
@@ -81,15 +81,14 @@ impl Linear {
             Some(b) => Some(b.as_f32()?),
             None => None,
         };
-        let weight = self.weight.as_f32()?;
-        if let Some(p) = packs.and_then(|p| p.get(weight)) {
+        if let Some(p) = packs.and_then(|p| p.get(&self.weight)) {
             matmul_forward_packed(&mut out, inp, p, bias, n)?;
             return Ok(out);
         }
         matmul_forward(
             &mut out,
             inp,
-            weight,
+            self.weight.as_f32()?,
             bias,
             n,
             self.in_features,
@@ -101,10 +100,13 @@ impl Linear {
 
 /// The model's matrices (linear weights, the output head) packed once for
 /// the matrix product, so decoding steps, which multiply every weight by a
-/// few rows, do not re-pack each weight every step. Found by the weight's
-/// address; built by [`Qwen3_5::pack_linears`] and valid only until the
-/// weights change (the engine rebuilds it on a new weight version). Empty
-/// where the packed product does not run (no AVX-512).
+/// few rows, do not re-pack each weight every step. Found by the weight
+/// tensor's identity; built by [`Qwen3_5::pack_linears`] and valid only
+/// until the weights change (the engine rebuilds it on a new weight
+/// version). Empty where the packed product does not run (neither AVX-512
+/// nor AVX2 + FMA).
+/// A model read only through its packs can drop the f32 weights they hold
+/// ([`Qwen3_5::load_packed`]).
 ///
 /// Linears that read the same input (a linear layer's four input
 /// projections, an attention layer's q, k and v, the MLP's gate and up) are
@@ -113,9 +115,12 @@ impl Linear {
 /// sequential sum over the input, so the bits do not change.
 #[derive(Debug, Default)]
 pub struct LinearPacks {
-    single: HashMap<usize, PackedB>,
-    /// Keyed by the first member's weight address; the members' widths.
-    fused: HashMap<usize, (PackedB, Vec<usize>)>,
+    single: HashMap<TensorId, PackedB>,
+    /// Keyed by the first member's weight; the members' widths.
+    fused: HashMap<TensorId, (PackedB, Vec<usize>)>,
+    /// Every weight whose values a pack holds (the singles and each member
+    /// of a side-by-side pack).
+    holds: HashSet<TensorId>,
 }
 
 impl LinearPacks {
@@ -131,17 +136,21 @@ impl LinearPacks {
         self.single.values().all(PackedB::is_bf16) && self.fused.values().all(|(p, _)| p.is_bf16())
     }
 
-    fn get(&self, weight: &[f32]) -> Option<&PackedB> {
+    /// Whether a pack holds the values of `weight`.
+    pub fn holds(&self, weight: &Tensor) -> bool {
+        self.holds.contains(&weight.id())
+    }
+
+    fn get(&self, weight: &Tensor) -> Option<&PackedB> {
         self.single
-            .get(&(weight.as_ptr() as usize))
-            .filter(|p| p.dims().0 * p.dims().1 == weight.len())
+            .get(&weight.id())
+            .filter(|p| p.dims().0 * p.dims().1 == weight.numel())
     }
 
     /// The side-by-side pack of `group`, when there is one for exactly
     /// these widths.
     fn get_fused(&self, group: &[&Linear]) -> Option<&PackedB> {
-        let first = group.first()?.weight.as_f32().ok()?;
-        let (p, widths) = self.fused.get(&(first.as_ptr() as usize))?;
+        let (p, widths) = self.fused.get(&group.first()?.weight.id())?;
         let same = widths.len() == group.len()
             && widths.iter().zip(group).all(|(w, l)| *w == l.out_features);
         same.then_some(p)
@@ -162,8 +171,21 @@ impl LinearPacks {
         let Some(p) = pack_linear(&joined, c, widths.iter().sum())? else {
             return Ok(false);
         };
-        let key = group[0].weight.as_f32()?.as_ptr() as usize;
-        self.fused.insert(key, (p, widths));
+        self.fused.insert(group[0].weight.id(), (p, widths));
+        self.holds.extend(group.iter().map(|l| l.weight.id()));
+        Ok(true)
+    }
+
+    /// Packs one matrix on its own; whether it did.
+    fn add_single(&mut self, weight: &Tensor) -> Result<bool> {
+        let [rows, cols] = *weight.shape() else {
+            return Ok(false);
+        };
+        let Some(p) = pack_linear(weight.as_f32()?, cols, rows)? else {
+            return Ok(false);
+        };
+        self.single.insert(weight.id(), p);
+        self.holds.insert(weight.id());
         Ok(true)
     }
 }
@@ -390,6 +412,25 @@ pub struct SeqInput<'a> {
     pub cache: &'a mut SeqCache,
 }
 
+/// What the plan alone does not catch in a checkpoint: a conv bias (not
+/// part of Qwen3.5) and a missing untied head.
+fn check_checkpoint(config: &ModelConfig, ck: &Checkpoint) -> Result<()> {
+    for (i, lt) in config.layer_types.iter().enumerate() {
+        let bias = format!("{}layers.{i}.linear_attn.conv1d.bias", config.weight_prefix);
+        if *lt == LayerType::LinearAttention && ck.contains(&bias) {
+            return Err(Error::Weights(format!(
+                "{bias}: a conv bias is not part of Qwen3.5"
+            )));
+        }
+    }
+    if !config.tie_word_embeddings && !ck.contains("lm_head.weight") {
+        return Err(Error::Weights(
+            "missing tensor lm_head.weight (and tie_word_embeddings is false)".into(),
+        ));
+    }
+    Ok(())
+}
+
 impl Qwen3_5 {
     /// Load from a Hugging Face checkpoint directory (config.json + safetensors).
     pub fn load(dir: &Path) -> Result<Self> {
@@ -399,19 +440,7 @@ impl Qwen3_5 {
     }
 
     pub fn from_checkpoint(config: ModelConfig, ck: &Checkpoint) -> Result<Self> {
-        for (i, lt) in config.layer_types.iter().enumerate() {
-            let bias = format!("{}layers.{i}.linear_attn.conv1d.bias", config.weight_prefix);
-            if *lt == LayerType::LinearAttention && ck.contains(&bias) {
-                return Err(Error::Weights(format!(
-                    "{bias}: a conv bias is not part of Qwen3.5"
-                )));
-            }
-        }
-        if !config.tie_word_embeddings && !ck.contains("lm_head.weight") {
-            return Err(Error::Weights(
-                "missing tensor lm_head.weight (and tie_word_embeddings is false)".into(),
-            ));
-        }
+        check_checkpoint(&config, ck)?;
         Qwen3_5::plan(config).try_map(|name, shape| ck.get_f32(&name, shape))
     }
 
@@ -964,12 +993,12 @@ impl Qwen3_5 {
         let (h, vsz) = (self.config.hidden_size, self.config.vocab_size);
         let n = hidden.len() / h;
         let mut out = vec![0.0f32; n * vsz];
-        let weight = self.lm_head_weight().as_f32()?;
+        let weight = self.lm_head_weight();
         if let Some(p) = packs.and_then(|p| p.get(weight)) {
             matmul_forward_packed(&mut out, hidden, p, None, n)?;
             return Ok(out);
         }
-        matmul_forward(&mut out, hidden, weight, None, n, h, vsz)?;
+        matmul_forward(&mut out, hidden, weight.as_f32()?, None, n, h, vsz)?;
         Ok(out)
     }
 
@@ -1239,44 +1268,103 @@ impl<T> Qwen3_5<T> {
 
 impl Qwen3_5 {
     /// Every two-dimensional parameter (linear weights, embeddings / output
-    /// head) packed for the matrix product; see [`LinearPacks`].
+    /// head) packed for the matrix product; see [`LinearPacks`]. Empty
+    /// packs where the packed product does not run.
     pub fn pack_linears(&self) -> Result<LinearPacks> {
         let mut packs = LinearPacks::default();
-        // Groups side by side first; their members need no pack of their own.
-        let mut covered = std::collections::HashSet::new();
-        for layer in &self.layers {
-            let mut groups = vec![vec![&layer.gate_proj, &layer.up_proj]];
-            match &layer.mixer {
-                Mixer::Linear(la) => groups.push(la.input_projections().to_vec()),
-                Mixer::Full(fa) => groups.push(fa.input_projections().to_vec()),
-            }
-            for g in groups {
-                if packs.add_fused(&g)? {
-                    for l in g {
-                        covered.insert(l.weight.as_f32()?.as_ptr() as usize);
-                    }
-                }
-            }
+        if !arcticd_kernels::cpu::sgemm::available() {
+            return Ok(packs);
         }
-        let head = self.lm_head_weight().as_f32()?.as_ptr();
-        for (_, t) in self.named_params() {
-            // The embedding table is looked up, not multiplied, unless it
-            // is also the output head.
-            if std::ptr::eq(t, &self.embed_tokens) && self.embed_tokens.as_f32()?.as_ptr() != head {
-                continue;
-            }
-            if let [rows, cols] = *t.shape() {
-                let w = t.as_f32()?;
-                if covered.contains(&(w.as_ptr() as usize)) {
-                    continue;
-                }
-                match pack_linear(w, cols, rows)? {
-                    Some(p) => packs.single.insert(w.as_ptr() as usize, p),
-                    None => return Ok(LinearPacks::default()),
-                };
-            }
+        for li in 0..self.layers.len() {
+            self.pack_layer(li, &mut packs)?;
         }
+        self.pack_head(&mut packs)?;
         Ok(packs)
+    }
+
+    /// Layer `li`'s matrices into `packs`: the groups that read one input
+    /// side by side, every other matrix on its own.
+    fn pack_layer(&self, li: usize, packs: &mut LinearPacks) -> Result<()> {
+        let layer = &self.layers[li];
+        let mut groups = vec![vec![&layer.gate_proj, &layer.up_proj]];
+        let mut singles = vec![&layer.down_proj];
+        match &layer.mixer {
+            Mixer::Linear(la) => {
+                groups.push(la.input_projections().to_vec());
+                singles.push(&la.out_proj);
+            }
+            Mixer::Full(fa) => {
+                groups.push(fa.input_projections().to_vec());
+                singles.push(&fa.o_proj);
+            }
+        }
+        for g in groups {
+            if !packs.add_fused(&g)? {
+                singles.extend(g);
+            }
+        }
+        for l in singles {
+            packs.add_single(&l.weight)?;
+        }
+        Ok(())
+    }
+
+    /// The output head (the embedding table when tied) into `packs`.
+    fn pack_head(&self, packs: &mut LinearPacks) -> Result<()> {
+        packs.add_single(self.lm_head_weight())?;
+        Ok(())
+    }
+
+    /// Load a model to be read only through its packed matrices (serving:
+    /// no gradient, no weight update), holding each weight once: the
+    /// matrices a pack holds are released as soon as their layer is packed,
+    /// so at most one layer's matrices are held twice while loading. The
+    /// embedding table stays (tokens are looked up in it), packed too when
+    /// it is the output head. Where the packed product does not run, this
+    /// is [`load`](Self::load) with empty packs.
+    pub fn load_packed(dir: &Path) -> Result<(Self, LinearPacks)> {
+        if !arcticd_kernels::cpu::sgemm::available() {
+            return Ok((Self::load(dir)?, LinearPacks::default()));
+        }
+        let config = ModelConfig::from_dir(dir)?;
+        let ck = Checkpoint::open(dir)?;
+        check_checkpoint(&config, &ck)?;
+        let mut model = Qwen3_5::plan(config)
+            .try_map(|_, shape| Ok::<_, Error>(Tensor::released(shape, DType::F32)))?;
+        let p = model.config.weight_prefix.clone();
+        // The layer a parameter belongs to, from its name (None: outside
+        // the layers).
+        let layer_of = |name: &str| -> Option<usize> {
+            let rest = name.strip_prefix(&p)?.strip_prefix("layers.")?;
+            rest.split('.').next()?.parse().ok()
+        };
+        let mut packs = LinearPacks::default();
+        for unit in std::iter::once(None).chain((0..model.layers.len()).map(Some)) {
+            for (name, t) in model.named_params_mut() {
+                if layer_of(&name) == unit {
+                    *t = ck.get_f32(&name, t.shape())?;
+                }
+            }
+            match unit {
+                Some(li) => model.pack_layer(li, &mut packs)?,
+                None => model.pack_head(&mut packs)?,
+            }
+            let embed = model.embed_tokens.id();
+            for (name, t) in model.named_params_mut() {
+                if layer_of(&name) == unit && t.id() != embed && packs.holds(t) {
+                    t.release();
+                }
+            }
+        }
+        Ok((model, packs))
+    }
+
+    /// Bytes of parameter values the model holds (released ones excluded).
+    pub fn held_bytes(&self) -> usize {
+        self.named_params()
+            .iter()
+            .map(|(_, t)| t.held_bytes())
+            .sum()
     }
 
     /// [`named`](Self::named), the model's parameters.

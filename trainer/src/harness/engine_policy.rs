@@ -75,7 +75,8 @@ impl EnginePolicyRouter {
         cache_mib: usize,
         name: &str,
     ) -> Result<Self> {
-        let weights = Qwen3_5::load(model)?;
+        // Read only: each matrix held once, packed (the same bits).
+        let (weights, packs) = Qwen3_5::load_packed(model)?;
         let mut config = EngineConfig {
             max_model_len: harness
                 .cfg
@@ -88,7 +89,7 @@ impl EnginePolicyRouter {
         }
         let router = Router::start(
             replicas.max(1),
-            ParamStore::new(weights),
+            ParamStore::packed(weights, packs),
             Some(harness.tokenizer().clone()),
             config,
         )?;
