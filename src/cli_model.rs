@@ -37,9 +37,10 @@ pub fn score(args: ScoreArgs) -> Result<()> {
             args.input.display()
         )
     })?;
-    let model = Qwen3_5::load(&args.model)
+    // Read only: loaded packed, each weight held once (the same bits).
+    let (model, packs) = Qwen3_5::load_packed(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
-    let lps = model.score(&input.sequences)?;
+    let lps = model.score_with(&input.sequences, Some(&packs))?;
     let out = serde_json::json!({ "logprobs": lps });
     let mut stdout = std::io::stdout().lock();
     serde_json::to_writer(&mut stdout, &out)?;
@@ -62,7 +63,7 @@ pub struct GenerateArgs {
 
 /// Greedy decoding, printing the completion as it is produced.
 pub fn generate(args: GenerateArgs) -> Result<()> {
-    let model = Qwen3_5::load(&args.model)
+    let (model, packs) = Qwen3_5::load_packed(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
     let tokenizer = Tokenizer::from_dir(&args.model)?;
     let text = match ChatTemplate::from_dir(&args.model)? {
@@ -85,12 +86,15 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     let mut printed = 0;
     let mut stdout = std::io::stdout().lock();
     for _ in 0..args.max_tokens {
-        let hidden = model.forward(&mut [SeqInput {
-            tokens: &next,
-            cache: &mut cache,
-        }])?;
+        let hidden = model.forward_with(
+            &mut [SeqInput {
+                tokens: &next,
+                cache: &mut cache,
+            }],
+            Some(&packs),
+        )?;
         let h = model.config.hidden_size;
-        let logits = model.logits(&hidden[hidden.len() - h..])?;
+        let logits = model.logits_with(&hidden[hidden.len() - h..], Some(&packs))?;
         let tok = argmax(&logits) as u32;
         if stop.contains(&tok) {
             break;

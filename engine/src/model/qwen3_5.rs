@@ -1006,6 +1006,15 @@ impl Qwen3_5 {
     /// Logits are made a bounded number of rows at a time, so a real
     /// 248k-token vocabulary does not need `tokens x vocab` floats at once.
     pub fn score(&self, sequences: &[Vec<u32>]) -> Result<Vec<Vec<Option<f32>>>> {
+        self.score_with(sequences, None)
+    }
+
+    /// [`score`](Self::score) with packed weights (the same bits).
+    pub fn score_with(
+        &self,
+        sequences: &[Vec<u32>],
+        packs: Option<&LinearPacks>,
+    ) -> Result<Vec<Vec<Option<f32>>>> {
         let vsz = self.config.vocab_size;
         for (s, seq) in sequences.iter().enumerate() {
             if seq.is_empty() {
@@ -1026,7 +1035,7 @@ impl Qwen3_5 {
                 cache: c,
             })
             .collect();
-        let hidden = self.forward(&mut batch)?;
+        let hidden = self.forward_with(&mut batch, packs)?;
         let h = self.config.hidden_size;
         // Rows whose next token is scored: all but the last of each sequence.
         let mut rows = Vec::new();
@@ -1049,7 +1058,7 @@ impl Qwen3_5 {
             for &r in rchunk {
                 hsel.extend_from_slice(&hidden[r * h..(r + 1) * h]);
             }
-            let logits = self.logits(&hsel)?;
+            let logits = self.logits_with(&hsel, packs)?;
             let mut lp = vec![0.0f32; rchunk.len()];
             logprob_gather_forward(&mut lp, &logits, tchunk, rchunk.len(), vsz)?;
             lps.extend(lp);
