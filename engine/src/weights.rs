@@ -139,6 +139,26 @@ pub enum SaveDType {
     BF16,
 }
 
+impl SaveDType {
+    /// `data` as this dtype's little-endian bytes.
+    pub fn encode(self, data: &[f32]) -> Vec<u8> {
+        match self {
+            SaveDType::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            SaveDType::BF16 => data
+                .iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                .collect(),
+        }
+    }
+
+    fn size(self) -> usize {
+        match self {
+            SaveDType::F32 => 4,
+            SaveDType::BF16 => 2,
+        }
+    }
+}
+
 /// Write named f32 tensors to a safetensors file, converting to `dtype`.
 /// Atomic: written to a temporary file beside `path`, then renamed, so a
 /// crash never leaves a half-written checkpoint under the real name.
@@ -147,31 +167,44 @@ pub fn save_safetensors(
     tensors: &[(String, Vec<usize>, &[f32])],
     dtype: SaveDType,
 ) -> Result<()> {
+    let encoded: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            if shape.iter().product::<usize>() != data.len() {
+                return Err(werr(format!(
+                    "{name}: shape {shape:?} does not hold {} values",
+                    data.len()
+                )));
+            }
+            Ok((name.clone(), shape.clone(), dtype.encode(data)))
+        })
+        .collect::<Result<_>>()?;
+    save_safetensors_encoded(path, &encoded, dtype)
+}
+
+/// [`save_safetensors`] of tensors already encoded as `dtype` bytes
+/// ([`SaveDType::encode`]), streamed to the file: nothing beyond the
+/// tensors themselves is held, so a checkpoint of many GB is written with
+/// no second copy of it in memory. Atomic in the same way.
+pub fn save_safetensors_encoded(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<u8>)],
+    dtype: SaveDType,
+) -> Result<()> {
     use safetensors::tensor::TensorView;
-    let mut buffers: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(tensors.len());
-    for (name, shape, data) in tensors {
-        if shape.iter().product::<usize>() != data.len() {
-            return Err(werr(format!(
-                "{name}: shape {shape:?} does not hold {} values",
-                data.len()
-            )));
-        }
-        let bytes: Vec<u8> = match dtype {
-            SaveDType::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            SaveDType::BF16 => data
-                .iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                .collect(),
-        };
-        buffers.push((name.clone(), shape.clone(), bytes));
-    }
     let st_dtype = match dtype {
         SaveDType::F32 => Dtype::F32,
         SaveDType::BF16 => Dtype::BF16,
     };
-    let views: Vec<(String, TensorView<'_>)> = buffers
+    let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
         .map(|(n, s, b)| {
+            if s.iter().product::<usize>() * dtype.size() != b.len() {
+                return Err(werr(format!(
+                    "{n}: shape {s:?} does not hold {} bytes of {dtype:?}",
+                    b.len()
+                )));
+            }
             TensorView::new(st_dtype, s.clone(), b)
                 .map(|v| (n.clone(), v))
                 .map_err(|e| werr(format!("{n}: {e}")))
@@ -179,19 +212,28 @@ pub fn save_safetensors(
         .collect::<Result<_>>()?;
     let mut meta = HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    let bytes = safetensors::serialize(views, &Some(meta))
-        .map_err(|e| werr(format!("serializing {}: {e}", path.display())))?;
-    write_atomic(path, &bytes)
+    let tmp = temp_beside(path);
+    safetensors::serialize_to_file(views, &Some(meta), &tmp)
+        .map_err(|e| werr(format!("writing {}: {e}", tmp.display())))?;
+    File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+}
+
+/// The temporary name beside `path` that [`write_atomic`] writes first.
+fn temp_beside(path: &Path) -> PathBuf {
+    path.with_extension(format!(
+        "{}.tmp{}",
+        path.extension().and_then(|e| e.to_str()).unwrap_or(""),
+        std::process::id()
+    ))
 }
 
 /// Write `bytes` to `path` through a temporary file and a rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
-    let tmp = path.with_extension(format!(
-        "{}.tmp{}",
-        path.extension().and_then(|e| e.to_str()).unwrap_or(""),
-        std::process::id()
-    ));
+    let tmp = temp_beside(path);
     let mut f = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
     f.write_all(bytes).map_err(|e| Error::io(&tmp, e))?;
     f.sync_all().map_err(|e| Error::io(&tmp, e))?;
@@ -267,6 +309,21 @@ mod tests {
         let ck = Checkpoint::open(&dir).unwrap();
         assert_eq!(ck.get_f32("w", &[3]).unwrap().as_f32().unwrap(), &data[..]);
         assert_eq!(ck.dtype_of("w"), Some(Dtype::BF16));
+
+        // Encoded tensors whose bytes disagree with their shape are refused
+        // before anything is written, and the checkpoint stays as it was.
+        let bad = [("w".to_string(), vec![4], SaveDType::BF16.encode(&data))];
+        let e = save_safetensors_encoded(&dir.join("model.safetensors"), &bad, SaveDType::BF16)
+            .unwrap_err();
+        assert!(e.to_string().contains("does not hold 6 bytes"), "{e}");
+        let ck = Checkpoint::open(&dir).unwrap();
+        assert_eq!(ck.get_f32("w", &[3]).unwrap().as_f32().unwrap(), &data[..]);
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
+            .collect();
+        assert!(left.is_empty(), "temporary files left: {left:?}");
         std::fs::remove_dir_all(&dir).ok();
     }
 }
