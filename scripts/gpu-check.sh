@@ -5,9 +5,9 @@
 # missing device is a failure, not a skip) and the CUDA kernel benchmarks
 # (kernels/benches/cuda.rs, each as a fraction of the HBM bandwidth).
 #
-# Needs an NVIDIA driver and NVRTC on the loader path (PyPI's
-# nvidia-cuda-nvrtc wheel puts libnvrtc in nvidia/cu13/lib; NVRTC_LIB
-# names the folder). A GPU machine without Rust or a network runs the
+# Needs an NVIDIA driver, and NVRTC and cuBLAS on the loader path (PyPI's
+# nvidia-cuda-nvrtc and nvidia-cublas wheels put them in nvidia/cu13/lib,
+# where PyTorch's CUDA 13 install has them; NVRTC_LIB names the folder). A GPU machine without Rust or a network runs the
 # binaries staged beforehand on a build machine:
 #
 #   BIN_ONLY=1 bash scripts/gpu-check.sh   # build machine: stage target/gpu-check/

@@ -5,13 +5,15 @@
 //! reads as a fraction of the GPU's memory bandwidth; every benchmark also
 //! prints `bytes GROUP/NAME/ID N` on stderr, which `scripts/gpu-check.sh`
 //! joins with criterion's times into one JSON against the H200's 4.8 TB/s.
+//! The cuBLAS products are timed at decode shapes (batch 1 and 32), where
+//! reading the bf16 weight is the floor.
 //!
 //! Needs the `cuda` feature and a GPU; without one it says so and exits.
 //!
 //!     cargo bench -p arcticd-kernels --features cuda --bench cuda
 
 use arcticd_kernels::cpu::adamw::AdamWStep;
-use arcticd_kernels::cuda::device::CudaDevice;
+use arcticd_kernels::cuda::device::{CudaDevice, Mat, MatMut};
 use criterion::{measurement::WallTime, BenchmarkGroup, BenchmarkId, Criterion, Throughput};
 use cudarc::driver::CudaSlice;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -325,6 +327,46 @@ fn optimizer(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
     g.finish();
 }
 
+/// Decode-shaped products (bandwidth-bound: the bf16 weight is read once
+/// per step), at batch 1 and 32: the MLP's up projection and the
+/// vocabulary head of the 0.8B shape.
+fn products(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
+    const G: &str = "cuda_matmul";
+    let mut g = c.benchmark_group(G);
+    let bits = |d: &CudaDevice, rng: &mut StdRng, n: usize| -> CudaSlice<u16> {
+        let v: Vec<u16> = (0..n)
+            .map(|_| half::bf16::from_f32(rng.gen_range(-0.05f32..0.05)).to_bits())
+            .collect();
+        d.upload(&v).expect("upload")
+    };
+    for (name, cin, cout) in [("up", HIDDEN, INTER), ("head", HIDDEN, VOCAB)] {
+        let w = bits(d, rng, cin * cout);
+        for rows in [1usize, 32] {
+            let x = bits(d, rng, rows * cin);
+            let mut out = d.zeros::<f32>(rows * cout).unwrap();
+            let id = format!("{rows}x{cin}x{cout}");
+            bench(
+                &mut g,
+                d,
+                (G, &format!("bf16_{name}"), &id),
+                cin * cout * 2 + rows * (cin * 2 + cout * 4),
+                || {
+                    d.matmul_forward(
+                        MatMut::F32(&mut out),
+                        Mat::Bf16(&x),
+                        Mat::Bf16(&w),
+                        rows,
+                        cin,
+                        cout,
+                    )
+                    .unwrap()
+                },
+            );
+        }
+    }
+    g.finish();
+}
+
 fn main() {
     let d = match CudaDevice::new(0) {
         Ok(d) => d,
@@ -344,5 +386,6 @@ fn main() {
     linear_attention(&mut c, &d, &mut rng);
     vocabulary(&mut c, &d, &mut rng);
     optimizer(&mut c, &d, &mut rng);
+    products(&mut c, &d, &mut rng);
     c.final_summary();
 }

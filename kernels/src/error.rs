@@ -21,6 +21,13 @@ pub enum Error {
     #[cfg(feature = "cuda")]
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
+    /// cuBLAS refused or failed a product; `op` names it.
+    #[cfg(feature = "cuda")]
+    #[error("cuBLAS in {op}: {source:?}")]
+    Blas {
+        op: String,
+        source: cudarc::cublas::result::CublasError,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -106,6 +106,8 @@ pub struct CudaDevice {
     _ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
+    /// The cuBLAS handle, created by the first product (`gemm`).
+    blas: std::sync::OnceLock<cudarc::cublas::CudaBlas>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -146,6 +148,7 @@ impl CudaDevice {
             _ctx: ctx,
             stream,
             functions,
+            blas: std::sync::OnceLock::new(),
         })
     }
 
@@ -844,6 +847,8 @@ impl CudaDevice {
 }
 
 mod backward;
+mod gemm;
+pub use gemm::{cublas_available, Mat, MatMut};
 
 #[cfg(test)]
 mod tests {
