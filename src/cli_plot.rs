@@ -10,7 +10,7 @@
 //! | file | fields |
 //! |---|---|
 //! | `reward.png` | `reward_mean` and `pass_rate` (thin raw, thick moving mean over `--smooth` steps), `recheck_reward` and `eval_pass_at_1` as markers where present |
-//! | `mismatch.png` | `mismatch_same_version_mean` / `_max` (linear axis: expected exactly 0), `lag_divergence_mean` (log axis when all positive) |
+//! | `mismatch.png` | `mismatch_same_version_mean` / `_max` and `probe_mismatch_max` (linear axis: expected exactly 0), `lag_divergence_mean` (log axis when all positive) |
 //! | `staleness.png` | `staleness_mean`, `staleness_max`, `stale_dropped` |
 //! | `time.png` | `time_wait_s`, `time_train_s`, `time_update_s` |
 //! | `replica_load.png` | `replica_load` (one value per replica): each replica, their mean, and max / mean |
@@ -345,13 +345,14 @@ fn figures(smooth: usize) -> Vec<Figure> {
             title: "trainer vs sampler log-prob mismatch",
             panels: vec![
                 Panel {
-                    title: "same-version mismatch: mean (thick), max (thin); expected exactly 0, linear axis"
+                    title: "same-version mismatch: mean (thick), max (thin), probe max (circles); expected exactly 0, linear axis"
                         .to_string(),
                     y_label: "|logp diff|",
                     scale: Scale::Linear,
                     series: vec![
                         series("mismatch_same_version_mean", "mean", Kind::Line),
                         series("mismatch_same_version_max", "max", Kind::Thin),
+                        series("probe_mismatch_max", "probe max", Kind::Circles),
                     ],
                 },
                 Panel {

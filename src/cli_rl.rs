@@ -56,8 +56,11 @@ fn progress_line(rec: &Value, steps: u64) -> String {
     // group zero-variance) or when every trained token was sampled by older
     // weights (the trainer is the bottleneck and rollouts wait their turn).
     let count = |k: &str| rec.get(k).and_then(Value::as_u64).unwrap_or(0);
+    // A probe (`probe_every`) measures it on purpose when the batch cannot.
+    let probe = count("probe_tokens");
     let mismatch = match (count("mismatch_same_version_tokens"), count("tokens")) {
         (n, _) if n > 0 => format!("{:.1e}", f("mismatch_same_version_max")),
+        _ if probe > 0 => format!("{:.1e} (probe, {probe} tokens)", f("probe_mismatch_max")),
         (_, 0) => "n/a (nothing trained)".to_string(),
         _ => "n/a (every token from older weights)".to_string(),
     };
@@ -275,6 +278,13 @@ mod tests {
         let line = progress_line(&rec, 4);
         assert!(
             line.contains("n/a (every token from older weights)"),
+            "{line}"
+        );
+        let rec = json!({"step": 2, "elapsed_s": 10.0, "tokens": 5390,
+            "mismatch_same_version_tokens": 0, "probe_tokens": 32, "probe_mismatch_max": 0.0});
+        let line = progress_line(&rec, 4);
+        assert!(
+            line.contains("mismatch(same version) 0.0e0 (probe, 32 tokens)"),
             "{line}"
         );
         let rec = json!({"step": 2, "elapsed_s": 10.0, "mismatch_same_version_tokens": 9,

@@ -122,7 +122,22 @@ fn steps_of(run: &Path) -> Vec<u64> {
 
 #[test]
 fn trained_tokens_are_honest_about_their_weights() {
-    honest_run("");
+    let Some((_dir, run)) = honest_run("probe_every = 1\nprobe_tokens = 12\n") else {
+        return;
+    };
+    // The identity probe after every update: a live replica's tokens
+    // scored by the trainer's forward on a frozen copy of the same weights.
+    let metrics = read_jsonl(&run.join("metrics.jsonl"));
+    let probed: Vec<&Value> = metrics
+        .iter()
+        .filter(|m| m["probe_tokens"].as_u64().is_some_and(|n| n > 0))
+        .collect();
+    assert!(!probed.is_empty(), "no probe reported: {metrics:?}");
+    for m in probed {
+        let mx = m["probe_mismatch_max"].as_f64().unwrap();
+        assert!(mx <= 1e-6, "probe mismatch {mx}: {m}");
+        assert!(m["probe_version"].as_u64().unwrap() >= 1, "{m}");
+    }
 }
 
 /// Two data-parallel trainer ranks, each with its own weights and its own

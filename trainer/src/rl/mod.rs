@@ -6,6 +6,8 @@
 //!   recheck.
 //! - [`batch`]: finished groups to one update's batch (staleness bound,
 //!   masking, group-relative advantages, counts).
+//! - [`probe`]: the engine/trainer identity measured on purpose after an
+//!   update, however far behind the loop runs.
 //! - [`run_dir`]: the run directory, checkpoints with run state, resume.
 //! - [`orchestrator`]: the loop itself (dispatcher, rollout workers,
 //!   trainer, frozen evaluation).
@@ -16,6 +18,7 @@
 pub mod batch;
 pub mod orchestrator;
 pub mod pool;
+pub mod probe;
 pub mod recipe;
 pub mod run_dir;
 

@@ -25,6 +25,7 @@
 
 use super::batch::{self, Group, PlanConfig};
 use super::pool::TaskPool;
+use super::probe::{self, Probe};
 use super::recipe::{Keep, Recipe, SandboxBackend};
 use super::run_dir::{append_jsonl, write_jsonl, RunDir, RunState, Totals};
 use crate::checkpoint::{load_optimizer, save_checkpoint_with};
@@ -402,6 +403,10 @@ enum SideJob {
         step: u64,
         tasks: Vec<usize>,
         scores: Result<Vec<Option<f64>>>,
+    },
+    Probe {
+        step: u64,
+        probe: Result<Probe>,
     },
 }
 
@@ -904,6 +909,24 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             if recipe.eval_every > 0 && (step % recipe.eval_every == 0 || is_last) {
                 spawn_eval(step, &mut side_pending);
             }
+            let prompt = batch
+                .examples
+                .iter()
+                .find_map(|e| probe::prompt_of(&e.tokens, &e.loss_mask));
+            if let (true, Some(prompt)) = (
+                recipe.probe_every > 0 && step % recipe.probe_every == 0,
+                prompt,
+            ) {
+                let (m, v) = (store.read().clone(), store.weight_version());
+                let (r, tx, at) = (router.clone(), side_tx.clone(), step);
+                let (n, temp) = (recipe.probe_tokens, recipe.rollout.temperature);
+                let seed = recipe.seed ^ step;
+                side_pending += 1;
+                rt.spawn(async move {
+                    let probe = probe::run(r, m, v, prompt, n, temp, seed).await;
+                    let _ = tx.send(SideJob::Probe { step: at, probe });
+                });
+            }
             if recipe.recheck_every > 0 && step % recipe.recheck_every == 0 {
                 let retired = shared
                     .pool
@@ -987,6 +1010,16 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                             rec.insert("unretired".into(), json!(back));
                         }
                         Err(e) => tracing::warn!("recheck at update {at} failed: {e}"),
+                    },
+                    SideJob::Probe { step: at, probe } => match probe {
+                        Ok(p) => {
+                            rec.insert("probe_at_step".into(), json!(at));
+                            rec.insert("probe_version".into(), json!(p.version));
+                            rec.insert("probe_tokens".into(), json!(p.tokens));
+                            rec.insert("probe_mismatch_mean".into(), json!(p.mean));
+                            rec.insert("probe_mismatch_max".into(), json!(p.max));
+                        }
+                        Err(e) => tracing::warn!("identity probe after update {at} failed: {e}"),
                     },
                 }
             }

@@ -190,6 +190,16 @@ pub struct Recipe {
     pub eval_every: u64,
     /// Attempts per held-out task. Default 4.
     pub eval_attempts: usize,
+    /// Every N updates, probe the engine/trainer identity (`rl::probe`):
+    /// a live replica samples `probe_tokens` tokens from a prompt of the
+    /// batch just trained, at the new weights, and the trainer scores them
+    /// with a frozen copy of those weights (`probe_mismatch_*` in the
+    /// metrics). It measures the same-version mismatch however far behind
+    /// the loop runs. Each probe clones the weights once. 0 = never.
+    /// Default 0.
+    pub probe_every: u64,
+    /// Tokens a probe samples. Default 32.
+    pub probe_tokens: usize,
     /// Checkpoint every N updates (and at the end); 0 = only at the end.
     /// Default 10.
     pub checkpoint_every: u64,
@@ -264,6 +274,8 @@ impl Default for Recipe {
             unretire_below: 0.75,
             eval_every: 10,
             eval_attempts: 4,
+            probe_every: 0,
+            probe_tokens: 32,
             checkpoint_every: 10,
             keep_checkpoints: Keep::Count(3),
             rollout_timeout_secs: 3600.0,
@@ -377,6 +389,9 @@ impl Recipe {
         }
         if !(self.rollout.temperature.is_finite() && self.rollout.temperature >= 0.0) {
             return bad("rollout.temperature must be a finite number >= 0");
+        }
+        if self.probe_every > 0 && self.probe_tokens == 0 {
+            return bad("probe_tokens must be at least 1 when probe_every is on");
         }
         if self.rollout_timeout_secs <= 0.0 || self.batch_timeout_secs <= 0.0 {
             return bad("rollout_timeout_secs and batch_timeout_secs must be positive");
