@@ -742,6 +742,12 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                     }
                 }
             }
+            // A prompt for the identity probe, from any consumed group (the
+            // batch may train nothing when every group is zero-variance).
+            let probe_prompt = groups
+                .iter()
+                .flat_map(|g| &g.trajectories)
+                .find_map(|t| probe::prompt_of(&t.token_ids, &t.loss_mask));
             let version = store.weight_version();
             let batch = batch::plan(
                 groups,
@@ -909,13 +915,9 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             if recipe.eval_every > 0 && (step % recipe.eval_every == 0 || is_last) {
                 spawn_eval(step, &mut side_pending);
             }
-            let prompt = batch
-                .examples
-                .iter()
-                .find_map(|e| probe::prompt_of(&e.tokens, &e.loss_mask));
             if let (true, Some(prompt)) = (
                 recipe.probe_every > 0 && step % recipe.probe_every == 0,
-                prompt,
+                probe_prompt,
             ) {
                 let (m, v) = (store.read().clone(), store.weight_version());
                 let (r, tx, at) = (router.clone(), side_tx.clone(), step);
