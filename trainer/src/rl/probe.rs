@@ -81,6 +81,11 @@ pub fn score(
     temperature: f32,
 ) -> Result<Probe> {
     let n = choice.tokens.len();
+    if prompt.is_empty() {
+        return Err(Error::Input(
+            "a probe needs a prompt of at least one token".into(),
+        ));
+    }
     if choice.logprobs.len() != n || choice.weight_versions.len() != n {
         return Err(Error::Input(format!(
             "a probe of {n} tokens came with {} log-probs and {} versions",
@@ -103,8 +108,7 @@ pub fn score(
         mean: 0.0,
         max: 0.0,
     };
-    if rows.is_empty() || prompt.is_empty() {
-        probe.tokens = 0;
+    if rows.is_empty() {
         return Ok(probe);
     }
     let packed = Packed::new(&[seq], model.config.vocab_size)?;

@@ -16,7 +16,7 @@
 //! batch-invariance guarantees are the CPU's, and on the device are
 //! checked with tolerances.
 
-use super::{int, CudaDevice};
+use super::{int, shape, CudaDevice};
 use crate::{Error, Result};
 use cudarc::cublas::{result as blas, sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
@@ -138,17 +138,14 @@ impl CudaDevice {
             b_t,
             beta,
         } = g;
-        for (name, got, want) in [
-            ("a", a.len(), m * k),
-            ("b", b.len(), k * n),
-            ("out", c.len(), m * n),
-        ] {
-            if got != want {
-                return Err(Error::Shape(format!(
-                    "{op}: {name} has {got} elements, expected {want}"
-                )));
-            }
-        }
+        shape(
+            op,
+            &[
+                ("a", a.len(), m * k),
+                ("b", b.len(), k * n),
+                ("out", c.len(), m * n),
+            ],
+        )?;
         if a.dtype() != b.dtype() {
             return Err(Error::Shape(format!(
                 "{op}: inputs of one product must share a type, got {} and {}",
