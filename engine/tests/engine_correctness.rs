@@ -160,8 +160,11 @@ fn greedy_equals_full_forward_argmax_and_logprobs_match_score() {
     eprintln!(
         "engine vs score: max |dlogprob| = {worst_score:.3e}; engine vs same-path reference: {worst_incremental:.3e}"
     );
-    assert!(worst_score <= 1e-5, "engine vs score {worst_score}");
-    assert!(worst_incremental <= 1e-5);
+    // Every kernel gives a position the same bits however the sequence is
+    // cut into calls (prefill, prefix hit, decode), so the engine's
+    // log-probs are the one-call forward's exactly.
+    assert_eq!(worst_score, 0.0, "engine vs score");
+    assert_eq!(worst_incremental, 0.0);
 }
 
 fn run_all(eng: &engine::EngineHandle, reqs: &[Request]) -> Vec<Choice> {

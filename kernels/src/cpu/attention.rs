@@ -250,7 +250,7 @@ fn attend_rows<K: KvRows>(out: &mut [f32], q: &[f32], kv: &K, dims: AttnDims, sc
 
 /// One query row, all heads, over the keys `0..scratch.len() / 2`
 /// (`scratch` holds two heads' scores): scores in [`DOT_LANES`] split sums,
-/// [`softmax_in_place`], then the weighted sum of values. The loops
+/// [`softmax_body`], then the weighted sum of values. The loops
 /// vectorise; where the CPU has AVX-512 (or AVX2) they run from a copy
 /// compiled for it.
 fn attend_row<K: KvRows>(
@@ -521,19 +521,85 @@ unsafe fn dot_split_avx512(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-/// Prefill attention as matrix products. Query rows are cut into blocks of
-/// [`BLOCK_Q`]; a block, all heads, is one rayon task that owns its rows of
-/// `out`. Block rows `i0..i0 + b` see keys `0..kn` with `kn = nk - nq + i0 +
-/// b` (the causal frontier of the block's last row), so keys past the block
-/// are never touched and the triangle costs half a square. Per query head h
-/// (key/value head kvh): `S = scale * Q_h K_kvh^T` (`b x kn`, one gemm reading
-/// q and k in place through strides), then each row is masked past its own
-/// position and softmaxed in f32 (max-subtracted, normalised before the
-/// product, as in the row-wise path), then `O_h = P V_kvh` (one gemm writing
-/// straight into the head's columns of `out`). Each gemm runs single-threaded:
-/// the parallelism is across blocks (nesting rayon inside the gemms was not
-/// measured).
+/// Prefill attention in blocks, with the row path's arithmetic. Query rows
+/// are cut into blocks of [`BLOCK_Q`]; a block, all heads, is one rayon task
+/// that owns its rows of `out`. Block rows `i0..i0 + b` see keys `0..kn` with
+/// `kn = nk - nq + i0 + b` (the causal frontier of the block's last row), so
+/// keys past the block are never touched and the triangle costs half a
+/// square. Per query head, each key row is read once for all the block's
+/// rows that see it: scores with the same [`dot_split`] as a decode row,
+/// each row softmaxed by the same [`softmax_body`], then every output the
+/// same chain `0 + p_0 v_0 + p_1 v_1 + ...` in position order.
+///
+/// So a position's output has the same bits whichever way the sequence was
+/// cut into calls: prefilled in one call or several, after a prefix hit, or
+/// decoded a token at a time. The engine's log-probs and the trainer's
+/// forward over the whole sequence then agree bit for bit. Matrix products
+/// (the gemm crate) summed the values in blocks of at least 512 positions
+/// and the scores with fused multiply-adds, so they agreed with a decode row
+/// only to a few units in the last place, and a log-prob sometimes to 1e-5.
 fn attention_blocked(out: &mut [f32], q: &[f32], k: &[f32], v: &[f32], dims: AttnDims, scale: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU supports AVX-512F, checked just above.
+        return unsafe { attention_blocked_avx512(out, q, k, v, dims, scale) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        return unsafe { attention_blocked_avx2(out, q, k, v, dims, scale) };
+    }
+    attention_blocked_body(out, q, k, v, dims, scale, dot_split)
+}
+
+/// [`attention_blocked_body`] compiled for AVX-512, with the register copy
+/// of [`dot_split`] (the same bits).
+///
+/// # Safety
+/// AVX-512F is present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn attention_blocked_avx512(
+    out: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    scale: f32,
+) {
+    attention_blocked_body(out, q, k, v, dims, scale, |a, b| {
+        // SAFETY: this copy runs only where AVX-512F is present.
+        unsafe { dot_split_avx512(a, b) }
+    })
+}
+
+/// [`attention_blocked_body`] compiled for AVX2 (the same bits).
+///
+/// # Safety
+/// AVX2 is present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn attention_blocked_avx2(
+    out: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    scale: f32,
+) {
+    attention_blocked_body(out, q, k, v, dims, scale, dot_split)
+}
+
+#[inline(always)]
+fn attention_blocked_body(
+    out: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: AttnDims,
+    scale: f32,
+    dot: impl Fn(&[f32], &[f32]) -> f32 + Sync,
+) {
     let AttnDims {
         nq,
         nk,
@@ -555,42 +621,29 @@ fn attention_blocked(out: &mut [f32], q: &[f32], k: &[f32], v: &[f32], dims: Att
             scores.resize(b * kn, 0.0);
             for h in 0..n_heads {
                 let kvh = h / group;
-                let q_h = MatRef {
-                    data: &q[i0 * row_len + h * hd..],
-                    rows: b,
-                    cols: hd,
-                    rs: row_len,
-                    cs: 1,
-                };
-                // K_kvh^T: element (x, j) = k[j * kv_row + kvh * hd + x].
-                let k_t = MatRef {
-                    data: &k[kvh * hd..],
-                    rows: hd,
-                    cols: kn,
-                    rs: 1,
-                    cs: kv_row,
-                };
-                gemm_serial(scores, kn, None, q_h, k_t, scale);
-                for (r, row) in scores.chunks_exact_mut(kn).enumerate() {
-                    let (live, masked) = row.split_at_mut(first + r + 1);
-                    softmax_in_place(live);
-                    masked.fill(0.0);
+                for j in 0..kn {
+                    let kj = &k[j * kv_row + kvh * hd..][..hd];
+                    for r in j.saturating_sub(first)..b {
+                        let qr = &q[(i0 + r) * row_len + h * hd..][..hd];
+                        scores[r * kn + j] = dot(qr, kj) * scale;
+                    }
                 }
-                let p = MatRef {
-                    data: scores,
-                    rows: b,
-                    cols: kn,
-                    rs: kn,
-                    cs: 1,
-                };
-                let v_h = MatRef {
-                    data: &v[kvh * hd..],
-                    rows: kn,
-                    cols: hd,
-                    rs: kv_row,
-                    cs: 1,
-                };
-                gemm_serial(&mut o[h * hd..], row_len, None, p, v_h, 1.0);
+                for (r, row) in scores.chunks_exact_mut(kn).enumerate() {
+                    softmax_body(&mut row[..first + r + 1]);
+                }
+                for r in 0..b {
+                    o[r * row_len + h * hd..][..hd].fill(0.0);
+                }
+                for j in 0..kn {
+                    let vj = &v[j * kv_row + kvh * hd..][..hd];
+                    for r in j.saturating_sub(first)..b {
+                        let p = scores[r * kn + j];
+                        let or = &mut o[r * row_len + h * hd..][..hd];
+                        for (a, x) in or.iter_mut().zip(vj) {
+                            *a += p * x;
+                        }
+                    }
+                }
             }
         });
 }
@@ -603,24 +656,9 @@ const LANES: usize = 8;
 /// [`LANES`] interleaved partials (a different summation order from a plain
 /// loop, same math), and the exponentials go through [`exp_poly`], so the
 /// whole row vectorises; with libm's scalar `expf` the softmax cost as much
-/// as both gemms together. The crate is built for baseline x86-64 (SSE2), so
-/// where the CPU has AVX2 the same loops run from a copy compiled for it,
-/// twice as wide.
-fn softmax_in_place(x: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2, checked just above.
-        return unsafe { softmax_avx2(x) };
-    }
-    softmax_body(x)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn softmax_avx2(x: &mut [f32]) {
-    softmax_body(x)
-}
-
+/// as the rest of the row. The crate is built for baseline x86-64 (SSE2):
+/// its callers' copies compiled for AVX2 or AVX-512 run the same loops
+/// wider, with the same bits (the lanes are explicit).
 #[inline(always)]
 fn softmax_body(x: &mut [f32]) {
     let mut m = [f32::NEG_INFINITY; LANES];
@@ -1112,6 +1150,67 @@ mod tests {
             let want = naive(&q, &k, &v, d, 0.4);
             for (a, b) in out.iter().zip(&want) {
                 assert!((*a as f64 - b).abs() < 1e-5, "{nq}/{nk}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// A position's output has the same bits whichever way its sequence is
+    /// cut into calls: one prefill, a prefill after a cached prefix (other
+    /// block alignments), or a decode row, past the 512 positions where a
+    /// matrix product would split its sum. The engine/trainer identity rests
+    /// on it.
+    #[test]
+    fn every_cut_of_a_sequence_gives_the_same_bits() {
+        let mut rng = StdRng::seed_from_u64(21);
+        // Head widths for the portable body and both register paths.
+        for (n_heads, n_kv_heads, hd, l) in [(4, 2, 32, 700), (6, 2, 5, 150), (2, 1, 64, 530)] {
+            let (row, kv_row) = (n_heads * hd, n_kv_heads * hd);
+            let q: Vec<f32> = (0..l * row).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let k: Vec<f32> = (0..l * kv_row).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let v: Vec<f32> = (0..l * kv_row).map(|_| rng.gen_range(-2.0..2.0)).collect();
+            let dims = |nq, nk| AttnDims {
+                nq,
+                nk,
+                n_heads,
+                n_kv_heads,
+                head_dim: hd,
+            };
+            let mut full = vec![0.0; l * row];
+            attention_forward(&mut full, &q, &k, &v, dims(l, l), 0.3).unwrap();
+            for past in [1, 17, 64, 100, l - 40] {
+                let n = l - past;
+                let mut part = vec![0.0; n * row];
+                let kv = ..l * kv_row;
+                attention_forward(
+                    &mut part,
+                    &q[past * row..],
+                    &k[kv],
+                    &v[kv],
+                    dims(n, l),
+                    0.3,
+                )
+                .unwrap();
+                assert!(part == full[past * row..], "{hd}/{l}: prefill after {past}");
+            }
+            for p in [0, 15, 16, 63, 64, 511, 512, l - 1]
+                .into_iter()
+                .filter(|&p| p < l)
+            {
+                let mut one = vec![0.0; row];
+                let kv = ..(p + 1) * kv_row;
+                attention_forward(
+                    &mut one,
+                    &q[p * row..(p + 1) * row],
+                    &k[kv],
+                    &v[kv],
+                    dims(1, p + 1),
+                    0.3,
+                )
+                .unwrap();
+                assert!(
+                    one == full[p * row..(p + 1) * row],
+                    "{hd}/{l}: decode row {p}"
+                );
             }
         }
     }
