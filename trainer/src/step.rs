@@ -137,6 +137,34 @@ impl MismatchSplit {
     }
 }
 
+/// A token the trainer scored under the very weights that sampled it, yet
+/// with another log-prob: where it sat, for `RUST_LOG=arcticd_trainer=debug`.
+fn trace_same_version_miss(ex: &PgExample, t: usize, d: f64) {
+    let turn = ex.loss_mask[..=t]
+        .windows(2)
+        .filter(|w| w[0] == 0 && w[1] == 1)
+        .count()
+        + usize::from(ex.loss_mask.first() == Some(&1));
+    let turn_start = ex.loss_mask[..=t]
+        .iter()
+        .rposition(|&m| m == 0)
+        .map_or(0, |p| p + 1);
+    let mut versions: Vec<u64> = (ex.weight_versions.iter().zip(&ex.loss_mask))
+        .filter(|&(_, &m)| m == 1)
+        .map(|(&v, _)| v)
+        .collect();
+    versions.dedup();
+    tracing::debug!(
+        position = t,
+        len = ex.tokens.len(),
+        turn,
+        turn_start,
+        versions = ?versions,
+        d,
+        "same-version token with another log-prob"
+    );
+}
+
 /// Pauses whatever reads the parameter store (the engines) around the
 /// optimizer's in-place write.
 pub trait WriteGate: Send + Sync {
@@ -598,7 +626,11 @@ impl Trainer {
                 }
                 if versioned {
                     let d = (ctx.lp[i] as f64 - ex.behaviour_logprobs[t] as f64).abs();
-                    split.add(ex.weight_versions[t] == trainer_version, d);
+                    let same = ex.weight_versions[t] == trainer_version;
+                    if same && d > 1e-6 {
+                        trace_same_version_miss(ex, t, d);
+                    }
+                    split.add(same, d);
                 }
                 if let Some(p) = per_seq.last_mut() {
                     p.1.push(ctx.lp[i]);

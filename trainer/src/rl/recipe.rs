@@ -125,10 +125,15 @@ pub struct Recipe {
     /// Linear warmup updates. Default 0.
     pub warmup: u64,
     /// The learning rate after the warmup: "constant" (the default) or
-    /// "cosine", half a cosine from `lr` down to `min_lr` at update `steps`.
+    /// "cosine", half a cosine from `lr` down to `min_lr` at update
+    /// `decay_steps`, then `min_lr`.
     pub lr_decay: LrDecay,
     /// Where the cosine decay ends. Default 0.0.
     pub min_lr: f64,
+    /// The update at which the cosine decay reaches `min_lr`; the updates
+    /// after it hold `min_lr` (a run that fits, then holds the fit).
+    /// 0 (the default): `steps`.
+    pub decay_steps: u64,
     /// AdamW decoupled weight decay. Default 0.0.
     pub weight_decay: f64,
     /// AdamW beta1. Default 0.9.
@@ -250,6 +255,7 @@ impl Default for Recipe {
             warmup: 0,
             lr_decay: LrDecay::Constant,
             min_lr: 0.0,
+            decay_steps: 0,
             weight_decay: 0.0,
             beta1: 0.9,
             beta2: 0.999,
@@ -384,6 +390,9 @@ impl Recipe {
         if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
             return bad("min_lr must be a finite number between 0 and lr");
         }
+        if self.decay_steps > 0 && self.decay_steps <= self.warmup {
+            return bad("decay_steps must be past warmup (0 = steps)");
+        }
         if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
             return bad("grad_clip must be a finite number >= 0 (0 = off)");
         }
@@ -468,7 +477,11 @@ impl Recipe {
             schedule: if self.lr_decay == LrDecay::Cosine {
                 LrSchedule::Cosine {
                     warmup: self.warmup,
-                    total: self.steps,
+                    total: if self.decay_steps > 0 {
+                        self.decay_steps
+                    } else {
+                        self.steps
+                    },
                     floor: if self.lr > 0.0 {
                         self.min_lr / self.lr
                     } else {
@@ -549,13 +562,22 @@ mod tests {
     }
 
     /// The stress test's recipe parses, keeps every task in the pool, and
-    /// rolls out in the setting the warm start was trained for.
+    /// rolls out in the setting the warm start was trained for, sampled at
+    /// temperature 0.7; it fits for 200 updates and holds for 100.
     #[test]
     fn overfit_recipe_parses_and_keeps_the_warm_starts_setting() {
         let text = include_str!("../../../recipes/overfit.toml");
         let r = Recipe::from_toml(text, "recipes/overfit.toml").unwrap();
         assert_eq!(r.retire_after, 0);
-        assert_eq!(r.rollout, crate::warm_start::demo_rollout_config());
+        let mut warm = crate::warm_start::demo_rollout_config();
+        warm.temperature = 0.7;
+        assert_eq!(r.rollout, warm);
+        let s = r.train_config().schedule;
+        assert!(r.min_lr > 0.0 && r.min_lr < r.lr);
+        assert!(r.lr * s.factor(199) > r.min_lr);
+        for step in [200, r.steps - 1] {
+            assert!((r.lr * s.factor(step) - r.min_lr).abs() < 1e-12, "{step}");
+        }
         assert!(r.ablations().is_empty());
     }
 
@@ -618,7 +640,26 @@ mod tests {
             LrSchedule::Constant
         );
         assert!(Recipe::from_toml("lr = 1e-4\nmin_lr = 1e-3\n", "r").is_err());
+        assert!(Recipe::from_toml("warmup = 10\ndecay_steps = 10\n", "r").is_err());
         assert!(Recipe::from_toml("lr_decay = \"linear\"\n", "r").is_err());
+    }
+
+    #[test]
+    fn cosine_decay_can_end_before_the_last_update() {
+        let r = Recipe::from_toml(
+            "steps = 300\nlr = 3e-4\nwarmup = 10\nlr_decay = \"cosine\"\nmin_lr = 3e-5\n\
+             decay_steps = 200\n",
+            "r",
+        )
+        .unwrap();
+        let s = r.train_config().schedule;
+        let lr = |step: u64| r.lr * s.factor(step);
+        assert!((lr(10) - 3e-4).abs() < 1e-12);
+        assert!((lr(105) - 1.65e-4).abs() < 1e-12);
+        for step in [200, 250, 299] {
+            assert!((lr(step) - 3e-5).abs() < 1e-12, "{step}");
+        }
+        assert!(lr(199) > 3e-5);
     }
 
     #[test]
