@@ -1181,15 +1181,8 @@ mod tests {
                 let n = l - past;
                 let mut part = vec![0.0; n * row];
                 let kv = ..l * kv_row;
-                attention_forward(
-                    &mut part,
-                    &q[past * row..],
-                    &k[kv],
-                    &v[kv],
-                    dims(n, l),
-                    0.3,
-                )
-                .unwrap();
+                attention_forward(&mut part, &q[past * row..], &k[kv], &v[kv], dims(n, l), 0.3)
+                    .unwrap();
                 assert!(part == full[past * row..], "{hd}/{l}: prefill after {past}");
             }
             for p in [0, 15, 16, 63, 64, 511, 512, l - 1]
