@@ -627,7 +627,7 @@ impl Trainer {
                 if versioned {
                     let d = (ctx.lp[i] as f64 - ex.behaviour_logprobs[t] as f64).abs();
                     let same = ex.weight_versions[t] == trainer_version;
-                    if same && d > 1e-6 {
+                    if same && d > 1e-6 && tracing::enabled!(tracing::Level::DEBUG) {
                         trace_same_version_miss(ex, t, d);
                     }
                     split.add(same, d);

@@ -642,10 +642,7 @@ mod tests {
         assert!(Recipe::from_toml("lr = 1e-4\nmin_lr = 1e-3\n", "r").is_err());
         assert!(Recipe::from_toml("warmup = 10\ndecay_steps = 10\n", "r").is_err());
         assert!(Recipe::from_toml("lr_decay = \"linear\"\n", "r").is_err());
-    }
-
-    #[test]
-    fn cosine_decay_can_end_before_the_last_update() {
+        // With decay_steps the floor comes before the last update and holds.
         let r = Recipe::from_toml(
             "steps = 300\nlr = 3e-4\nwarmup = 10\nlr_decay = \"cosine\"\nmin_lr = 3e-5\n\
              decay_steps = 200\n",
