@@ -2,7 +2,8 @@
 # The checks that need a GPU, as one short script, ending in one JSON of
 # numbers on stdout: every CUDA kernel test (each op against its CPU
 # reference, forwards and backwards; with ARCTICD_REQUIRE_GPU set a
-# missing device is a failure, not a skip) and the CUDA kernel benchmarks
+# missing device is a failure, not a skip), the model's CUDA scores
+# against the CPU's (engine crate, `model::cuda`), and the CUDA kernel benchmarks
 # (kernels/benches/cuda.rs, each as a fraction of the HBM bandwidth).
 #
 # Needs an NVIDIA driver, and NVRTC and cuBLAS on the loader path (PyPI's
@@ -33,20 +34,24 @@ if [ -z "${NVRTC_LIB:-}" ]; then
 fi
 if [ -n "$NVRTC_LIB" ]; then export LD_LIBRARY_PATH="$NVRTC_LIB:${LD_LIBRARY_PATH:-}"; fi
 
-# The executables cargo builds for the kernels' tests and the CUDA benches.
+# The executables cargo builds for a crate's tests or benches (CUDA on):
+# executables PACKAGE test|bench ARGS...
 executables() {
-  cargo "$@" -p arcticd-kernels --features cuda --no-run --message-format=json 2>/dev/null |
+  local pkg=$1; shift
+  cargo "$@" -p "$pkg" --features cuda --no-run --message-format=json 2>/dev/null |
     grep -o '"executable":"[^"]*"' | sed 's/"executable":"//; s/"$//'
 }
 
 if [ -n "${BIN_ONLY:-}" ]; then
   mkdir -p "$stage"
-  tests=$(executables test --release --lib | head -1)
-  bench=$(executables bench --bench cuda | head -1)
+  tests=$(executables arcticd-kernels test --release --lib | head -1)
+  bench=$(executables arcticd-kernels bench --bench cuda | head -1)
+  model_tests=$(executables arcticd-engine test --release --lib | head -1)
   # Stripped, and NVRTC (its library and builtins) xz-compressed: about
   # 40 MB in all, small enough to carry to a GPU machine.
   strip -o "$stage/kernels-tests" "$tests"
   strip -o "$stage/cuda-bench" "$bench"
+  strip -o "$stage/engine-tests" "$model_tests"
   if [ -n "$NVRTC_LIB" ] && [ -d "$NVRTC_LIB" ]; then
     rm -rf "$stage/nvrtc" && mkdir -p "$stage/nvrtc"
     for lib in libnvrtc.so.13 libnvrtc-builtins.so.13.0; do
@@ -57,12 +62,14 @@ if [ -n "${BIN_ONLY:-}" ]; then
   exit 0
 fi
 
-if [ -x "$stage/kernels-tests" ] && [ -x "$stage/cuda-bench" ]; then
+if [ -x "$stage/kernels-tests" ] && [ -x "$stage/cuda-bench" ] && [ -x "$stage/engine-tests" ]; then
   tests="$stage/kernels-tests"
   bench="$stage/cuda-bench"
+  model_tests="$stage/engine-tests"
 else
-  tests=$(executables test --release --lib | head -1)
-  bench=$(executables bench --bench cuda | head -1)
+  tests=$(executables arcticd-kernels test --release --lib | head -1)
+  bench=$(executables arcticd-kernels bench --bench cuda | head -1)
+  model_tests=$(executables arcticd-engine test --release --lib | head -1)
 fi
 
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || echo "unknown")
@@ -71,6 +78,11 @@ log=$(mktemp -d)
 set +e
 ARCTICD_REQUIRE_GPU=1 ARCTICD_REQUIRE_NVRTC=1 "$tests" cuda:: --test-threads 1 > "$log/tests.txt" 2>&1
 tests_rc=$?
+# The model on CUDA (the layer code the CPU runs, over the CUDA ops):
+# scores against the CPU's, with the bounds reached printed.
+ARCTICD_REQUIRE_GPU=1 "$model_tests" model::cuda:: --test-threads 1 --nocapture >> "$log/tests.txt" 2>&1
+model_rc=$?
+[ "$tests_rc" -eq 0 ] && tests_rc=$model_rc
 "$bench" --bench --output-format bencher > "$log/bench.txt" 2> "$log/bench.err"
 bench_rc=$?
 set -e

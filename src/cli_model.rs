@@ -6,6 +6,7 @@ use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::sampler::argmax;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_engine::{Qwen3_5, SeqInput};
+use arcticd_kernels::Device;
 use clap::Args;
 use serde::Deserialize;
 use std::io::Write;
@@ -19,6 +20,13 @@ pub struct ScoreArgs {
     /// JSON file `{"sequences": [[token ids], ...]}`.
     #[arg(long)]
     pub input: PathBuf,
+    /// `cpu`, or `cuda:N` in a build with the `cuda` feature.
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+    /// On CUDA, the matrices' type: `bf16` (half the memory) or `f32`
+    /// (fp32 products, the CPU's numbers to rounding).
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    pub weights: String,
 }
 
 #[derive(Deserialize)]
@@ -37,15 +45,50 @@ pub fn score(args: ScoreArgs) -> Result<()> {
             args.input.display()
         )
     })?;
-    // Read only: loaded packed, each weight held once (the same bits).
-    let (model, packs) = Qwen3_5::load_packed(&args.model)
-        .with_context(|| format!("loading model from {}", args.model.display()))?;
-    let lps = model.score_with(&input.sequences, Some(&packs))?;
+    let lps = match args.device {
+        Device::Cpu => {
+            // Read only: loaded packed, each weight held once (the same bits).
+            let (model, packs) = Qwen3_5::load_packed(&args.model)
+                .with_context(|| format!("loading model from {}", args.model.display()))?;
+            model.score_with(&input.sequences, Some(&packs))?
+        }
+        Device::Cuda(ordinal) => score_on_cuda(&args, ordinal, &input.sequences)?,
+    };
     let out = serde_json::json!({ "logprobs": lps });
     let mut stdout = std::io::stdout().lock();
     serde_json::to_writer(&mut stdout, &out)?;
     writeln!(stdout)?;
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn score_on_cuda(
+    args: &ScoreArgs,
+    ordinal: usize,
+    sequences: &[Vec<u32>],
+) -> Result<Vec<Vec<Option<f32>>>> {
+    use arcticd_engine::model::cuda::{CudaModel, WeightDType};
+    use arcticd_kernels::cuda::device::CudaDevice;
+    let dev = std::sync::Arc::new(CudaDevice::new(ordinal)?);
+    let model = Qwen3_5::load(&args.model)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
+    let dtype = match args.weights.as_str() {
+        "f32" => WeightDType::F32,
+        _ => WeightDType::Bf16,
+    };
+    let on_device = CudaModel::upload(&model, dev, dtype)?;
+    drop(model);
+    Ok(on_device.score(sequences)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn score_on_cuda(
+    _args: &ScoreArgs,
+    ordinal: usize,
+    _sequences: &[Vec<u32>],
+) -> Result<Vec<Vec<Option<f32>>>> {
+    Device::Cuda(ordinal).check_available()?;
+    bail!("cuda:{ordinal}: this build has no CUDA backend")
 }
 
 #[derive(Args)]

@@ -79,6 +79,7 @@ fn init_score_generate_and_bad_input() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let score_stdout = out.stdout.clone();
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let obj = v.as_object().unwrap();
     assert_eq!(obj.keys().collect::<Vec<_>>(), vec!["logprobs"]);
@@ -125,6 +126,19 @@ fn init_score_generate_and_bad_input() {
     assert_clean_error(&bad("empty.json", r#"{"sequences": [[]]}"#), "empty");
     assert_clean_error(&bad("shape.json", r#"{"seqs": [[1]]}"#), "sequences");
     assert_clean_error(&bad("neg.json", r#"{"sequences": [[-1]]}"#), "sequences");
+    let inp = input.to_str().unwrap();
+    assert_clean_error(
+        &arcticd(&["score", "--model", m, "--input", inp, "--device", "gpu"]),
+        "expected cpu, cuda or cuda:N",
+    );
+    // No GPU on this machine (and, without the feature, no CUDA backend):
+    // a clear error either way, never a panic.
+    assert_clean_error(
+        &arcticd(&["score", "--model", m, "--input", inp, "--device", "cuda:0"]),
+        "cuda:0",
+    );
+    let on_cpu = arcticd(&["score", "--model", m, "--input", inp, "--device", "cpu"]);
+    assert_eq!(on_cpu.stdout, score_stdout);
     assert_clean_error(
         &arcticd(&["score", "--model", m, "--input", "/nonexistent/in.json"]),
         "/nonexistent/in.json",

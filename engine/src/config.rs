@@ -325,6 +325,18 @@ impl ModelConfig {
     pub fn num_layers(&self) -> usize {
         self.layer_types.len()
     }
+
+    /// The Gated DeltaNet head shape `(nk, nv, dk, dv)`: key heads, value
+    /// heads, key and value head dims.
+    pub fn delta_heads(&self) -> (usize, usize, usize, usize) {
+        (
+            self.linear_num_key_heads,
+            self.linear_num_value_heads,
+            self.linear_key_head_dim,
+            self.linear_value_head_dim,
+        )
+    }
+
     /// Channels of the linear layers' q|k|v projection (and its conv).
     pub fn linear_conv_dim(&self) -> usize {
         2 * self.linear_num_key_heads * self.linear_key_head_dim

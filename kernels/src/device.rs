@@ -35,6 +35,28 @@ impl std::fmt::Display for Device {
     }
 }
 
+impl std::str::FromStr for Device {
+    type Err = crate::Error;
+
+    /// `cpu`, `cuda` (device 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || {
+            crate::Error::Index(format!(
+                "device {s:?}: expected cpu, cuda or cuda:N (N a device ordinal)"
+            ))
+        };
+        match s.trim() {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(bad),
+        }
+    }
+}
+
 /// The CUDA stand-in: compiled when the `cuda` feature is off.
 #[cfg(not(feature = "cuda"))]
 mod cuda_standin {
@@ -43,5 +65,29 @@ mod cuda_standin {
         Err(Error::NoDevice(format!(
             "cuda:{ordinal} (this build has no CUDA backend)"
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Device;
+
+    #[test]
+    fn devices_parse_and_print_alike() {
+        for (s, d) in [
+            ("cpu", Device::Cpu),
+            ("cuda", Device::Cuda(0)),
+            ("cuda:3", Device::Cuda(3)),
+        ] {
+            assert_eq!(s.parse::<Device>().unwrap(), d);
+        }
+        assert_eq!(
+            Device::Cuda(3).to_string().parse::<Device>().unwrap(),
+            Device::Cuda(3)
+        );
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", ""] {
+            let e = bad.parse::<Device>().unwrap_err().to_string();
+            assert!(e.contains("expected cpu, cuda or cuda:N"), "{bad}: {e}");
+        }
     }
 }

@@ -20,9 +20,9 @@
 
 use crate::grads::{FullAttnGrad, LinearAttnGrad, ModelGrads};
 use crate::{Error, Result};
-use arcticd_engine::model::logit_rows_per_chunk;
 use arcticd_engine::model::qwen3_5::{FullAttention, Linear, LinearAttention, Mixer};
 use arcticd_engine::model::saved::{FullActs, Keep, Kept, LayerActs, LinearActs, MixerActs};
+use arcticd_engine::model::{check_ids, logit_rows_per_chunk};
 use arcticd_engine::Qwen3_5;
 use arcticd_kernels::cpu::{
     activation::{
@@ -54,18 +54,14 @@ pub struct Packed {
 impl Packed {
     /// Pack `sequences` (each non-empty, ids below `vocab`).
     pub fn new(sequences: &[Vec<u32>], vocab: usize) -> Result<Self> {
+        check_ids(sequences, vocab).map_err(|e| match e {
+            arcticd_engine::Error::Input(m) => Error::Input(m),
+            e => Error::Engine(e),
+        })?;
         let mut ids = Vec::new();
         let mut spans = Vec::with_capacity(sequences.len());
         let mut positions = Vec::new();
-        for (s, seq) in sequences.iter().enumerate() {
-            if seq.is_empty() {
-                return Err(Error::Input(format!("sequence {s} is empty")));
-            }
-            if let Some((i, &id)) = seq.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
-                return Err(Error::Input(format!(
-                    "sequence {s}, position {i}: token id {id} is not below the vocabulary size {vocab}"
-                )));
-            }
+        for seq in sequences {
             spans.push((ids.len(), seq.len()));
             ids.extend_from_slice(seq);
             positions.extend((0..seq.len()).map(|p| p as u32));
@@ -450,12 +446,7 @@ fn linear_attention_bwd(
     let c = &model.config;
     let t = packed.len();
     let hsz = c.hidden_size;
-    let (nk, nv, dk, dv) = (
-        c.linear_num_key_heads,
-        c.linear_num_value_heads,
-        c.linear_key_head_dim,
-        c.linear_value_head_dim,
-    );
+    let (nk, nv, dk, dv) = c.delta_heads();
     let conv_dim = c.linear_conv_dim();
     let kc = c.conv_kernel;
     let (qd, vd) = (nk * dk, nv * dv);

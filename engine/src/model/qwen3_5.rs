@@ -16,29 +16,18 @@
 //! Not for: paging, scheduling or sampling (the engine's cache and scheduler
 //! sit above this), nor the backward (trainer).
 
+use super::cpu::{self, CpuOps};
+use super::ops::{take, LayerOps};
 use super::saved::{FullActs, Keep, Kept, LayerActs, LinearActs, MixerActs, Trace};
 use crate::config::{LayerType, ModelConfig};
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
 use arcticd_kernels::cpu::{
-    activation::{sigmoid, sigmoid_gate_forward, silu_forward, silu_mul_forward, softplus},
-    attention::{attention_forward, attention_forward_paged, AttnDims, PagedKv, MIN_BLOCKED_NQ},
-    conv1d::conv1d_forward,
-    embedding::embedding_forward,
-    gated_delta::{
-        gated_delta_recurrent_forward, gated_delta_recurrent_forward_checkpointed, warm_state,
-        GatedDeltaDims, CHECKPOINT_EVERY,
-    },
-    l2norm::l2norm_forward,
     logsoftmax::logprob_gather_forward,
     matmul::{matmul_forward, matmul_forward_packed, pack_linear},
-    prefetch_rows,
-    rmsnorm::{gated_rmsnorm_forward, rmsnorm_forward},
-    rope::rope_forward,
     sgemm::PackedB,
 };
 use arcticd_kernels::{DType, Tensor, TensorId};
-use rayon::prelude::*;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
@@ -141,7 +130,7 @@ impl LinearPacks {
         self.holds.contains(&weight.id())
     }
 
-    fn get(&self, weight: &Tensor) -> Option<&PackedB> {
+    pub(crate) fn get(&self, weight: &Tensor) -> Option<&PackedB> {
         self.single
             .get(&weight.id())
             .filter(|p| p.dims().0 * p.dims().1 == weight.numel())
@@ -149,7 +138,7 @@ impl LinearPacks {
 
     /// The side-by-side pack of `group`, when there is one for exactly
     /// these widths.
-    fn get_fused(&self, group: &[&Linear]) -> Option<&PackedB> {
+    pub(crate) fn get_fused(&self, group: &[&Linear]) -> Option<&PackedB> {
         let (p, widths) = self.fused.get(&group.first()?.weight.id())?;
         let same = widths.len() == group.len()
             && widths.iter().zip(group).all(|(w, l)| *w == l.out_features);
@@ -190,37 +179,6 @@ impl LinearPacks {
     }
 }
 
-/// `[l.forward(inp) for l in group]`, in one product when `packs` holds the
-/// group side by side.
-fn project(
-    group: &[&Linear],
-    inp: &[f32],
-    n: usize,
-    packs: Option<&LinearPacks>,
-) -> Result<Vec<Vec<f32>>> {
-    let Some(p) = packs.and_then(|p| p.get_fused(group)) else {
-        return group
-            .iter()
-            .map(|l| l.forward_with(inp, n, packs))
-            .collect();
-    };
-    let total = p.dims().1;
-    let mut joined = vec![0.0f32; n * total];
-    matmul_forward_packed(&mut joined, inp, p, None, n)?;
-    let mut outs: Vec<Vec<f32>> = group
-        .iter()
-        .map(|l| Vec::with_capacity(n * l.out_features))
-        .collect();
-    for row in joined.chunks_exact(total) {
-        let mut at = 0;
-        for (o, l) in outs.iter_mut().zip(group) {
-            o.extend_from_slice(&row[at..at + l.out_features]);
-            at += l.out_features;
-        }
-    }
-    Ok(outs)
-}
-
 /// Rows of logits made at once by scoring and by the trainer's log-probs:
 /// a 248k vocabulary never needs `tokens x vocab` floats (64 MiB a chunk),
 /// and the two chunk alike, so their results match.
@@ -228,41 +186,16 @@ pub fn logit_rows_per_chunk(vocab: usize) -> usize {
     (1 << 24) / vocab.max(1) + 1
 }
 
-/// `buf` cut into one piece of `n * row` floats per span `(start, n, _)`;
-/// the spans tile it in order.
-fn split_rows<'a>(
-    mut buf: &'a mut [f32],
-    spans: &[(usize, usize, usize)],
-    row: usize,
-) -> Vec<&'a mut [f32]> {
-    let mut pieces = Vec::with_capacity(spans.len());
-    for &(_, n, _) in spans {
-        let (head, tail) = std::mem::take(&mut buf).split_at_mut(n * row);
-        pieces.push(head);
-        buf = tail;
-    }
-    pieces
-}
-
-/// RMSNorm over rows of `c`: the output and each row's reciprocal RMS.
-fn rmsnorm(inp: &[f32], weight: &Tensor, c: usize, eps: f32) -> Result<(Vec<f32>, Vec<f32>)> {
-    let n = inp.len() / c;
-    let mut out = vec![0.0f32; inp.len()];
-    let mut rstd = vec![0.0f32; n];
-    rmsnorm_forward(&mut out, &mut rstd, inp, weight.as_f32()?, n, c, eps)?;
-    Ok((out, rstd))
-}
-
 /// How a packed batch lies: every new token's id and position, and per
 /// sequence `(start, new tokens, tokens already in its cache)`.
-struct Layout {
-    ids: Vec<u32>,
-    positions: Vec<u32>,
-    spans: Vec<(usize, usize, usize)>,
+pub(crate) struct Layout {
+    pub ids: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub spans: Vec<(usize, usize, usize)>,
 }
 
 impl Layout {
-    fn of(batch: &[SeqInput<'_>]) -> Result<Self> {
+    pub(crate) fn of(batch: &[SeqInput<'_>]) -> Result<Self> {
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut spans = Vec::with_capacity(batch.len());
@@ -281,6 +214,22 @@ impl Layout {
             spans,
         })
     }
+}
+
+/// Every sequence is non-empty and its ids below `vocab`: what a forward
+/// over fresh sequences (scoring, training) asks of its input.
+pub fn check_ids(sequences: &[Vec<u32>], vocab: usize) -> Result<()> {
+    for (s, seq) in sequences.iter().enumerate() {
+        if seq.is_empty() {
+            return Err(Error::Input(format!("sequence {s} is empty")));
+        }
+        if let Some((i, &id)) = seq.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(Error::Input(format!(
+                "sequence {s}, position {i}: token id {id} is not below the vocabulary size {vocab}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// `sequences` paired with their (fresh) caches.
@@ -309,9 +258,10 @@ pub struct LinearAttention<T = Tensor> {
     pub out_proj: Linear<T>,
 }
 
-impl LinearAttention {
-    /// The projections of the layer input, in the order [`project`] returns them.
-    fn input_projections(&self) -> [&Linear; 4] {
+impl<T> LinearAttention<T> {
+    /// The projections of the layer input, in the order the layer code
+    /// takes them.
+    pub(crate) fn input_projections(&self) -> [&Linear<T>; 4] {
         [
             &self.in_proj_qkv,
             &self.in_proj_z,
@@ -333,9 +283,10 @@ pub struct FullAttention<T = Tensor> {
     pub k_norm: T,
 }
 
-impl FullAttention {
-    /// The projections of the layer input, in the order [`project`] returns them.
-    fn input_projections(&self) -> [&Linear; 3] {
+impl<T> FullAttention<T> {
+    /// The projections of the layer input, in the order the layer code
+    /// takes them.
+    pub(crate) fn input_projections(&self) -> [&Linear<T>; 3] {
         [&self.q_proj, &self.k_proj, &self.v_proj]
     }
 }
@@ -400,11 +351,6 @@ pub struct PagedPast<'a> {
     pub block_size: usize,
     pub pools: &'a [(&'a [f32], &'a [f32])],
 }
-
-/// Query runs shorter than this read a paged past in place (the attention
-/// kernel's row path, whose bits they then share); longer ones gather it
-/// once for the blocked path.
-const PAGED_MAX_NQ: usize = MIN_BLOCKED_NQ;
 
 /// One sequence of a packed batch: new tokens, appended to what `cache` holds.
 pub struct SeqInput<'a> {
@@ -507,9 +453,11 @@ impl Qwen3_5 {
             )));
         }
         let layout = Layout::of(batch)?;
-        let mut x = self.embed(&layout.ids)?;
+        let t = layout.ids.len();
+        let mut ops = self.cpu_ops(&layout, batch, pasts, packs);
+        let mut x = ops.embed(&self.embed_tokens)?;
         for li in 0..self.layers.len() {
-            self.layer_forward(li, &mut x, &layout, batch, pasts, packs, false)?;
+            self.layer_forward(&mut ops, li, &mut x, t, false)?;
         }
         for seq in batch.iter_mut() {
             seq.cache.len += seq.tokens.len();
@@ -525,12 +473,14 @@ impl Qwen3_5 {
         let mut caches: Vec<SeqCache> = sequences.iter().map(|_| self.new_cache()).collect();
         let mut batch = fresh_batch(sequences, &mut caches);
         let layout = Layout::of(&batch)?;
-        let mut x = self.embed(&layout.ids)?;
+        let t = layout.ids.len();
+        let mut ops = self.cpu_ops(&layout, &mut batch, None, None);
+        let mut x = ops.embed(&self.embed_tokens)?;
         let mut layers = Vec::with_capacity(self.layers.len());
         for li in 0..self.layers.len() {
             let all = keep == Keep::All;
             let x_in = (!all).then(|| x.clone());
-            let acts = self.layer_forward(li, &mut x, &layout, &mut batch, None, None, all)?;
+            let acts = self.layer_forward(&mut ops, li, &mut x, t, all)?;
             layers.push(match (x_in, acts) {
                 (Some(x_in), _) => Kept::Input(x_in),
                 (None, Some(acts)) => Kept::All(Box::new(acts)),
@@ -574,415 +524,35 @@ impl Qwen3_5 {
             )));
         }
         let mut x = x_in.to_vec();
-        self.layer_forward(li, &mut x, &layout, &mut batch, None, None, true)?
+        let t = layout.ids.len();
+        let mut ops = self.cpu_ops(&layout, &mut batch, None, None);
+        self.layer_forward(&mut ops, li, &mut x, t, true)?
             .ok_or_else(|| Error::Invariant(format!("layer {li} kept no activations")))
-    }
-
-    /// The token embeddings `[tokens, hidden]`.
-    fn embed(&self, ids: &[u32]) -> Result<Vec<f32>> {
-        let (v, h) = (self.config.vocab_size, self.config.hidden_size);
-        let mut x = vec![0.0f32; ids.len() * h];
-        embedding_forward(&mut x, ids, self.embed_tokens.as_f32()?, v, h)
-            .map_err(|e| Error::Input(e.to_string()))?;
-        Ok(x)
     }
 
     /// The final norm of the residual stream, and its reciprocal RMS per row.
     fn final_norm(&self, x: &[f32]) -> Result<(Vec<f32>, Vec<f32>)> {
         let c = &self.config;
-        rmsnorm(x, &self.norm, c.hidden_size, c.rms_norm_eps)
+        cpu::rmsnorm(x, &self.norm, c.hidden_size, c.rms_norm_eps)
     }
 
-    /// Decoder layer `li` over the packed batch: `x` (the residual stream)
-    /// is updated in place and each sequence's cache of this layer
-    /// advances. With `keep`, the layer's activations come back for a
-    /// backward; the arithmetic is the same either way.
-    #[allow(clippy::too_many_arguments)]
-    fn layer_forward(
-        &self,
-        li: usize,
-        x: &mut [f32],
-        layout: &Layout,
-        batch: &mut [SeqInput<'_>],
-        pasts: Option<&[Option<PagedPast<'_>>]>,
-        packs: Option<&LinearPacks>,
-        keep: bool,
-    ) -> Result<Option<LayerActs>> {
-        let c = &self.config;
-        let (h, t, eps) = (c.hidden_size, layout.ids.len(), c.rms_norm_eps);
-        let layer = &self.layers[li];
-        let x_in = keep.then(|| x.to_vec());
-        let (xn1, rstd1) = rmsnorm(x, &layer.input_layernorm, h, eps)?;
-        let (mixed, mixer) = match &layer.mixer {
-            Mixer::Linear(la) => {
-                let (out, acts) =
-                    self.linear_attention(la, li, &xn1, layout, batch, packs, keep)?;
-                (out, acts.map(|a| MixerActs::Linear(Box::new(a))))
-            }
-            Mixer::Full(fa) => {
-                let (out, acts) =
-                    self.full_attention(fa, li, &xn1, layout, batch, pasts, packs, keep)?;
-                (out, acts.map(|a| MixerActs::Full(Box::new(a))))
-            }
-        };
-        for (a, b) in x.iter_mut().zip(&mixed) {
-            *a += b;
+    /// The CPU's side of a forward over `batch`.
+    fn cpu_ops<'a, 'b, 'c>(
+        &'a self,
+        layout: &'a Layout,
+        batch: &'a mut [SeqInput<'b>],
+        pasts: Option<&'a [Option<PagedPast<'c>>]>,
+        packs: Option<&'a LinearPacks>,
+    ) -> CpuOps<'a, 'b, 'c> {
+        CpuOps {
+            config: &self.config,
+            layout,
+            batch,
+            pasts,
+            packs,
         }
-        let x_mid = keep.then(|| x.to_vec());
-        let (xn2, rstd2) = rmsnorm(x, &layer.post_attention_layernorm, h, eps)?;
-        let [gate, up]: [Vec<f32>; 2] =
-            project(&[&layer.gate_proj, &layer.up_proj], &xn2, t, packs)?
-                .try_into()
-                .expect("two projections");
-        let mut act = vec![0.0f32; gate.len()];
-        silu_mul_forward(&mut act, &gate, &up, t, c.intermediate_size)?;
-        let mlp = layer.down_proj.forward_with(&act, t, packs)?;
-        for (a, b) in x.iter_mut().zip(&mlp) {
-            *a += b;
-        }
-        let (Some(x_in), Some(mixer), Some(x_mid)) = (x_in, mixer, x_mid) else {
-            return Ok(None);
-        };
-        Ok(Some(LayerActs {
-            x_in,
-            rstd1,
-            xn1,
-            mixer,
-            x_mid,
-            rstd2,
-            xn2,
-            gate,
-            up,
-            act,
-        }))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn linear_attention(
-        &self,
-        la: &LinearAttention,
-        li: usize,
-        xn: &[f32],
-        layout: &Layout,
-        batch: &mut [SeqInput<'_>],
-        packs: Option<&LinearPacks>,
-        keep: bool,
-    ) -> Result<(Vec<f32>, Option<LinearActs>)> {
-        let c = &self.config;
-        let spans = &layout.spans;
-        let t = xn.len() / c.hidden_size;
-        let (nk, nv, dk, dv) = (
-            c.linear_num_key_heads,
-            c.linear_num_value_heads,
-            c.linear_key_head_dim,
-            c.linear_value_head_dim,
-        );
-        let conv_dim = c.linear_conv_dim();
-        let kc = c.conv_kernel;
-        let [qkv, z, b, a]: [Vec<f32>; 4] = project(&la.input_projections(), xn, t, packs)?
-            .try_into()
-            .expect("four projections");
-
-        // Causal conv per sequence, continuing from each sequence's conv state.
-        let mut conv = vec![0.0f32; t * conv_dim];
-        // A decode step reads every sequence's states from memory: each
-        // sequence's are fetched while the one before it runs (addresses,
-        // only ever prefetched, never read through).
-        let states: Vec<(usize, usize, usize)> = batch
-            .iter()
-            .map(|seq| {
-                let conv = &seq.cache.conv_state[li];
-                (
-                    conv.as_ptr() as usize,
-                    conv.len(),
-                    seq.cache.recurrent_state[li].as_ptr() as usize,
-                )
-            })
-            .collect();
-        for (i, (&(start, n, _), seq)) in spans.iter().zip(batch.iter_mut()).enumerate() {
-            if let Some(&(next, len, _)) = states.get(i + 1) {
-                prefetch_rows(next as *const f32, 1, 0, len);
-            }
-            conv1d_forward(
-                &mut conv[start * conv_dim..(start + n) * conv_dim],
-                &mut seq.cache.conv_state[li],
-                &qkv[start * conv_dim..(start + n) * conv_dim],
-                la.conv1d.as_f32()?,
-                n,
-                conv_dim,
-                kc,
-            )?;
-        }
-        let conv_pre = keep.then(|| conv.clone());
-        silu_forward(&mut conv);
-
-        // Split channels [q | k | v] and normalise q, k per head.
-        let (qd, vd) = (nk * dk, nv * dv);
-        let mut q_raw = Vec::with_capacity(t * qd);
-        let mut k_raw = Vec::with_capacity(t * qd);
-        let mut v = Vec::with_capacity(t * vd);
-        for row in conv.chunks_exact(conv_dim) {
-            q_raw.extend_from_slice(&row[..qd]);
-            k_raw.extend_from_slice(&row[qd..2 * qd]);
-            v.extend_from_slice(&row[2 * qd..]);
-        }
-        let mut q = vec![0.0f32; t * qd];
-        let mut k = vec![0.0f32; t * qd];
-        let mut rn_q = vec![0.0f32; t * nk];
-        let mut rn_k = vec![0.0f32; t * nk];
-        l2norm_forward(&mut q, &mut rn_q, &q_raw, t * nk, dk, 1e-6)?;
-        l2norm_forward(&mut k, &mut rn_k, &k_raw, t * nk, dk, 1e-6)?;
-        let scale = 1.0 / (dk as f32).sqrt();
-        for x in q.iter_mut() {
-            *x *= scale;
-        }
-        // beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias).
-        let a_log = la.a_log.as_f32()?;
-        let dt_bias = la.dt_bias.as_f32()?;
-        let beta: Vec<f32> = b.iter().map(|&x| sigmoid(x)).collect();
-        let g: Vec<f32> = a
-            .iter()
-            .enumerate()
-            .map(|(i, &x)| {
-                let hh = i % nv;
-                -a_log[hh].exp() * softplus(x + dt_bias[hh])
-            })
-            .collect();
-
-        let mut core = vec![0.0f32; t * vd];
-        let outs = split_rows(&mut core, spans, vd);
-        let jobs: Vec<_> = spans
-            .iter()
-            .zip(batch.iter_mut())
-            .zip(outs)
-            .enumerate()
-            .collect();
-        // Sequences in parallel (their states are independent); each one's
-        // arithmetic is the same whatever runs beside it. With `keep`, the
-        // states every CHECKPOINT_EVERY tokens are kept for the backward.
-        let states = &states;
-        let checkpoints = jobs
-            .into_par_iter()
-            .map(|(i, ((&(start, n, _), seq), out))| -> Result<Vec<f32>> {
-                let dims = GatedDeltaDims {
-                    t: n,
-                    nk,
-                    nv,
-                    dk,
-                    dv,
-                };
-                if let Some(&(_, _, next)) = states.get(i + 1) {
-                    warm_state(next as *const f32, dims);
-                }
-                let args = (
-                    &q[start * qd..(start + n) * qd],
-                    &k[start * qd..(start + n) * qd],
-                    &v[start * vd..(start + n) * vd],
-                    &g[start * nv..(start + n) * nv],
-                    &beta[start * nv..(start + n) * nv],
-                );
-                let state = &mut seq.cache.recurrent_state[li];
-                // The recurrent form for every length: on the CPU it is the faster
-                // one at these head sizes (benches/kernels.rs: ~0.45 ms vs ~1.0 ms
-                // for the chunked form at t=512, d=64), and one form everywhere
-                // makes prefill, decode and scoring of the same tokens bit-identical,
-                // which the engine's prefix cache and the trainer's log-prob
-                // agreement rely on. The chunked form (held to 1e-5 of this one in
-                // the kernel tests) is the GPU prefill path.
-                if !keep {
-                    gated_delta_recurrent_forward(
-                        out, state, args.0, args.1, args.2, args.3, args.4, dims,
-                    )?;
-                    return Ok(Vec::new());
-                }
-                let mut cps = vec![0.0f32; n.div_ceil(CHECKPOINT_EVERY).max(1) * nv * dk * dv];
-                gated_delta_recurrent_forward_checkpointed(
-                    out, state, args.0, args.1, args.2, args.3, args.4, dims, &mut cps,
-                )?;
-                Ok(cps)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mut normed = vec![0.0f32; t * vd];
-        let mut rstd = vec![0.0f32; t * nv];
-        gated_rmsnorm_forward(
-            &mut normed,
-            &mut rstd,
-            &core,
-            &z,
-            la.norm.as_f32()?,
-            t * nv,
-            dv,
-            c.rms_norm_eps,
-        )?;
-        let out = la.out_proj.forward_with(&normed, t, packs)?;
-        let acts = conv_pre.map(|conv_pre| LinearActs {
-            qkv,
-            conv_pre,
-            q_raw,
-            k_raw,
-            rn_q,
-            rn_k,
-            q,
-            k,
-            v,
-            z,
-            a,
-            beta,
-            g,
-            core,
-            rstd,
-            normed,
-            checkpoints,
-        });
-        Ok((out, acts))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn full_attention(
-        &self,
-        fa: &FullAttention,
-        li: usize,
-        xn: &[f32],
-        layout: &Layout,
-        batch: &mut [SeqInput<'_>],
-        pasts: Option<&[Option<PagedPast<'_>>]>,
-        packs: Option<&LinearPacks>,
-        keep: bool,
-    ) -> Result<(Vec<f32>, Option<FullActs>)> {
-        let c = &self.config;
-        let (spans, positions) = (&layout.spans, &layout.positions);
-        let t = xn.len() / c.hidden_size;
-        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let [qg, k_raw, v]: [Vec<f32>; 3] = project(&fa.input_projections(), xn, t, packs)?
-            .try_into()
-            .expect("three projections");
-        // Per head: head_dim query values, then head_dim gate values.
-        let mut q_raw = Vec::with_capacity(t * nh * hd);
-        let mut gate = Vec::with_capacity(t * nh * hd);
-        for head in qg.chunks_exact(2 * hd) {
-            q_raw.extend_from_slice(&head[..hd]);
-            gate.extend_from_slice(&head[hd..]);
-        }
-        let (mut q, q_rstd) = rmsnorm(&q_raw, &fa.q_norm, hd, c.rms_norm_eps)?;
-        let (mut k, k_rstd) = rmsnorm(&k_raw, &fa.k_norm, hd, c.rms_norm_eps)?;
-        rope_forward(&mut q, positions, nh, hd, c.rotary_dim, c.rope_theta)?;
-        rope_forward(&mut k, positions, nkv, hd, c.rotary_dim, c.rope_theta)?;
-
-        let (qrow, kvrow) = (nh * hd, nkv * hd);
-        let mut out = vec![0.0f32; t * qrow];
-        let scale = 1.0 / (hd as f32).sqrt();
-        let outs = split_rows(&mut out, spans, qrow);
-        let jobs: Vec<_> = spans
-            .iter()
-            .zip(batch.iter_mut())
-            .zip(outs)
-            .enumerate()
-            .collect();
-        let dims = |n: usize, past: usize| AttnDims {
-            nq: n,
-            nk: past + n,
-            n_heads: nh,
-            n_kv_heads: nkv,
-            head_dim: hd,
-        };
-        // Sequences in parallel, as in the linear layers.
-        jobs.into_par_iter()
-            .try_for_each(|(s, ((&(start, n, past), seq), o))| -> Result<()> {
-                let kc = &mut seq.cache.k[li];
-                let vc = &mut seq.cache.v[li];
-                if let Some(p) = pasts.and_then(|p| p[s].as_ref()) {
-                    let (k_pool, v_pool) = p.pools.get(li).copied().unwrap_or_default();
-                    let paged = PagedKv {
-                        k_pool,
-                        v_pool,
-                        blocks: p.blocks,
-                        block_size: p.block_size,
-                        past,
-                        new_k: &k[start * kvrow..(start + n) * kvrow],
-                        new_v: &v[start * kvrow..(start + n) * kvrow],
-                        kv_row: kvrow,
-                    };
-                    kc.clear();
-                    vc.clear();
-                    if n < PAGED_MAX_NQ {
-                        // Decode: the past is read where it lies, the next
-                        // sequence's first keys fetched meanwhile.
-                        if let (Some(Some(next)), Some(&(_, _, next_past))) =
-                            (pasts.and_then(|p| p.get(s + 1)), spans.get(s + 1))
-                        {
-                            let (k_pool, v_pool) = next.pools.get(li).copied().unwrap_or_default();
-                            PagedKv {
-                                k_pool,
-                                v_pool,
-                                blocks: next.blocks,
-                                block_size: next.block_size,
-                                past: next_past,
-                                new_k: &[],
-                                new_v: &[],
-                                kv_row: kvrow,
-                            }
-                            .warm();
-                        }
-                        kc.extend_from_slice(paged.new_k);
-                        vc.extend_from_slice(paged.new_v);
-                        let q = &q[start * qrow..(start + n) * qrow];
-                        return attention_forward_paged(o, q, &paged, dims(n, past), scale)
-                            .map_err(|e| Error::Input(e.to_string()));
-                    }
-                    // A long run of queries is matrix products over one
-                    // piece: gather the past once.
-                    for pos in 0..past {
-                        let Some(&b) = p.blocks.get(pos / p.block_size.max(1)) else {
-                            return Err(Error::Input(format!(
-                                "block table of {} blocks does not cover {past} positions",
-                                p.blocks.len()
-                            )));
-                        };
-                        let at = (b as usize * p.block_size + pos % p.block_size) * kvrow;
-                        let (Some(kr), Some(vr)) =
-                            (k_pool.get(at..at + kvrow), v_pool.get(at..at + kvrow))
-                        else {
-                            return Err(Error::Input(format!("block {b} is outside the cache")));
-                        };
-                        kc.extend_from_slice(kr);
-                        vc.extend_from_slice(vr);
-                    }
-                }
-                if kc.len() != past * kvrow {
-                    return Err(Error::Input(format!(
-                        "cache of layer {li} holds {} positions, the sequence says {past}",
-                        kc.len() / kvrow.max(1)
-                    )));
-                }
-                kc.extend_from_slice(&k[start * kvrow..(start + n) * kvrow]);
-                vc.extend_from_slice(&v[start * kvrow..(start + n) * kvrow]);
-                attention_forward(
-                    o,
-                    &q[start * qrow..(start + n) * qrow],
-                    kc,
-                    vc,
-                    dims(n, past),
-                    scale,
-                )?;
-                Ok(())
-            })?;
-        let attn = keep.then(|| out.clone());
-        sigmoid_gate_forward(&mut out, &gate)?;
-        let projected = fa.o_proj.forward_with(&out, t, packs)?;
-        let acts = attn.map(|attn| FullActs {
-            q_raw,
-            gate,
-            k_raw,
-            q_rstd,
-            k_rstd,
-            q,
-            k,
-            v,
-            attn,
-            gated: out,
-        });
-        Ok((projected, acts))
-    }
     /// Logits `[n, vocab]` for hidden rows `[n, hidden]`.
     pub fn logits(&self, hidden: &[f32]) -> Result<Vec<f32>> {
         self.logits_with(hidden, None)
@@ -1016,16 +586,7 @@ impl Qwen3_5 {
         packs: Option<&LinearPacks>,
     ) -> Result<Vec<Vec<Option<f32>>>> {
         let vsz = self.config.vocab_size;
-        for (s, seq) in sequences.iter().enumerate() {
-            if seq.is_empty() {
-                return Err(Error::Input(format!("sequence {s} is empty")));
-            }
-            if let Some((i, &id)) = seq.iter().enumerate().find(|(_, &id)| id as usize >= vsz) {
-                return Err(Error::Input(format!(
-                    "sequence {s}, position {i}: token id {id} is not below the vocabulary size {vsz}"
-                )));
-            }
-        }
+        check_ids(sequences, vsz)?;
         let mut caches: Vec<SeqCache> = sequences.iter().map(|_| self.new_cache()).collect();
         let mut batch: Vec<SeqInput<'_>> = sequences
             .iter()
@@ -1073,6 +634,165 @@ impl Qwen3_5 {
             out.push(row);
         }
         Ok(out)
+    }
+}
+
+/// A mixer's output and, with `keep`, its activations.
+type MixerOut<B, A> = Result<(B, Option<A>)>;
+
+/// A layer's activations in device `O`'s buffers.
+type KeptLayer<O> = LayerActs<<O as LayerOps>::Buf, <O as LayerOps>::Checkpoints>;
+
+/// The layer code, once for every device: a decoder layer over a packed
+/// batch of `t` new tokens, written against the device seam ([`LayerOps`]).
+/// Prefill, decode, scoring and the trainer's forward all run it.
+impl<W> Qwen3_5<W> {
+    /// Decoder layer `li`: `x` (the residual stream) is updated in place
+    /// and each sequence's state of this layer advances. With `keep`, the
+    /// layer's activations come back for a backward; the arithmetic is the
+    /// same either way.
+    pub(crate) fn layer_forward<O: LayerOps<W = W>>(
+        &self,
+        ops: &mut O,
+        li: usize,
+        x: &mut O::Buf,
+        t: usize,
+        keep: bool,
+    ) -> Result<Option<KeptLayer<O>>> {
+        let c = &self.config;
+        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+        let layer = &self.layers[li];
+        let x_in = keep.then(|| ops.duplicate(x)).transpose()?;
+        let (xn1, rstd1) = ops.rmsnorm(x, &layer.input_layernorm, h, eps)?;
+        let (mixed, mixer) = match &layer.mixer {
+            Mixer::Linear(la) => {
+                let (out, acts) = self.delta_net(ops, la, li, &xn1, t, keep)?;
+                (out, acts.map(|a| MixerActs::Linear(Box::new(a))))
+            }
+            Mixer::Full(fa) => {
+                let (out, acts) = self.attention(ops, fa, li, &xn1, t, keep)?;
+                (out, acts.map(|a| MixerActs::Full(Box::new(a))))
+            }
+        };
+        ops.add_assign(x, &mixed)?;
+        let x_mid = keep.then(|| ops.duplicate(x)).transpose()?;
+        let (xn2, rstd2) = ops.rmsnorm(x, &layer.post_attention_layernorm, h, eps)?;
+        let mlp_in = [&layer.gate_proj, &layer.up_proj];
+        let [gate, up] = take("the MLP's projections", ops.project(&mlp_in, &xn2, t)?)?;
+        let act = ops.silu_mul(&gate, &up, t, c.intermediate_size)?;
+        let [mlp] = take("down_proj", ops.project(&[&layer.down_proj], &act, t)?)?;
+        ops.add_assign(x, &mlp)?;
+        let (Some(x_in), Some(mixer), Some(x_mid)) = (x_in, mixer, x_mid) else {
+            return Ok(None);
+        };
+        Ok(Some(LayerActs {
+            x_in,
+            rstd1,
+            xn1,
+            mixer,
+            x_mid,
+            rstd2,
+            xn2,
+            gate,
+            up,
+            act,
+        }))
+    }
+
+    /// A Gated DeltaNet mixer over the normed input `xn`: its output
+    /// (after `out_proj`) and, with `keep`, its activations.
+    fn delta_net<O: LayerOps<W = W>>(
+        &self,
+        ops: &mut O,
+        la: &LinearAttention<W>,
+        li: usize,
+        xn: &O::Buf,
+        t: usize,
+        keep: bool,
+    ) -> MixerOut<O::Buf, LinearActs<O::Buf, O::Checkpoints>> {
+        let c = &self.config;
+        let (nk, nv, dk, dv) = c.delta_heads();
+        let [qkv, z, b, a] = take(
+            "the input projections",
+            ops.project(&la.input_projections(), xn, t)?,
+        )?;
+        // Causal conv per sequence, continuing from each sequence's conv state.
+        let mut conv = ops.causal_conv(la, li, &qkv)?;
+        let conv_pre = keep.then(|| ops.duplicate(&conv)).transpose()?;
+        ops.silu(&mut conv)?;
+        // Channels [q | k | v]; q and k normalised per head, q also scaled.
+        let (qd, vd) = (nk * dk, nv * dv);
+        let [q_raw, k_raw, v] = take("the conv's split", ops.split_columns(&conv, &[qd, qd, vd])?)?;
+        let scale = 1.0 / (dk as f32).sqrt();
+        let (q, rn_q) = ops.l2norm(&q_raw, t * nk, dk, scale)?;
+        let (k, rn_k) = ops.l2norm(&k_raw, t * nk, dk, 1.0)?;
+        let (g, beta) = ops.gating(la, &a, &b)?;
+        let (core, checkpoints) = ops.recurrence(li, &q, &k, &v, &g, &beta, keep)?;
+        let (normed, rstd) = ops.gated_rmsnorm(&core, &z, &la.norm, dv, c.rms_norm_eps)?;
+        let [out] = take("out_proj", ops.project(&[&la.out_proj], &normed, t)?)?;
+        let (Some(conv_pre), Some(checkpoints)) = (conv_pre, checkpoints) else {
+            return Ok((out, None));
+        };
+        let acts = LinearActs {
+            qkv,
+            conv_pre,
+            q_raw,
+            k_raw,
+            rn_q,
+            rn_k,
+            q,
+            k,
+            v,
+            z,
+            a,
+            beta,
+            g,
+            core,
+            rstd,
+            normed,
+            checkpoints,
+        };
+        Ok((out, Some(acts)))
+    }
+
+    /// A gated full-attention mixer over the normed input `xn`: its output
+    /// (after `o_proj`) and, with `keep`, its activations.
+    fn attention<O: LayerOps<W = W>>(
+        &self,
+        ops: &mut O,
+        fa: &FullAttention<W>,
+        li: usize,
+        xn: &O::Buf,
+        t: usize,
+        keep: bool,
+    ) -> MixerOut<O::Buf, FullActs<O::Buf>> {
+        let c = &self.config;
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let [qg, k_raw, v] = take(
+            "the input projections",
+            ops.project(&fa.input_projections(), xn, t)?,
+        )?;
+        // Per head: head_dim query values, then head_dim gate values.
+        let [q_raw, gate] = take("the query's split", ops.split_columns(&qg, &[hd, hd])?)?;
+        let (q, q_rstd) = ops.qk_norm_rope(&q_raw, &fa.q_norm, nh)?;
+        let (k, k_rstd) = ops.qk_norm_rope(&k_raw, &fa.k_norm, nkv)?;
+        let mut out = ops.attention(li, &q, &k, &v)?;
+        let attn = keep.then(|| ops.duplicate(&out)).transpose()?;
+        ops.sigmoid_gate(&mut out, &gate)?;
+        let [projected] = take("o_proj", ops.project(&[&fa.o_proj], &out, t)?)?;
+        let acts = attn.map(|attn| FullActs {
+            q_raw,
+            gate,
+            k_raw,
+            q_rstd,
+            k_rstd,
+            q,
+            k,
+            v,
+            attn,
+            gated: out,
+        });
+        Ok((projected, acts))
     }
 }
 

@@ -38,69 +38,70 @@ pub enum Kept {
     Input(Vec<f32>),
 }
 
-/// One decoder layer's activations.
+/// One decoder layer's activations, in a device's buffers `B` (host
+/// vectors on the CPU) with its recurrent-state checkpoints `C`.
 #[derive(Debug)]
-pub struct LayerActs {
-    pub x_in: Vec<f32>,
-    pub rstd1: Vec<f32>,
-    pub xn1: Vec<f32>,
-    pub mixer: MixerActs,
+pub struct LayerActs<B = Vec<f32>, C = Vec<Vec<f32>>> {
+    pub x_in: B,
+    pub rstd1: B,
+    pub xn1: B,
+    pub mixer: MixerActs<B, C>,
     /// The residual stream after the mixer, before the MLP.
-    pub x_mid: Vec<f32>,
-    pub rstd2: Vec<f32>,
-    pub xn2: Vec<f32>,
-    pub gate: Vec<f32>,
-    pub up: Vec<f32>,
-    pub act: Vec<f32>,
+    pub x_mid: B,
+    pub rstd2: B,
+    pub xn2: B,
+    pub gate: B,
+    pub up: B,
+    pub act: B,
 }
 
 #[derive(Debug)]
-pub enum MixerActs {
-    Linear(Box<LinearActs>),
-    Full(Box<FullActs>),
+pub enum MixerActs<B = Vec<f32>, C = Vec<Vec<f32>>> {
+    Linear(Box<LinearActs<B, C>>),
+    Full(Box<FullActs<B>>),
 }
 
 /// A Gated DeltaNet mixer's activations.
 #[derive(Debug)]
-pub struct LinearActs {
-    pub qkv: Vec<f32>,
+pub struct LinearActs<B = Vec<f32>, C = Vec<Vec<f32>>> {
+    pub qkv: B,
     /// The causal conv's output before SiLU.
-    pub conv_pre: Vec<f32>,
-    pub q_raw: Vec<f32>,
-    pub k_raw: Vec<f32>,
+    pub conv_pre: B,
+    pub q_raw: B,
+    pub k_raw: B,
     /// The L2 norms' reciprocal norms.
-    pub rn_q: Vec<f32>,
-    pub rn_k: Vec<f32>,
+    pub rn_q: B,
+    pub rn_k: B,
     /// Normalised (and, for q, scaled).
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
-    pub z: Vec<f32>,
-    pub a: Vec<f32>,
-    pub beta: Vec<f32>,
-    pub g: Vec<f32>,
-    pub core: Vec<f32>,
-    pub rstd: Vec<f32>,
-    pub normed: Vec<f32>,
+    pub q: B,
+    pub k: B,
+    pub v: B,
+    pub z: B,
+    pub a: B,
+    pub beta: B,
+    pub g: B,
+    pub core: B,
+    pub rstd: B,
+    pub normed: B,
     /// Per sequence, the recurrent state every `CHECKPOINT_EVERY` tokens.
-    pub checkpoints: Vec<Vec<f32>>,
+    pub checkpoints: C,
 }
 
 /// A gated full-attention mixer's activations.
 #[derive(Debug)]
-pub struct FullActs {
-    pub q_raw: Vec<f32>,
-    pub gate: Vec<f32>,
-    pub k_raw: Vec<f32>,
-    pub q_rstd: Vec<f32>,
-    pub k_rstd: Vec<f32>,
+pub struct FullActs<B = Vec<f32>> {
+    pub q_raw: B,
+    pub gate: B,
+    pub k_raw: B,
+    pub q_rstd: B,
+    pub k_rstd: B,
     /// Post-norm, post-RoPE.
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    pub q: B,
+    pub k: B,
+    pub v: B,
     /// The attention output before the sigmoid gate, and after it.
-    pub attn: Vec<f32>,
-    pub gated: Vec<f32>,
+    pub attn: B,
+    pub gated: B,
 }
 
 impl Trace {

@@ -111,3 +111,24 @@ extern "C" __global__ void gated_delta_gating_param_grad(float* da_log, float* d
         ddt_bias[h] += s2;
     }
 }
+
+// x += y (a residual add).
+extern "C" __global__ void add_assign(float* x, const float* y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        x[i] += y[i];
+}
+
+// out[r, c] = inp[row0 + r, col0 + c] for r < rows, c < cols, inp rows of
+// in_width: a block of a row-major matrix (a column range of every row, as
+// the q/k/v split; or a range of rows).
+extern "C" __global__ void copy_block(float* out, const float* inp, long long in_width,
+                                      long long row0, long long col0, long long rows,
+                                      long long cols) {
+    long long n = rows * cols;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / cols, c = i - r * cols;
+        out[i] = inp[(row0 + r) * in_width + col0 + c];
+    }
+}

@@ -577,6 +577,45 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// `x += y`.
+    pub fn add_assign(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
+        let n = x.len();
+        shape("add_assign", &[("y", y.len(), n)])?;
+        if n == 0 {
+            return Ok(());
+        }
+        let nl = n as i64;
+        launch!(self, "add_assign", elems(n); x, y, &nl);
+        Ok(())
+    }
+
+    /// `out[r, c] = inp[row0 + r, col0 + c]` for `out [rows, cols]`, `inp`
+    /// rows of `in_width`: a column range of every row, or a range of rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_block(
+        &self,
+        out: &mut CudaSlice<f32>,
+        inp: &CudaSlice<f32>,
+        in_width: usize,
+        (row0, col0): (usize, usize),
+        (rows, cols): (usize, usize),
+    ) -> Result<()> {
+        let op = "copy_block";
+        if col0 + cols > in_width || (row0 + rows) * in_width > inp.len() {
+            return Err(Error::Shape(format!(
+                "{op}: block at ({row0}, {col0}) of {rows} x {cols} is outside {} rows of {in_width}",
+                inp.len() / in_width.max(1)
+            )));
+        }
+        shape(op, &[("out", out.len(), rows * cols)])?;
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        let a = [in_width, row0, col0, rows, cols].map(|v| v as i64);
+        launch!(self, op, elems(rows * cols); out, inp, &a[0], &a[1], &a[2], &a[3], &a[4]);
+        Ok(())
+    }
+
     /// `out[n, d] = inp * rsqrt(sum inp^2 + eps) * scale`, `rnorm[n]` saved.
     #[allow(clippy::too_many_arguments)]
     pub fn l2norm_forward(
@@ -850,6 +889,30 @@ mod backward;
 mod gemm;
 pub use gemm::{cublas_available, Mat, MatMut};
 
+/// For tests that need a GPU, here and in other crates: device 0, or
+/// None where this machine has none (the test then says it was skipped).
+/// With `ARCTICD_REQUIRE_GPU` set (as `scripts/gpu-check.sh` sets it) a
+/// missing device is a failure instead.
+pub fn test_device() -> Option<CudaDevice> {
+    let required = std::env::var_os("ARCTICD_REQUIRE_GPU").is_some();
+    if !driver_available() || !super::nvrtc_available() {
+        assert!(
+            !required,
+            "ARCTICD_REQUIRE_GPU is set but CUDA or NVRTC is missing"
+        );
+        eprintln!("skipped: no CUDA driver or NVRTC on this machine");
+        return None;
+    }
+    match CudaDevice::new(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            assert!(!required, "ARCTICD_REQUIRE_GPU is set: {e}");
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -858,23 +921,7 @@ mod tests {
 
     /// The device, or None (skipped) where this machine has no GPU.
     pub(super) fn gpu() -> Option<CudaDevice> {
-        let required = std::env::var_os("ARCTICD_REQUIRE_GPU").is_some();
-        if !driver_available() || !super::super::nvrtc_available() {
-            assert!(
-                !required,
-                "ARCTICD_REQUIRE_GPU is set but CUDA or NVRTC is missing"
-            );
-            eprintln!("skipped: no CUDA driver or NVRTC on this machine");
-            return None;
-        }
-        match CudaDevice::new(0) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                assert!(!required, "ARCTICD_REQUIRE_GPU is set: {e}");
-                eprintln!("skipped: {e}");
-                None
-            }
-        }
+        test_device()
     }
 
     pub(super) fn rand_vec(rng: &mut rand::rngs::StdRng, n: usize, scale: f32) -> Vec<f32> {
@@ -913,6 +960,29 @@ mod tests {
                 .unwrap();
             close("gated_rmsnorm", &d.download(&dy).unwrap(), &y, 1e-5);
         }
+    }
+
+    #[test]
+    fn add_assign_and_copy_block_are_exact() {
+        let Some(d) = gpu() else { return };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (rows, width) = (7, 13);
+        let x = rand_vec(&mut rng, rows * width, 2.0);
+        let y = rand_vec(&mut rng, rows * width, 2.0);
+        let mut dx = d.upload(&x).unwrap();
+        d.add_assign(&mut dx, &d.upload(&y).unwrap()).unwrap();
+        let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        close("add_assign", &d.download(&dx).unwrap(), &sum, 0.0);
+        // Columns 4..9 of rows 2..7.
+        let mut out = d.zeros(5 * 5).unwrap();
+        d.copy_block(&mut out, &d.upload(&x).unwrap(), width, (2, 4), (5, 5))
+            .unwrap();
+        let want: Vec<f32> = (2..7)
+            .flat_map(|r| x[r * width + 4..r * width + 9].to_vec())
+            .collect();
+        close("copy_block", &d.download(&out).unwrap(), &want, 0.0);
+        let outside = d.copy_block(&mut out, &d.upload(&x).unwrap(), width, (3, 4), (5, 5));
+        assert!(outside.is_err());
     }
 
     #[test]

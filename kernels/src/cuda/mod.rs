@@ -24,6 +24,10 @@
 
 pub mod device;
 
+/// The CUDA bindings the backend is built on, for callers that hold its
+/// buffers.
+pub use cudarc;
+
 use crate::{Error, Result};
 use sha2::{Digest, Sha256};
 use std::ffi::{CStr, CString};
@@ -71,6 +75,8 @@ pub const MODULES: &[Module] = &[
             "sigmoid_gate_backward",
             "gated_delta_gating_backward",
             "gated_delta_gating_param_grad",
+            "add_assign",
+            "copy_block",
         ],
     },
     Module {
