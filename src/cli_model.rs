@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::sampler::argmax;
 use arcticd_engine::tokenizer::Tokenizer;
-use arcticd_engine::{Qwen3_5, SeqInput};
+use arcticd_engine::{ModelConfig, Qwen3_5, SeqInput};
 use arcticd_kernels::Device;
 use clap::Args;
 use serde::Deserialize;
@@ -67,18 +67,7 @@ fn score_on_cuda(
     ordinal: usize,
     sequences: &[Vec<u32>],
 ) -> Result<Vec<Vec<Option<f32>>>> {
-    use arcticd_engine::model::cuda::{CudaModel, WeightDType};
-    use arcticd_kernels::cuda::device::CudaDevice;
-    let dev = std::sync::Arc::new(CudaDevice::new(ordinal)?);
-    let model = Qwen3_5::load(&args.model)
-        .with_context(|| format!("loading model from {}", args.model.display()))?;
-    let dtype = match args.weights.as_str() {
-        "f32" => WeightDType::F32,
-        _ => WeightDType::Bf16,
-    };
-    let on_device = CudaModel::upload(&model, dev, dtype)?;
-    drop(model);
-    Ok(on_device.score(sequences)?)
+    Ok(on_cuda(&args.model, &args.weights, ordinal)?.score(sequences)?)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -87,6 +76,12 @@ fn score_on_cuda(
     ordinal: usize,
     _sequences: &[Vec<u32>],
 ) -> Result<Vec<Vec<Option<f32>>>> {
+    no_cuda(ordinal)
+}
+
+/// What `--device cuda:N` does in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda<T>(ordinal: usize) -> Result<T> {
     Device::Cuda(ordinal).check_available()?;
     bail!("cuda:{ordinal}: this build has no CUDA backend")
 }
@@ -102,11 +97,21 @@ pub struct GenerateArgs {
     /// Most tokens to generate.
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
+    /// `cpu`, or `cuda:N` in a build with the `cuda` feature.
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+    /// On CUDA, the matrices' type: `bf16` or `f32`.
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    pub weights: String,
 }
+
+/// One greedy step: the next token after `tokens`, which follow what the
+/// step has already run.
+type GreedyStep = Box<dyn FnMut(&[u32]) -> Result<u32>>;
 
 /// Greedy decoding, printing the completion as it is produced.
 pub fn generate(args: GenerateArgs) -> Result<()> {
-    let (model, packs) = Qwen3_5::load_packed(&args.model)
+    let config = ModelConfig::from_dir(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
     let tokenizer = Tokenizer::from_dir(&args.model)?;
     let text = match ChatTemplate::from_dir(&args.model)? {
@@ -122,23 +127,33 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         bail!("the prompt encodes to no tokens");
     }
     let mut stop = tokenizer.eos_token_ids();
-    stop.extend(&model.config.eos_token_ids);
-    let mut cache = model.new_cache();
+    stop.extend(&config.eos_token_ids);
+    let mut step: GreedyStep = match args.device {
+        Device::Cpu => {
+            let (model, packs) = Qwen3_5::load_packed(&args.model)
+                .with_context(|| format!("loading model from {}", args.model.display()))?;
+            let mut cache = model.new_cache();
+            Box::new(move |tokens: &[u32]| {
+                let hidden = model.forward_with(
+                    &mut [SeqInput {
+                        tokens,
+                        cache: &mut cache,
+                    }],
+                    Some(&packs),
+                )?;
+                let h = model.config.hidden_size;
+                let logits = model.logits_with(&hidden[hidden.len() - h..], Some(&packs))?;
+                Ok(argmax(&logits) as u32)
+            })
+        }
+        Device::Cuda(ordinal) => cuda_greedy(&args, ordinal, prompt.len() + args.max_tokens)?,
+    };
     let mut next = prompt.clone();
     let mut out = Vec::new();
     let mut printed = 0;
     let mut stdout = std::io::stdout().lock();
     for _ in 0..args.max_tokens {
-        let hidden = model.forward_with(
-            &mut [SeqInput {
-                tokens: &next,
-                cache: &mut cache,
-            }],
-            Some(&packs),
-        )?;
-        let h = model.config.hidden_size;
-        let logits = model.logits_with(&hidden[hidden.len() - h..], Some(&packs))?;
-        let tok = argmax(&logits) as u32;
+        let tok = step(&next)?;
         if stop.contains(&tok) {
             break;
         }
@@ -154,6 +169,41 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     }
     writeln!(stdout)?;
     Ok(())
+}
+
+/// The model on `cuda:ORDINAL`, with `--weights` deciding its matrices' type.
+#[cfg(feature = "cuda")]
+fn on_cuda(
+    model_dir: &std::path::Path,
+    weights: &str,
+    ordinal: usize,
+) -> Result<arcticd_engine::model::cuda::CudaModel> {
+    use arcticd_engine::model::cuda::{CudaModel, WeightDType};
+    use arcticd_kernels::cuda::device::CudaDevice;
+    let dev = std::sync::Arc::new(CudaDevice::new(ordinal)?);
+    let model = Qwen3_5::load(model_dir)
+        .with_context(|| format!("loading model from {}", model_dir.display()))?;
+    let dtype = match weights {
+        "f32" => WeightDType::F32,
+        _ => WeightDType::Bf16,
+    };
+    Ok(CudaModel::upload(&model, dev, dtype)?)
+}
+
+/// Greedy steps on `cuda:ORDINAL` for a sequence of at most `capacity`
+/// positions.
+#[cfg(feature = "cuda")]
+fn cuda_greedy(args: &GenerateArgs, ordinal: usize, capacity: usize) -> Result<GreedyStep> {
+    let model = on_cuda(&args.model, &args.weights, ordinal)?;
+    let mut cache = model.new_cache(capacity)?;
+    Ok(Box::new(move |tokens: &[u32]| {
+        Ok(model.greedy_step(&mut cache, tokens)?)
+    }))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_greedy(_args: &GenerateArgs, ordinal: usize, _capacity: usize) -> Result<GreedyStep> {
+    no_cuda(ordinal)
 }
 
 #[derive(Args)]

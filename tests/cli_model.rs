@@ -97,21 +97,29 @@ fn init_score_generate_and_bad_input() {
         }
     }
 
-    // generate through the chat template.
-    let out = arcticd(&[
-        "generate",
-        "--model",
-        m,
-        "--prompt",
-        "def add(a, b):",
-        "--max-tokens",
-        "5",
-    ]);
+    // generate through the chat template; `--device cpu` is the default.
+    let gen = |extra: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "--model",
+            m,
+            "--prompt",
+            "def add(a, b):",
+            "--max-tokens",
+            "5",
+        ];
+        a.extend_from_slice(extra);
+        arcticd(&a)
+    };
+    let out = gen(&[]);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert_eq!(gen(&["--device", "cpu"]).stdout, out.stdout);
+    assert_clean_error(&gen(&["--device", "cuda:0"]), "cuda:0");
+    assert_clean_error(&gen(&["--device", "tpu"]), "expected cpu, cuda or cuda:N");
 
     // Bad input: each a clear error and a non-zero exit.
     let bad = |name: &str, body: &str| {

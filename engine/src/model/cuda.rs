@@ -11,17 +11,19 @@
 //! are fp32 throughout (no TF32), which is what the GPU tests compare with
 //! the CPU at a tight bound.
 //!
-//! What runs here today: a forward over fresh sequences (scoring), one
-//! sequence per pass. Not yet: decode with a paged KV cache and state
-//! slots on the device (the engine's scheduler still runs the CPU model),
-//! and the training forward (`keep`), which is refused.
+//! What runs here today: one sequence at a time, from position 0, with
+//! its state on the device ([`CudaSeqCache`]: conv and recurrent state,
+//! keys and values in blocks): scoring, and prefill then decode (greedy
+//! generation). Not yet: the engine's batched, paged, scheduled decode on
+//! the device (its scheduler still runs the CPU model), and the training
+//! forward (`keep`), which is refused.
 //!
 //! Not for: the layer's structure (`qwen3_5`), the kernels themselves.
 
 use super::logit_rows_per_chunk;
 use super::ops::LayerOps;
 use super::qwen3_5::{Linear, LinearAttention, Qwen3_5};
-use crate::config::ModelConfig;
+use crate::config::{LayerType, ModelConfig};
 use crate::{Error, Result};
 use arcticd_kernels::cuda::cudarc::driver::CudaSlice;
 use arcticd_kernels::cuda::device::{CudaDevice, Mat, MatMut};
@@ -119,38 +121,104 @@ impl CudaModel {
         self.model.named().iter().map(|(_, p)| p.bytes()).sum()
     }
 
-    /// `lp[s][t] = log p(tok_t | tok_<t)` for t >= 1 (index 0 is `None`),
-    /// as [`Qwen3_5::score`] on the CPU: each sequence from position 0
-    /// with fresh state, logits a bounded number of rows at a time.
-    pub fn score(&self, sequences: &[Vec<u32>]) -> Result<Vec<Vec<Option<f32>>>> {
+    /// An empty state for one sequence of at most `capacity` positions:
+    /// per linear layer its conv state and fp32 recurrent state, per
+    /// full-attention layer room for its keys and values.
+    pub fn new_cache(&self, capacity: usize) -> Result<CudaSeqCache> {
         let c = &self.model.config;
-        let (h, vocab) = (c.hidden_size, c.vocab_size);
-        super::qwen3_5::check_ids(sequences, vocab)?;
+        let dev = &*self.dev;
+        let (_, nv, dk, dv) = c.delta_heads();
+        let kv_rows = capacity.div_ceil(KV_BLOCK) * KV_BLOCK * c.num_kv_heads * c.head_dim;
+        let n = c.num_layers();
+        let mut cache = CudaSeqCache {
+            conv_state: (0..n).map(|_| None).collect(),
+            recurrent_state: (0..n).map(|_| None).collect(),
+            kv: (0..n).map(|_| None).collect(),
+            len: 0,
+            capacity,
+        };
+        for (li, lt) in c.layer_types.iter().enumerate() {
+            if *lt == LayerType::LinearAttention {
+                cache.conv_state[li] = Some(dev.zeros((c.conv_kernel - 1) * c.linear_conv_dim())?);
+                cache.recurrent_state[li] = Some(dev.zeros(nv * dk * dv)?);
+            } else {
+                cache.kv[li] = Some((dev.zeros(kv_rows)?, dev.zeros(kv_rows)?));
+            }
+        }
+        Ok(cache)
+    }
+
+    /// Runs `tokens` after what `cache` holds; returns the final hidden
+    /// states (after the final norm) `[tokens, hidden]` on the device.
+    pub fn forward(&self, cache: &mut CudaSeqCache, tokens: &[u32]) -> Result<CudaSlice<f32>> {
+        let c = &self.model.config;
+        if tokens.is_empty() {
+            return Err(Error::Input("no tokens to run".into()));
+        }
+        if cache.len + tokens.len() > cache.capacity {
+            return Err(Error::Input(format!(
+                "{} tokens after {} do not fit a sequence cache of {}",
+                tokens.len(),
+                cache.len,
+                cache.capacity
+            )));
+        }
+        let t = tokens.len();
+        let mut ops = CudaOps::new(&self.dev, c, tokens, cache)?;
+        let mut x = ops.embed(&self.model.embed_tokens)?;
+        for li in 0..self.model.layers.len() {
+            self.model.layer_forward(&mut ops, li, &mut x, t, false)?;
+        }
+        let (hidden, _) = ops.rmsnorm(&x, &self.model.norm, c.hidden_size, c.rms_norm_eps)?;
+        cache.len += t;
+        Ok(hidden)
+    }
+
+    /// The output projection of hidden rows `r0..r0 + n`: logits `[n, vocab]`.
+    fn logits(&self, hidden: &CudaSlice<f32>, r0: usize, n: usize) -> Result<CudaSlice<f32>> {
+        let (h, vocab) = (self.model.config.hidden_size, self.model.config.vocab_size);
         let head = self
             .model
             .lm_head
             .as_ref()
             .unwrap_or(&self.model.embed_tokens);
         let dev = &*self.dev;
+        let mut rows = dev.zeros::<f32>(n * h)?;
+        dev.copy_block(&mut rows, hidden, h, (r0, 0), (n, h))?;
+        let mut logits = dev.zeros::<f32>(n * vocab)?;
+        product(dev, MatMut::F32(&mut logits), &rows, head, n, h, vocab)?;
+        Ok(logits)
+    }
+
+    /// Runs `tokens` after what `cache` holds and returns the most likely
+    /// next token: one step of greedy decoding.
+    pub fn greedy_step(&self, cache: &mut CudaSeqCache, tokens: &[u32]) -> Result<u32> {
+        let hidden = self.forward(cache, tokens)?;
+        let logits = self.logits(&hidden, tokens.len() - 1, 1)?;
+        let mut best = self.dev.zeros::<u32>(1)?;
+        self.dev
+            .argmax_forward(&mut best, &logits, self.model.config.vocab_size)?;
+        Ok(self.dev.download(&best)?[0])
+    }
+
+    /// `lp[s][t] = log p(tok_t | tok_<t)` for t >= 1 (index 0 is `None`),
+    /// as [`Qwen3_5::score`] on the CPU: each sequence from position 0
+    /// with fresh state, logits a bounded number of rows at a time.
+    pub fn score(&self, sequences: &[Vec<u32>]) -> Result<Vec<Vec<Option<f32>>>> {
+        let vocab = self.model.config.vocab_size;
+        super::qwen3_5::check_ids(sequences, vocab)?;
+        let dev = &*self.dev;
         let mut out = Vec::with_capacity(sequences.len());
         for seq in sequences {
-            let t = seq.len();
-            let mut ops = CudaOps::fresh(dev, c, seq)?;
-            let mut x = ops.embed(&self.model.embed_tokens)?;
-            for li in 0..self.model.layers.len() {
-                self.model.layer_forward(&mut ops, li, &mut x, t, false)?;
-            }
-            let (hidden, _) = ops.rmsnorm(&x, &self.model.norm, h, c.rms_norm_eps)?;
+            let mut cache = self.new_cache(seq.len())?;
+            let hidden = self.forward(&mut cache, seq)?;
             let mut row = vec![None];
-            let scored = t - 1;
+            let scored = seq.len() - 1;
             let per_chunk = logit_rows_per_chunk(vocab);
             let mut r0 = 0;
             while r0 < scored {
                 let n = per_chunk.min(scored - r0);
-                let mut rows = dev.zeros::<f32>(n * h)?;
-                dev.copy_block(&mut rows, &hidden, h, (r0, 0), (n, h))?;
-                let mut logits = dev.zeros::<f32>(n * vocab)?;
-                ops.product(MatMut::F32(&mut logits), &rows, head, n, h, vocab)?;
+                let logits = self.logits(&hidden, r0, n)?;
                 let targets = dev.upload(&seq[r0 + 1..r0 + 1 + n])?;
                 let mut lp = dev.zeros::<f32>(n)?;
                 dev.logprob_gather_forward(&mut lp, &logits, &targets, vocab, 1.0)?;
@@ -163,61 +231,75 @@ impl CudaModel {
     }
 }
 
-/// One fresh sequence on the device: its ids and positions, and the conv
-/// and recurrent state of each linear layer as the layers make them.
+/// Positions per block of a sequence's key/value pool on the device (one
+/// sequence's pool is its own; the block table is `0, 1, 2, ...`).
+const KV_BLOCK: usize = 16;
+
+/// One sequence's state on the device ([`CudaModel::new_cache`]).
+pub struct CudaSeqCache {
+    conv_state: Vec<Option<CudaSlice<f32>>>,
+    recurrent_state: Vec<Option<CudaSlice<f32>>>,
+    /// Keys and values, `[capacity (rounded up to KV_BLOCK), kv_heads * head_dim]`.
+    kv: Vec<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+    /// Positions already run.
+    pub len: usize,
+    pub capacity: usize,
+}
+
+/// `out[n, oc] = x[n, c] @ w[oc, c]^T`, the input rounded to the weight's
+/// type first.
+fn product(
+    dev: &CudaDevice,
+    out: MatMut<'_>,
+    x: &CudaSlice<f32>,
+    w: &DeviceParam,
+    n: usize,
+    c: usize,
+    oc: usize,
+) -> Result<()> {
+    match w {
+        DeviceParam::F32(_) => dev.matmul_forward(out, Mat::F32(x), w.mat(), n, c, oc)?,
+        DeviceParam::Bf16(_) => {
+            let mut xb = dev.zeros::<u16>(x.len())?;
+            dev.f32_to_bf16(&mut xb, x)?;
+            dev.matmul_forward(out, Mat::Bf16(&xb), w.mat(), n, c, oc)?
+        }
+    }
+    Ok(())
+}
+
+/// New tokens of one sequence on the device, continuing its cache.
 pub(crate) struct CudaOps<'a> {
     dev: &'a CudaDevice,
     config: &'a ModelConfig,
     ids: &'a [u32],
+    /// Positions the cache already holds.
+    past: usize,
     positions: CudaSlice<u32>,
-    conv_state: Vec<Option<CudaSlice<f32>>>,
-    recurrent_state: Vec<Option<CudaSlice<f32>>>,
+    cache: &'a mut CudaSeqCache,
 }
 
 impl<'a> CudaOps<'a> {
-    fn fresh(dev: &'a CudaDevice, config: &'a ModelConfig, ids: &'a [u32]) -> Result<Self> {
-        if ids.is_empty() {
-            return Err(Error::Input("an empty sequence".into()));
-        }
-        let positions: Vec<u32> = (0..ids.len() as u32).collect();
-        let n = config.num_layers();
+    fn new(
+        dev: &'a CudaDevice,
+        config: &'a ModelConfig,
+        ids: &'a [u32],
+        cache: &'a mut CudaSeqCache,
+    ) -> Result<Self> {
+        let past = cache.len;
+        let positions: Vec<u32> = (past..past + ids.len()).map(|p| p as u32).collect();
         Ok(CudaOps {
             dev,
             config,
             ids,
+            past,
             positions: dev.upload(&positions)?,
-            conv_state: (0..n).map(|_| None).collect(),
-            recurrent_state: (0..n).map(|_| None).collect(),
+            cache,
         })
     }
 
     fn t(&self) -> usize {
         self.ids.len()
-    }
-
-    /// `out[n, oc] = x[n, c] @ w[oc, c]^T`, the input rounded to the
-    /// weight's type first.
-    fn product(
-        &self,
-        out: MatMut<'_>,
-        x: &CudaSlice<f32>,
-        w: &DeviceParam,
-        n: usize,
-        c: usize,
-        oc: usize,
-    ) -> Result<()> {
-        match w {
-            DeviceParam::F32(_) => self
-                .dev
-                .matmul_forward(out, Mat::F32(x), w.mat(), n, c, oc)?,
-            DeviceParam::Bf16(_) => {
-                let mut xb = self.dev.zeros::<u16>(x.len())?;
-                self.dev.f32_to_bf16(&mut xb, x)?;
-                self.dev
-                    .matmul_forward(out, Mat::Bf16(&xb), w.mat(), n, c, oc)?
-            }
-        }
-        Ok(())
     }
 }
 
@@ -279,7 +361,7 @@ impl LayerOps for CudaOps<'_> {
             }
             let mut out = self.dev.zeros::<f32>(t * l.out_features)?;
             let (c, oc) = (l.in_features, l.out_features);
-            self.product(MatMut::F32(&mut out), x, &l.weight, t, c, oc)?;
+            product(self.dev, MatMut::F32(&mut out), x, &l.weight, t, c, oc)?;
             outs.push(out);
         }
         Ok(outs)
@@ -366,12 +448,12 @@ impl LayerOps for CudaOps<'_> {
         qkv: &CudaSlice<f32>,
     ) -> Result<CudaSlice<f32>> {
         let (conv_dim, k) = (self.config.linear_conv_dim(), self.config.conv_kernel);
-        let mut state = self.dev.zeros::<f32>((k - 1) * conv_dim)?;
-        let mut out = self.dev.zeros::<f32>(self.t() * conv_dim)?;
+        let t = self.t();
+        let mut out = self.dev.zeros::<f32>(t * conv_dim)?;
         let w = la.conv1d.f32("conv1d weight")?;
+        let state = state_of(&mut self.cache.conv_state, li, "conv")?;
         self.dev
-            .conv1d_forward(&mut out, &mut state, qkv, w, self.t(), conv_dim, k)?;
-        self.conv_state[li] = Some(state);
+            .conv1d_forward(&mut out, state, qkv, w, t, conv_dim, k)?;
         Ok(out)
     }
 
@@ -406,12 +488,12 @@ impl LayerOps for CudaOps<'_> {
         }
         let dims = self.config.delta_heads();
         let t = self.t();
-        let mut state = self.dev.zeros::<f32>(dims.1 * dims.2 * dims.3)?;
         let mut out = self.dev.zeros::<f32>(t * dims.1 * dims.3)?;
         let slots = self.dev.upload(&[0u32])?;
+        let state = state_of(&mut self.cache.recurrent_state, li, "recurrent")?;
         self.dev.gated_delta_prefill(
             &mut out,
-            &mut state,
+            state,
             q,
             k,
             v,
@@ -421,7 +503,6 @@ impl LayerOps for CudaOps<'_> {
             &[0, t as u32],
             dims,
         )?;
-        self.recurrent_state[li] = Some(state);
         Ok((out, None))
     }
 
@@ -451,27 +532,68 @@ impl LayerOps for CudaOps<'_> {
 
     fn attention(
         &mut self,
-        _li: usize,
+        li: usize,
         q: &CudaSlice<f32>,
         k: &CudaSlice<f32>,
         v: &CudaSlice<f32>,
     ) -> Result<CudaSlice<f32>> {
         let c = self.config;
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let t = self.t();
+        let (t, past) = (self.t(), self.past);
         let mut out = self.dev.zeros::<f32>(t * nh * hd)?;
         let scale = 1.0 / (hd as f32).sqrt();
-        self.dev.varlen_attention_prefill(
+        let Some((k_pool, v_pool)) = self.cache.kv.get_mut(li).and_then(Option::as_mut) else {
+            return Err(Error::Invariant(format!(
+                "layer {li} has no key/value pool in the sequence's cache"
+            )));
+        };
+        // The new keys and values join the pool at their positions.
+        let slots: Vec<u32> = (past..past + t).map(|p| p as u32).collect();
+        self.dev
+            .paged_kv_write(k_pool, v_pool, k, v, &slots, nkv * hd)?;
+        if past == 0 {
+            self.dev.varlen_attention_prefill(
+                &mut out,
+                q,
+                k,
+                v,
+                &[0, t as u32],
+                (nh, nkv, hd),
+                scale,
+            )?;
+            return Ok(out);
+        }
+        // After a past: each new query over the pool up to its own
+        // position, as a decode step of its own.
+        let blocks: Vec<u32> = (0..self.cache.capacity.div_ceil(KV_BLOCK) as u32).collect();
+        let tables = vec![blocks; t];
+        let lens: Vec<u32> = (past + 1..=past + t).map(|n| n as u32).collect();
+        self.dev.paged_attention_decode(
             &mut out,
             q,
-            k,
-            v,
-            &[0, t as u32],
+            k_pool,
+            v_pool,
+            &tables,
+            &lens,
             (nh, nkv, hd),
+            KV_BLOCK,
             scale,
         )?;
         Ok(out)
     }
+}
+
+/// Layer `li`'s state in a per-layer list, or an error naming what is
+/// missing (a layer of the other kind).
+fn state_of<'s>(
+    states: &'s mut [Option<CudaSlice<f32>>],
+    li: usize,
+    what: &str,
+) -> Result<&'s mut CudaSlice<f32>> {
+    states
+        .get_mut(li)
+        .and_then(Option::as_mut)
+        .ok_or_else(|| Error::Invariant(format!("layer {li} has no {what} state in the cache")))
 }
 
 #[cfg(test)]
@@ -500,7 +622,7 @@ mod tests {
         worst
     }
 
-    /// The tiny test model's scores on CUDA against the CPU's: fp32
+    /// The tiny test model's scores (and greedy tokens) on CUDA against the CPU's: fp32
     /// products within 2e-4 (different summation orders and fused
     /// kernels, no TF32); bf16 matrices (inputs rounded to bf16 too)
     /// within 0.1, printed.
@@ -524,6 +646,41 @@ mod tests {
             assert!(d <= bound, "{dtype:?}: {d} > {bound}");
         }
         let on_gpu = CudaModel::upload(&model, dev, WeightDType::F32).unwrap();
+
+        // Greedy decoding: a prefill, then one token at a time against the
+        // cache on the device (paged attention after a past), gives the
+        // CPU's tokens.
+        let prompt: Vec<u32> = (0..20u32).map(|i| (i * 31 + 5) % vocab).collect();
+        let steps = 12;
+        let mut cpu_cache = model.new_cache();
+        let mut gpu_cache = on_gpu.new_cache(prompt.len() + steps).unwrap();
+        let (mut cpu_next, mut gpu_next) = (prompt.clone(), prompt.clone());
+        let (mut cpu_out, mut gpu_out) = (Vec::new(), Vec::new());
+        let h = model.config.hidden_size;
+        for _ in 0..steps {
+            let hidden = model
+                .forward(&mut [crate::SeqInput {
+                    tokens: &cpu_next,
+                    cache: &mut cpu_cache,
+                }])
+                .unwrap();
+            let logits = model.logits(&hidden[hidden.len() - h..]).unwrap();
+            let tok = crate::sampler::argmax(&logits) as u32;
+            cpu_out.push(tok);
+            cpu_next = vec![tok];
+            let tok = on_gpu.greedy_step(&mut gpu_cache, &gpu_next).unwrap();
+            gpu_out.push(tok);
+            gpu_next = vec![tok];
+        }
+        assert_eq!(gpu_out, cpu_out);
+        assert_eq!(gpu_cache.len, prompt.len() + steps - 1);
+        let mut full = on_gpu.new_cache(2).unwrap();
+        let err = on_gpu
+            .forward(&mut full, &[1, 2, 3])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("do not fit"), "{err}");
+
         let err = on_gpu.score(&[vec![vocab]]).unwrap_err().to_string();
         assert!(err.contains("vocabulary size"), "{err}");
         assert!(on_gpu.score(&[vec![]]).is_err());
