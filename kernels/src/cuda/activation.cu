@@ -132,3 +132,18 @@ extern "C" __global__ void copy_block(float* out, const float* inp, long long in
         out[i] = inp[(row0 + r) * in_width + col0 + c];
     }
 }
+
+// buf[dst + i] = buf[src + i] for i < n, ranges that do not overlap (one
+// state slot or K/V block of a pool into another).
+extern "C" __global__ void copy_within(float* buf, long long src, long long dst, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        buf[dst + i] = buf[src + i];
+}
+
+// buf[off + i] = 0 for i < n (a state slot handed to a fresh sequence).
+extern "C" __global__ void zero_range(float* buf, long long off, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        buf[off + i] = 0.0f;
+}

@@ -55,6 +55,55 @@ extern "C" __global__ void conv1d_state_advance(float* state, const float* inp, 
     for (int j = 0; j < hist; j++) state[(size_t)j * c + ch] = keep[j];
 }
 
+// Prefill of packed sequences, each continuing the conv history in its
+// state slot: row i belongs to sequence s = token_seq[i], whose rows start
+// at cu_seqlens[s]; its output reads the virtual input [state[slots[s]]
+// (K-1 rows); the sequence's rows] as conv1d_forward does for one. One
+// thread per (row, channel); the states advance after, in
+// conv1d_varlen_state_advance.
+extern "C" __global__ void conv1d_varlen_forward(float* out, const float* state,
+                                                 const float* inp, const float* weight,
+                                                 const u32* slots, const u32* cu_seqlens,
+                                                 const u32* token_seq, int t, int c, int k) {
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= (long long)t * c) return;
+    int row = (int)(i / c), ch = (int)(i % c);
+    int s = (int)token_seq[row];
+    int start = (int)cu_seqlens[s];
+    int ti = row - start, hist = k - 1;
+    const float* st = state + (size_t)slots[s] * hist * c;
+    const float* x = inp + (size_t)start * c;
+    const float* w = weight + (size_t)ch * k;
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++) {
+        int r = ti + j;
+        float v = r < hist ? st[(size_t)r * c + ch] : x[(size_t)(r - hist) * c + ch];
+        acc += w[j] * v;
+    }
+    out[i] = acc;
+}
+
+// Each sequence's state slot <- the last K-1 rows of [state; its rows], one
+// thread per (sequence, channel) (K at most 8).
+extern "C" __global__ void conv1d_varlen_state_advance(float* state, const float* inp,
+                                                       const u32* slots,
+                                                       const u32* cu_seqlens, int seqs, int c,
+                                                       int k) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= seqs * c || k < 2) return;
+    int s = i / c, ch = i % c;
+    int start = (int)cu_seqlens[s], t = (int)cu_seqlens[s + 1] - start;
+    int hist = k - 1;
+    float* st = state + (size_t)slots[s] * hist * c;
+    const float* x = inp + (size_t)start * c;
+    float keep[7];
+    for (int j = 0; j < hist; j++) {
+        int r = t + j;
+        keep[j] = r < hist ? st[(size_t)r * c + ch] : x[(size_t)(r - hist) * c + ch];
+    }
+    for (int j = 0; j < hist; j++) st[(size_t)j * c + ch] = keep[j];
+}
+
 // Backward, input side: the gradient of the virtual input row r is
 // dv[r, c] = sum_j w[c, j] * dout[r - j, c] over 0 <= r - j < t. Rows
 // r >= K-1 go to dinp (written), rows below to dstate0 (written, when not

@@ -77,6 +77,8 @@ pub const MODULES: &[Module] = &[
             "gated_delta_gating_param_grad",
             "add_assign",
             "copy_block",
+            "copy_within",
+            "zero_range",
         ],
     },
     Module {
@@ -101,6 +103,8 @@ pub const MODULES: &[Module] = &[
             "conv1d_update",
             "conv1d_forward",
             "conv1d_state_advance",
+            "conv1d_varlen_forward",
+            "conv1d_varlen_state_advance",
             "conv1d_backward_input",
             "conv1d_backward_weight",
         ],
