@@ -3,6 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::model::WeightDType;
 use arcticd_engine::sampler::argmax;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_engine::{ModelConfig, Qwen3_5, SeqInput};
@@ -25,8 +26,8 @@ pub struct ScoreArgs {
     pub device: Device,
     /// On CUDA, the matrices' type: `bf16` (half the memory) or `f32`
     /// (fp32 products, the CPU's numbers to rounding).
-    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
-    pub weights: String,
+    #[arg(long, default_value = "bf16")]
+    pub weights: WeightDType,
 }
 
 #[derive(Deserialize)]
@@ -67,7 +68,7 @@ fn score_on_cuda(
     ordinal: usize,
     sequences: &[Vec<u32>],
 ) -> Result<Vec<Vec<Option<f32>>>> {
-    Ok(on_cuda(&args.model, &args.weights, ordinal)?.score(sequences)?)
+    Ok(on_cuda(&args.model, args.weights, ordinal)?.score(sequences)?)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -81,7 +82,7 @@ fn score_on_cuda(
 
 /// What `--device cuda:N` does in a build without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
-fn no_cuda<T>(ordinal: usize) -> Result<T> {
+pub(crate) fn no_cuda<T>(ordinal: usize) -> Result<T> {
     Device::Cuda(ordinal).check_available()?;
     bail!("cuda:{ordinal}: this build has no CUDA backend")
 }
@@ -101,8 +102,8 @@ pub struct GenerateArgs {
     #[arg(long, default_value = "cpu")]
     pub device: Device,
     /// On CUDA, the matrices' type: `bf16` or `f32`.
-    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
-    pub weights: String,
+    #[arg(long, default_value = "bf16")]
+    pub weights: WeightDType,
 }
 
 /// One greedy step: the next token after `tokens`, which follow what the
@@ -175,26 +176,22 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
 #[cfg(feature = "cuda")]
 fn on_cuda(
     model_dir: &std::path::Path,
-    weights: &str,
+    weights: WeightDType,
     ordinal: usize,
 ) -> Result<arcticd_engine::model::cuda::CudaModel> {
-    use arcticd_engine::model::cuda::{CudaModel, WeightDType};
+    use arcticd_engine::model::cuda::CudaModel;
     use arcticd_kernels::cuda::device::CudaDevice;
     let dev = std::sync::Arc::new(CudaDevice::new(ordinal)?);
     let model = Qwen3_5::load(model_dir)
         .with_context(|| format!("loading model from {}", model_dir.display()))?;
-    let dtype = match weights {
-        "f32" => WeightDType::F32,
-        _ => WeightDType::Bf16,
-    };
-    Ok(CudaModel::upload(&model, dev, dtype)?)
+    Ok(CudaModel::upload(&model, dev, weights)?)
 }
 
 /// Greedy steps on `cuda:ORDINAL` for a sequence of at most `capacity`
 /// positions.
 #[cfg(feature = "cuda")]
 fn cuda_greedy(args: &GenerateArgs, ordinal: usize, capacity: usize) -> Result<GreedyStep> {
-    let model = on_cuda(&args.model, &args.weights, ordinal)?;
+    let model = on_cuda(&args.model, args.weights, ordinal)?;
     let mut cache = model.new_cache(capacity)?;
     Ok(Box::new(move |tokens: &[u32]| {
         Ok(model.greedy_step(&mut cache, tokens)?)

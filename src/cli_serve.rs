@@ -9,9 +9,11 @@ use crate::server::{app, AppState};
 use anyhow::{Context, Result};
 use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::engine::EngineConfig;
+use arcticd_engine::model::WeightDType;
 use arcticd_engine::router::Router;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_engine::{ParamStore, Qwen3_5};
+use arcticd_kernels::Device;
 use axum::serve::ListenerExt;
 use clap::Args;
 use std::path::PathBuf;
@@ -58,23 +60,25 @@ pub struct ServeArgs {
     /// Turn the prefix cache off.
     #[arg(long)]
     pub no_prefix_cache: bool,
+    /// `cpu`, or `cuda:N` in a build with the `cuda` feature (one replica
+    /// per GPU; the cache then lives in device memory).
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+    /// On CUDA, the matrices' type: `bf16` (half the memory) or `f32`.
+    #[arg(long, default_value = "bf16")]
+    pub weights: WeightDType,
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
+    if let Device::Cuda(ordinal) = args.device {
+        return serve_on_cuda(args, ordinal);
+    }
     // Loaded packed for the matrix product, layer by layer, before the
     // caches are sized: each matrix is held once (in bf16 when its values
     // are bf16, as in bf16 checkpoints), the memory left is what is really
     // left, and the first request does not wait for the packing.
     let (model, packs) = Qwen3_5::load_packed(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
-    let tokenizer = Arc::new(Tokenizer::from_dir(&args.model)?);
-    let template = ChatTemplate::from_dir(&args.model)?;
-    let name = args.served_model_name.clone().unwrap_or_else(|| {
-        args.model
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into())
-    });
     eprintln!(
         "arcticd serve: weights in memory: {} MiB packed for the matrix product{}, {} MiB unpacked",
         packs.bytes() >> 20,
@@ -95,12 +99,64 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             cache_from_fraction(f, &meminfo, args.replicas.max(1))?
         }
     };
+    run(args, store, cache_memory)
+}
+
+/// `serve --device cuda:N`: the weights go to the GPU in `--weights`
+/// (the host keeps the checkpoint's copy, which updates would write), the
+/// cache is sized from the device memory left beside them.
+#[cfg(feature = "cuda")]
+fn serve_on_cuda(args: ServeArgs, ordinal: usize) -> Result<()> {
+    use arcticd_engine::model::cuda::CudaModel;
+    use arcticd_kernels::cuda::device::CudaDevice;
+    if args.replicas > 1 {
+        anyhow::bail!(
+            "--device cuda:{ordinal} runs one replica (one per GPU); got --replicas {}",
+            args.replicas
+        );
+    }
+    let model = Qwen3_5::load(&args.model)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
+    let weights = CudaModel::upload_bytes(&model, args.weights);
+    eprintln!(
+        "arcticd serve: weights on cuda:{ordinal}: {} MiB ({:?} matrices)",
+        weights >> 20,
+        args.weights
+    );
+    let cache_memory = match args.cache_memory {
+        Some(mib) => mib << 20,
+        None => {
+            let f = args.cache_fraction.unwrap_or(DEFAULT_CACHE_FRACTION);
+            let (free, _) = CudaDevice::new(ordinal)?.memory_info()?;
+            fraction_of(f, free.saturating_sub(weights), 1)?
+        }
+    };
+    run(args, ParamStore::new(model), cache_memory)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn serve_on_cuda(_args: ServeArgs, ordinal: usize) -> Result<()> {
+    crate::cli_model::no_cuda(ordinal)
+}
+
+/// Starts the engines over `store` and serves until a signal.
+fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) -> Result<()> {
+    let tokenizer = Arc::new(Tokenizer::from_dir(&args.model)?);
+    let template = ChatTemplate::from_dir(&args.model)?;
+    let name = args.served_model_name.clone().unwrap_or_else(|| {
+        args.model
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    });
     let config = EngineConfig {
         cache_memory,
         max_num_seqs: args.max_num_seqs,
         max_batched_tokens: args.max_batched_tokens,
         max_model_len: args.max_model_len,
         enable_prefix_cache: !args.no_prefix_cache,
+        device: args.device,
+        weights: args.weights,
         ..Default::default()
     };
     let router = Router::start(args.replicas.max(1), store, Some(tokenizer.clone()), config)?;
@@ -186,11 +242,16 @@ const DEFAULT_CACHE_FRACTION: f64 = 0.5;
 /// `MemAvailable` in `meminfo` (the text of /proc/meminfo), split between
 /// `replicas`.
 fn cache_from_fraction(fraction: f64, meminfo: &str, replicas: usize) -> Result<usize> {
+    let available = arcticd_trainer::memory::parse_mem_available(meminfo)
+        .context("no MemAvailable line in /proc/meminfo")?;
+    fraction_of(fraction, available as usize, replicas)
+}
+
+/// `fraction` of `available` bytes, split between `replicas`.
+fn fraction_of(fraction: f64, available: usize, replicas: usize) -> Result<usize> {
     if !(fraction > 0.0 && fraction <= 0.95) {
         anyhow::bail!("--cache-fraction must be in (0, 0.95], got {fraction}");
     }
-    let available = arcticd_trainer::memory::parse_mem_available(meminfo)
-        .context("no MemAvailable line in /proc/meminfo")?;
     let bytes = (available as f64 * fraction / replicas as f64) as usize;
     if bytes < 1 << 20 {
         anyhow::bail!("--cache-fraction {fraction} leaves under 1 MiB of cache per replica");

@@ -145,6 +145,14 @@ fn init_score_generate_and_bad_input() {
         &arcticd(&["score", "--model", m, "--input", inp, "--device", "cuda:0"]),
         "cuda:0",
     );
+    assert_clean_error(
+        &arcticd(&["serve", "--model", m, "--port", "0", "--device", "cuda:0"]),
+        "cuda:0",
+    );
+    assert_clean_error(
+        &arcticd(&["score", "--model", m, "--input", inp, "--weights", "fp8"]),
+        "expected bf16 or f32",
+    );
     let on_cpu = arcticd(&["score", "--model", m, "--input", inp, "--device", "cpu"]);
     assert_eq!(on_cpu.stdout, score_stdout);
     assert_clean_error(

@@ -16,6 +16,11 @@
 //! of the recipe change this loop (`EngineConfig::state_dtype`,
 //! `EngineConfig::rebuild_caches`); both are off by default.
 //!
+//! On a GPU (`EngineConfig::device`) the same loop runs the CUDA model
+//! over a cache that lives on the device: the scheduler, prefix cache and
+//! version contract are the same, only the forward differs (one packed
+//! batch on the device; the sampled rows' logits come back to the host).
+//!
 //! Weight updates (docs/ARCHITECTURE.md, recipe step 7): [`EngineHandle::pause`] returns once
 //! the engine is between two steps and holds no read guard; the owner of the
 //! store updates it in place; [`EngineHandle::resume`] lets the engine go on,
@@ -26,14 +31,15 @@
 //! Not for: HTTP or text (the server), routing across replicas (`router.rs`).
 
 use crate::error::Failure;
-use crate::kv_cache::{fit_slots, CacheLayout, PagedKvCache};
-use crate::model::{LinearPacks, PagedPast, Qwen3_5, SeqCache, SeqInput};
+use crate::kv_cache::{fit_slots, CacheLayout, PagedKvCache, Placement};
+use crate::model::{LinearPacks, PagedPast, Qwen3_5, SeqCache, SeqInput, WeightDType};
 use crate::params::ParamStore;
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 use crate::scheduler::{Limits, Scheduled, Scheduler, Sequence};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use arcticd_kernels::cpu::logsoftmax::greedy_pick;
+use arcticd_kernels::Device;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -75,6 +81,28 @@ pub struct EngineConfig {
     /// update no longer match a forward under the weights they are tagged
     /// with.
     pub rebuild_caches: bool,
+    /// Where the model runs: `cpu` (the default) or `cuda:N` (builds with
+    /// the `cuda` feature). On a GPU `cache_memory` is device memory.
+    #[serde(with = "device_name")]
+    pub device: Device,
+    /// How the matrices are held on a GPU (`bf16`, the default, or `f32`).
+    /// Ignored on the CPU.
+    pub weights: WeightDType,
+}
+
+/// A [`Device`] in a config file: its name (`cpu`, `cuda:0`).
+mod device_name {
+    use arcticd_kernels::Device;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(d)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Device, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
 }
 
 /// The precision of the recurrent and conv state between engine steps.
@@ -103,6 +131,8 @@ impl Default for EngineConfig {
             max_model_len: 32768,
             state_dtype: StateDtype::F32,
             rebuild_caches: true,
+            device: Device::Cpu,
+            weights: WeightDType::Bf16,
         }
     }
 }
@@ -121,6 +151,11 @@ impl EngineConfig {
         }
         if self.max_batched_tokens < self.max_num_seqs + self.prefix_unit {
             return bad("max_batched_tokens must be at least max_num_seqs + prefix_unit");
+        }
+        if self.device != Device::Cpu && self.state_dtype == StateDtype::Bf16 {
+            return bad(
+                "state_dtype = \"bf16\" is an ablation of the CPU engine; a GPU keeps fp32 state",
+            );
         }
         Ok(())
     }
@@ -368,16 +403,7 @@ impl EngineHandle {
     /// Generate and wait for every choice (blocking; not for async code).
     pub fn generate_blocking(&self, request: Request) -> Result<Vec<Choice>> {
         let n = request.params.n;
-        let mut sub = self.submit_collected(request)?;
-        let mut choices = vec![Choice::default(); n];
-        let mut done = 0;
-        while done < n {
-            match sub.events.blocking_recv() {
-                Some(ev) => done += apply_event(&mut choices, ev)?,
-                None => return Err(Error::Unavailable("the engine stopped".into())),
-            }
-        }
-        Ok(choices)
+        collect_blocking(self.submit_collected(request)?, n)
     }
 
     /// Async form of [`generate_blocking`](Self::generate_blocking).
@@ -422,6 +448,19 @@ impl EngineHandle {
     pub fn is_stopped(&self) -> bool {
         self.shared.stopped.load(Ordering::Acquire)
     }
+}
+
+/// Waits for the `n` choices of a submitted request (blocking the thread).
+pub fn collect_blocking(mut sub: Submitted, n: usize) -> Result<Vec<Choice>> {
+    let mut choices = vec![Choice::default(); n];
+    let mut done = 0;
+    while done < n {
+        match sub.events.blocking_recv() {
+            Some(ev) => done += apply_event(&mut choices, ev)?,
+            None => return Err(Error::Unavailable("the engine stopped".into())),
+        }
+    }
+    Ok(choices)
 }
 
 /// Fold one event into `choices`; returns 1 when a choice finished.
@@ -491,8 +530,35 @@ pub fn start(
     config: EngineConfig,
 ) -> Result<EngineHandle> {
     config.validate()?;
-    let (cache, fit, vocab_size, mut eos) = {
+    let placement = match config.device {
+        Device::Cpu => Placement::Host,
+        #[cfg(feature = "cuda")]
+        Device::Cuda(i) => {
+            Placement::Device(Arc::new(arcticd_kernels::cuda::device::CudaDevice::new(i)?))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => {
+            config.device.check_available()?;
+            Placement::Host
+        }
+    };
+    let (cache, fit, vocab_size, mut eos, gpu) = {
         let model = store.read();
+        // On a GPU the weights go first, so the cache is checked against
+        // the memory they leave.
+        #[cfg(feature = "cuda")]
+        let gpu = match &placement {
+            Placement::Device(dev) => Some(GpuReplica::new(
+                &model,
+                dev.clone(),
+                config.weights,
+                store.weight_version(),
+                config.cache_memory,
+            )?),
+            Placement::Host => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let gpu: Option<GpuReplica> = None;
         let unit_blocks = config.prefix_unit / config.block_size;
         let fit = fit_slots(
             &CacheLayout::new(&model.config),
@@ -508,15 +574,15 @@ pub fn start(
             &model.config,
             config.block_size,
             config.cache_memory,
-            fit.running + fit.snapshots,
-            unit_blocks.max(1),
-            max_blocks,
+            (fit.running + fit.snapshots, unit_blocks.max(1), max_blocks),
+            placement,
         )?;
         (
             cache,
             fit,
             model.config.vocab_size,
             model.config.eos_token_ids.clone(),
+            gpu,
         )
     };
     if fit.reduced {
@@ -573,6 +639,7 @@ pub fn start(
         max_model_len: config.max_model_len,
         state_dtype: config.state_dtype,
         rebuild_caches: config.rebuild_caches,
+        gpu,
     };
     std::thread::Builder::new()
         .name("arcticd-engine".into())
@@ -595,7 +662,13 @@ struct EngineLoop {
     max_model_len: usize,
     state_dtype: StateDtype,
     rebuild_caches: bool,
+    /// The model on a GPU, when the engine runs there.
+    gpu: Option<GpuReplica>,
 }
+
+/// A row's logits for every sampled sequence of a step (in plan order),
+/// and the greedy picks made beside them.
+type StepOut = (Vec<f32>, Vec<Option<(usize, f32)>>);
 
 impl EngineLoop {
     fn run(&mut self, rx: mpsc::Receiver<Command>) {
@@ -734,154 +807,8 @@ impl EngineLoop {
         if plan.is_empty() {
             return;
         }
-        // Weights packed once per version for every replica (see
-        // `LinearPacks`); without them the products are the same, only
-        // slower.
-        let packs = store.packs(&model, version);
-        while self.scratch.len() < plan.len() {
-            self.scratch.push(model.new_cache());
-        }
+        let result = self.forward(&store, &model, version, &plan);
         let sched = &mut self.scheduler;
-        for (j, item) in plan.iter().enumerate() {
-            let seq = &sched.running[item.seq];
-            let Some(slot) = seq.slot else {
-                continue;
-            };
-            // Past K/V stay in their blocks: the forward reads them there.
-            sched
-                .cache
-                .load_states(&mut self.scratch[j], seq.computed, slot);
-        }
-        let result = {
-            let mut batch: Vec<SeqInput<'_>> = plan
-                .iter()
-                .zip(self.scratch.iter_mut())
-                .map(|(item, cache)| {
-                    let seq = &sched.running[item.seq];
-                    SeqInput {
-                        tokens: &seq.tokens[seq.computed..seq.computed + item.n],
-                        cache,
-                    }
-                })
-                .collect();
-            // The batch is cut into one run of sequences per pool thread,
-            // about equal in tokens, and each thread runs the whole model on
-            // its run, then makes the logits of its rows that are sampled: a
-            // decode step synchronises once instead of in every kernel, and
-            // the kernels' parallel loops start from inside the pool. Their
-            // loops still share out work a busy thread has not started. A
-            // row's arithmetic does not depend on the rows beside it (every
-            // kernel is batch-invariant), so the bits are those of one call
-            // over the whole batch.
-            let (m, packs): (&Qwen3_5, &LinearPacks) = (&model, &packs);
-            let pools = sched.cache.pages();
-            let block_size = sched.cache.block_size();
-            let pasts: Vec<Option<PagedPast<'_>>> = plan
-                .iter()
-                .map(|item| {
-                    let seq = &sched.running[item.seq];
-                    seq.slot.map(|_| PagedPast {
-                        blocks: &seq.block_table,
-                        block_size,
-                        pools: &pools,
-                    })
-                })
-                .collect();
-            // Sequences with every token in the cache after this step are
-            // sampled: their last row's logits are made by the run's own
-            // thread (a row's logits do not depend on the rows beside it),
-            // and a greedy pick too (`Some(true)`), while the row is in its
-            // cache.
-            let wants: Vec<Option<bool>> = plan
-                .iter()
-                .map(|item| {
-                    let seq = &sched.running[item.seq];
-                    (seq.computed + item.n == seq.tokens.len()).then(|| seq.sampler.is_cheap())
-                })
-                .collect();
-            let runs = split_by_tokens(&mut batch, rayon::current_num_threads());
-            let (mut rest, mut rest_wants): (&[Option<PagedPast<'_>>], &[Option<bool>]) =
-                (&pasts, &wants);
-            let runs: Vec<_> = runs
-                .into_iter()
-                .map(|run| {
-                    let (mine, tail) = rest.split_at(run.len());
-                    let (my_wants, wants_tail) = rest_wants.split_at(run.len());
-                    (rest, rest_wants) = (tail, wants_tail);
-                    (run, mine, my_wants)
-                })
-                .collect();
-            // Every pool thread is handed its run by name (a broadcast):
-            // left to work stealing, a thread that was asleep sometimes did
-            // not wake before the other had finished its own run and taken
-            // the second too, and the step took twice as long.
-            let runs: Vec<Mutex<Option<_>>> =
-                runs.into_iter().map(|run| Mutex::new(Some(run))).collect();
-            let h = model.config.hidden_size;
-            type RunOut = (Vec<f32>, Vec<Option<(usize, f32)>>);
-            let vocab = model.config.vocab_size;
-            let outs: Vec<Option<Result<RunOut>>> = rayon::broadcast(|ctx| {
-                let run = runs
-                    .get(ctx.index())?
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner())
-                    .take();
-                let (run, pasts, wants) = run?;
-                let lens: Vec<usize> = run.iter().map(|seq| seq.tokens.len()).collect();
-                let out = m
-                    .forward_paged(run, Some(pasts), Some(packs))
-                    .and_then(|hidden| {
-                        let mut rows = Vec::new();
-                        let mut end = 0;
-                        for (n, want) in lens.iter().zip(wants) {
-                            end += n;
-                            if want.is_some() {
-                                rows.extend_from_slice(&hidden[(end - 1) * h..end * h]);
-                            }
-                        }
-                        if rows.is_empty() {
-                            return Ok((Vec::new(), Vec::new()));
-                        }
-                        let logits = m.logits_with(&rows, Some(packs))?;
-                        let picks = wants
-                            .iter()
-                            .flatten()
-                            .zip(logits.chunks_exact(vocab))
-                            .map(|(&pick, row)| {
-                                pick.then(|| greedy_pick(row))
-                                    .transpose()
-                                    .map_err(Error::from)
-                            })
-                            .collect::<Result<Vec<_>>>()?;
-                        Ok((logits, picks))
-                    });
-                Some(out)
-            });
-            outs.into_iter().flatten().try_fold(
-                (Vec::new(), Vec::new()),
-                |(mut logits, mut picks), out| -> Result<RunOut> {
-                    let (l, p) = out?;
-                    logits.extend_from_slice(&l);
-                    picks.extend(p);
-                    Ok((logits, picks))
-                },
-            )
-        };
-        for (j, item) in plan.iter().enumerate() {
-            let seq = &sched.running[item.seq];
-            if let Some(slot) = seq.slot {
-                if self.state_dtype == StateDtype::Bf16 {
-                    round_states_to_bf16(&mut self.scratch[j]);
-                }
-                sched.cache.store(
-                    &mut self.scratch[j],
-                    &seq.block_table,
-                    seq.computed,
-                    item.n,
-                    slot,
-                );
-            }
-        }
         let (logits, picks) = match result {
             Ok(out) => out,
             Err(e) => {
@@ -1024,6 +951,30 @@ impl EngineLoop {
         self.shared.metrics.steps.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// One step's forward on the engine's device: logits of the rows to
+    /// sample (one per sequence whose tokens are then all in the cache, in
+    /// plan order) and any greedy picks made beside them.
+    fn forward(
+        &mut self,
+        store: &ParamStore,
+        model: &Qwen3_5,
+        version: u64,
+        plan: &[Scheduled],
+    ) -> Result<StepOut> {
+        if let Some(gpu) = &mut self.gpu {
+            return gpu.forward(model, version, &mut self.scheduler, plan);
+        }
+        cpu_forward(
+            model,
+            store,
+            version,
+            &mut self.scheduler,
+            &mut self.scratch,
+            plan,
+            self.state_dtype,
+        )
+    }
+
     /// Whether `running[i]`, which just sampled, is done.
     fn finish_reason(&self, i: usize) -> Option<FinishReason> {
         let seq = &self.scheduler.running[i];
@@ -1067,6 +1018,268 @@ impl EngineLoop {
             }
             self.drop_request(id);
         }
+    }
+}
+
+/// One step's forward on the CPU: each planned sequence's state moved from
+/// its slot into a scratch cache, one run of sequences per pool thread
+/// (each also making its sampled rows' logits and greedy picks), the new
+/// positions and states stored back.
+fn cpu_forward(
+    model: &Qwen3_5,
+    store: &ParamStore,
+    version: u64,
+    sched: &mut Scheduler,
+    scratch: &mut Vec<SeqCache>,
+    plan: &[Scheduled],
+    state_dtype: StateDtype,
+) -> Result<StepOut> {
+    // Weights packed once per version for every replica (see
+    // `LinearPacks`); without them the products are the same, only
+    // slower.
+    let packs = store.packs(model, version);
+    while scratch.len() < plan.len() {
+        scratch.push(model.new_cache());
+    }
+    for (j, item) in plan.iter().enumerate() {
+        let seq = &sched.running[item.seq];
+        let Some(slot) = seq.slot else {
+            continue;
+        };
+        // Past K/V stay in their blocks: the forward reads them there.
+        sched
+            .cache
+            .load_states(&mut scratch[j], seq.computed, slot)?;
+    }
+    let result = {
+        let mut batch: Vec<SeqInput<'_>> = plan
+            .iter()
+            .zip(scratch.iter_mut())
+            .map(|(item, cache)| {
+                let seq = &sched.running[item.seq];
+                SeqInput {
+                    tokens: &seq.tokens[seq.computed..seq.computed + item.n],
+                    cache,
+                }
+            })
+            .collect();
+        // The batch is cut into one run of sequences per pool thread,
+        // about equal in tokens, and each thread runs the whole model on
+        // its run, then makes the logits of its rows that are sampled: a
+        // decode step synchronises once instead of in every kernel, and
+        // the kernels' parallel loops start from inside the pool. Their
+        // loops still share out work a busy thread has not started. A
+        // row's arithmetic does not depend on the rows beside it (every
+        // kernel is batch-invariant), so the bits are those of one call
+        // over the whole batch.
+        let (m, packs): (&Qwen3_5, &LinearPacks) = (model, &packs);
+        let pools = sched.cache.pages()?;
+        let block_size = sched.cache.block_size();
+        let pasts: Vec<Option<PagedPast<'_>>> = plan
+            .iter()
+            .map(|item| {
+                let seq = &sched.running[item.seq];
+                seq.slot.map(|_| PagedPast {
+                    blocks: &seq.block_table,
+                    block_size,
+                    pools: &pools,
+                })
+            })
+            .collect();
+        // Sequences with every token in the cache after this step are
+        // sampled: their last row's logits are made by the run's own
+        // thread (a row's logits do not depend on the rows beside it),
+        // and a greedy pick too (`Some(true)`), while the row is in its
+        // cache.
+        let wants: Vec<Option<bool>> = plan
+            .iter()
+            .map(|item| {
+                let seq = &sched.running[item.seq];
+                (seq.computed + item.n == seq.tokens.len()).then(|| seq.sampler.is_cheap())
+            })
+            .collect();
+        let runs = split_by_tokens(&mut batch, rayon::current_num_threads());
+        let (mut rest, mut rest_wants): (&[Option<PagedPast<'_>>], &[Option<bool>]) =
+            (&pasts, &wants);
+        let runs: Vec<_> = runs
+            .into_iter()
+            .map(|run| {
+                let (mine, tail) = rest.split_at(run.len());
+                let (my_wants, wants_tail) = rest_wants.split_at(run.len());
+                (rest, rest_wants) = (tail, wants_tail);
+                (run, mine, my_wants)
+            })
+            .collect();
+        // Every pool thread is handed its run by name (a broadcast):
+        // left to work stealing, a thread that was asleep sometimes did
+        // not wake before the other had finished its own run and taken
+        // the second too, and the step took twice as long.
+        let runs: Vec<Mutex<Option<_>>> =
+            runs.into_iter().map(|run| Mutex::new(Some(run))).collect();
+        let h = model.config.hidden_size;
+        let vocab = model.config.vocab_size;
+        let outs: Vec<Option<Result<StepOut>>> = rayon::broadcast(|ctx| {
+            let run = runs
+                .get(ctx.index())?
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .take();
+            let (run, pasts, wants) = run?;
+            let lens: Vec<usize> = run.iter().map(|seq| seq.tokens.len()).collect();
+            let out = m
+                .forward_paged(run, Some(pasts), Some(packs))
+                .and_then(|hidden| {
+                    let mut rows = Vec::new();
+                    let mut end = 0;
+                    for (n, want) in lens.iter().zip(wants) {
+                        end += n;
+                        if want.is_some() {
+                            rows.extend_from_slice(&hidden[(end - 1) * h..end * h]);
+                        }
+                    }
+                    if rows.is_empty() {
+                        return Ok((Vec::new(), Vec::new()));
+                    }
+                    let logits = m.logits_with(&rows, Some(packs))?;
+                    let picks = wants
+                        .iter()
+                        .flatten()
+                        .zip(logits.chunks_exact(vocab))
+                        .map(|(&pick, row)| {
+                            pick.then(|| greedy_pick(row))
+                                .transpose()
+                                .map_err(Error::from)
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    Ok((logits, picks))
+                });
+            Some(out)
+        });
+        outs.into_iter().flatten().try_fold(
+            (Vec::new(), Vec::new()),
+            |(mut logits, mut picks), out| -> Result<StepOut> {
+                let (l, p) = out?;
+                logits.extend_from_slice(&l);
+                picks.extend(p);
+                Ok((logits, picks))
+            },
+        )
+    };
+    // The states go back to their slots whether or not the step
+    // failed (a failed step fails its sequences after).
+    for (j, item) in plan.iter().enumerate() {
+        let seq = &sched.running[item.seq];
+        if let Some(slot) = seq.slot {
+            if state_dtype == StateDtype::Bf16 {
+                round_states_to_bf16(&mut scratch[j]);
+            }
+            sched.cache.store(
+                &mut scratch[j],
+                &seq.block_table,
+                seq.computed,
+                item.n,
+                slot,
+            )?;
+        }
+    }
+    result
+}
+
+/// The engine's model on a GPU: the store's weights uploaded (again after
+/// every update, before any token of the new version), run over the
+/// scheduler's cache on the device.
+#[cfg(feature = "cuda")]
+struct GpuReplica {
+    model: crate::model::cuda::CudaModel,
+    dev: Arc<arcticd_kernels::cuda::device::CudaDevice>,
+    weights: WeightDType,
+    version: u64,
+}
+
+#[cfg(feature = "cuda")]
+impl GpuReplica {
+    /// Uploads `model` and checks that `cache_memory` bytes are free
+    /// beside it.
+    fn new(
+        model: &Qwen3_5,
+        dev: Arc<arcticd_kernels::cuda::device::CudaDevice>,
+        weights: WeightDType,
+        version: u64,
+        cache_memory: usize,
+    ) -> Result<Self> {
+        let on_gpu = crate::model::cuda::CudaModel::upload(model, dev.clone(), weights)?;
+        let (free, _) = dev.memory_info()?;
+        if cache_memory > free {
+            return Err(Error::Config(format!(
+                "cache memory {} MiB is more than the {} MiB free on {dev:?} after the \
+                 weights ({} MiB)",
+                cache_memory >> 20,
+                free >> 20,
+                on_gpu.param_bytes() >> 20
+            )));
+        }
+        Ok(GpuReplica {
+            model: on_gpu,
+            dev,
+            weights,
+            version,
+        })
+    }
+
+    fn forward(
+        &mut self,
+        host: &Qwen3_5,
+        version: u64,
+        sched: &mut Scheduler,
+        plan: &[Scheduled],
+    ) -> Result<StepOut> {
+        use crate::model::cuda::{CudaModel, DeviceSeq};
+        if version != self.version {
+            self.model = CudaModel::upload(host, self.dev.clone(), self.weights)?;
+            self.version = version;
+        }
+        let mut seqs = Vec::with_capacity(plan.len());
+        let mut rows = Vec::new();
+        let mut end = 0;
+        for item in plan {
+            let seq = &sched.running[item.seq];
+            let slot = seq.slot.ok_or_else(|| {
+                Error::Invariant("a scheduled sequence holds no state slot".into())
+            })?;
+            seqs.push(DeviceSeq {
+                tokens: &seq.tokens[seq.computed..seq.computed + item.n],
+                past: seq.computed,
+                slot,
+                blocks: &seq.block_table,
+            });
+            end += item.n;
+            if seq.computed + item.n == seq.tokens.len() {
+                rows.push(end - 1);
+            }
+        }
+        let cache = sched.cache.device_mut().ok_or_else(|| {
+            Error::Invariant("the GPU model was given a cache in host memory".into())
+        })?;
+        let hidden = self.model.forward_batch(cache, &seqs)?;
+        let logits = self.model.logits_of_rows(&hidden, &rows)?;
+        Ok((logits, Vec::new()))
+    }
+}
+
+/// Stands in for the GPU model in builds without CUDA (never made).
+#[cfg(not(feature = "cuda"))]
+enum GpuReplica {}
+
+#[cfg(not(feature = "cuda"))]
+impl GpuReplica {
+    fn forward(
+        &mut self,
+        _: &Qwen3_5,
+        _: u64,
+        _: &mut Scheduler,
+        _: &[Scheduled],
+    ) -> Result<StepOut> {
+        match *self {}
     }
 }
 

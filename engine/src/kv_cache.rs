@@ -13,6 +13,12 @@
 //! writes the new positions back. [`PagedKvCache::load`] also gathers the
 //! K/V into the `SeqCache`, for callers that want the sequence in one piece.
 //!
+//! Where the tensors live is the cache's [`Store`]: host memory for the
+//! CPU model, or (feature `cuda`) the GPU's memory, where the CUDA model
+//! reads and writes the pools and slots in place
+//! ([`DeviceCache`](crate::model::cuda::DeviceCache)). The bookkeeping
+//! (blocks, slots, budget) is the same for both.
+//!
 //! Not for: policy (the scheduler decides who gets blocks) or hashing
 //! (`prefix_cache.rs`).
 
@@ -85,11 +91,54 @@ pub struct PagedKvCache {
     layout: CacheLayout,
     block_size: usize,
     pool: BlockPool,
+    num_slots: usize,
+    free_slots: Vec<SlotId>,
+    store: Store,
+}
+
+/// Where a cache's tensors are allocated.
+#[derive(Debug, Clone, Default)]
+pub enum Placement {
+    #[default]
+    Host,
+    /// On a GPU, for the CUDA model.
+    #[cfg(feature = "cuda")]
+    Device(std::sync::Arc<arcticd_kernels::cuda::device::CudaDevice>),
+}
+
+/// The cached tensors.
+#[derive(Debug)]
+enum Store {
+    Host(HostStore),
+    #[cfg(feature = "cuda")]
+    Device(crate::model::cuda::DeviceCache),
+}
+
+impl Store {
+    fn host_mut(&mut self) -> Result<&mut HostStore> {
+        match self {
+            Store::Host(h) => Ok(h),
+            #[cfg(feature = "cuda")]
+            Store::Device(_) => Err(on_device()),
+        }
+    }
+
+    fn host_ref(&self) -> Result<&HostStore> {
+        match self {
+            Store::Host(h) => Ok(h),
+            #[cfg(feature = "cuda")]
+            Store::Device(_) => Err(on_device()),
+        }
+    }
+}
+
+/// The cached tensors in host memory, for the CPU model.
+#[derive(Debug)]
+struct HostStore {
     /// Per attention layer `[num_blocks, block_size, kv_row]`.
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     slots: Vec<StateSlot>,
-    free_slots: Vec<SlotId>,
 }
 
 /// Sequences that run at once and prefix-cache snapshots kept, as fitted
@@ -149,14 +198,14 @@ pub fn fit_slots(
 
 impl PagedKvCache {
     /// Split `budget_bytes` into `num_slots` state slots and as many K/V
-    /// blocks as fit in the rest. Errors when not even `min_blocks` fit.
+    /// blocks as fit in the rest, allocated where `placement` says. Errors
+    /// when not even `min_blocks` fit.
     pub fn with_budget(
         config: &ModelConfig,
         block_size: usize,
         budget_bytes: usize,
-        num_slots: usize,
-        min_blocks: usize,
-        max_blocks: usize,
+        (num_slots, min_blocks, max_blocks): (usize, usize, usize),
+        placement: Placement,
     ) -> Result<Self> {
         let layout = CacheLayout::new(config);
         if block_size == 0 {
@@ -179,7 +228,22 @@ impl PagedKvCache {
                  {block_bytes} bytes after {num_slots} state slots; at least {min_blocks} are needed"
             )));
         }
-        Ok(Self::new(layout, block_size, num_blocks, num_slots))
+        match placement {
+            Placement::Host => Ok(Self::new(layout, block_size, num_blocks, num_slots)),
+            #[cfg(feature = "cuda")]
+            Placement::Device(dev) => {
+                let store = crate::model::cuda::DeviceCache::new(
+                    dev, &layout, block_size, num_blocks, num_slots,
+                )?;
+                Ok(Self::with_store(
+                    layout,
+                    block_size,
+                    num_blocks,
+                    num_slots,
+                    Store::Device(store),
+                ))
+            }
+        }
     }
 
     /// A cache of exactly `num_blocks` blocks and `num_slots` slots.
@@ -206,14 +270,38 @@ impl PagedKvCache {
         // write every byte): the OS hands out zero pages as they are first
         // used, so a large cache costs memory only as it fills.
         let pools = || -> Vec<Vec<f32>> { (0..n_attn).map(|_| vec![0.0; per_layer]).collect() };
-        PagedKvCache {
+        let store = Store::Host(HostStore {
             k: pools(),
             v: pools(),
             slots: (0..num_slots).map(|_| empty_slot()).collect(),
+        });
+        Self::with_store(layout, block_size, num_blocks, num_slots, store)
+    }
+
+    fn with_store(
+        layout: CacheLayout,
+        block_size: usize,
+        num_blocks: usize,
+        num_slots: usize,
+        store: Store,
+    ) -> Self {
+        PagedKvCache {
+            num_slots,
             free_slots: (0..num_slots as SlotId).rev().collect(),
             pool: BlockPool::new(num_blocks),
             layout,
             block_size,
+            store,
+        }
+    }
+
+    /// The device tensors, for the CUDA model's forward; `None` when the
+    /// cache is in host memory.
+    #[cfg(feature = "cuda")]
+    pub fn device_mut(&mut self) -> Option<&mut crate::model::cuda::DeviceCache> {
+        match &mut self.store {
+            Store::Device(d) => Some(d),
+            Store::Host(_) => None,
         }
     }
 
@@ -243,16 +331,22 @@ impl PagedKvCache {
     }
 
     pub fn num_slots(&self) -> usize {
-        self.slots.len()
+        self.num_slots
     }
 
     /// Take a state slot, zeroed (a fresh sequence's state).
     pub fn allocate_slot(&mut self) -> Option<SlotId> {
         let id = self.free_slots.pop()?;
-        let s = &mut self.slots[id as usize];
-        for &li in &self.layout.linear_layers {
-            s.conv[li].fill(0.0);
-            s.rec[li].fill(0.0);
+        match &mut self.store {
+            Store::Host(h) => {
+                let s = &mut h.slots[id as usize];
+                for &li in &self.layout.linear_layers {
+                    s.conv[li].fill(0.0);
+                    s.rec[li].fill(0.0);
+                }
+            }
+            #[cfg(feature = "cuda")]
+            Store::Device(d) => d.zero_slot(id),
         }
         Some(id)
     }
@@ -266,17 +360,24 @@ impl PagedKvCache {
 
     /// Copy the state of slot `src` into slot `dst` (a snapshot, or a resume
     /// from one).
+    // In builds with `cuda` the match below has a device arm.
+    #[allow(clippy::infallible_destructuring_match)]
     pub fn copy_slot(&mut self, src: SlotId, dst: SlotId) {
         if src == dst {
             return;
         }
+        let h = match &mut self.store {
+            Store::Host(h) => h,
+            #[cfg(feature = "cuda")]
+            Store::Device(d) => return d.copy_slot(src, dst),
+        };
         let (s, d) = (src as usize, dst as usize);
         for &li in &self.layout.linear_layers {
             let (a, b) = if s < d {
-                let (lo, hi) = self.slots.split_at_mut(d);
+                let (lo, hi) = h.slots.split_at_mut(d);
                 (&lo[s], &mut hi[0])
             } else {
-                let (lo, hi) = self.slots.split_at_mut(s);
+                let (lo, hi) = h.slots.split_at_mut(s);
                 (&hi[0], &mut lo[d])
             };
             b.conv[li].copy_from_slice(&a.conv[li]);
@@ -286,13 +387,19 @@ impl PagedKvCache {
 
     /// Copy the first `rows` positions of block `src` into block `dst`, in
     /// every attention layer (copy-on-write of a shared partial block).
+    #[allow(clippy::infallible_destructuring_match)]
     pub fn copy_block(&mut self, src: BlockId, dst: BlockId, rows: usize) {
+        let h = match &mut self.store {
+            Store::Host(h) => h,
+            #[cfg(feature = "cuda")]
+            Store::Device(d) => return d.copy_block(src, dst, rows),
+        };
         let n = rows.min(self.block_size) * self.layout.kv_row;
         let (s, d) = (
             src as usize * self.block_size * self.layout.kv_row,
             dst as usize * self.block_size * self.layout.kv_row,
         );
-        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+        for buf in h.k.iter_mut().chain(h.v.iter_mut()) {
             buf.copy_within(s..s + n, d);
         }
     }
@@ -305,14 +412,20 @@ impl PagedKvCache {
     /// Fill `cache` for a sequence whose first `past` positions are in the
     /// blocks of `table` and whose state is in `slot`: K/V are gathered into
     /// `cache.k/v` (reusing their capacity) and the slot's state vectors are
-    /// moved in. Must be paired with [`store`](Self::store).
-    pub fn load(&mut self, cache: &mut SeqCache, table: &[BlockId], past: usize, slot: SlotId) {
+    /// moved in. Must be paired with [`store`](Self::store). Host caches
+    /// only.
+    pub fn load(
+        &mut self,
+        cache: &mut SeqCache,
+        table: &[BlockId],
+        past: usize,
+        slot: SlotId,
+    ) -> Result<()> {
         let (bs, row) = (self.block_size, self.layout.kv_row);
-        for (ai, &li) in self.layout.attn_layers.iter().enumerate() {
-            for (dst, src) in [
-                (&mut cache.k[li], &self.k[ai]),
-                (&mut cache.v[li], &self.v[ai]),
-            ] {
+        let layout = &self.layout;
+        let h = self.store.host_mut()?;
+        for (ai, &li) in layout.attn_layers.iter().enumerate() {
+            for (dst, src) in [(&mut cache.k[li], &h.k[ai]), (&mut cache.v[li], &h.v[ai])] {
                 dst.clear();
                 let mut pos = 0;
                 for &b in table {
@@ -326,38 +439,36 @@ impl PagedKvCache {
                 }
             }
         }
-        let s = &mut self.slots[slot as usize];
-        for &li in &self.layout.linear_layers {
-            std::mem::swap(&mut cache.conv_state[li], &mut s.conv[li]);
-            std::mem::swap(&mut cache.recurrent_state[li], &mut s.rec[li]);
-        }
+        swap_states(layout, cache, &mut h.slots[slot as usize]);
         cache.len = past;
+        Ok(())
     }
 
     /// [`load`](Self::load) without the K/V gather: for a forward that reads
     /// the past in place ([`Qwen3_5::forward_paged`](crate::Qwen3_5::forward_paged)
     /// with [`pages`](Self::pages)). The cache's K/V are left empty.
-    pub fn load_states(&mut self, cache: &mut SeqCache, past: usize, slot: SlotId) {
+    pub fn load_states(&mut self, cache: &mut SeqCache, past: usize, slot: SlotId) -> Result<()> {
         for &li in &self.layout.attn_layers {
             cache.k[li].clear();
             cache.v[li].clear();
         }
-        let s = &mut self.slots[slot as usize];
-        for &li in &self.layout.linear_layers {
-            std::mem::swap(&mut cache.conv_state[li], &mut s.conv[li]);
-            std::mem::swap(&mut cache.recurrent_state[li], &mut s.rec[li]);
-        }
+        let layout = &self.layout;
+        let h = self.store.host_mut()?;
+        swap_states(layout, cache, &mut h.slots[slot as usize]);
         cache.len = past;
+        Ok(())
     }
 
     /// The K and V block pools by model layer index (empty slices for the
-    /// linear layers), for [`PagedPast`](crate::model::PagedPast).
-    pub fn pages(&self) -> Vec<(&[f32], &[f32])> {
+    /// linear layers), for [`PagedPast`](crate::model::PagedPast). Host
+    /// caches only.
+    pub fn pages(&self) -> Result<Vec<(&[f32], &[f32])>> {
+        let h = self.store.host_ref()?;
         let mut pools: Vec<(&[f32], &[f32])> = vec![(&[], &[]); self.layout.num_layers];
         for (ai, &li) in self.layout.attn_layers.iter().enumerate() {
-            pools[li] = (&self.k[ai], &self.v[ai]);
+            pools[li] = (&h.k[ai], &h.v[ai]);
         }
-        pools
+        Ok(pools)
     }
 
     /// Write positions `past..past + n` of `cache` into the blocks of
@@ -369,13 +480,12 @@ impl PagedKvCache {
         past: usize,
         n: usize,
         slot: SlotId,
-    ) {
+    ) -> Result<()> {
         let (bs, row) = (self.block_size, self.layout.kv_row);
-        for (ai, &li) in self.layout.attn_layers.iter().enumerate() {
-            for (src, dst) in [
-                (&cache.k[li], &mut self.k[ai]),
-                (&cache.v[li], &mut self.v[ai]),
-            ] {
+        let layout = &self.layout;
+        let h = self.store.host_mut()?;
+        for (ai, &li) in layout.attn_layers.iter().enumerate() {
+            for (src, dst) in [(&cache.k[li], &mut h.k[ai]), (&cache.v[li], &mut h.v[ai])] {
                 // The cache holds every position, or (after a paged
                 // forward) only the `n` new ones.
                 let first = if src.len() == n * row { past } else { 0 };
@@ -391,11 +501,23 @@ impl PagedKvCache {
                 }
             }
         }
-        let s = &mut self.slots[slot as usize];
-        for &li in &self.layout.linear_layers {
-            std::mem::swap(&mut cache.conv_state[li], &mut s.conv[li]);
-            std::mem::swap(&mut cache.recurrent_state[li], &mut s.rec[li]);
-        }
+        swap_states(layout, cache, &mut h.slots[slot as usize]);
+        Ok(())
+    }
+}
+
+/// What the CPU model's access to a cache on a GPU is.
+#[cfg(feature = "cuda")]
+fn on_device() -> Error {
+    Error::Invariant("the CPU model was given a cache that lives on a GPU".into())
+}
+
+/// Moves a slot's state vectors into a sequence's cache and the cache's
+/// into the slot (no copy).
+fn swap_states(layout: &CacheLayout, cache: &mut SeqCache, slot: &mut StateSlot) {
+    for &li in &layout.linear_layers {
+        std::mem::swap(&mut cache.conv_state[li], &mut slot.conv[li]);
+        std::mem::swap(&mut cache.recurrent_state[li], &mut slot.rec[li]);
     }
 }
 
@@ -462,14 +584,14 @@ mod tests {
         let table = [3, 0, 2];
         let slot = c.allocate_slot().unwrap();
         let mut s = scratch(c.layout());
-        c.load(&mut s, &table, 0, slot);
+        c.load(&mut s, &table, 0, slot).unwrap();
         let rows: Vec<f32> = (0..15).map(|x| x as f32).collect();
         s.k[1] = rows.clone();
         s.v[1] = rows.iter().map(|x| -x).collect();
         s.recurrent_state[0] = vec![1.0, 2.0, 3.0, 4.0];
-        c.store(&mut s, &table, 0, 5, slot);
+        c.store(&mut s, &table, 0, 5, slot).unwrap();
         let mut t = scratch(c.layout());
-        c.load(&mut t, &table, 5, slot);
+        c.load(&mut t, &table, 5, slot).unwrap();
         assert_eq!(t.k[1], rows);
         assert_eq!(t.v[1][14], -14.0);
         assert_eq!(t.recurrent_state[0], vec![1.0, 2.0, 3.0, 4.0]);
@@ -477,9 +599,9 @@ mod tests {
         // Appending one position continues in the third block.
         t.k[1].extend_from_slice(&[7.0, 7.0, 7.0]);
         t.v[1].extend_from_slice(&[8.0, 8.0, 8.0]);
-        c.store(&mut t, &table, 5, 1, slot);
+        c.store(&mut t, &table, 5, 1, slot).unwrap();
         let mut u = scratch(c.layout());
-        c.load(&mut u, &table, 6, slot);
+        c.load(&mut u, &table, 6, slot).unwrap();
         assert_eq!(&u.k[1][15..], &[7.0, 7.0, 7.0]);
         assert_eq!(&u.k[1][..15], &rows[..]);
     }
@@ -492,29 +614,30 @@ mod tests {
         let table = [3, 0, 2];
         let slot = c.allocate_slot().unwrap();
         let mut s = scratch(c.layout());
-        c.load_states(&mut s, 0, slot);
+        c.load_states(&mut s, 0, slot).unwrap();
         let rows: Vec<f32> = (0..15).map(|x| x as f32).collect();
         s.k[1] = rows.clone();
         s.v[1] = rows.iter().map(|x| -x).collect();
         s.recurrent_state[0] = vec![1.0, 2.0, 3.0, 4.0];
-        c.store(&mut s, &table, 0, 5, slot);
+        c.store(&mut s, &table, 0, 5, slot).unwrap();
         // Next step: the cache gets no K/V, the new position only.
         let mut t = scratch(c.layout());
-        c.load_states(&mut t, 5, slot);
+        c.load_states(&mut t, 5, slot).unwrap();
         assert!(t.k[1].is_empty() && t.v[1].is_empty());
         assert_eq!(t.recurrent_state[0], vec![1.0, 2.0, 3.0, 4.0]);
         assert_eq!(t.len, 5);
         t.k[1] = vec![7.0, 7.0, 7.0];
         t.v[1] = vec![8.0, 8.0, 8.0];
-        c.store(&mut t, &table, 5, 1, slot);
-        let (k_pool, v_pool) = c.pages()[1];
-        assert!(c.pages()[0].0.is_empty());
+        c.store(&mut t, &table, 5, 1, slot).unwrap();
+        let pages = c.pages().unwrap();
+        let (k_pool, v_pool) = pages[1];
+        assert!(pages[0].0.is_empty());
         // Position 5 is row 1 of block 2; position 2 row 0 of block 0.
         assert_eq!(&k_pool[(2 * 2 + 1) * 3..(2 * 2 + 2) * 3], &[7.0, 7.0, 7.0]);
         assert_eq!(&v_pool[(2 * 2 + 1) * 3..(2 * 2 + 2) * 3], &[8.0, 8.0, 8.0]);
         assert_eq!(&k_pool[0..3], &rows[6..9]);
         let mut u = scratch(c.layout());
-        c.load(&mut u, &table, 6, slot);
+        c.load(&mut u, &table, 6, slot).unwrap();
         assert_eq!(&u.k[1][..15], &rows[..]);
         assert_eq!(&u.k[1][15..], &[7.0, 7.0, 7.0]);
     }
@@ -525,13 +648,19 @@ mod tests {
         let a = c.allocate_slot().unwrap();
         let b = c.allocate_slot().unwrap();
         assert!(c.allocate_slot().is_none());
-        c.slots[a as usize].rec[0] = vec![5.0; 4];
+        c.store.host_mut().unwrap().slots[a as usize].rec[0] = vec![5.0; 4];
         c.copy_slot(a, b);
-        assert_eq!(c.slots[b as usize].rec[0], vec![5.0; 4]);
+        assert_eq!(
+            c.store.host_mut().unwrap().slots[b as usize].rec[0],
+            vec![5.0; 4]
+        );
         c.free_slot(a);
         let a2 = c.allocate_slot().unwrap();
         assert_eq!(a2, a);
-        assert_eq!(c.slots[a as usize].rec[0], vec![0.0; 4]);
+        assert_eq!(
+            c.store.host_mut().unwrap().slots[a as usize].rec[0],
+            vec![0.0; 4]
+        );
     }
 
     #[test]

@@ -11,19 +11,21 @@
 //! are fp32 throughout (no TF32), which is what the GPU tests compare with
 //! the CPU at a tight bound.
 //!
-//! What runs here today: one sequence at a time, from position 0, with
-//! its state on the device ([`CudaSeqCache`]: conv and recurrent state,
-//! keys and values in blocks): scoring, and prefill then decode (greedy
-//! generation). Not yet: the engine's batched, paged, scheduled decode on
-//! the device (its scheduler still runs the CPU model), and the training
-//! forward (`keep`), which is refused.
+//! A forward runs a packed batch of sequences ([`DeviceSeq`]), each
+//! continuing from its own past: its conv and recurrent state in a state
+//! slot, its keys and values in the blocks of its block table, all in a
+//! [`DeviceCache`] (the engine's paged cache, placed on the GPU). The
+//! engine's scheduler drives it as it drives the CPU model; scoring and
+//! greedy generation use a cache of one slot ([`CudaSeqCache`]). Not yet:
+//! the training forward (`keep`), which is refused.
 //!
 //! Not for: the layer's structure (`qwen3_5`), the kernels themselves.
 
 use super::logit_rows_per_chunk;
 use super::ops::LayerOps;
 use super::qwen3_5::{Linear, LinearAttention, Qwen3_5};
-use crate::config::{LayerType, ModelConfig};
+use crate::config::ModelConfig;
+use crate::kv_cache::{CacheLayout, SlotId};
 use crate::{Error, Result};
 use arcticd_kernels::cuda::cudarc::driver::CudaSlice;
 use arcticd_kernels::cuda::device::{CudaDevice, Mat, MatMut};
@@ -31,16 +33,7 @@ use arcticd_kernels::Tensor;
 use half::bf16;
 use std::sync::Arc;
 
-/// How a model's matrices are held on the device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum WeightDType {
-    /// bf16 matrices: half the memory and bandwidth; the products round
-    /// their input to bf16 as well.
-    #[default]
-    Bf16,
-    /// f32 matrices and fp32 products: the CPU's numbers to rounding.
-    F32,
-}
+pub use super::WeightDType;
 
 /// A parameter on the device.
 pub enum DeviceParam {
@@ -75,6 +68,11 @@ impl DeviceParam {
     }
 }
 
+/// Whether `upload` holds `t` in bf16: the matrices, when asked for.
+fn held_in_bf16(t: &Tensor, dtype: WeightDType) -> bool {
+    t.shape().len() == 2 && dtype == WeightDType::Bf16
+}
+
 /// A Qwen3.5 model on one GPU.
 pub struct CudaModel {
     dev: Arc<CudaDevice>,
@@ -96,7 +94,7 @@ impl CudaModel {
             let values = t
                 .as_f32()
                 .map_err(|e| Error::Weights(format!("{name}: {e}")))?;
-            if t.shape().len() == 2 && dtype == WeightDType::Bf16 {
+            if held_in_bf16(t, dtype) {
                 let bits: Vec<u16> = values
                     .iter()
                     .map(|&x| bf16::from_f32(x).to_bits())
@@ -112,6 +110,15 @@ impl CudaModel {
         })
     }
 
+    /// Bytes [`upload`](Self::upload) will take on the device for `model`.
+    pub fn upload_bytes(model: &Qwen3_5, dtype: WeightDType) -> usize {
+        model
+            .named()
+            .iter()
+            .map(|(_, t)| t.numel() * if held_in_bf16(t, dtype) { 2 } else { 4 })
+            .sum()
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.model.config
     }
@@ -122,39 +129,21 @@ impl CudaModel {
     }
 
     /// An empty state for one sequence of at most `capacity` positions:
-    /// per linear layer its conv state and fp32 recurrent state, per
-    /// full-attention layer room for its keys and values.
+    /// a cache of one state slot and the blocks for `capacity` positions.
     pub fn new_cache(&self, capacity: usize) -> Result<CudaSeqCache> {
-        let c = &self.model.config;
-        let dev = &*self.dev;
-        let (_, nv, dk, dv) = c.delta_heads();
-        let kv_rows = capacity.div_ceil(KV_BLOCK) * KV_BLOCK * c.num_kv_heads * c.head_dim;
-        let n = c.num_layers();
-        let mut cache = CudaSeqCache {
-            conv_state: (0..n).map(|_| None).collect(),
-            recurrent_state: (0..n).map(|_| None).collect(),
-            kv: (0..n).map(|_| None).collect(),
+        let layout = CacheLayout::new(&self.model.config);
+        let blocks = capacity.div_ceil(KV_BLOCK).max(1);
+        Ok(CudaSeqCache {
+            cache: DeviceCache::new(self.dev.clone(), &layout, KV_BLOCK, blocks, 1)?,
+            blocks: (0..blocks as u32).collect(),
             len: 0,
             capacity,
-        };
-        for (li, lt) in c.layer_types.iter().enumerate() {
-            if *lt == LayerType::LinearAttention {
-                cache.conv_state[li] = Some(dev.zeros((c.conv_kernel - 1) * c.linear_conv_dim())?);
-                cache.recurrent_state[li] = Some(dev.zeros(nv * dk * dv)?);
-            } else {
-                cache.kv[li] = Some((dev.zeros(kv_rows)?, dev.zeros(kv_rows)?));
-            }
-        }
-        Ok(cache)
+        })
     }
 
     /// Runs `tokens` after what `cache` holds; returns the final hidden
     /// states (after the final norm) `[tokens, hidden]` on the device.
     pub fn forward(&self, cache: &mut CudaSeqCache, tokens: &[u32]) -> Result<CudaSlice<f32>> {
-        let c = &self.model.config;
-        if tokens.is_empty() {
-            return Err(Error::Input("no tokens to run".into()));
-        }
         if cache.len + tokens.len() > cache.capacity {
             return Err(Error::Input(format!(
                 "{} tokens after {} do not fit a sequence cache of {}",
@@ -163,15 +152,52 @@ impl CudaModel {
                 cache.capacity
             )));
         }
-        let t = tokens.len();
-        let mut ops = CudaOps::new(&self.dev, c, tokens, cache)?;
+        let seq = DeviceSeq {
+            tokens,
+            past: cache.len,
+            slot: 0,
+            blocks: &cache.blocks,
+        };
+        let hidden = self.forward_batch(&mut cache.cache, &[seq])?;
+        cache.len += tokens.len();
+        Ok(hidden)
+    }
+
+    /// Runs a packed batch, each sequence after its past in `cache`;
+    /// returns the final hidden states (after the final norm) `[sum of new
+    /// tokens, hidden]`, sequences in order. Each sequence's state slot
+    /// and blocks advance in place.
+    pub fn forward_batch(
+        &self,
+        cache: &mut DeviceCache,
+        seqs: &[DeviceSeq<'_>],
+    ) -> Result<CudaSlice<f32>> {
+        let c = &self.model.config;
+        cache.take_fault()?;
+        let mut ops = CudaOps::new(&self.dev, c, seqs, cache)?;
+        let t = ops.t();
         let mut x = ops.embed(&self.model.embed_tokens)?;
         for li in 0..self.model.layers.len() {
             self.model.layer_forward(&mut ops, li, &mut x, t, false)?;
         }
         let (hidden, _) = ops.rmsnorm(&x, &self.model.norm, c.hidden_size, c.rms_norm_eps)?;
-        cache.len += t;
         Ok(hidden)
+    }
+
+    /// Logits `[rows.len(), vocab]` of the given rows of `hidden`, on the
+    /// host (the engine samples there).
+    pub fn logits_of_rows(&self, hidden: &CudaSlice<f32>, rows: &[usize]) -> Result<Vec<f32>> {
+        let vocab = self.model.config.vocab_size;
+        let mut out = Vec::with_capacity(rows.len() * vocab);
+        let (h, dev) = (self.model.config.hidden_size, &*self.dev);
+        for chunk in rows.chunks(logit_rows_per_chunk(vocab)) {
+            let mut sel = dev.zeros::<f32>(chunk.len() * h)?;
+            let which: Vec<u32> = chunk.iter().map(|&r| r as u32).collect();
+            dev.gather_rows(&mut sel, hidden, &which, h)?;
+            let logits = self.logits(&sel, 0, chunk.len())?;
+            out.extend(dev.download(&logits)?);
+        }
+        Ok(out)
     }
 
     /// The output projection of hidden rows `r0..r0 + n`: logits `[n, vocab]`.
@@ -231,19 +257,153 @@ impl CudaModel {
     }
 }
 
-/// Positions per block of a sequence's key/value pool on the device (one
-/// sequence's pool is its own; the block table is `0, 1, 2, ...`).
+/// Positions per block of a lone sequence's key/value pool
+/// ([`CudaModel::new_cache`]).
 const KV_BLOCK: usize = 16;
 
-/// One sequence's state on the device ([`CudaModel::new_cache`]).
+/// One sequence's state on the device ([`CudaModel::new_cache`]): a cache
+/// of one state slot whose blocks are all this sequence's.
 pub struct CudaSeqCache {
-    conv_state: Vec<Option<CudaSlice<f32>>>,
-    recurrent_state: Vec<Option<CudaSlice<f32>>>,
-    /// Keys and values, `[capacity (rounded up to KV_BLOCK), kv_heads * head_dim]`.
-    kv: Vec<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+    cache: DeviceCache,
+    blocks: Vec<u32>,
     /// Positions already run.
     pub len: usize,
     pub capacity: usize,
+}
+
+/// One sequence of a batch on the device: new tokens after `past`
+/// positions, its state in slot `slot` and its keys and values in the
+/// blocks `blocks` of a [`DeviceCache`] (which must cover `past +
+/// tokens.len()` positions).
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceSeq<'a> {
+    pub tokens: &'a [u32],
+    pub past: usize,
+    pub slot: SlotId,
+    pub blocks: &'a [u32],
+}
+
+/// The cached tensors of a paged cache on the GPU: per linear layer its
+/// conv states `[slots, conv_len]` and fp32 recurrent states `[slots,
+/// rec_len]`, per full-attention layer its K and V pools `[blocks,
+/// block_size, kv_row]`. The bookkeeping (which blocks and slots are whose)
+/// is the host's (`kv_cache::PagedKvCache`).
+///
+/// The copies the bookkeeping asks for (zero a slot, copy a slot or a
+/// block) are launched on the device's stream, in order with the forwards;
+/// one that fails is kept and returned by the next forward, which then
+/// fails its whole step, as an asynchronous CUDA error would.
+pub struct DeviceCache {
+    dev: Arc<CudaDevice>,
+    layout: CacheLayout,
+    block_size: usize,
+    num_blocks: usize,
+    num_slots: usize,
+    conv: Vec<Option<CudaSlice<f32>>>,
+    rec: Vec<Option<CudaSlice<f32>>>,
+    kv: Vec<Option<(CudaSlice<f32>, CudaSlice<f32>)>>,
+    fault: Option<Error>,
+}
+
+impl std::fmt::Debug for DeviceCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DeviceCache({:?}, {} blocks of {}, {} slots)",
+            self.dev, self.num_blocks, self.block_size, self.num_slots
+        )
+    }
+}
+
+impl DeviceCache {
+    /// `num_blocks` blocks of `block_size` positions and `num_slots` state
+    /// slots, zeroed, on `dev`.
+    pub fn new(
+        dev: Arc<CudaDevice>,
+        layout: &CacheLayout,
+        block_size: usize,
+        num_blocks: usize,
+        num_slots: usize,
+    ) -> Result<Self> {
+        let n = layout.num_layers;
+        let mut cache = DeviceCache {
+            layout: layout.clone(),
+            block_size,
+            num_blocks,
+            num_slots,
+            conv: (0..n).map(|_| None).collect(),
+            rec: (0..n).map(|_| None).collect(),
+            kv: (0..n).map(|_| None).collect(),
+            fault: None,
+            dev,
+        };
+        let pool = num_blocks * block_size * layout.kv_row;
+        for &li in &layout.linear_layers {
+            cache.conv[li] = Some(cache.dev.zeros(num_slots * layout.conv_len)?);
+            cache.rec[li] = Some(cache.dev.zeros(num_slots * layout.rec_len)?);
+        }
+        for &li in &layout.attn_layers {
+            cache.kv[li] = Some((cache.dev.zeros(pool)?, cache.dev.zeros(pool)?));
+        }
+        Ok(cache)
+    }
+
+    /// Zeroes slot `slot` (a fresh sequence's state).
+    pub fn zero_slot(&mut self, slot: SlotId) {
+        let (dev, l) = (&self.dev, &self.layout);
+        let r = slot_states(&mut self.conv, &mut self.rec).try_for_each(|(conv, rec)| {
+            dev.zero_range(conv, slot as usize * l.conv_len, l.conv_len)?;
+            dev.zero_range(rec, slot as usize * l.rec_len, l.rec_len)
+        });
+        self.keep_fault(r);
+    }
+
+    /// Copies slot `src`'s state into slot `dst`.
+    pub fn copy_slot(&mut self, src: SlotId, dst: SlotId) {
+        let (dev, l) = (&self.dev, &self.layout);
+        let (s, d) = (src as usize, dst as usize);
+        let r = slot_states(&mut self.conv, &mut self.rec).try_for_each(|(conv, rec)| {
+            dev.copy_within(conv, s * l.conv_len, d * l.conv_len, l.conv_len)?;
+            dev.copy_within(rec, s * l.rec_len, d * l.rec_len, l.rec_len)
+        });
+        self.keep_fault(r);
+    }
+
+    /// Copies the first `rows` positions of block `src` into block `dst`,
+    /// in every attention layer.
+    pub fn copy_block(&mut self, src: u32, dst: u32, rows: usize) {
+        let (dev, bs, row) = (&self.dev, self.block_size, self.layout.kv_row);
+        let n = rows.min(bs) * row;
+        let (s, d) = (src as usize * bs * row, dst as usize * bs * row);
+        let r =
+            self.kv
+                .iter_mut()
+                .flatten()
+                .try_for_each(|(k, v)| -> arcticd_kernels::Result<()> {
+                    dev.copy_within(k, s, d, n)?;
+                    dev.copy_within(v, s, d, n)
+                });
+        self.keep_fault(r);
+    }
+
+    fn keep_fault(&mut self, r: arcticd_kernels::Result<()>) {
+        if let (Err(e), None) = (r, &self.fault) {
+            self.fault = Some(e.into());
+        }
+    }
+
+    /// The first failure of a copy since the last forward, if any.
+    fn take_fault(&mut self) -> Result<()> {
+        self.fault.take().map_or(Ok(()), Err)
+    }
+
+    /// Bytes held on the device.
+    pub fn bytes(&self) -> usize {
+        let l = &self.layout;
+        (l.linear_layers.len() * (l.conv_len + l.rec_len) * self.num_slots
+            + l.attn_layers.len() * 2 * self.num_blocks * self.block_size * l.kv_row)
+            * 4
+    }
 }
 
 /// `out[n, oc] = x[n, c] @ w[oc, c]^T`, the input rounded to the weight's
@@ -268,32 +428,86 @@ fn product(
     Ok(())
 }
 
-/// New tokens of one sequence on the device, continuing its cache.
+/// Each linear layer's conv and recurrent state pools.
+fn slot_states<'s>(
+    conv: &'s mut [Option<CudaSlice<f32>>],
+    rec: &'s mut [Option<CudaSlice<f32>>],
+) -> impl Iterator<Item = (&'s mut CudaSlice<f32>, &'s mut CudaSlice<f32>)> {
+    conv.iter_mut()
+        .zip(rec.iter_mut())
+        .filter_map(|(c, r)| c.as_mut().zip(r.as_mut()))
+}
+
+/// A packed batch of sequences on the device, each continuing its past
+/// in a [`DeviceCache`].
 pub(crate) struct CudaOps<'a> {
     dev: &'a CudaDevice,
     config: &'a ModelConfig,
-    ids: &'a [u32],
-    /// Positions the cache already holds.
-    past: usize,
+    seqs: &'a [DeviceSeq<'a>],
+    /// Every new token, sequences back to back.
+    ids: Vec<u32>,
+    /// Each new token's position in its sequence.
     positions: CudaSlice<u32>,
-    cache: &'a mut CudaSeqCache,
+    /// Row offsets of the sequences (`seqs + 1`, from 0).
+    cu_seqlens: Vec<u32>,
+    slots: Vec<u32>,
+    device_slots: CudaSlice<u32>,
+    /// The pool row (block * block_size + offset) of every new token.
+    kv_rows: Vec<u32>,
+    cache: &'a mut DeviceCache,
 }
 
 impl<'a> CudaOps<'a> {
     fn new(
         dev: &'a CudaDevice,
         config: &'a ModelConfig,
-        ids: &'a [u32],
-        cache: &'a mut CudaSeqCache,
+        seqs: &'a [DeviceSeq<'a>],
+        cache: &'a mut DeviceCache,
     ) -> Result<Self> {
-        let past = cache.len;
-        let positions: Vec<u32> = (past..past + ids.len()).map(|p| p as u32).collect();
+        let bs = cache.block_size;
+        let (mut ids, mut positions, mut kv_rows) = (Vec::new(), Vec::new(), Vec::new());
+        let mut cu_seqlens = vec![0u32];
+        for (s, seq) in seqs.iter().enumerate() {
+            let end = seq.past + seq.tokens.len();
+            if seq.tokens.is_empty() {
+                return Err(Error::Input(format!("sequence {s} has no tokens to run")));
+            }
+            if seq.slot as usize >= cache.num_slots {
+                return Err(Error::Invariant(format!(
+                    "sequence {s}: state slot {} of a cache of {}",
+                    seq.slot, cache.num_slots
+                )));
+            }
+            if seq.blocks.len() * bs < end
+                || seq.blocks.iter().any(|&b| b as usize >= cache.num_blocks)
+            {
+                return Err(Error::Invariant(format!(
+                    "sequence {s}: blocks {:?} of {bs} positions (of a cache of {}) do not \
+                     hold {end} positions",
+                    seq.blocks, cache.num_blocks
+                )));
+            }
+            ids.extend_from_slice(seq.tokens);
+            for p in seq.past..end {
+                positions.push(p as u32);
+                kv_rows.push((seq.blocks[p / bs] as usize * bs + p % bs) as u32);
+            }
+            cu_seqlens.push(ids.len() as u32);
+        }
+        if ids.is_empty() {
+            return Err(Error::Input("no tokens to run".into()));
+        }
+        let slots: Vec<u32> = seqs.iter().map(|s| s.slot).collect();
         Ok(CudaOps {
             dev,
             config,
-            ids,
-            past,
+            seqs,
             positions: dev.upload(&positions)?,
+            device_slots: dev.upload(&slots)?,
+            ids,
+            cu_seqlens,
+            slots,
+            kv_rows,
             cache,
         })
     }
@@ -320,8 +534,8 @@ impl LayerOps for CudaOps<'_> {
         let (v, h) = (self.config.vocab_size, self.config.hidden_size);
         let mut x = self.dev.zeros::<f32>(self.t() * h)?;
         match table {
-            DeviceParam::F32(w) => self.dev.embedding_forward(&mut x, self.ids, w, v, h),
-            DeviceParam::Bf16(w) => self.dev.embedding_forward_bf16(&mut x, self.ids, w, v, h),
+            DeviceParam::F32(w) => self.dev.embedding_forward(&mut x, &self.ids, w, v, h),
+            DeviceParam::Bf16(w) => self.dev.embedding_forward_bf16(&mut x, &self.ids, w, v, h),
         }
         .map_err(|e| Error::Input(e.to_string()))?;
         Ok(x)
@@ -451,9 +665,16 @@ impl LayerOps for CudaOps<'_> {
         let t = self.t();
         let mut out = self.dev.zeros::<f32>(t * conv_dim)?;
         let w = la.conv1d.f32("conv1d weight")?;
-        let state = state_of(&mut self.cache.conv_state, li, "conv")?;
-        self.dev
-            .conv1d_forward(&mut out, state, qkv, w, t, conv_dim, k)?;
+        let state = state_of(&mut self.cache.conv, li, "conv")?;
+        self.dev.conv1d_varlen_forward(
+            &mut out,
+            state,
+            qkv,
+            w,
+            &self.slots,
+            &self.cu_seqlens,
+            k,
+        )?;
         Ok(out)
     }
 
@@ -489,8 +710,7 @@ impl LayerOps for CudaOps<'_> {
         let dims = self.config.delta_heads();
         let t = self.t();
         let mut out = self.dev.zeros::<f32>(t * dims.1 * dims.3)?;
-        let slots = self.dev.upload(&[0u32])?;
-        let state = state_of(&mut self.cache.recurrent_state, li, "recurrent")?;
+        let state = state_of(&mut self.cache.rec, li, "recurrent")?;
         self.dev.gated_delta_prefill(
             &mut out,
             state,
@@ -499,8 +719,8 @@ impl LayerOps for CudaOps<'_> {
             v,
             g,
             beta,
-            &slots,
-            &[0, t as u32],
+            &self.device_slots,
+            &self.cu_seqlens,
             dims,
         )?;
         Ok((out, None))
@@ -539,35 +759,39 @@ impl LayerOps for CudaOps<'_> {
     ) -> Result<CudaSlice<f32>> {
         let c = self.config;
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let (t, past) = (self.t(), self.past);
+        let t = self.t();
         let mut out = self.dev.zeros::<f32>(t * nh * hd)?;
         let scale = 1.0 / (hd as f32).sqrt();
+        let bs = self.cache.block_size;
         let Some((k_pool, v_pool)) = self.cache.kv.get_mut(li).and_then(Option::as_mut) else {
             return Err(Error::Invariant(format!(
-                "layer {li} has no key/value pool in the sequence's cache"
+                "layer {li} has no key/value pool in the cache"
             )));
         };
-        // The new keys and values join the pool at their positions.
-        let slots: Vec<u32> = (past..past + t).map(|p| p as u32).collect();
+        // The new keys and values join the pools at their rows.
         self.dev
-            .paged_kv_write(k_pool, v_pool, k, v, &slots, nkv * hd)?;
-        if past == 0 {
+            .paged_kv_write(k_pool, v_pool, k, v, &self.kv_rows, nkv * hd)?;
+        if self.seqs.iter().all(|s| s.past == 0) {
             self.dev.varlen_attention_prefill(
                 &mut out,
                 q,
                 k,
                 v,
-                &[0, t as u32],
+                &self.cu_seqlens,
                 (nh, nkv, hd),
                 scale,
             )?;
             return Ok(out);
         }
-        // After a past: each new query over the pool up to its own
-        // position, as a decode step of its own.
-        let blocks: Vec<u32> = (0..self.cache.capacity.div_ceil(KV_BLOCK) as u32).collect();
-        let tables = vec![blocks; t];
-        let lens: Vec<u32> = (past + 1..=past + t).map(|n| n as u32).collect();
+        // After a past: each new query over its sequence's blocks up to its
+        // own position, as a decode step of its own.
+        let (mut tables, mut lens) = (Vec::with_capacity(t), Vec::with_capacity(t));
+        for seq in self.seqs {
+            for i in 0..seq.tokens.len() {
+                tables.push(seq.blocks.to_vec());
+                lens.push((seq.past + i + 1) as u32);
+            }
+        }
         self.dev.paged_attention_decode(
             &mut out,
             q,
@@ -576,7 +800,7 @@ impl LayerOps for CudaOps<'_> {
             &tables,
             &lens,
             (nh, nkv, hd),
-            KV_BLOCK,
+            bs,
             scale,
         )?;
         Ok(out)
@@ -684,6 +908,88 @@ mod tests {
         let err = on_gpu.score(&[vec![vocab]]).unwrap_err().to_string();
         assert!(err.contains("vocabulary size"), "{err}");
         assert!(on_gpu.score(&[vec![]]).is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// The engine on a GPU against the engine on the CPU, same store, f32
+    /// matrices: prompts shorter than, equal to and longer than one prefill
+    /// unit and one step's token budget (so prefills after a past run the
+    /// paged path), run together; a prefix-cache hit; a weight update. The
+    /// tokens must be the CPU's; the log-probs within 2e-3 (printed).
+    #[test]
+    fn engine_on_cuda_matches_the_cpu_engine() {
+        use crate::engine::{self, EngineConfig, Request};
+        use crate::sampler::SamplingParams;
+        use crate::ParamStore;
+        use arcticd_kernels::Device;
+        use std::sync::atomic::Ordering;
+        if gpu().is_none() {
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("arcticd-cuda-engine-{}", std::process::id()));
+        crate::init::init_model(crate::init::TINY, &dir, 5).unwrap();
+        let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+        let config = EngineConfig {
+            cache_memory: 16 << 20,
+            max_num_seqs: 8,
+            max_batched_tokens: 256,
+            max_model_len: 2048,
+            ..Default::default()
+        };
+        let cpu = engine::start(store.clone(), None, config.clone()).unwrap();
+        let gpu_config = EngineConfig {
+            device: Device::Cuda(0),
+            weights: WeightDType::F32,
+            ..config
+        };
+        let on_gpu = engine::start(store.clone(), None, gpu_config).unwrap();
+        let greedy = |len: usize, salt: u32| Request {
+            prompt: (0..len as u32)
+                .map(|i| (i * 2_654_435 + salt * 97) % 900 + 10)
+                .collect(),
+            params: SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(16)
+            },
+        };
+        let lens = [(5usize, 1u32), (64, 2), (150, 3), (300, 4)];
+        let mut worst = 0.0f32;
+        let mut compare = |round: &str| {
+            // Submitted together on the GPU, so they share steps.
+            let subs: Vec<_> = lens
+                .iter()
+                .map(|&(n, salt)| on_gpu.submit_collected(greedy(n, salt)).unwrap())
+                .collect();
+            for (sub, &(n, salt)) in subs.into_iter().zip(&lens) {
+                let got = engine::collect_blocking(sub, 1).unwrap();
+                let want = cpu.generate_blocking(greedy(n, salt)).unwrap();
+                assert_eq!(got[0].tokens, want[0].tokens, "{round}: prompt of {n}");
+                assert_eq!(got[0].weight_versions, want[0].weight_versions);
+                for (a, b) in got[0].logprobs.iter().zip(&want[0].logprobs) {
+                    worst = worst.max((a - b).abs());
+                }
+            }
+        };
+        compare("cold");
+        // The same prompts again: their prefixes come from the cache.
+        compare("prefix hit");
+        assert!(on_gpu.metrics().prefix_hit_tokens.load(Ordering::Relaxed) > 0);
+        on_gpu.pause().unwrap();
+        cpu.pause().unwrap();
+        store.update(|m| {
+            for (i, (_, t)) in m.named_params_mut().into_iter().enumerate() {
+                if let Ok(w) = t.as_f32_mut() {
+                    for (j, x) in w.iter_mut().enumerate() {
+                        *x += 0.01 * (((i * 31 + j * 7) % 13) as f32 - 6.0) / 6.0;
+                    }
+                }
+            }
+        });
+        on_gpu.resume();
+        cpu.resume();
+        compare("after an update");
+        eprintln!("engine: max |log-prob CUDA - CPU| = {worst:.3e}");
+        assert!(worst <= 2e-3, "{worst}");
         std::fs::remove_dir_all(&dir).ok();
     }
 }

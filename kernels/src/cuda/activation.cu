@@ -147,3 +147,15 @@ extern "C" __global__ void zero_range(float* buf, long long off, long long n) {
          i += (long long)gridDim.x * blockDim.x)
         buf[off + i] = 0.0f;
 }
+
+// out[i, c] = inp[rows[i], c] for i < n, c < width: chosen rows of a
+// matrix, gathered (the rows a step samples from).
+extern "C" __global__ void gather_rows(float* out, const float* inp, const u32* rows,
+                                       long long n, long long width) {
+    long long total = n * width;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / width, c = i - r * width;
+        out[i] = inp[(long long)rows[r] * width + c];
+    }
+}

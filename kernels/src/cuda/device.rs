@@ -103,7 +103,7 @@ macro_rules! launch {
 pub struct CudaDevice {
     ordinal: usize,
     arch: u32,
-    _ctx: Arc<CudaContext>,
+    ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
     /// The cuBLAS handle, created by the first product (`gemm`).
@@ -145,7 +145,7 @@ impl CudaDevice {
         Ok(CudaDevice {
             ordinal,
             arch,
-            _ctx: ctx,
+            ctx,
             stream,
             functions,
             blas: std::sync::OnceLock::new(),
@@ -167,6 +167,11 @@ impl CudaDevice {
 
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
         Ok(self.stream.alloc_zeros(n)?)
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        Ok(self.ctx.mem_get_info()?)
     }
 
     pub fn synchronize(&self) -> Result<()> {
@@ -543,6 +548,30 @@ impl CudaDevice {
         }
         let a = [src, dst, n].map(|v| v as i64);
         launch!(self, op, elems(n); buf, &a[0], &a[1], &a[2]);
+        Ok(())
+    }
+
+    /// `out[i] = inp[rows[i]]` for rows of `width` values.
+    pub fn gather_rows(
+        &self,
+        out: &mut CudaSlice<f32>,
+        inp: &CudaSlice<f32>,
+        rows: &[u32],
+        width: usize,
+    ) -> Result<()> {
+        let op = "gather_rows";
+        shape(op, &[("out", out.len(), rows.len() * width)])?;
+        let held = inp.len().checked_div(width).unwrap_or(0);
+        if let Some(bad) = rows.iter().find(|&&r| r as usize >= held) {
+            return Err(Error::Index(format!(
+                "{op}: row {bad} of a matrix of {held} rows"
+            )));
+        }
+        if rows.is_empty() || width == 0 {
+            return Ok(());
+        }
+        let (r, a) = (self.upload(rows)?, [rows.len() as i64, width as i64]);
+        launch!(self, op, elems(rows.len() * width); out, inp, &r, &a[0], &a[1]);
         Ok(())
     }
 
@@ -1256,7 +1285,7 @@ mod tests {
     }
 
     #[test]
-    fn copy_within_and_zero_range_are_exact() {
+    fn copy_within_zero_range_and_gather_rows_are_exact() {
         let Some(d) = gpu() else { return };
         let mut rng = rand::rngs::StdRng::seed_from_u64(13);
         let host = rand_vec(&mut rng, 40, 1.0);
@@ -1275,6 +1304,13 @@ mod tests {
         assert!(d.copy_within(&mut buf, 0, 5, 10).is_err(), "overlap");
         assert!(d.copy_within(&mut buf, 0, 35, 10).is_err(), "past the end");
         assert!(d.zero_range(&mut buf, 38, 3).is_err());
+        // Rows 7, 0 and 7 again of a 10 x 4 matrix.
+        let mut rows = d.zeros(12).unwrap();
+        d.gather_rows(&mut rows, &d.upload(&host).unwrap(), &[7, 0, 7], 4)
+            .unwrap();
+        let want = [&host[28..32], &host[0..4], &host[28..32]].concat();
+        close("gather_rows", &d.download(&rows).unwrap(), &want, 0.0);
+        assert!(d.gather_rows(&mut rows, &buf, &[7, 10, 0], 4).is_err());
     }
 
     #[test]

@@ -79,6 +79,7 @@ pub const MODULES: &[Module] = &[
             "copy_block",
             "copy_within",
             "zero_range",
+            "gather_rows",
         ],
     },
     Module {
