@@ -3,8 +3,12 @@
 # numbers on stdout: every CUDA kernel test (each op against its CPU
 # reference, forwards and backwards; with ARCTICD_REQUIRE_GPU set a
 # missing device is a failure, not a skip), the model's CUDA scores
-# against the CPU's (engine crate, `model::cuda`), and the CUDA kernel benchmarks
-# (kernels/benches/cuda.rs, each as a fraction of the HBM bandwidth).
+# against the CPU's and the engine on CUDA against the CPU engine (engine
+# crate, `model::cuda`), the CUDA kernel benchmarks (kernels/benches/cuda.rs,
+# each as a fraction of the HBM bandwidth), and decode through the engine
+# on a random model of the Qwen3.5-0.8B shape at batch 1, 32 and 128
+# (`arcticd bench-decode --device cuda:0`: tokens/s and the fraction of the
+# HBM roofline; DECODE_PRESETS adds qwen3.5-4b, whose init takes minutes).
 #
 # Needs an NVIDIA driver, and NVRTC and cuBLAS on the loader path (PyPI's
 # nvidia-cuda-nvrtc and nvidia-cublas wheels put them in nvidia/cu13/lib,
@@ -52,6 +56,8 @@ if [ -n "${BIN_ONLY:-}" ]; then
   strip -o "$stage/kernels-tests" "$tests"
   strip -o "$stage/cuda-bench" "$bench"
   strip -o "$stage/engine-tests" "$model_tests"
+  cargo build --release --features cuda --bin arcticd 2>/dev/null
+  strip -o "$stage/arcticd" target/release/arcticd
   if [ -n "$NVRTC_LIB" ] && [ -d "$NVRTC_LIB" ]; then
     rm -rf "$stage/nvrtc" && mkdir -p "$stage/nvrtc"
     for lib in libnvrtc.so.13 libnvrtc-builtins.so.13.0; do
@@ -85,6 +91,17 @@ model_rc=$?
 [ "$tests_rc" -eq 0 ] && tests_rc=$model_rc
 "$bench" --bench --output-format bencher > "$log/bench.txt" 2> "$log/bench.err"
 bench_rc=$?
+# Decode through the engine on real shapes (random bf16 weights).
+if [ -x "$stage/arcticd" ]; then arcticd="$stage/arcticd"; else
+  cargo build --release --features cuda --bin arcticd >&2 && arcticd=target/release/arcticd; fi
+: > "$log/decode.txt"
+for preset in ${DECODE_PRESETS:-qwen3.5-0.8b}; do
+  "$arcticd" init-model --preset "$preset" --out "$log/$preset" >&2 &&
+    "$arcticd" bench-decode --model "$log/$preset" --device cuda:0 --batch 1,32,128 \
+      --prompt-len 16 --new-tokens 64 --cache-memory 32768 --hbm-tb-s "${HBM_TBS:-4.8}" \
+      | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/decode.txt" || bench_rc=1
+  rm -rf "${log:?}/$preset"
+done
 set -e
 cat "$log/tests.txt" >&2
 grep -v '^bytes ' "$log/bench.err" >&2 || true
@@ -98,6 +115,7 @@ benches=$(awk -v hbm="${HBM_TBS:-4.8}" '
     ns = $5; b = bytes[$2]; tbs = (ns > 0 && b > 0) ? b / ns / 1000 : 0
     printf "%s{\"name\":\"%s\",\"ns\":%s,\"bytes\":%s,\"tb_s\":%.4f,\"hbm_fraction\":%.4f}", (n++ ? "," : ""), $2, ns, (b ? b : 0), tbs, tbs / hbm
   }' "$log/bench.err" "$log/bench.txt")
-printf '{"gpu":"%s","tests":{"rc":%d,"passed":%d,"failed":%d,"failures":[%s]},"bench_rc":%d,"hbm_tb_s":%s,"benches":[%s]}\n' \
-  "$gpu" "$tests_rc" "$passed" "$failed" "$failures" "$bench_rc" "${HBM_TBS:-4.8}" "$benches"
+decode=$(paste -sd, "$log/decode.txt")
+printf '{"gpu":"%s","tests":{"rc":%d,"passed":%d,"failed":%d,"failures":[%s]},"bench_rc":%d,"hbm_tb_s":%s,"benches":[%s],"decode":[%s]}\n' \
+  "$gpu" "$tests_rc" "$passed" "$failed" "$failures" "$bench_rc" "${HBM_TBS:-4.8}" "$benches" "$decode"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -316,6 +316,57 @@ pub struct BenchDecodeArgs {
     /// Engine cache memory in MiB (KV blocks and recurrent-state slots).
     #[arg(long, default_value_t = 1024)]
     pub cache_memory: usize,
+    /// `cpu`, or `cuda:N` in a build with the `cuda` feature.
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
+    /// On CUDA, the matrices' type: `bf16` or `f32`.
+    #[arg(long, default_value = "bf16")]
+    pub weights: WeightDType,
+    /// On CUDA, the memory bandwidth in TB/s that `hbm_fraction` is a
+    /// fraction of (the H200's by default).
+    #[arg(long, default_value_t = 4.8)]
+    pub hbm_tb_s: f64,
+}
+
+/// What one decode step moves through a GPU's memory, the roofline's
+/// numerator: the weights once, and per sequence its state slot (read and
+/// written) and its keys and values (read; the new position's written).
+struct StepTraffic {
+    weights: usize,
+    slot: usize,
+    kv_per_position: usize,
+}
+
+impl StepTraffic {
+    fn of(config: &ModelConfig, weights: usize) -> Self {
+        let layout = arcticd_engine::kv_cache::CacheLayout::new(config);
+        StepTraffic {
+            weights,
+            slot: layout.slot_bytes(),
+            kv_per_position: layout.block_bytes(1),
+        }
+    }
+
+    /// Bytes of one step over `batch` sequences of `context` positions.
+    fn step_bytes(&self, batch: usize, context: usize) -> usize {
+        self.weights + batch * (2 * self.slot + (context + 1) * self.kv_per_position)
+    }
+}
+
+/// Bytes the model's weights take on `device` as `weights`.
+#[cfg(feature = "cuda")]
+fn gpu_weight_bytes(model: &Qwen3_5, weights: WeightDType, _device: Device) -> Result<usize> {
+    Ok(arcticd_engine::model::cuda::CudaModel::upload_bytes(
+        model, weights,
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_weight_bytes(_model: &Qwen3_5, _weights: WeightDType, device: Device) -> Result<usize> {
+    match device {
+        Device::Cuda(ordinal) => no_cuda(ordinal),
+        Device::Cpu => bail!("the CPU holds no GPU weights"),
+    }
 }
 
 /// Resident and peak resident memory of this process in bytes, from
@@ -340,7 +391,10 @@ fn memory_now() -> Option<(u64, u64)> {
 /// JSON line per batch size with generated tokens/s (prefill of the short
 /// prompts included, after a warm-up run; the weights are loaded packed,
 /// as `arcticd serve` loads them) and
-/// the process's memory.
+/// the process's memory. On a GPU (`--device cuda:N`) each line also has
+/// the bytes a decode step moves (the weights as held on the device, and
+/// per sequence its state slot read and written and its keys and values
+/// read) and that traffic's fraction of `--hbm-tb-s`, the roofline.
 pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
     use arcticd_engine::engine::{self, Choice, EngineConfig, Request};
     use arcticd_engine::sampler::SamplingParams;
@@ -352,14 +406,26 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
     if args.new_tokens == 0 {
         bail!("--new-tokens must be positive");
     }
-    let (model, packs) = Qwen3_5::load_packed(&args.model)
-        .with_context(|| format!("loading model from {}", args.model.display()))?;
-    let vocab = model.config.vocab_size as u32;
-    let parameters: usize = model.named_params().iter().map(|(_, t)| t.numel()).sum();
-    let weight_mib = (packs.bytes() + model.held_bytes()) >> 20;
+    let on_gpu = args.device != Device::Cpu;
+    let (store, parameters, weight_bytes, traffic) = if on_gpu {
+        // The GPU reads the weights it uploads; the host keeps the f32 copy.
+        let model = Qwen3_5::load(&args.model)
+            .with_context(|| format!("loading model from {}", args.model.display()))?;
+        let parameters: usize = model.named_params().iter().map(|(_, t)| t.numel()).sum();
+        let weights = gpu_weight_bytes(&model, args.weights, args.device)?;
+        let traffic = StepTraffic::of(&model.config, weights);
+        (ParamStore::new(model), parameters, weights, Some(traffic))
+    } else {
+        let (model, packs) = Qwen3_5::load_packed(&args.model)
+            .with_context(|| format!("loading model from {}", args.model.display()))?;
+        let parameters: usize = model.named_params().iter().map(|(_, t)| t.numel()).sum();
+        let bytes = packs.bytes() + model.held_bytes();
+        (ParamStore::packed(model, packs), parameters, bytes, None)
+    };
+    let vocab = store.read().config.vocab_size as u32;
+    let weight_mib = weight_bytes >> 20;
     let loaded = memory_now();
     let max_batch = *args.batch.iter().max().unwrap_or(&1);
-    let store = ParamStore::packed(model, packs);
     let eng = engine::start(
         store,
         None,
@@ -368,6 +434,8 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
             max_num_seqs: max_batch,
             max_model_len: args.prompt_len + args.new_tokens + 16,
             enable_prefix_cache: false,
+            device: args.device,
+            weights: args.weights,
             ..Default::default()
         },
     )?;
@@ -405,8 +473,10 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
     for &batch in &args.batch {
         let seconds = run(batch)?;
         let (rss, peak) = memory_now().unwrap_or((0, 0));
-        let out = serde_json::json!({
+        let tokens_per_s = (batch * args.new_tokens) as f64 / seconds;
+        let mut out = serde_json::json!({
             "engine": "arcticd",
+            "device": args.device.to_string(),
             "parameters": parameters,
             "weights_mib": weight_mib,
             "batch": batch,
@@ -414,11 +484,21 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
             "new_tokens": args.new_tokens,
             "threads": rayon::current_num_threads(),
             "seconds": seconds,
-            "tokens_per_s": (batch * args.new_tokens) as f64 / seconds,
+            "tokens_per_s": tokens_per_s,
             "rss_after_load_mib": loaded.map(|(r, _)| r >> 20),
             "rss_mib": rss >> 20,
             "peak_rss_mib": peak >> 20,
         });
+        if let Some(t) = &traffic {
+            // Mid-generation: the mean context of a decode step.
+            let context = args.prompt_len + args.new_tokens / 2;
+            let step_bytes = t.step_bytes(batch, context);
+            let steps_per_s = tokens_per_s / batch as f64;
+            out["weights"] = serde_json::json!(format!("{:?}", args.weights));
+            out["step_bytes"] = serde_json::json!(step_bytes);
+            out["hbm_fraction"] =
+                serde_json::json!(steps_per_s * step_bytes as f64 / (args.hbm_tb_s * 1e12));
+        }
         println!("{out}");
     }
     eng.shutdown();
