@@ -242,7 +242,11 @@ pub fn train(a: TrainArgs) -> Result<()> {
     println!("{}", serde_json::to_string_pretty(&summary)?);
     eprintln!(
         "{} after {} updates; run directory {}{}",
-        if summary.cancelled { "stopped" } else { "done" },
+        if summary.cancelled || summary.stopped.is_some() {
+            "stopped"
+        } else {
+            "done"
+        },
         summary.steps,
         out.display(),
         if plots.is_empty() {
@@ -258,6 +262,9 @@ pub fn train(a: TrainArgs) -> Result<()> {
             )
         }
     );
+    if let Some(why) = &summary.stopped {
+        anyhow::bail!("the run stopped early: {why}");
+    }
     Ok(())
 }
 

@@ -450,6 +450,44 @@ fn bad_recipes_and_inputs_are_clear_errors() {
 }
 
 #[test]
+fn a_run_that_solves_and_trains_nothing_stops_and_says_why() {
+    if !local_ready() {
+        return;
+    }
+    let dir = TempDir::new("train-dead").unwrap();
+    // A fresh tiny model solves nothing; with zero-variance groups left
+    // out, no update trains: the weights are stuck, and after two such
+    // updates the run ends, checkpointed, with a non-zero exit.
+    let recipe = setup(dir.path(), "");
+    let run = dir.path().join("run");
+    let out = arcticd()
+        .args(["train", "--recipe"])
+        .arg(&recipe)
+        .arg("--out")
+        .arg(&run)
+        .args(["--set", "steps=20", "--set", "filter_zero_variance=true"])
+        .args([
+            "--set",
+            "stop_after_dead_updates=2",
+            "--set",
+            "checkpoint_every=0",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("stopped early") && stderr.contains("stop_after_dead_updates = 2"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(steps_of(&run), vec![1, 2]);
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(summary["stopped"].as_str().is_some(), "{summary}");
+    assert!(run.join("checkpoints/step-000002/run_state.json").is_file());
+}
+
+#[test]
 fn ctrl_c_checkpoints_and_leaves_no_sandbox() {
     if !local_ready() {
         return;

@@ -214,12 +214,47 @@ pub struct RunSummary {
     pub weight_version: u64,
     pub elapsed_s: f64,
     pub cancelled: bool,
+    /// Why the run ended before its last update, when it did
+    /// (`stop_after_dead_updates`).
+    pub stopped: Option<String>,
     /// The first and last metrics records.
     pub first: Option<Value>,
     pub last: Option<Value>,
     /// Every held-out evaluation: (update, pass@1).
     pub evals: Vec<(u64, f64)>,
     pub totals: Totals,
+}
+
+/// Updates in a row that solved nothing and trained nothing: the run's
+/// weights are stuck where they are (`stop_after_dead_updates`).
+struct DeadStreak {
+    limit: u64,
+    run: u64,
+}
+
+impl DeadStreak {
+    /// After an update that `trained` (or not) at `pass_rate`: why the run
+    /// should stop, once `limit` such updates came in a row.
+    fn after(
+        &mut self,
+        trained: bool,
+        pass_rate: f64,
+        termination: &std::collections::BTreeMap<String, usize>,
+    ) -> Option<String> {
+        self.run = if !trained && pass_rate == 0.0 {
+            self.run + 1
+        } else {
+            0
+        };
+        (self.limit > 0 && self.run >= self.limit).then(|| {
+            format!(
+                "the last {} updates solved nothing and trained nothing (every graded \
+                 attempt failed; how the last update's attempts ended: {termination:?}): the \
+                 weights can no longer change (stop_after_dead_updates = {})",
+                self.run, self.limit
+            )
+        })
+    }
 }
 
 /// Whether a group's graded rewards differ (it carries a policy-gradient
@@ -651,6 +686,11 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     let mut last: Option<Value> = None;
     let mut evals: Vec<(u64, f64)> = Vec::new();
     let mut cancelled = false;
+    let mut stopped: Option<String> = None;
+    let mut dead = DeadStreak {
+        limit: recipe.stop_after_dead_updates,
+        run: 0,
+    };
     let mut carry: Vec<Group> = Vec::new();
     let b = recipe.groups_per_step;
     let mut rollouts_mark = (0u64, Instant::now());
@@ -773,6 +813,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 totals.skipped_updates += 1;
             }
             let train_total = t_train.elapsed().as_secs_f64();
+            let trained = sm.as_ref().is_some_and(|m| !m.skipped);
             let time_update_s = sm.as_ref().map_or(0.0, |m| m.update_secs);
             step += 1;
             shared.steps_done.store(step, Ordering::Release);
@@ -805,6 +846,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 append_jsonl(&run_dir.dropped(), &Dropped { step, why, t })?;
             }
             let s = &batch.stats;
+            let (pass_rate, termination) = (s.pass_rate, s.termination.clone());
             totals.rollouts += s.trajectories as u64;
             totals.stale_dropped += s.stale_dropped as u64;
             totals.masked_infra += s.masked_infra as u64;
@@ -1058,6 +1100,11 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 cancelled = true;
                 return Ok(());
             }
+            if let Some(why) = dead.after(trained, pass_rate, &termination) {
+                tracing::warn!("stopping at update {step}: {why}");
+                stopped = Some(why);
+                return Ok(());
+            }
         }
         Ok(())
     })();
@@ -1066,7 +1113,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     shared.stop.store(true, Ordering::Release);
     shared.wake.notify_waiters();
     let ended = result.and_then(|_| {
-        if cancelled {
+        if cancelled || stopped.is_some() {
             checkpoint(
                 &run_dir,
                 &recipe,
@@ -1091,6 +1138,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         weight_version: store.weight_version(),
         elapsed_s: elapsed(&t_start),
         cancelled,
+        stopped,
         first,
         last,
         evals,
@@ -1213,6 +1261,32 @@ fn resume_state(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The streak grows only on updates that solved and trained nothing,
+    /// fires at the limit with the last update's terminations, and never
+    /// with a limit of 0.
+    #[test]
+    fn a_dead_streak_stops_the_run_at_its_limit() {
+        let ended: std::collections::BTreeMap<String, usize> =
+            [("invalid_format".to_string(), 8)].into();
+        let mut d = DeadStreak { limit: 3, run: 0 };
+        assert!(d.after(false, 0.0, &ended).is_none());
+        assert!(d.after(false, 0.0, &ended).is_none());
+        // A solve (nothing trained: every group solved alike) resets it.
+        assert!(d.after(false, 1.0, &ended).is_none());
+        assert!(d.after(false, 0.0, &ended).is_none());
+        // So does an update that trained.
+        assert!(d.after(true, 0.0, &ended).is_none());
+        assert!(d.after(false, 0.0, &ended).is_none());
+        assert!(d.after(false, 0.0, &ended).is_none());
+        let why = d.after(false, 0.0, &ended).unwrap();
+        assert!(
+            why.contains("last 3 updates") && why.contains("invalid_format"),
+            "{why}"
+        );
+        let mut never = DeadStreak { limit: 0, run: 0 };
+        assert!((0..100).all(|_| never.after(false, 0.0, &ended).is_none()));
+    }
 
     #[test]
     fn shares_split_the_tokens_evenly_and_keep_every_example() {

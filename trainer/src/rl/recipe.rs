@@ -182,6 +182,11 @@ pub struct Recipe {
     /// Retire a task as hopeless when every attempt of its last N visits
     /// failed; 0 = never. Default 0.
     pub drop_after: usize,
+    /// End the run when this many updates in a row solved nothing and
+    /// trained nothing (every graded attempt failed, so every group was
+    /// zero-variance and left out): the weights can no longer change, so
+    /// neither can what the run samples. 0 = never. Default 10.
+    pub stop_after_dead_updates: u64,
     /// Re-run retired tasks with frozen weights every N updates; 0 = never.
     /// Default 20.
     pub recheck_every: u64,
@@ -275,6 +280,7 @@ impl Default for Recipe {
             length_penalty: 0.0,
             retire_after: 2,
             drop_after: 0,
+            stop_after_dead_updates: 10,
             recheck_every: 20,
             recheck_attempts: 4,
             unretire_below: 0.75,
