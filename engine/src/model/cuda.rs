@@ -16,14 +16,18 @@
 //! slot, its keys and values in the blocks of its block table, all in a
 //! [`DeviceCache`] (the engine's paged cache, placed on the GPU). The
 //! engine's scheduler drives it as it drives the CPU model; scoring and
-//! greedy generation use a cache of one slot ([`CudaSeqCache`]). Not yet:
-//! the training forward (`keep`), which is refused.
+//! greedy generation use a cache of one slot ([`CudaSeqCache`]). The
+//! training forward ([`CudaModel::forward_keeping`]) is the same forward
+//! over fresh sequences with every layer's activations kept on the device
+//! (no recurrent-state checkpoints: the CUDA gated-delta backward replays
+//! each sequence from its zero initial state).
 //!
 //! Not for: the layer's structure (`qwen3_5`), the kernels themselves.
 
 use super::logit_rows_per_chunk;
 use super::ops::LayerOps;
 use super::qwen3_5::{Linear, LinearAttention, Qwen3_5};
+use super::saved::LayerActs;
 use crate::config::ModelConfig;
 use crate::kv_cache::{CacheLayout, SlotId};
 use crate::{Error, Result};
@@ -184,6 +188,60 @@ impl CudaModel {
         Ok(hidden)
     }
 
+    /// The training forward: `sequences`, each from position 0 with fresh
+    /// state, packed back to back, through the layer code of
+    /// [`forward_batch`](Self::forward_batch), keeping every layer's
+    /// activations on the device (what the CPU's
+    /// [`Qwen3_5::forward_keeping`] keeps with [`Keep::All`](super::Keep),
+    /// less the recurrent-state checkpoints).
+    pub fn forward_keeping(&self, sequences: &[&[u32]]) -> Result<CudaTrace> {
+        let c = &self.model.config;
+        let layout = CacheLayout::new(c);
+        let mut tables = Vec::with_capacity(sequences.len());
+        let mut next = 0u32;
+        for s in sequences {
+            let n = s.len().div_ceil(KV_BLOCK).max(1) as u32;
+            tables.push((next..next + n).collect::<Vec<u32>>());
+            next += n;
+        }
+        let mut cache = DeviceCache::new(
+            self.dev.clone(),
+            &layout,
+            KV_BLOCK,
+            next as usize,
+            sequences.len(),
+        )?;
+        let seqs: Vec<DeviceSeq<'_>> = sequences
+            .iter()
+            .zip(&tables)
+            .enumerate()
+            .map(|(i, (tokens, blocks))| DeviceSeq {
+                tokens,
+                past: 0,
+                slot: i as SlotId,
+                blocks,
+            })
+            .collect();
+        let mut ops = CudaOps::new(&self.dev, c, &seqs, &mut cache)?;
+        let t = ops.t();
+        let mut x = ops.embed(&self.model.embed_tokens)?;
+        let mut layers = Vec::with_capacity(self.model.layers.len());
+        for li in 0..self.model.layers.len() {
+            let acts = self.model.layer_forward(&mut ops, li, &mut x, t, true)?;
+            layers.push(
+                acts.ok_or_else(|| Error::Invariant(format!("layer {li} kept no activations")))?,
+            );
+        }
+        let (hidden, final_rstd) =
+            ops.rmsnorm(&x, &self.model.norm, c.hidden_size, c.rms_norm_eps)?;
+        Ok(CudaTrace {
+            layers,
+            x_last: x,
+            final_rstd,
+            hidden,
+        })
+    }
+
     /// Logits `[rows.len(), vocab]` of the given rows of `hidden`, on the
     /// host (the engine samples there).
     pub fn logits_of_rows(&self, hidden: &CudaSlice<f32>, rows: &[usize]) -> Result<Vec<f32>> {
@@ -255,6 +313,16 @@ impl CudaModel {
         }
         Ok(out)
     }
+}
+
+/// A training forward on the device ([`CudaModel::forward_keeping`]).
+pub struct CudaTrace {
+    pub layers: Vec<LayerActs<CudaSlice<f32>, ()>>,
+    /// The residual stream after the last layer, before the final norm.
+    pub x_last: CudaSlice<f32>,
+    pub final_rstd: CudaSlice<f32>,
+    /// Final hidden states after the final norm, `[tokens, hidden]`.
+    pub hidden: CudaSlice<f32>,
 }
 
 /// Positions per block of a lone sequence's key/value pool
@@ -702,11 +770,6 @@ impl LayerOps for CudaOps<'_> {
         beta: &CudaSlice<f32>,
         keep: bool,
     ) -> Result<(CudaSlice<f32>, Option<()>)> {
-        if keep {
-            return Err(Error::Input(
-                "the training forward does not run on CUDA yet".into(),
-            ));
-        }
         let dims = self.config.delta_heads();
         let t = self.t();
         let mut out = self.dev.zeros::<f32>(t * dims.1 * dims.3)?;
@@ -723,7 +786,7 @@ impl LayerOps for CudaOps<'_> {
             &self.cu_seqlens,
             dims,
         )?;
-        Ok((out, None))
+        Ok((out, keep.then_some(())))
     }
 
     fn qk_norm_rope(
@@ -908,6 +971,87 @@ mod tests {
         let err = on_gpu.score(&[vec![vocab]]).unwrap_err().to_string();
         assert!(err.contains("vocabulary size"), "{err}");
         assert!(on_gpu.score(&[vec![]]).is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// The training forward on CUDA (f32 matrices) against the CPU's
+    /// `forward_keeping` over the same packed sequences: every kept
+    /// activation of every layer, and the final hidden states, within
+    /// 2e-4 (relative above 1; printed).
+    #[test]
+    fn cuda_training_forward_keeps_the_cpu_activations() {
+        use crate::model::saved::MixerActs;
+        use crate::model::{Keep, Kept};
+        let Some(dev) = gpu() else { return };
+        let dir = std::env::temp_dir().join(format!("arcticd-cuda-keep-{}", std::process::id()));
+        crate::init::init_model(crate::init::TINY, &dir, 7).unwrap();
+        let model = Qwen3_5::load(&dir).unwrap();
+        let vocab = model.config.vocab_size as u32;
+        let seqs: Vec<Vec<u32>> = [3usize, 70, 150]
+            .iter()
+            .map(|&n| (0..n as u32).map(|i| (i * 613 + 29) % vocab).collect())
+            .collect();
+        let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+        let want = model.forward_keeping(&refs, Keep::All).unwrap();
+        let on_gpu = CudaModel::upload(&model, dev.clone(), WeightDType::F32).unwrap();
+        let got = on_gpu.forward_keeping(&refs).unwrap();
+        let mut worst = 0.0f32;
+        let mut check = |name: String, d: &CudaSlice<f32>, h: &[f32]| {
+            let d = dev.download(d).unwrap();
+            assert_eq!(d.len(), h.len(), "{name}");
+            for (a, b) in d.iter().zip(h) {
+                let e = (a - b).abs() / b.abs().max(1.0);
+                worst = worst.max(e);
+                assert!(e <= 2e-4, "{name}: cuda {a} cpu {b}");
+            }
+        };
+        for (li, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
+            let Kept::All(w) = w else {
+                panic!("layer {li}: the CPU kept only the input")
+            };
+            for (name, d, h) in [
+                ("x_in", &g.x_in, &w.x_in),
+                ("xn1", &g.xn1, &w.xn1),
+                ("x_mid", &g.x_mid, &w.x_mid),
+                ("xn2", &g.xn2, &w.xn2),
+                ("gate", &g.gate, &w.gate),
+                ("up", &g.up, &w.up),
+                ("act", &g.act, &w.act),
+            ] {
+                check(format!("layer {li} {name}"), d, h);
+            }
+            match (&g.mixer, &w.mixer) {
+                (MixerActs::Linear(g), MixerActs::Linear(w)) => {
+                    for (name, d, h) in [
+                        ("qkv", &g.qkv, &w.qkv),
+                        ("conv_pre", &g.conv_pre, &w.conv_pre),
+                        ("q", &g.q, &w.q),
+                        ("k", &g.k, &w.k),
+                        ("v", &g.v, &w.v),
+                        ("g", &g.g, &w.g),
+                        ("beta", &g.beta, &w.beta),
+                        ("core", &g.core, &w.core),
+                        ("normed", &g.normed, &w.normed),
+                    ] {
+                        check(format!("layer {li} {name}"), d, h);
+                    }
+                }
+                (MixerActs::Full(g), MixerActs::Full(w)) => {
+                    for (name, d, h) in [
+                        ("q", &g.q, &w.q),
+                        ("k", &g.k, &w.k),
+                        ("v", &g.v, &w.v),
+                        ("attn", &g.attn, &w.attn),
+                        ("gated", &g.gated, &w.gated),
+                    ] {
+                        check(format!("layer {li} {name}"), d, h);
+                    }
+                }
+                _ => panic!("layer {li}: mixer kinds differ"),
+            }
+        }
+        check("hidden".into(), &got.hidden, &want.hidden);
+        eprintln!("training forward: max relative |CUDA - CPU| = {worst:.3e}");
         std::fs::remove_dir_all(&dir).ok();
     }
 
