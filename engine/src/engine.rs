@@ -1233,7 +1233,8 @@ impl GpuReplica {
         sched: &mut Scheduler,
         plan: &[Scheduled],
     ) -> Result<StepOut> {
-        use crate::model::cuda::{CudaModel, DeviceSeq};
+        use crate::model::cuda::CudaModel;
+        use crate::model::paged_batch::PagedSeq;
         if version != self.version {
             self.model = CudaModel::upload(host, self.dev.clone(), self.weights)?;
             self.version = version;
@@ -1246,7 +1247,7 @@ impl GpuReplica {
             let slot = seq.slot.ok_or_else(|| {
                 Error::Invariant("a scheduled sequence holds no state slot".into())
             })?;
-            seqs.push(DeviceSeq {
+            seqs.push(PagedSeq {
                 tokens: &seq.tokens[seq.computed..seq.computed + item.n],
                 past: seq.computed,
                 slot,

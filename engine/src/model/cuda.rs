@@ -11,7 +11,7 @@
 //! are fp32 throughout (no TF32), which is what the GPU tests compare with
 //! the CPU at a tight bound.
 //!
-//! A forward runs a packed batch of sequences ([`DeviceSeq`]), each
+//! A forward runs a packed batch of sequences ([`PagedSeq`]), each
 //! continuing from its own past: its conv and recurrent state in a state
 //! slot, its keys and values in the blocks of its block table, all in a
 //! [`DeviceCache`] (the engine's paged cache, placed on the GPU). The
@@ -26,6 +26,7 @@
 
 use super::logit_rows_per_chunk;
 use super::ops::LayerOps;
+use super::paged_batch::{PagedBatch, PagedSeq};
 use super::qwen3_5::{Linear, LinearAttention, Qwen3_5};
 use super::saved::LayerActs;
 use crate::config::ModelConfig;
@@ -156,7 +157,7 @@ impl CudaModel {
                 cache.capacity
             )));
         }
-        let seq = DeviceSeq {
+        let seq = PagedSeq {
             tokens,
             past: cache.len,
             slot: 0,
@@ -174,7 +175,7 @@ impl CudaModel {
     pub fn forward_batch(
         &self,
         cache: &mut DeviceCache,
-        seqs: &[DeviceSeq<'_>],
+        seqs: &[PagedSeq<'_>],
     ) -> Result<CudaSlice<f32>> {
         let c = &self.model.config;
         cache.take_fault()?;
@@ -211,11 +212,11 @@ impl CudaModel {
             next as usize,
             sequences.len(),
         )?;
-        let seqs: Vec<DeviceSeq<'_>> = sequences
+        let seqs: Vec<PagedSeq<'_>> = sequences
             .iter()
             .zip(&tables)
             .enumerate()
-            .map(|(i, (tokens, blocks))| DeviceSeq {
+            .map(|(i, (tokens, blocks))| PagedSeq {
                 tokens,
                 past: 0,
                 slot: i as SlotId,
@@ -337,18 +338,6 @@ pub struct CudaSeqCache {
     /// Positions already run.
     pub len: usize,
     pub capacity: usize,
-}
-
-/// One sequence of a batch on the device: new tokens after `past`
-/// positions, its state in slot `slot` and its keys and values in the
-/// blocks `blocks` of a [`DeviceCache`] (which must cover `past +
-/// tokens.len()` positions).
-#[derive(Debug, Clone, Copy)]
-pub struct DeviceSeq<'a> {
-    pub tokens: &'a [u32],
-    pub past: usize,
-    pub slot: SlotId,
-    pub blocks: &'a [u32],
 }
 
 /// The cached tensors of a paged cache on the GPU: per linear layer its
@@ -511,17 +500,11 @@ fn slot_states<'s>(
 pub(crate) struct CudaOps<'a> {
     dev: &'a CudaDevice,
     config: &'a ModelConfig,
-    seqs: &'a [DeviceSeq<'a>],
-    /// Every new token, sequences back to back.
-    ids: Vec<u32>,
-    /// Each new token's position in its sequence.
+    seqs: &'a [PagedSeq<'a>],
+    /// Where the new tokens go (host arithmetic, tested on the CPU).
+    batch: PagedBatch,
     positions: CudaSlice<u32>,
-    /// Row offsets of the sequences (`seqs + 1`, from 0).
-    cu_seqlens: Vec<u32>,
-    slots: Vec<u32>,
     device_slots: CudaSlice<u32>,
-    /// The pool row (block * block_size + offset) of every new token.
-    kv_rows: Vec<u32>,
     cache: &'a mut DeviceCache,
 }
 
@@ -529,59 +512,23 @@ impl<'a> CudaOps<'a> {
     fn new(
         dev: &'a CudaDevice,
         config: &'a ModelConfig,
-        seqs: &'a [DeviceSeq<'a>],
+        seqs: &'a [PagedSeq<'a>],
         cache: &'a mut DeviceCache,
     ) -> Result<Self> {
-        let bs = cache.block_size;
-        let (mut ids, mut positions, mut kv_rows) = (Vec::new(), Vec::new(), Vec::new());
-        let mut cu_seqlens = vec![0u32];
-        for (s, seq) in seqs.iter().enumerate() {
-            let end = seq.past + seq.tokens.len();
-            if seq.tokens.is_empty() {
-                return Err(Error::Input(format!("sequence {s} has no tokens to run")));
-            }
-            if seq.slot as usize >= cache.num_slots {
-                return Err(Error::Invariant(format!(
-                    "sequence {s}: state slot {} of a cache of {}",
-                    seq.slot, cache.num_slots
-                )));
-            }
-            if seq.blocks.len() * bs < end
-                || seq.blocks.iter().any(|&b| b as usize >= cache.num_blocks)
-            {
-                return Err(Error::Invariant(format!(
-                    "sequence {s}: blocks {:?} of {bs} positions (of a cache of {}) do not \
-                     hold {end} positions",
-                    seq.blocks, cache.num_blocks
-                )));
-            }
-            ids.extend_from_slice(seq.tokens);
-            for p in seq.past..end {
-                positions.push(p as u32);
-                kv_rows.push((seq.blocks[p / bs] as usize * bs + p % bs) as u32);
-            }
-            cu_seqlens.push(ids.len() as u32);
-        }
-        if ids.is_empty() {
-            return Err(Error::Input("no tokens to run".into()));
-        }
-        let slots: Vec<u32> = seqs.iter().map(|s| s.slot).collect();
+        let batch = PagedBatch::new(seqs, cache.block_size, cache.num_blocks, cache.num_slots)?;
         Ok(CudaOps {
             dev,
             config,
             seqs,
-            positions: dev.upload(&positions)?,
-            device_slots: dev.upload(&slots)?,
-            ids,
-            cu_seqlens,
-            slots,
-            kv_rows,
+            positions: dev.upload(&batch.positions)?,
+            device_slots: dev.upload(&batch.slots)?,
+            batch,
             cache,
         })
     }
 
     fn t(&self) -> usize {
-        self.ids.len()
+        self.batch.ids.len()
     }
 }
 
@@ -602,8 +549,11 @@ impl LayerOps for CudaOps<'_> {
         let (v, h) = (self.config.vocab_size, self.config.hidden_size);
         let mut x = self.dev.zeros::<f32>(self.t() * h)?;
         match table {
-            DeviceParam::F32(w) => self.dev.embedding_forward(&mut x, &self.ids, w, v, h),
-            DeviceParam::Bf16(w) => self.dev.embedding_forward_bf16(&mut x, &self.ids, w, v, h),
+            DeviceParam::F32(w) => self.dev.embedding_forward(&mut x, &self.batch.ids, w, v, h),
+            DeviceParam::Bf16(w) => {
+                self.dev
+                    .embedding_forward_bf16(&mut x, &self.batch.ids, w, v, h)
+            }
         }
         .map_err(|e| Error::Input(e.to_string()))?;
         Ok(x)
@@ -739,8 +689,8 @@ impl LayerOps for CudaOps<'_> {
             state,
             qkv,
             w,
-            &self.slots,
-            &self.cu_seqlens,
+            &self.batch.slots,
+            &self.batch.cu_seqlens,
             k,
         )?;
         Ok(out)
@@ -783,7 +733,7 @@ impl LayerOps for CudaOps<'_> {
             g,
             beta,
             &self.device_slots,
-            &self.cu_seqlens,
+            &self.batch.cu_seqlens,
             dims,
         )?;
         Ok((out, keep.then_some(())))
@@ -833,14 +783,14 @@ impl LayerOps for CudaOps<'_> {
         };
         // The new keys and values join the pools at their rows.
         self.dev
-            .paged_kv_write(k_pool, v_pool, k, v, &self.kv_rows, nkv * hd)?;
-        if self.seqs.iter().all(|s| s.past == 0) {
+            .paged_kv_write(k_pool, v_pool, k, v, &self.batch.kv_rows, nkv * hd)?;
+        if self.batch.fresh {
             self.dev.varlen_attention_prefill(
                 &mut out,
                 q,
                 k,
                 v,
-                &self.cu_seqlens,
+                &self.batch.cu_seqlens,
                 (nh, nkv, hd),
                 scale,
             )?;
@@ -848,13 +798,7 @@ impl LayerOps for CudaOps<'_> {
         }
         // After a past: each new query over its sequence's blocks up to its
         // own position, as a decode step of its own.
-        let (mut tables, mut lens) = (Vec::with_capacity(t), Vec::with_capacity(t));
-        for seq in self.seqs {
-            for i in 0..seq.tokens.len() {
-                tables.push(seq.blocks.to_vec());
-                lens.push((seq.past + i + 1) as u32);
-            }
-        }
+        let (tables, lens) = self.batch.row_contexts(self.seqs);
         self.dev.paged_attention_decode(
             &mut out,
             q,

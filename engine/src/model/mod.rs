@@ -5,6 +5,7 @@ mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod ops;
+pub mod paged_batch;
 pub mod qwen3_5;
 pub mod saved;
 
