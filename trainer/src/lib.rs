@@ -5,6 +5,7 @@
 //! Not for: sampling or serving (engine), sandboxes (sandbox crate). The
 //! rollout harness and the async orchestrator build on this.
 
+pub mod backward;
 pub mod checkpoint;
 pub mod comm;
 pub mod data;

@@ -4,7 +4,8 @@
 //! engine/src/model/qwen3_5.rs): the same layer code that prefills, decodes
 //! and scores, with the activations the backward needs kept
 //! (`arcticd_engine::model::saved`), so a token's log-probability here is
-//! the engine's, bit for bit. The backward walks the layers in reverse with
+//! the engine's, bit for bit. The backward walks the layers in reverse
+//! (`backward.rs`, written once over a device seam); here are its CPU ops,
 //! the `*_backward` kernels.
 //!
 //! Batches are packed without padding: every sequence starts at position 0
@@ -18,10 +19,11 @@
 //! pass, or only each layer's input with `ForwardOptions::recompute_layers`;
 //! the gated-delta backward recomputes its states from per-chunk checkpoints.
 
-use crate::grads::{FullAttnGrad, LinearAttnGrad, ModelGrads};
+use crate::backward::{model_backward, BackwardOps, Forward};
+use crate::grads::{LinearAttnGrad, LinearGrad, ModelGrads};
 use crate::{Error, Result};
-use arcticd_engine::model::qwen3_5::{FullAttention, Linear, LinearAttention, Mixer};
-use arcticd_engine::model::saved::{FullActs, Keep, Kept, LayerActs, LinearActs, MixerActs};
+use arcticd_engine::model::qwen3_5::{Linear, LinearAttention};
+use arcticd_engine::model::saved::{FullActs, Keep, Kept, LayerActs, LinearActs};
 use arcticd_engine::model::{check_ids, logit_rows_per_chunk};
 use arcticd_engine::Qwen3_5;
 use arcticd_kernels::cpu::{
@@ -40,6 +42,7 @@ use arcticd_kernels::cpu::{
     rmsnorm::{gated_rmsnorm_backward, rmsnorm_backward},
     rope::rope_backward,
 };
+use arcticd_kernels::Tensor;
 
 /// A packed batch: token ids of every sequence back to back.
 #[derive(Debug, Clone)]
@@ -99,29 +102,6 @@ pub struct Activations {
     final_rstd: Vec<f32>,
     /// Final hidden states after the final norm, `[tokens, hidden]`.
     pub hidden: Vec<f32>,
-}
-
-/// `dinp += dout @ W`, `dW += dout^T inp` (and the bias).
-fn linear_bwd(
-    l: &Linear,
-    g: &mut crate::grads::LinearGrad,
-    dinp: &mut [f32],
-    dout: &[f32],
-    inp: &[f32],
-    n: usize,
-) -> Result<()> {
-    matmul_backward(
-        dinp,
-        &mut g.weight,
-        g.bias.as_deref_mut(),
-        dout,
-        inp,
-        l.weight.as_f32()?,
-        n,
-        l.in_features,
-        l.out_features,
-    )?;
-    Ok(())
 }
 
 /// How much of the forward the backward keeps.
@@ -325,337 +305,332 @@ pub fn backward(
     dhidden: &[f32],
     grads: &mut ModelGrads,
 ) -> Result<()> {
-    let c = &model.config;
-    let h = c.hidden_size;
-    let t = acts.packed.len();
+    let (t, h) = (acts.packed.len(), model.config.hidden_size);
     if dhidden.len() != t * h {
         return Err(Error::Shape(format!(
             "dhidden has {} values for {t} tokens x {h}",
             dhidden.len()
         )));
     }
-    if grads.layers.len() != model.layers.len() {
-        return Err(Error::Shape("gradients do not match the model".into()));
-    }
-    let mut dx = vec![0.0f32; t * h];
-    rmsnorm_backward(
-        &mut dx,
-        &mut grads.norm,
-        dhidden,
-        &acts.x_last,
-        model.norm.as_f32()?,
-        &acts.final_rstd,
-        t,
-        h,
-    )?;
-    let im = c.intermediate_size;
-    let sequences = acts.packed.sequences();
-    for (li, ((layer, kept), lg)) in model
-        .layers
-        .iter()
-        .zip(&acts.layers)
-        .zip(grads.layers.iter_mut())
-        .enumerate()
-        .rev()
-    {
-        let recomputed;
-        let la: &LayerActs = match kept {
-            Kept::All(a) => a,
-            Kept::Input(x_in) => {
-                recomputed = model.recompute_layer(li, x_in, &sequences)?;
-                &recomputed
-            }
-        };
-        // x_out = x_mid + down(silu(gate(xn2)) * up(xn2)); dx flows through.
-        let mut dact = vec![0.0f32; t * im];
-        linear_bwd(
-            &layer.down_proj,
-            &mut lg.down_proj,
-            &mut dact,
-            &dx,
-            &la.act,
-            t,
-        )?;
-        let (mut dgate, mut dup) = (vec![0.0f32; t * im], vec![0.0f32; t * im]);
-        silu_mul_backward(&mut dgate, &mut dup, &dact, &la.gate, &la.up)?;
-        let mut dxn2 = vec![0.0f32; t * h];
-        linear_bwd(
-            &layer.gate_proj,
-            &mut lg.gate_proj,
-            &mut dxn2,
-            &dgate,
-            &la.xn2,
-            t,
-        )?;
-        linear_bwd(&layer.up_proj, &mut lg.up_proj, &mut dxn2, &dup, &la.xn2, t)?;
-        rmsnorm_backward(
-            &mut dx,
-            &mut lg.post_attention_layernorm,
-            &dxn2,
-            &la.x_mid,
-            layer.post_attention_layernorm.as_f32()?,
-            &la.rstd2,
-            t,
-            h,
-        )?;
-        // x_mid = x_in + mixer(xn1).
-        let dxn1 = match (&layer.mixer, &la.mixer, &mut lg.mixer) {
-            (Mixer::Linear(m), MixerActs::Linear(a), Mixer::Linear(g)) => {
-                linear_attention_bwd(model, m, a, g, &la.xn1, &dx, &acts.packed)?
-            }
-            (Mixer::Full(m), MixerActs::Full(a), Mixer::Full(g)) => {
-                full_attention_bwd(model, m, a, g, &la.xn1, &dx, &acts.packed)?
-            }
-            _ => {
-                return Err(Error::Shape(
-                    "layer kinds of gradients and model differ".into(),
-                ))
-            }
-        };
-        rmsnorm_backward(
-            &mut dx,
-            &mut lg.input_layernorm,
-            &dxn1,
-            &la.x_in,
-            layer.input_layernorm.as_f32()?,
-            &la.rstd1,
-            t,
-            h,
-        )?;
-    }
-    embedding_backward(
-        &mut grads.embed_tokens,
-        &dx,
-        &acts.packed.ids,
-        c.vocab_size,
-        h,
-    )?;
-    Ok(())
+    let fwd = Forward {
+        layers: &acts.layers,
+        x_last: &acts.x_last,
+        final_rstd: &acts.final_rstd,
+    };
+    let dhidden = dhidden.to_vec();
+    let mut ops = CpuBackward {
+        model,
+        packed: &acts.packed,
+    };
+    model_backward(&mut ops, model, &fwd, &dhidden, &mut grads.0)
 }
 
-/// Returns the gradient of the mixer's input `xn`.
-fn linear_attention_bwd(
-    model: &Qwen3_5,
-    la: &LinearAttention,
-    s: &LinearActs,
-    g: &mut LinearAttnGrad,
-    xn: &[f32],
-    dy: &[f32],
-    packed: &Packed,
-) -> Result<Vec<f32>> {
-    let c = &model.config;
-    let t = packed.len();
-    let hsz = c.hidden_size;
-    let (nk, nv, dk, dv) = c.delta_heads();
-    let conv_dim = c.linear_conv_dim();
-    let kc = c.conv_kernel;
-    let (qd, vd) = (nk * dk, nv * dv);
+/// The CPU's side of the backward: the CPU kernels on host vectors, each
+/// sequence of the packed batch on its own where the op runs per sequence.
+struct CpuBackward<'a> {
+    model: &'a Qwen3_5,
+    packed: &'a Packed,
+}
 
-    let mut dnormed = vec![0.0f32; t * vd];
-    linear_bwd(
-        &la.out_proj,
-        &mut g.out_proj,
-        &mut dnormed,
-        dy,
-        &s.normed,
-        t,
-    )?;
-    let (mut dcore, mut dz) = (vec![0.0f32; t * vd], vec![0.0f32; t * vd]);
-    gated_rmsnorm_backward(
-        &mut dcore,
-        &mut dz,
-        &mut g.norm,
-        &dnormed,
-        &s.core,
-        &s.z,
-        la.norm.as_f32()?,
-        &s.rstd,
-        t * nv,
-        dv,
-    )?;
+impl BackwardOps for CpuBackward<'_> {
+    type W = Tensor;
+    type Buf = Vec<f32>;
+    type C = Vec<Vec<f32>>;
 
-    let mut dq = vec![0.0f32; t * qd];
-    let mut dk_ = vec![0.0f32; t * qd];
-    let mut dv_ = vec![0.0f32; t * vd];
-    let mut dg = vec![0.0f32; t * nv];
-    let mut dbeta = vec![0.0f32; t * nv];
-    for (&(st, n), cps) in packed.spans.iter().zip(&s.checkpoints) {
-        let dims = GatedDeltaDims {
-            t: n,
-            nk,
-            nv,
-            dk,
-            dv,
-        };
-        let (kq, kv, kh) = (
-            st * qd..(st + n) * qd,
-            st * vd..(st + n) * vd,
-            st * nv..(st + n) * nv,
-        );
-        gated_delta_backward_from_checkpoints(
-            &mut dq[kq.clone()],
-            &mut dk_[kq.clone()],
-            &mut dv_[kv.clone()],
-            &mut dg[kh.clone()],
-            &mut dbeta[kh.clone()],
-            None,
-            &dcore[kv.clone()],
-            cps,
-            &s.q[kq.clone()],
-            &s.k[kq],
-            &s.v[kv],
-            &s.g[kh.clone()],
-            &s.beta[kh],
-            dims,
-        )?;
+    fn tokens(&self) -> usize {
+        self.packed.len()
     }
-    let scale = 1.0 / (dk as f32).sqrt();
-    for x in dq.iter_mut() {
-        *x *= scale;
+
+    fn zeros(&mut self, n: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; n])
     }
-    let (mut dq_raw, mut dk_raw) = (vec![0.0f32; t * qd], vec![0.0f32; t * qd]);
-    l2norm_backward(&mut dq_raw, &dq, &s.q_raw, &s.rn_q, t * nk, dk)?;
-    l2norm_backward(&mut dk_raw, &dk_, &s.k_raw, &s.rn_k, t * nk, dk)?;
-    let mut dconv = Vec::with_capacity(t * conv_dim);
-    for ti in 0..t {
-        dconv.extend_from_slice(&dq_raw[ti * qd..(ti + 1) * qd]);
-        dconv.extend_from_slice(&dk_raw[ti * qd..(ti + 1) * qd]);
-        dconv.extend_from_slice(&dv_[ti * vd..(ti + 1) * vd]);
-    }
-    let mut dconv_pre = vec![0.0f32; t * conv_dim];
-    silu_backward(&mut dconv_pre, &dconv, &s.conv_pre)?;
-    let mut dqkv = vec![0.0f32; t * conv_dim];
-    let zero_state = vec![0.0f32; (kc - 1) * conv_dim];
-    for &(st, n) in &packed.spans {
-        let r = st * conv_dim..(st + n) * conv_dim;
-        conv1d_backward(
-            &mut dqkv[r.clone()],
-            &mut g.conv1d,
-            None,
-            &dconv_pre[r.clone()],
-            &zero_state,
-            &s.qkv[r],
-            la.conv1d.as_f32()?,
+
+    fn linear(
+        &mut self,
+        l: &Linear,
+        g: &mut LinearGrad,
+        dinp: &mut Vec<f32>,
+        dout: &Vec<f32>,
+        inp: &Vec<f32>,
+        n: usize,
+    ) -> Result<()> {
+        matmul_backward(
+            dinp,
+            &mut g.weight,
+            g.bias.as_deref_mut(),
+            dout,
+            inp,
+            l.weight.as_f32()?,
             n,
-            conv_dim,
-            kc,
+            l.in_features,
+            l.out_features,
         )?;
+        Ok(())
     }
-    // beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias).
-    let a_log = la.a_log.as_f32()?;
-    let dt_bias = la.dt_bias.as_f32()?;
-    let mut db = vec![0.0f32; t * nv];
-    let mut da = vec![0.0f32; t * nv];
-    gated_delta_gating_backward(
-        &mut da,
-        &mut db,
-        &mut g.a_log,
-        &mut g.dt_bias,
-        &dg,
-        &dbeta,
-        &s.g,
-        &s.beta,
-        &s.a,
-        a_log,
-        dt_bias,
-    )?;
-    let mut dxn = vec![0.0f32; t * hsz];
-    linear_bwd(&la.in_proj_qkv, &mut g.in_proj_qkv, &mut dxn, &dqkv, xn, t)?;
-    linear_bwd(&la.in_proj_z, &mut g.in_proj_z, &mut dxn, &dz, xn, t)?;
-    linear_bwd(&la.in_proj_b, &mut g.in_proj_b, &mut dxn, &db, xn, t)?;
-    linear_bwd(&la.in_proj_a, &mut g.in_proj_a, &mut dxn, &da, xn, t)?;
-    Ok(dxn)
-}
 
-fn full_attention_bwd(
-    model: &Qwen3_5,
-    fa: &FullAttention,
-    s: &FullActs,
-    g: &mut FullAttnGrad,
-    xn: &[f32],
-    dy: &[f32],
-    packed: &Packed,
-) -> Result<Vec<f32>> {
-    let c = &model.config;
-    let t = packed.len();
-    let hsz = c.hidden_size;
-    let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-    let (qrow, kvrow) = (nh * hd, nkv * hd);
-    let mut dgated = vec![0.0f32; t * qrow];
-    linear_bwd(&fa.o_proj, &mut g.o_proj, &mut dgated, dy, &s.gated, t)?;
-    let (mut dattn, mut dgate) = (vec![0.0f32; t * qrow], vec![0.0f32; t * qrow]);
-    sigmoid_gate_backward(&mut dattn, &mut dgate, &dgated, &s.attn, &s.gate)?;
-    let mut dq = vec![0.0f32; t * qrow];
-    let mut dk = vec![0.0f32; t * kvrow];
-    let mut dv = vec![0.0f32; t * kvrow];
-    let scale = 1.0 / (hd as f32).sqrt();
-    for &(st, n) in &packed.spans {
-        let (rq, rk) = (st * qrow..(st + n) * qrow, st * kvrow..(st + n) * kvrow);
-        attention_backward(
-            &mut dq[rq.clone()],
-            &mut dk[rk.clone()],
-            &mut dv[rk.clone()],
-            &dattn[rq.clone()],
-            &s.q[rq],
-            &s.k[rk.clone()],
-            &s.v[rk],
-            AttnDims {
-                nq: n,
-                nk: n,
-                n_heads: nh,
-                n_kv_heads: nkv,
-                head_dim: hd,
-            },
-            scale,
+    fn rmsnorm(
+        &mut self,
+        dinp: &mut Vec<f32>,
+        dw: &mut Vec<f32>,
+        dout: &Vec<f32>,
+        inp: &Vec<f32>,
+        w: &Tensor,
+        rstd: &Vec<f32>,
+        n: usize,
+        c: usize,
+    ) -> Result<()> {
+        rmsnorm_backward(dinp, dw, dout, inp, w.as_f32()?, rstd, n, c)?;
+        Ok(())
+    }
+
+    fn silu_mul(
+        &mut self,
+        dact: &Vec<f32>,
+        gate: &Vec<f32>,
+        up: &Vec<f32>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (mut dgate, mut dup) = (vec![0.0f32; dact.len()], vec![0.0f32; dact.len()]);
+        silu_mul_backward(&mut dgate, &mut dup, dact, gate, up)?;
+        Ok((dgate, dup))
+    }
+
+    fn gated_rmsnorm(
+        &mut self,
+        dw: &mut Vec<f32>,
+        dout: &Vec<f32>,
+        x: &Vec<f32>,
+        z: &Vec<f32>,
+        w: &Tensor,
+        rstd: &Vec<f32>,
+        d: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (mut dx, mut dz) = (vec![0.0f32; x.len()], vec![0.0f32; x.len()]);
+        let rows = x.len() / d.max(1);
+        gated_rmsnorm_backward(&mut dx, &mut dz, dw, dout, x, z, w.as_f32()?, rstd, rows, d)?;
+        Ok((dx, dz))
+    }
+
+    fn gated_delta(&mut self, dcore: &Vec<f32>, s: &LinearActs) -> Result<[Vec<f32>; 5]> {
+        let (nk, nv, dk, dv) = self.model.config.delta_heads();
+        let (qd, vd, t) = (nk * dk, nv * dv, self.packed.len());
+        let mut dq = vec![0.0f32; t * qd];
+        let mut dk_ = vec![0.0f32; t * qd];
+        let mut dv_ = vec![0.0f32; t * vd];
+        let mut dg = vec![0.0f32; t * nv];
+        let mut dbeta = vec![0.0f32; t * nv];
+        for (&(st, n), cps) in self.packed.spans.iter().zip(&s.checkpoints) {
+            let dims = GatedDeltaDims {
+                t: n,
+                nk,
+                nv,
+                dk,
+                dv,
+            };
+            let (kq, kv, kh) = (
+                st * qd..(st + n) * qd,
+                st * vd..(st + n) * vd,
+                st * nv..(st + n) * nv,
+            );
+            gated_delta_backward_from_checkpoints(
+                &mut dq[kq.clone()],
+                &mut dk_[kq.clone()],
+                &mut dv_[kv.clone()],
+                &mut dg[kh.clone()],
+                &mut dbeta[kh.clone()],
+                None,
+                &dcore[kv.clone()],
+                cps,
+                &s.q[kq.clone()],
+                &s.k[kq],
+                &s.v[kv],
+                &s.g[kh.clone()],
+                &s.beta[kh],
+                dims,
+            )?;
+        }
+        Ok([dq, dk_, dv_, dg, dbeta])
+    }
+
+    fn scale(&mut self, x: &mut Vec<f32>, s: f32) -> Result<()> {
+        for v in x.iter_mut() {
+            *v *= s;
+        }
+        Ok(())
+    }
+
+    fn l2norm(
+        &mut self,
+        dout: &Vec<f32>,
+        inp: &Vec<f32>,
+        rnorm: &Vec<f32>,
+        rows: usize,
+        d: usize,
+    ) -> Result<Vec<f32>> {
+        let mut dinp = vec![0.0f32; inp.len()];
+        l2norm_backward(&mut dinp, dout, inp, rnorm, rows, d)?;
+        Ok(dinp)
+    }
+
+    fn join_columns(&mut self, parts: &[&Vec<f32>], widths: &[usize]) -> Result<Vec<f32>> {
+        let rows = match (parts.first(), widths.first()) {
+            (Some(p), Some(&w)) if w > 0 => p.len() / w,
+            _ => 0,
+        };
+        if parts.len() != widths.len()
+            || parts.iter().zip(widths).any(|(p, &w)| p.len() != rows * w)
+        {
+            return Err(Error::Shape(format!(
+                "columns of widths {widths:?} do not have {rows} rows each"
+            )));
+        }
+        let mut out = Vec::with_capacity(rows * widths.iter().sum::<usize>());
+        for r in 0..rows {
+            for (p, &w) in parts.iter().zip(widths) {
+                out.extend_from_slice(&p[r * w..(r + 1) * w]);
+            }
+        }
+        Ok(out)
+    }
+
+    fn silu(&mut self, dout: &Vec<f32>, x: &Vec<f32>) -> Result<Vec<f32>> {
+        let mut dx = vec![0.0f32; x.len()];
+        silu_backward(&mut dx, dout, x)?;
+        Ok(dx)
+    }
+
+    fn conv(
+        &mut self,
+        la: &LinearAttention,
+        dw: &mut Vec<f32>,
+        dout: &Vec<f32>,
+        inp: &Vec<f32>,
+    ) -> Result<Vec<f32>> {
+        let c = &self.model.config;
+        let (conv_dim, kc) = (c.linear_conv_dim(), c.conv_kernel);
+        let mut dinp = vec![0.0f32; inp.len()];
+        let zero_state = vec![0.0f32; (kc - 1) * conv_dim];
+        for &(st, n) in &self.packed.spans {
+            let r = st * conv_dim..(st + n) * conv_dim;
+            conv1d_backward(
+                &mut dinp[r.clone()],
+                dw,
+                None,
+                &dout[r.clone()],
+                &zero_state,
+                &inp[r],
+                la.conv1d.as_f32()?,
+                n,
+                conv_dim,
+                kc,
+            )?;
+        }
+        Ok(dinp)
+    }
+
+    fn gating(
+        &mut self,
+        la: &LinearAttention,
+        g: &mut LinearAttnGrad,
+        dg: &Vec<f32>,
+        dbeta: &Vec<f32>,
+        s: &LinearActs,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (mut da, mut db) = (vec![0.0f32; dg.len()], vec![0.0f32; dg.len()]);
+        gated_delta_gating_backward(
+            &mut da,
+            &mut db,
+            &mut g.a_log,
+            &mut g.dt_bias,
+            dg,
+            dbeta,
+            &s.g,
+            &s.beta,
+            &s.a,
+            la.a_log.as_f32()?,
+            la.dt_bias.as_f32()?,
         )?;
+        Ok((da, db))
     }
-    rope_backward(
-        &mut dq,
-        &packed.positions,
-        nh,
-        hd,
-        c.rotary_dim,
-        c.rope_theta,
-    )?;
-    rope_backward(
-        &mut dk,
-        &packed.positions,
-        nkv,
-        hd,
-        c.rotary_dim,
-        c.rope_theta,
-    )?;
-    let mut dq_raw = vec![0.0f32; t * qrow];
-    let mut dk_raw = vec![0.0f32; t * kvrow];
-    rmsnorm_backward(
-        &mut dq_raw,
-        &mut g.q_norm,
-        &dq,
-        &s.q_raw,
-        fa.q_norm.as_f32()?,
-        &s.q_rstd,
-        t * nh,
-        hd,
-    )?;
-    rmsnorm_backward(
-        &mut dk_raw,
-        &mut g.k_norm,
-        &dk,
-        &s.k_raw,
-        fa.k_norm.as_f32()?,
-        &s.k_rstd,
-        t * nkv,
-        hd,
-    )?;
-    // q_proj rows are interleaved per head: [query head 0 | gate head 0 | ...].
-    let mut dqg = Vec::with_capacity(t * qrow * 2);
-    for (qh, gh) in dq_raw.chunks_exact(hd).zip(dgate.chunks_exact(hd)) {
-        dqg.extend_from_slice(qh);
-        dqg.extend_from_slice(gh);
+
+    fn sigmoid_gate(
+        &mut self,
+        dout: &Vec<f32>,
+        attn: &Vec<f32>,
+        gate: &Vec<f32>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (mut dattn, mut dgate) = (vec![0.0f32; dout.len()], vec![0.0f32; dout.len()]);
+        sigmoid_gate_backward(&mut dattn, &mut dgate, dout, attn, gate)?;
+        Ok((dattn, dgate))
     }
-    let mut dxn = vec![0.0f32; t * hsz];
-    linear_bwd(&fa.q_proj, &mut g.q_proj, &mut dxn, &dqg, xn, t)?;
-    linear_bwd(&fa.k_proj, &mut g.k_proj, &mut dxn, &dk_raw, xn, t)?;
-    linear_bwd(&fa.v_proj, &mut g.v_proj, &mut dxn, &dv, xn, t)?;
-    Ok(dxn)
+
+    fn attention(
+        &mut self,
+        dattn: &Vec<f32>,
+        s: &FullActs,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let c = &self.model.config;
+        let t = self.packed.len();
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let (qrow, kvrow) = (nh * hd, nkv * hd);
+        let mut dq = vec![0.0f32; t * qrow];
+        let mut dk = vec![0.0f32; t * kvrow];
+        let mut dv = vec![0.0f32; t * kvrow];
+        let scale = 1.0 / (hd as f32).sqrt();
+        for &(st, n) in &self.packed.spans {
+            let (rq, rk) = (st * qrow..(st + n) * qrow, st * kvrow..(st + n) * kvrow);
+            attention_backward(
+                &mut dq[rq.clone()],
+                &mut dk[rk.clone()],
+                &mut dv[rk.clone()],
+                &dattn[rq.clone()],
+                &s.q[rq],
+                &s.k[rk.clone()],
+                &s.v[rk],
+                AttnDims {
+                    nq: n,
+                    nk: n,
+                    n_heads: nh,
+                    n_kv_heads: nkv,
+                    head_dim: hd,
+                },
+                scale,
+            )?;
+        }
+        Ok((dq, dk, dv))
+    }
+
+    fn qk_norm_rope(
+        &mut self,
+        mut dout: Vec<f32>,
+        raw: &Vec<f32>,
+        w: &Tensor,
+        rstd: &Vec<f32>,
+        heads: usize,
+        dw: &mut Vec<f32>,
+    ) -> Result<Vec<f32>> {
+        let c = &self.model.config;
+        let hd = c.head_dim;
+        rope_backward(
+            &mut dout,
+            &self.packed.positions,
+            heads,
+            hd,
+            c.rotary_dim,
+            c.rope_theta,
+        )?;
+        let mut draw = vec![0.0f32; raw.len()];
+        let rows = self.packed.len() * heads;
+        rmsnorm_backward(&mut draw, dw, &dout, raw, w.as_f32()?, rstd, rows, hd)?;
+        Ok(draw)
+    }
+
+    fn embedding(&mut self, dtable: &mut Vec<f32>, dx: &Vec<f32>) -> Result<()> {
+        let c = &self.model.config;
+        embedding_backward(dtable, dx, &self.packed.ids, c.vocab_size, c.hidden_size)?;
+        Ok(())
+    }
+
+    fn recompute(&mut self, model: &Qwen3_5, li: usize, x_in: &Vec<f32>) -> Result<LayerActs> {
+        Ok(model.recompute_layer(li, x_in, &self.packed.sequences())?)
+    }
 }

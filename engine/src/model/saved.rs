@@ -31,11 +31,12 @@ pub struct Trace {
     pub hidden: Vec<f32>,
 }
 
-/// A layer's activations, or only its input when they are recomputed.
+/// A layer's activations, or only its input when they are recomputed (in
+/// a device's buffers `B`, with its recurrent-state checkpoints `C`).
 #[derive(Debug)]
-pub enum Kept {
-    All(Box<LayerActs>),
-    Input(Vec<f32>),
+pub enum Kept<B = Vec<f32>, C = Vec<Vec<f32>>> {
+    All(Box<LayerActs<B, C>>),
+    Input(B),
 }
 
 /// One decoder layer's activations, in a device's buffers `B` (host
