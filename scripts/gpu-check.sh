@@ -3,8 +3,9 @@
 # numbers on stdout: every CUDA kernel test (each op against its CPU
 # reference, forwards and backwards; with ARCTICD_REQUIRE_GPU set a
 # missing device is a failure, not a skip), the model's CUDA scores
-# against the CPU's and the engine on CUDA against the CPU engine (engine
-# crate, `model::cuda`), the CUDA kernel benchmarks (kernels/benches/cuda.rs,
+# against the CPU's, the training forward's activations, and the engine on
+# CUDA against the CPU engine (engine crate, `model::cuda`), the backward's
+# gradients on CUDA against the CPU's (trainer crate, `cuda`), the CUDA kernel benchmarks (kernels/benches/cuda.rs,
 # each as a fraction of the HBM bandwidth), and decode through the engine
 # on a random model of the Qwen3.5-0.8B shape at batch 1, 32 and 128
 # (`arcticd bench-decode --device cuda:0`: tokens/s and the fraction of the
@@ -51,11 +52,13 @@ if [ -n "${BIN_ONLY:-}" ]; then
   tests=$(executables arcticd-kernels test --release --lib | head -1)
   bench=$(executables arcticd-kernels bench --bench cuda | head -1)
   model_tests=$(executables arcticd-engine test --release --lib | head -1)
+  trainer_tests=$(executables arcticd-trainer test --release --lib | head -1)
   # Stripped, and NVRTC (its library and builtins) xz-compressed: about
   # 40 MB in all, small enough to carry to a GPU machine.
   strip -o "$stage/kernels-tests" "$tests"
   strip -o "$stage/cuda-bench" "$bench"
   strip -o "$stage/engine-tests" "$model_tests"
+  strip -o "$stage/trainer-tests" "$trainer_tests"
   cargo build --release --features cuda --bin arcticd 2>/dev/null
   strip -o "$stage/arcticd" target/release/arcticd
   if [ -n "$NVRTC_LIB" ] && [ -d "$NVRTC_LIB" ]; then
@@ -68,14 +71,17 @@ if [ -n "${BIN_ONLY:-}" ]; then
   exit 0
 fi
 
-if [ -x "$stage/kernels-tests" ] && [ -x "$stage/cuda-bench" ] && [ -x "$stage/engine-tests" ]; then
+if [ -x "$stage/kernels-tests" ] && [ -x "$stage/cuda-bench" ] && [ -x "$stage/engine-tests" ] &&
+  [ -x "$stage/trainer-tests" ]; then
   tests="$stage/kernels-tests"
   bench="$stage/cuda-bench"
   model_tests="$stage/engine-tests"
+  trainer_tests="$stage/trainer-tests"
 else
   tests=$(executables arcticd-kernels test --release --lib | head -1)
   bench=$(executables arcticd-kernels bench --bench cuda | head -1)
   model_tests=$(executables arcticd-engine test --release --lib | head -1)
+  trainer_tests=$(executables arcticd-trainer test --release --lib | head -1)
 fi
 
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || echo "unknown")
@@ -89,6 +95,11 @@ tests_rc=$?
 ARCTICD_REQUIRE_GPU=1 "$model_tests" model::cuda:: --test-threads 1 --nocapture >> "$log/tests.txt" 2>&1
 model_rc=$?
 [ "$tests_rc" -eq 0 ] && tests_rc=$model_rc
+# The backward on CUDA (the trainer's layer walk over the CUDA ops):
+# every parameter's gradient against the CPU backward.
+ARCTICD_REQUIRE_GPU=1 "$trainer_tests" cuda:: --test-threads 1 --nocapture >> "$log/tests.txt" 2>&1
+trainer_rc=$?
+[ "$tests_rc" -eq 0 ] && tests_rc=$trainer_rc
 "$bench" --bench --output-format bencher > "$log/bench.txt" 2> "$log/bench.err"
 bench_rc=$?
 # Decode through the engine on real shapes (random bf16 weights).

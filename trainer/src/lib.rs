@@ -8,6 +8,8 @@
 pub mod backward;
 pub mod checkpoint;
 pub mod comm;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 pub mod error;
 pub mod grads;

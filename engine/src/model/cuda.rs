@@ -28,7 +28,7 @@ use super::logit_rows_per_chunk;
 use super::ops::LayerOps;
 use super::paged_batch::{PagedBatch, PagedSeq};
 use super::qwen3_5::{Linear, LinearAttention, Qwen3_5};
-use super::saved::LayerActs;
+use super::saved::Kept;
 use crate::config::ModelConfig;
 use crate::kv_cache::{CacheLayout, SlotId};
 use crate::{Error, Result};
@@ -48,7 +48,8 @@ pub enum DeviceParam {
 }
 
 impl DeviceParam {
-    fn f32(&self, what: &str) -> Result<&CudaSlice<f32>> {
+    /// The f32 buffer, or an error naming `what` when the device holds bf16.
+    pub fn f32(&self, what: &str) -> Result<&CudaSlice<f32>> {
         match self {
             DeviceParam::F32(s) => Ok(s),
             DeviceParam::Bf16(_) => Err(Error::Invariant(format!(
@@ -70,6 +71,18 @@ impl DeviceParam {
             DeviceParam::F32(s) => s.len() * 4,
             DeviceParam::Bf16(s) => s.len() * 2,
         }
+    }
+
+    /// Values held.
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceParam::F32(s) => s.len(),
+            DeviceParam::Bf16(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -122,6 +135,15 @@ impl CudaModel {
             .iter()
             .map(|(_, t)| t.numel() * if held_in_bf16(t, dtype) { 2 } else { 4 })
             .sum()
+    }
+
+    /// The parameters on the device.
+    pub fn params(&self) -> &Qwen3_5<DeviceParam> {
+        &self.model
+    }
+
+    pub fn device(&self) -> &Arc<CudaDevice> {
+        &self.dev
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -229,9 +251,9 @@ impl CudaModel {
         let mut layers = Vec::with_capacity(self.model.layers.len());
         for li in 0..self.model.layers.len() {
             let acts = self.model.layer_forward(&mut ops, li, &mut x, t, true)?;
-            layers.push(
-                acts.ok_or_else(|| Error::Invariant(format!("layer {li} kept no activations")))?,
-            );
+            let acts =
+                acts.ok_or_else(|| Error::Invariant(format!("layer {li} kept no activations")))?;
+            layers.push(Kept::All(Box::new(acts)));
         }
         let (hidden, final_rstd) =
             ops.rmsnorm(&x, &self.model.norm, c.hidden_size, c.rms_norm_eps)?;
@@ -318,7 +340,8 @@ impl CudaModel {
 
 /// A training forward on the device ([`CudaModel::forward_keeping`]).
 pub struct CudaTrace {
-    pub layers: Vec<LayerActs<CudaSlice<f32>, ()>>,
+    /// Every layer's activations (always [`Kept::All`]).
+    pub layers: Vec<Kept<CudaSlice<f32>, ()>>,
     /// The residual stream after the last layer, before the final norm.
     pub x_last: CudaSlice<f32>,
     pub final_rstd: CudaSlice<f32>,
@@ -925,7 +948,7 @@ mod tests {
     #[test]
     fn cuda_training_forward_keeps_the_cpu_activations() {
         use crate::model::saved::MixerActs;
-        use crate::model::{Keep, Kept};
+        use crate::model::Keep;
         let Some(dev) = gpu() else { return };
         let dir = std::env::temp_dir().join(format!("arcticd-cuda-keep-{}", std::process::id()));
         crate::init::init_model(crate::init::TINY, &dir, 7).unwrap();
@@ -950,8 +973,8 @@ mod tests {
             }
         };
         for (li, (g, w)) in got.layers.iter().zip(&want.layers).enumerate() {
-            let Kept::All(w) = w else {
-                panic!("layer {li}: the CPU kept only the input")
+            let (Kept::All(g), Kept::All(w)) = (g, w) else {
+                panic!("layer {li}: only the input was kept")
             };
             for (name, d, h) in [
                 ("x_in", &g.x_in, &w.x_in),

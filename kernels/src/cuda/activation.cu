@@ -159,3 +159,17 @@ extern "C" __global__ void gather_rows(float* out, const float* inp, const u32* 
         out[i] = inp[(long long)rows[r] * width + c];
     }
 }
+
+// out[(row0 + r) * out_width + col0 + c] = inp[r * cols + c]: a block
+// written into a larger row-major matrix (columns joined side by side, or
+// one sequence's rows put back in a packed batch); copy_block's inverse.
+extern "C" __global__ void copy_into(float* out, const float* inp, long long out_width,
+                                     long long row0, long long col0, long long rows,
+                                     long long cols) {
+    long long n = rows * cols;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / cols, c = i - r * cols;
+        out[(row0 + r) * out_width + col0 + c] = inp[i];
+    }
+}

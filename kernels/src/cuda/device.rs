@@ -737,6 +737,33 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// `out[row0 + r, col0 + c] = inp[r, c]` for `inp [rows, cols]`, `out`
+    /// rows of `out_width`: [`copy_block`](Self::copy_block)'s inverse.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_into(
+        &self,
+        out: &mut CudaSlice<f32>,
+        inp: &CudaSlice<f32>,
+        out_width: usize,
+        (row0, col0): (usize, usize),
+        (rows, cols): (usize, usize),
+    ) -> Result<()> {
+        let op = "copy_into";
+        if col0 + cols > out_width || (row0 + rows) * out_width > out.len() {
+            return Err(Error::Shape(format!(
+                "{op}: block at ({row0}, {col0}) of {rows} x {cols} is outside {} rows of {out_width}",
+                out.len() / out_width.max(1)
+            )));
+        }
+        shape(op, &[("inp", inp.len(), rows * cols)])?;
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        let a = [out_width, row0, col0, rows, cols].map(|v| v as i64);
+        launch!(self, op, elems(rows * cols); out, inp, &a[0], &a[1], &a[2], &a[3], &a[4]);
+        Ok(())
+    }
+
     /// `out[n, d] = inp * rsqrt(sum inp^2 + eps) * scale`, `rnorm[n]` saved.
     #[allow(clippy::too_many_arguments)]
     pub fn l2norm_forward(
@@ -1124,6 +1151,16 @@ mod tests {
         close("copy_block", &d.download(&out).unwrap(), &want, 0.0);
         let outside = d.copy_block(&mut out, &d.upload(&x).unwrap(), width, (3, 4), (5, 5));
         assert!(outside.is_err());
+        // And back: the block written into a zeroed matrix at the same place.
+        let mut back = d.zeros(rows * width).unwrap();
+        d.copy_into(&mut back, &out, width, (2, 4), (5, 5)).unwrap();
+        let mut want_back = vec![0.0f32; rows * width];
+        for r in 2..7 {
+            want_back[r * width + 4..r * width + 9]
+                .copy_from_slice(&x[r * width + 4..r * width + 9]);
+        }
+        close("copy_into", &d.download(&back).unwrap(), &want_back, 0.0);
+        assert!(d.copy_into(&mut back, &out, width, (3, 4), (5, 5)).is_err());
     }
 
     #[test]

@@ -80,6 +80,7 @@ pub const MODULES: &[Module] = &[
             "copy_within",
             "zero_range",
             "gather_rows",
+            "copy_into",
         ],
     },
     Module {

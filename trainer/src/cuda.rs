@@ -1,0 +1,490 @@
+//! The backward on a GPU (feature `cuda`): the CUDA side of the backward
+//! seam ([`BackwardOps`]) over the activations the CUDA training forward
+//! kept (`CudaModel::forward_keeping`), with the parameter gradients in
+//! device buffers laid out like the model (`Qwen3_5<CudaSlice<f32>>`).
+//! The layer walk is `backward.rs`'s, the one the CPU runs; the ops are
+//! the CUDA backward kernels, each tested against its CPU reference, and
+//! cuBLAS products in fp32.
+//!
+//! The ops that run per sequence (the gated delta rule, the causal conv,
+//! attention) copy each sequence's rows out of the packed batch and its
+//! gradients back. The model's matrices must be f32 on the device
+//! (`WeightDType::F32`): the product's backward takes f32 weights. Only a
+//! forward that kept every activation is accepted (recomputing layers is
+//! CPU-only for now).
+//!
+//! Not for: the loss or the optimizer step on the device (to come), the
+//! kernels themselves.
+
+use crate::backward::{model_backward, BackwardOps, Forward};
+use crate::{Error, Result};
+use arcticd_engine::model::cuda::{CudaModel, CudaTrace, DeviceParam};
+use arcticd_engine::model::qwen3_5::{Linear, LinearAttention};
+use arcticd_engine::model::saved::{FullActs, LayerActs, LinearActs};
+use arcticd_engine::{ModelConfig, Qwen3_5};
+use arcticd_kernels::cpu::attention::AttnDims;
+use arcticd_kernels::cpu::gated_delta::GatedDeltaDims;
+use arcticd_kernels::cuda::cudarc::driver::CudaSlice;
+use arcticd_kernels::cuda::device::CudaDevice;
+
+type Buf = CudaSlice<f32>;
+
+/// Every parameter's gradient on the device, zeroed, shaped like `model`.
+pub fn zero_grads(model: &CudaModel) -> Result<Qwen3_5<Buf>> {
+    let dev = model.device();
+    model
+        .params()
+        .try_map(|_, p| -> Result<Buf> { Ok(dev.zeros(p.len())?) })
+}
+
+/// Backward through the whole model on the device, from `dhidden` (the
+/// gradient of the final hidden states, `[tokens, hidden]`) and the trace
+/// of `model.forward_keeping(sequences)`; gradients accumulate into
+/// `grads` ([`zero_grads`]).
+pub fn backward(
+    model: &CudaModel,
+    sequences: &[&[u32]],
+    trace: &CudaTrace,
+    dhidden: &Buf,
+    grads: &mut Qwen3_5<Buf>,
+) -> Result<()> {
+    let config = model.config();
+    let mut spans = Vec::with_capacity(sequences.len());
+    let mut ids = Vec::new();
+    let mut positions = Vec::new();
+    for s in sequences {
+        spans.push((ids.len(), s.len()));
+        ids.extend_from_slice(s);
+        positions.extend(0..s.len() as u32);
+    }
+    let h = config.hidden_size;
+    if dhidden.len() != ids.len() * h || trace.hidden.len() != ids.len() * h {
+        return Err(Error::Shape(format!(
+            "dhidden has {} values and the trace {} for {} tokens x {h}",
+            dhidden.len(),
+            trace.hidden.len(),
+            ids.len()
+        )));
+    }
+    let dev = model.device();
+    let mut ops = CudaBackward {
+        dev,
+        config,
+        positions: dev.upload(&positions)?,
+        ids,
+        spans,
+    };
+    let fwd = Forward {
+        layers: &trace.layers,
+        x_last: &trace.x_last,
+        final_rstd: &trace.final_rstd,
+    };
+    model_backward(&mut ops, model.params(), &fwd, dhidden, grads)
+}
+
+/// The CUDA side of the backward over one packed batch.
+struct CudaBackward<'a> {
+    dev: &'a CudaDevice,
+    config: &'a ModelConfig,
+    ids: Vec<u32>,
+    /// `(start, len)` of each sequence.
+    spans: Vec<(usize, usize)>,
+    positions: CudaSlice<u32>,
+}
+
+impl CudaBackward<'_> {
+    /// Rows `start..start + n` of `x`, rows of `width`.
+    fn rows(&self, x: &Buf, width: usize, (start, n): (usize, usize)) -> Result<Buf> {
+        let mut out = self.dev.zeros(n * width)?;
+        self.dev
+            .copy_block(&mut out, x, width, (start, 0), (n, width))?;
+        Ok(out)
+    }
+
+    /// `part` (rows of `width`) written at row `start` of `out`.
+    fn put_rows(&self, out: &mut Buf, part: &Buf, width: usize, start: usize) -> Result<()> {
+        let n = part.len() / width.max(1);
+        Ok(self
+            .dev
+            .copy_into(out, part, width, (start, 0), (n, width))?)
+    }
+}
+
+impl BackwardOps for CudaBackward<'_> {
+    type W = DeviceParam;
+    type Buf = Buf;
+    type C = ();
+
+    fn tokens(&self) -> usize {
+        self.ids.len()
+    }
+
+    fn zeros(&mut self, n: usize) -> Result<Buf> {
+        Ok(self.dev.zeros(n)?)
+    }
+
+    fn linear(
+        &mut self,
+        l: &Linear<DeviceParam>,
+        g: &mut Linear<Buf>,
+        dinp: &mut Buf,
+        dout: &Buf,
+        inp: &Buf,
+        n: usize,
+    ) -> Result<()> {
+        if l.bias.is_some() {
+            return Err(Error::Shape(
+                "a linear with a bias (Qwen3.5 has none) on CUDA".into(),
+            ));
+        }
+        let w = weight(&l.weight)?;
+        self.dev.matmul_backward(
+            dinp,
+            &mut g.weight,
+            dout,
+            inp,
+            w,
+            n,
+            l.in_features,
+            l.out_features,
+        )?;
+        Ok(())
+    }
+
+    fn rmsnorm(
+        &mut self,
+        dinp: &mut Buf,
+        dw: &mut Buf,
+        dout: &Buf,
+        inp: &Buf,
+        w: &DeviceParam,
+        rstd: &Buf,
+        n: usize,
+        c: usize,
+    ) -> Result<()> {
+        let w = weight(w)?;
+        Ok(self
+            .dev
+            .rmsnorm_backward(dinp, dw, dout, inp, w, rstd, n, c)?)
+    }
+
+    fn silu_mul(&mut self, dact: &Buf, gate: &Buf, up: &Buf) -> Result<(Buf, Buf)> {
+        let (mut dgate, mut dup) = (self.dev.zeros(dact.len())?, self.dev.zeros(dact.len())?);
+        self.dev
+            .silu_mul_backward(&mut dgate, &mut dup, dact, gate, up)?;
+        Ok((dgate, dup))
+    }
+
+    fn gated_rmsnorm(
+        &mut self,
+        dw: &mut Buf,
+        dout: &Buf,
+        x: &Buf,
+        z: &Buf,
+        w: &DeviceParam,
+        rstd: &Buf,
+        d: usize,
+    ) -> Result<(Buf, Buf)> {
+        let (mut dx, mut dz) = (self.dev.zeros(x.len())?, self.dev.zeros(x.len())?);
+        let rows = x.len() / d.max(1);
+        self.dev.gated_rmsnorm_backward(
+            &mut dx,
+            &mut dz,
+            dw,
+            dout,
+            x,
+            z,
+            weight(w)?,
+            rstd,
+            rows,
+            d,
+        )?;
+        Ok((dx, dz))
+    }
+
+    fn gated_delta(&mut self, dcore: &Buf, s: &LinearActs<Buf, ()>) -> Result<[Buf; 5]> {
+        let (nk, nv, dk, dv) = self.config.delta_heads();
+        let (qd, vd, t) = (nk * dk, nv * dv, self.tokens());
+        let mut dq = self.dev.zeros(t * qd)?;
+        let mut dk_ = self.dev.zeros(t * qd)?;
+        let mut dv_ = self.dev.zeros(t * vd)?;
+        let mut dg = self.dev.zeros(t * nv)?;
+        let mut dbeta = self.dev.zeros(t * nv)?;
+        let state0 = self.dev.zeros(nv * dk * dv)?;
+        for &span in &self.spans {
+            let n = span.1;
+            let (q, k) = (self.rows(&s.q, qd, span)?, self.rows(&s.k, qd, span)?);
+            let (v, dout) = (self.rows(&s.v, vd, span)?, self.rows(dcore, vd, span)?);
+            let (g, beta) = (self.rows(&s.g, nv, span)?, self.rows(&s.beta, nv, span)?);
+            let (mut sq, mut sk) = (self.dev.zeros(n * qd)?, self.dev.zeros(n * qd)?);
+            let mut sv = self.dev.zeros(n * vd)?;
+            let (mut sg, mut sb) = (self.dev.zeros(n * nv)?, self.dev.zeros(n * nv)?);
+            let dims = GatedDeltaDims {
+                t: n,
+                nk,
+                nv,
+                dk,
+                dv,
+            };
+            self.dev.gated_delta_backward(
+                &mut sq, &mut sk, &mut sv, &mut sg, &mut sb, None, &dout, &state0, &q, &k, &v, &g,
+                &beta, dims,
+            )?;
+            for (out, part, width) in [
+                (&mut dq, &sq, qd),
+                (&mut dk_, &sk, qd),
+                (&mut dv_, &sv, vd),
+                (&mut dg, &sg, nv),
+                (&mut dbeta, &sb, nv),
+            ] {
+                self.put_rows(out, part, width, span.0)?;
+            }
+        }
+        Ok([dq, dk_, dv_, dg, dbeta])
+    }
+
+    fn scale(&mut self, x: &mut Buf, s: f32) -> Result<()> {
+        Ok(self.dev.scale(x, s)?)
+    }
+
+    fn l2norm(&mut self, dout: &Buf, inp: &Buf, rnorm: &Buf, rows: usize, d: usize) -> Result<Buf> {
+        let mut dinp = self.dev.zeros(inp.len())?;
+        self.dev
+            .l2norm_backward(&mut dinp, dout, inp, rnorm, rows, d)?;
+        Ok(dinp)
+    }
+
+    fn join_columns(&mut self, parts: &[&Buf], widths: &[usize]) -> Result<Buf> {
+        let total: usize = widths.iter().sum();
+        let rows = match (parts.first(), widths.first()) {
+            (Some(p), Some(&w)) if w > 0 => p.len() / w,
+            _ => 0,
+        };
+        if parts.len() != widths.len()
+            || parts.iter().zip(widths).any(|(p, &w)| p.len() != rows * w)
+        {
+            return Err(Error::Shape(format!(
+                "columns of widths {widths:?} do not have {rows} rows each"
+            )));
+        }
+        let mut out = self.dev.zeros(rows * total)?;
+        let mut col = 0;
+        for (p, &w) in parts.iter().zip(widths) {
+            self.dev
+                .copy_into(&mut out, p, total, (0, col), (rows, w))?;
+            col += w;
+        }
+        Ok(out)
+    }
+
+    fn silu(&mut self, dout: &Buf, x: &Buf) -> Result<Buf> {
+        let mut dx = self.dev.zeros(x.len())?;
+        self.dev.silu_backward(&mut dx, dout, x)?;
+        Ok(dx)
+    }
+
+    fn conv(
+        &mut self,
+        la: &LinearAttention<DeviceParam>,
+        dw: &mut Buf,
+        dout: &Buf,
+        inp: &Buf,
+    ) -> Result<Buf> {
+        let (c, k) = (self.config.linear_conv_dim(), self.config.conv_kernel);
+        let w = weight(&la.conv1d)?;
+        let mut dinp = self.dev.zeros(inp.len())?;
+        let state0 = self.dev.zeros(k.saturating_sub(1) * c)?;
+        for &span in &self.spans {
+            let (x, d) = (self.rows(inp, c, span)?, self.rows(dout, c, span)?);
+            let mut dx = self.dev.zeros(span.1 * c)?;
+            self.dev
+                .conv1d_backward(&mut dx, dw, None, &d, &state0, &x, w, span.1, c, k)?;
+            self.put_rows(&mut dinp, &dx, c, span.0)?;
+        }
+        Ok(dinp)
+    }
+
+    fn gating(
+        &mut self,
+        la: &LinearAttention<DeviceParam>,
+        g: &mut LinearAttention<Buf>,
+        dg: &Buf,
+        dbeta: &Buf,
+        s: &LinearActs<Buf, ()>,
+    ) -> Result<(Buf, Buf)> {
+        let (mut da, mut db) = (self.dev.zeros(dg.len())?, self.dev.zeros(dg.len())?);
+        self.dev.gated_delta_gating_backward(
+            &mut da,
+            &mut db,
+            &mut g.a_log,
+            &mut g.dt_bias,
+            dg,
+            dbeta,
+            &s.g,
+            &s.beta,
+            &s.a,
+            weight(&la.a_log)?,
+            weight(&la.dt_bias)?,
+        )?;
+        Ok((da, db))
+    }
+
+    fn sigmoid_gate(&mut self, dout: &Buf, attn: &Buf, gate: &Buf) -> Result<(Buf, Buf)> {
+        let (mut dattn, mut dgate) = (self.dev.zeros(dout.len())?, self.dev.zeros(dout.len())?);
+        self.dev
+            .sigmoid_gate_backward(&mut dattn, &mut dgate, dout, attn, gate)?;
+        Ok((dattn, dgate))
+    }
+
+    fn attention(&mut self, dattn: &Buf, s: &FullActs<Buf>) -> Result<(Buf, Buf, Buf)> {
+        let c = self.config;
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let (qrow, kvrow, t) = (nh * hd, nkv * hd, self.tokens());
+        let mut dq = self.dev.zeros(t * qrow)?;
+        let mut dk = self.dev.zeros(t * kvrow)?;
+        let mut dv = self.dev.zeros(t * kvrow)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        for &span in &self.spans {
+            let n = span.1;
+            let (q, d) = (self.rows(&s.q, qrow, span)?, self.rows(dattn, qrow, span)?);
+            let (k, v) = (self.rows(&s.k, kvrow, span)?, self.rows(&s.v, kvrow, span)?);
+            let mut sq = self.dev.zeros(n * qrow)?;
+            let (mut sk, mut sv) = (self.dev.zeros(n * kvrow)?, self.dev.zeros(n * kvrow)?);
+            let dims = AttnDims {
+                nq: n,
+                nk: n,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+            };
+            self.dev
+                .attention_backward(&mut sq, &mut sk, &mut sv, &d, &q, &k, &v, dims, scale)?;
+            self.put_rows(&mut dq, &sq, qrow, span.0)?;
+            self.put_rows(&mut dk, &sk, kvrow, span.0)?;
+            self.put_rows(&mut dv, &sv, kvrow, span.0)?;
+        }
+        Ok((dq, dk, dv))
+    }
+
+    fn qk_norm_rope(
+        &mut self,
+        dout: Buf,
+        raw: &Buf,
+        w: &DeviceParam,
+        rstd: &Buf,
+        heads: usize,
+        dw: &mut Buf,
+    ) -> Result<Buf> {
+        let c = self.config;
+        let mut draw = self.dev.zeros(raw.len())?;
+        self.dev.qk_norm_rope_backward(
+            &mut draw,
+            dw,
+            &dout,
+            raw,
+            weight(w)?,
+            rstd,
+            &self.positions,
+            heads,
+            c.head_dim,
+            c.rotary_dim,
+            c.rope_theta,
+        )?;
+        Ok(draw)
+    }
+
+    fn embedding(&mut self, dtable: &mut Buf, dx: &Buf) -> Result<()> {
+        let c = self.config;
+        Ok(self
+            .dev
+            .embedding_backward(dtable, dx, &self.ids, c.vocab_size, c.hidden_size)?)
+    }
+
+    fn recompute(
+        &mut self,
+        _model: &Qwen3_5<DeviceParam>,
+        li: usize,
+        _x_in: &Buf,
+    ) -> Result<LayerActs<Buf, ()>> {
+        Err(Error::Shape(format!(
+            "layer {li} kept only its input: recomputing layers runs on the CPU only"
+        )))
+    }
+}
+
+/// A parameter's f32 buffer: the backward's products take f32 weights.
+fn weight(p: &DeviceParam) -> Result<&Buf> {
+    Ok(p.f32("the CUDA backward needs f32 weights (WeightDType::F32)")?)
+}
+
+#[cfg(test)]
+mod tests {
+    //! Need a GPU; skipped without one (`ARCTICD_REQUIRE_GPU=1` makes a
+    //! missing device a failure, as `scripts/gpu-check.sh` sets it).
+    use super::*;
+    use crate::model::{backward as cpu_backward, forward, Packed};
+    use crate::ModelGrads;
+    use arcticd_engine::model::WeightDType;
+    use arcticd_kernels::cuda::device::test_device;
+    use std::sync::Arc;
+
+    /// Every parameter's gradient on CUDA (f32 weights, the same upstream
+    /// gradient) against the CPU backward, on packed sequences of 3, 70
+    /// and 150 tokens: within 1e-3 of the largest value of each tensor
+    /// (fp32, different summation orders; the worst printed).
+    #[test]
+    fn cuda_gradients_match_the_cpu() {
+        let Some(dev) = test_device().map(Arc::new) else {
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("arcticd-cuda-grads-{}", std::process::id()));
+        arcticd_engine::init::init_model(arcticd_engine::init::TINY, &dir, 9).unwrap();
+        let model = Qwen3_5::load(&dir).unwrap();
+        let vocab = model.config.vocab_size as u32;
+        let seqs: Vec<Vec<u32>> = [3usize, 70, 150]
+            .iter()
+            .map(|&n| (0..n as u32).map(|i| (i * 389 + 17) % vocab).collect())
+            .collect();
+        let h = model.config.hidden_size;
+        let t: usize = seqs.iter().map(Vec::len).sum();
+        let dhidden: Vec<f32> = (0..t * h)
+            .map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.1)
+            .collect();
+
+        let acts = forward(&model, Packed::new(&seqs, model.config.vocab_size).unwrap()).unwrap();
+        let mut want = ModelGrads::zeros_like(&model);
+        cpu_backward(&model, &acts, &dhidden, &mut want).unwrap();
+
+        let on_gpu = CudaModel::upload(&model, dev.clone(), WeightDType::F32).unwrap();
+        let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+        let trace = on_gpu.forward_keeping(&refs).unwrap();
+        let mut got = zero_grads(&on_gpu).unwrap();
+        let dh = dev.upload(&dhidden).unwrap();
+        backward(&on_gpu, &refs, &trace, &dh, &mut got).unwrap();
+
+        let mut worst = (0.0f32, String::new());
+        for ((name, g), (wname, w)) in got.named().into_iter().zip(want.named()) {
+            assert_eq!(name, wname);
+            let g = dev.download(g).unwrap();
+            let scale = w.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-6);
+            let err = g
+                .iter()
+                .zip(w)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+                / scale;
+            if err > worst.0 {
+                worst = (err, name.clone());
+            }
+            assert!(err <= 1e-3, "{name}: {err:.3e} of its largest value");
+        }
+        eprintln!("gradients: worst {:.3e} ({})", worst.0, worst.1);
+
+        // A bf16 model cannot run the backward (f32 products): an error.
+        let bf16 = CudaModel::upload(&model, dev.clone(), WeightDType::Bf16).unwrap();
+        let trace = bf16.forward_keeping(&refs).unwrap();
+        let mut g = zero_grads(&bf16).unwrap();
+        let err = backward(&bf16, &refs, &trace, &dh, &mut g).unwrap_err();
+        assert!(err.to_string().contains("f32 weights"), "{err}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
