@@ -347,3 +347,18 @@ fn full_attention<O: BackwardOps>(
     ops.linear(&fa.v_proj, &mut g.v_proj, &mut dxn, &dv, xn, t)?;
     Ok(dxn)
 }
+
+/// The rows of parts to be joined side by side ([`BackwardOps::join_columns`]),
+/// from each part's length and width; an error when they disagree.
+pub(crate) fn joined_rows(lens: &[usize], widths: &[usize]) -> Result<usize> {
+    let rows = match (lens.first(), widths.first()) {
+        (Some(&n), Some(&w)) if w > 0 => n / w,
+        _ => 0,
+    };
+    if lens.len() != widths.len() || lens.iter().zip(widths).any(|(&n, &w)| n != rows * w) {
+        return Err(Error::Shape(format!(
+            "columns of widths {widths:?} do not have {rows} rows each"
+        )));
+    }
+    Ok(rows)
+}

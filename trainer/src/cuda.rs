@@ -256,17 +256,8 @@ impl BackwardOps for CudaBackward<'_> {
 
     fn join_columns(&mut self, parts: &[&Buf], widths: &[usize]) -> Result<Buf> {
         let total: usize = widths.iter().sum();
-        let rows = match (parts.first(), widths.first()) {
-            (Some(p), Some(&w)) if w > 0 => p.len() / w,
-            _ => 0,
-        };
-        if parts.len() != widths.len()
-            || parts.iter().zip(widths).any(|(p, &w)| p.len() != rows * w)
-        {
-            return Err(Error::Shape(format!(
-                "columns of widths {widths:?} do not have {rows} rows each"
-            )));
-        }
+        let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+        let rows = crate::backward::joined_rows(&lens, widths)?;
         let mut out = self.dev.zeros(rows * total)?;
         let mut col = 0;
         for (p, &w) in parts.iter().zip(widths) {

@@ -472,17 +472,8 @@ impl BackwardOps for CpuBackward<'_> {
     }
 
     fn join_columns(&mut self, parts: &[&Vec<f32>], widths: &[usize]) -> Result<Vec<f32>> {
-        let rows = match (parts.first(), widths.first()) {
-            (Some(p), Some(&w)) if w > 0 => p.len() / w,
-            _ => 0,
-        };
-        if parts.len() != widths.len()
-            || parts.iter().zip(widths).any(|(p, &w)| p.len() != rows * w)
-        {
-            return Err(Error::Shape(format!(
-                "columns of widths {widths:?} do not have {rows} rows each"
-            )));
-        }
+        let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+        let rows = crate::backward::joined_rows(&lens, widths)?;
         let mut out = Vec::with_capacity(rows * widths.iter().sum::<usize>());
         for r in 0..rows {
             for (p, &w) in parts.iter().zip(widths) {
