@@ -17,7 +17,8 @@
 # binaries staged beforehand on a build machine:
 #
 #   BIN_ONLY=1 bash scripts/gpu-check.sh   # build machine: stage target/gpu-check/
-#                                          # (stripped binaries, NVRTC xz'd: ~37 MB)
+#                                          # (stripped binaries and NVRTC, xz'd to
+#                                          # travel under 64 MiB; unpacked on use)
 #   bash scripts/gpu-check.sh              # GPU machine: staged binaries, else cargo
 #
 # Exit status 0 only when every test passed and the benchmarks ran.
@@ -53,14 +54,15 @@ if [ -n "${BIN_ONLY:-}" ]; then
   bench=$(executables arcticd-kernels bench --bench cuda | head -1)
   model_tests=$(executables arcticd-engine test --release --lib | head -1)
   trainer_tests=$(executables arcticd-trainer test --release --lib | head -1)
-  # Stripped, and NVRTC (its library and builtins) xz-compressed: about
-  # 40 MB in all, small enough to carry to a GPU machine.
-  strip -o "$stage/kernels-tests" "$tests"
-  strip -o "$stage/cuda-bench" "$bench"
-  strip -o "$stage/engine-tests" "$model_tests"
-  strip -o "$stage/trainer-tests" "$trainer_tests"
+  # Stripped and xz-compressed, NVRTC (its library and builtins) too:
+  # small enough to carry to a GPU machine (64 MiB).
   cargo build --release --features cuda --bin arcticd 2>/dev/null
-  strip -o "$stage/arcticd" target/release/arcticd
+  rm -f "$stage"/*-tests "$stage"/cuda-bench "$stage"/arcticd "$stage"/*.xz
+  for pair in "kernels-tests:$tests" "cuda-bench:$bench" "engine-tests:$model_tests" \
+    "trainer-tests:$trainer_tests" "arcticd:target/release/arcticd"; do
+    strip -o "$stage/${pair%%:*}" "${pair#*:}"
+    xz -T0 -6 "$stage/${pair%%:*}"
+  done
   if [ -n "$NVRTC_LIB" ] && [ -d "$NVRTC_LIB" ]; then
     rm -rf "$stage/nvrtc" && mkdir -p "$stage/nvrtc"
     for lib in libnvrtc.so.13 libnvrtc-builtins.so.13.0; do
@@ -71,6 +73,10 @@ if [ -n "${BIN_ONLY:-}" ]; then
   exit 0
 fi
 
+# Staged binaries travel compressed: unpacked once.
+for z in "$stage"/*.xz; do
+  if [ -f "$z" ] && [ ! -f "${z%.xz}" ]; then xz -dk "$z" && chmod +x "${z%.xz}"; fi
+done
 if [ -x "$stage/kernels-tests" ] && [ -x "$stage/cuda-bench" ] && [ -x "$stage/engine-tests" ] &&
   [ -x "$stage/trainer-tests" ]; then
   tests="$stage/kernels-tests"
