@@ -13,8 +13,13 @@
 //! forward that kept every activation is accepted (recomputing layers is
 //! CPU-only for now).
 //!
-//! Not for: the loss or the optimizer step on the device (to come), the
-//! kernels themselves.
+//! The loss's log-probabilities and their backward run here too
+//! ([`token_logprobs`], [`token_logprobs_backward`]), as on the CPU: the
+//! logits made a bounded number of rows at a time
+//! (`logit_rows_per_chunk`), never `[tokens, vocab]` at once.
+//!
+//! Not for: the optimizer step on the device (to come), the kernels
+//! themselves.
 
 use crate::backward::{model_backward, BackwardOps, Forward};
 use crate::{Error, Result};
@@ -80,6 +85,120 @@ pub fn backward(
         final_rstd: &trace.final_rstd,
     };
     model_backward(&mut ops, model.params(), &fwd, dhidden, grads)
+}
+
+/// `lp[i] = log p(targets[i] | hidden row rows[i])` at `temperature` (as
+/// the CPU's `model::token_logprobs_entropy`, without the entropy), on the
+/// device. `hidden` is `[tokens, hidden]` (a trace's final hidden states).
+pub fn token_logprobs(
+    model: &CudaModel,
+    hidden: &Buf,
+    rows: &[usize],
+    targets: &[u32],
+    temperature: f32,
+) -> Result<Buf> {
+    let inv_t = crate::model::inverse_temperature(temperature)?.unwrap_or(1.0);
+    let (h, vocab) = (model.config().hidden_size, model.config().vocab_size);
+    crate::model::check_rows(hidden.len() / h.max(1), rows, targets)?;
+    let (dev, head) = (model.device(), head_of(model)?);
+    let mut lps = dev.zeros(rows.len())?;
+    let per = arcticd_engine::model::logit_rows_per_chunk(vocab);
+    let mut start = 0;
+    for (rc, tc) in rows.chunks(per).zip(targets.chunks(per)) {
+        let m = rc.len();
+        let logits = chunk_logits(dev, hidden, rc, head, h, vocab)?;
+        let mut lp = dev.zeros(m)?;
+        dev.logprob_gather_forward(&mut lp, &logits, &dev.upload(tc)?, vocab, inv_t)?;
+        dev.copy_into(&mut lps, &lp, 1, (start, 0), (m, 1))?;
+        start += m;
+    }
+    Ok(lps)
+}
+
+/// Backward of [`token_logprobs`] for upstream gradients `dlp` (one per
+/// row, on the device): the output projection's gradient accumulates into
+/// `grads` (into `embed_tokens` when tied) and `dhidden [tokens, hidden]`
+/// comes back. `rows` must be distinct (each position's next token once).
+pub fn token_logprobs_backward(
+    model: &CudaModel,
+    grads: &mut Qwen3_5<Buf>,
+    hidden: &Buf,
+    rows: &[usize],
+    targets: &[u32],
+    dlp: &Buf,
+    temperature: f32,
+) -> Result<Buf> {
+    let inv_t = crate::model::inverse_temperature(temperature)?.unwrap_or(1.0);
+    let (h, vocab) = (model.config().hidden_size, model.config().vocab_size);
+    let n = hidden.len() / h.max(1);
+    crate::model::check_rows(n, rows, targets)?;
+    if dlp.len() != rows.len() {
+        return Err(Error::Input(format!(
+            "{} log-prob gradients for {} rows",
+            dlp.len(),
+            rows.len()
+        )));
+    }
+    let (dev, head) = (model.device(), head_of(model)?);
+    let dw = match grads.lm_head.as_mut() {
+        Some(g) => g,
+        None => &mut grads.embed_tokens,
+    };
+    let per = arcticd_engine::model::logit_rows_per_chunk(vocab);
+    let mut dhidden = dev.zeros(n * h)?;
+    let mut start = 0;
+    for (rc, tc) in rows.chunks(per).zip(targets.chunks(per)) {
+        let m = rc.len();
+        let logits = chunk_logits(dev, hidden, rc, head, h, vocab)?;
+        let mut d = dev.zeros(m)?;
+        dev.copy_block(&mut d, dlp, 1, (start, 0), (m, 1))?;
+        let mut dlogits = dev.zeros(m * vocab)?;
+        dev.logprob_gather_backward(&mut dlogits, &d, &logits, &dev.upload(tc)?, vocab, inv_t)?;
+        let sel = gather(dev, hidden, rc, h)?;
+        let mut dsel = dev.zeros(m * h)?;
+        dev.matmul_backward(&mut dsel, dw, &dlogits, &sel, head, m, h, vocab)?;
+        let which: Vec<u32> = rc.iter().map(|&r| r as u32).collect();
+        dev.scatter_rows(&mut dhidden, &dsel, &which, h)?;
+        start += m;
+    }
+    Ok(dhidden)
+}
+
+/// The output projection `[vocab, hidden]` (tied or not), in f32.
+fn head_of(model: &CudaModel) -> Result<&Buf> {
+    let p = model.params();
+    weight(p.lm_head.as_ref().unwrap_or(&p.embed_tokens))
+}
+
+/// Rows `rows` of `x` (rows of `width`), gathered.
+fn gather(dev: &CudaDevice, x: &Buf, rows: &[usize], width: usize) -> Result<Buf> {
+    let which: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+    let mut out = dev.zeros(rows.len() * width)?;
+    dev.gather_rows(&mut out, x, &which, width)?;
+    Ok(out)
+}
+
+/// Logits `[rows.len(), vocab]` of the hidden rows `rows`.
+fn chunk_logits(
+    dev: &CudaDevice,
+    hidden: &Buf,
+    rows: &[usize],
+    head: &Buf,
+    h: usize,
+    vocab: usize,
+) -> Result<Buf> {
+    use arcticd_kernels::cuda::device::{Mat, MatMut};
+    let sel = gather(dev, hidden, rows, h)?;
+    let mut logits = dev.zeros(rows.len() * vocab)?;
+    dev.matmul_forward(
+        MatMut::F32(&mut logits),
+        Mat::F32(&sel),
+        Mat::F32(head),
+        rows.len(),
+        h,
+        vocab,
+    )?;
+    Ok(logits)
 }
 
 /// The CUDA side of the backward over one packed batch.
@@ -469,6 +588,61 @@ mod tests {
             assert!(err <= 1e-3, "{name}: {err:.3e} of its largest value");
         }
         eprintln!("gradients: worst {:.3e} ({})", worst.0, worst.1);
+
+        // The loss's log-probs and their backward, at T = 0.7, on rows of
+        // every sequence: against the CPU's, and the head's gradient too.
+        let rows: Vec<usize> = (0..t - 1).filter(|r| r % 3 != 1).collect();
+        let all: Vec<u32> = seqs.concat();
+        let targets: Vec<u32> = rows.iter().map(|&r| all[r + 1]).collect();
+        let dlp: Vec<f32> = (0..rows.len()).map(|i| -1.0 / (1.0 + i as f32)).collect();
+        let want_lp =
+            crate::model::token_logprobs_entropy(&model, &acts.hidden, &rows, &targets, false, 0.7)
+                .unwrap()
+                .0;
+        let lp = token_logprobs(&on_gpu, &trace.hidden, &rows, &targets, 0.7).unwrap();
+        let lp = dev.download(&lp).unwrap();
+        let d = lp
+            .iter()
+            .zip(&want_lp)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        eprintln!("log-probs: max |CUDA - CPU| = {d:.3e}");
+        assert!(d <= 2e-4, "{d}");
+        let mut want_g = ModelGrads::zeros_like(&model);
+        let want_dh = crate::model::token_logprobs_entropy_backward(
+            &model,
+            &mut want_g,
+            &acts.hidden,
+            &rows,
+            &targets,
+            &dlp,
+            None,
+            0.7,
+        )
+        .unwrap();
+        let mut got_g = zero_grads(&on_gpu).unwrap();
+        let dlp_dev = dev.upload(&dlp).unwrap();
+        let dh = token_logprobs_backward(
+            &on_gpu,
+            &mut got_g,
+            &trace.hidden,
+            &rows,
+            &targets,
+            &dlp_dev,
+            0.7,
+        )
+        .unwrap();
+        let rel = |a: &[f32], b: &[f32]| {
+            let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-6);
+            a.iter()
+                .zip(b)
+                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+                / scale
+        };
+        assert!(rel(&dev.download(&dh).unwrap(), &want_dh) <= 1e-3);
+        let head = |g: &Qwen3_5<Buf>| g.lm_head.as_ref().unwrap_or(&g.embed_tokens).clone();
+        let got_head = dev.download(&head(&got_g)).unwrap();
+        let want_head = want_g.lm_head.as_ref().unwrap_or(&want_g.embed_tokens);
+        assert!(rel(&got_head, want_head) <= 1e-3);
 
         // A bf16 model cannot run the backward (f32 products): an error.
         let bf16 = CudaModel::upload(&model, dev.clone(), WeightDType::Bf16).unwrap();

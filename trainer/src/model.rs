@@ -186,7 +186,7 @@ pub fn token_logprobs_entropy(
 
 /// `1 / T` as the sampler computes it; `None` where the sampler does not
 /// scale (`T = 1`, or greedy).
-fn inverse_temperature(temperature: f32) -> Result<Option<f32>> {
+pub(crate) fn inverse_temperature(temperature: f32) -> Result<Option<f32>> {
     if !temperature.is_finite() || temperature < 0.0 {
         return Err(Error::Input(format!(
             "temperature must be a finite number >= 0, got {temperature}"
@@ -201,7 +201,7 @@ fn scale_logits(logits: &mut [f32], inv_t: Option<f32>) {
     }
 }
 
-fn check_rows(n: usize, rows: &[usize], targets: &[u32]) -> Result<()> {
+pub(crate) fn check_rows(n: usize, rows: &[usize], targets: &[u32]) -> Result<()> {
     if rows.len() != targets.len() {
         return Err(Error::Input(format!(
             "{} rows but {} targets",

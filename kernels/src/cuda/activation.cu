@@ -173,3 +173,15 @@ extern "C" __global__ void copy_into(float* out, const float* inp, long long out
         out[(row0 + r) * out_width + col0 + c] = inp[i];
     }
 }
+
+// out[rows[i], c] = inp[i, c] for i < n, c < width: gather_rows' inverse
+// (rows distinct; the others of out untouched).
+extern "C" __global__ void scatter_rows(float* out, const float* inp, const u32* rows,
+                                        long long n, long long width) {
+    long long total = n * width;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / width, c = i - r * width;
+        out[(long long)rows[r] * width + c] = inp[i];
+    }
+}

@@ -575,6 +575,36 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// `out[rows[i]] = inp[i]` for rows of `width` values, `rows` distinct:
+    /// [`gather_rows`](Self::gather_rows)' inverse.
+    pub fn scatter_rows(
+        &self,
+        out: &mut CudaSlice<f32>,
+        inp: &CudaSlice<f32>,
+        rows: &[u32],
+        width: usize,
+    ) -> Result<()> {
+        let op = "scatter_rows";
+        shape(op, &[("inp", inp.len(), rows.len() * width)])?;
+        let held = out.len().checked_div(width).unwrap_or(0);
+        if let Some(bad) = rows.iter().find(|&&r| r as usize >= held) {
+            return Err(Error::Index(format!(
+                "{op}: row {bad} of a matrix of {held} rows"
+            )));
+        }
+        let mut seen = rows.to_vec();
+        seen.sort_unstable();
+        if seen.windows(2).any(|w| w[0] == w[1]) {
+            return Err(Error::Index(format!("{op}: rows must be distinct")));
+        }
+        if rows.is_empty() || width == 0 {
+            return Ok(());
+        }
+        let (r, a) = (self.upload(rows)?, [rows.len() as i64, width as i64]);
+        launch!(self, op, elems(rows.len() * width); out, inp, &r, &a[0], &a[1]);
+        Ok(())
+    }
+
     /// `buf[off..off + n] = 0`.
     pub fn zero_range(&self, buf: &mut CudaSlice<f32>, off: usize, n: usize) -> Result<()> {
         let op = "zero_range";
@@ -1348,6 +1378,15 @@ mod tests {
         let want = [&host[28..32], &host[0..4], &host[28..32]].concat();
         close("gather_rows", &d.download(&rows).unwrap(), &want, 0.0);
         assert!(d.gather_rows(&mut rows, &buf, &[7, 10, 0], 4).is_err());
+        // And back, to rows 2 and 5 of a zeroed 6 x 4 matrix.
+        let mut spread = d.zeros(24).unwrap();
+        let two = d.upload(&host[..8]).unwrap();
+        d.scatter_rows(&mut spread, &two, &[5, 2], 4).unwrap();
+        let mut want = vec![0.0f32; 24];
+        want[20..24].copy_from_slice(&host[0..4]);
+        want[8..12].copy_from_slice(&host[4..8]);
+        close("scatter_rows", &d.download(&spread).unwrap(), &want, 0.0);
+        assert!(d.scatter_rows(&mut spread, &two, &[2, 2], 4).is_err());
     }
 
     #[test]

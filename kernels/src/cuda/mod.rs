@@ -81,6 +81,7 @@ pub const MODULES: &[Module] = &[
             "zero_range",
             "gather_rows",
             "copy_into",
+            "scatter_rows",
         ],
     },
     Module {
