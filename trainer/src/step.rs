@@ -268,7 +268,7 @@ fn scored_rows(
     (rows, targets, at)
 }
 
-fn check_example(i: usize, tokens: &[u32], mask: &[u8], vocab: usize) -> Result<usize> {
+pub(crate) fn check_example(i: usize, tokens: &[u32], mask: &[u8], vocab: usize) -> Result<usize> {
     if tokens.is_empty() {
         return Err(Error::Input(format!("example {i}: no tokens")));
     }

@@ -73,6 +73,16 @@ impl DeviceParam {
         }
     }
 
+    /// [`f32`](Self::f32), writable.
+    pub fn f32_mut(&mut self, what: &str) -> Result<&mut CudaSlice<f32>> {
+        match self {
+            DeviceParam::F32(s) => Ok(s),
+            DeviceParam::Bf16(_) => Err(Error::Invariant(format!(
+                "{what}: an f32 parameter was expected, the device holds bf16"
+            ))),
+        }
+    }
+
     /// Values held.
     pub fn len(&self) -> usize {
         match self {
@@ -140,6 +150,11 @@ impl CudaModel {
     /// The parameters on the device.
     pub fn params(&self) -> &Qwen3_5<DeviceParam> {
         &self.model
+    }
+
+    /// The parameters on the device, to update in place (the optimizer).
+    pub fn params_mut(&mut self) -> &mut Qwen3_5<DeviceParam> {
+        &mut self.model
     }
 
     pub fn device(&self) -> &Arc<CudaDevice> {
