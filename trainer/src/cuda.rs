@@ -271,11 +271,7 @@ impl CudaAdamW {
 /// CPU's `optim::clip_grad_norm`: per-tensor sums of squares in f64, in
 /// parameter order); returns the norm before.
 pub fn clip_grad_norm(dev: &CudaDevice, grads: &mut Qwen3_5<Buf>, max_norm: f64) -> Result<f64> {
-    let mut ss = 0.0f64;
-    for (_, g) in grads.named() {
-        ss += dev.sum_squares(g)?;
-    }
-    let total = ss.sqrt();
+    let total = global_norm(dev, grads)?;
     let coef = (max_norm / (total + 1e-6)).min(1.0);
     if coef < 1.0 {
         for (_, g) in grads.named_mut() {
@@ -283,6 +279,16 @@ pub fn clip_grad_norm(dev: &CudaDevice, grads: &mut Qwen3_5<Buf>, max_norm: f64)
         }
     }
     Ok(total)
+}
+
+/// The gradients' global L2 norm: per-tensor sums of squares in f64, in
+/// parameter order.
+pub fn global_norm(dev: &CudaDevice, grads: &Qwen3_5<Buf>) -> Result<f64> {
+    let mut ss = 0.0f64;
+    for (_, g) in grads.named() {
+        ss += dev.sum_squares(g)?;
+    }
+    Ok(ss.sqrt())
 }
 
 /// One SFT step on the device over `batch` (as the CPU trainer's
@@ -330,13 +336,7 @@ pub fn sft_step(
     backward(model, &seqs, &trace, &dhidden, &mut grads)?;
     let norm = match grad_clip {
         Some(c) => clip_grad_norm(&dev, &mut grads, c)?,
-        None => {
-            let mut ss = 0.0;
-            for (_, g) in grads.named() {
-                ss += dev.sum_squares(g)?;
-            }
-            ss.sqrt()
-        }
+        None => global_norm(&dev, &grads)?,
     };
     opt.step(model, &grads, lr)?;
     Ok((loss, norm))
