@@ -58,9 +58,14 @@ pub struct SftArgs {
     /// (transformers' get_constant_schedule_with_warmup); 0 = constant.
     #[arg(long, default_value_t = 0)]
     pub warmup: u64,
-    /// Tokens per micro-batch (gradient accumulation inside a step).
+    /// Tokens per micro-batch (gradient accumulation inside a step; on
+    /// the CPU).
     #[arg(long, default_value_t = 16384)]
     pub micro_batch_tokens: usize,
+    /// `cpu`, or `cuda:N` in a build with the `cuda` feature: the whole
+    /// step on the GPU (f32 weights as the masters, one pass per batch).
+    #[arg(long, default_value = "cpu")]
+    pub device: arcticd_kernels::Device,
 }
 
 pub fn sft(args: SftArgs) -> Result<()> {
@@ -94,7 +99,9 @@ pub fn sft(args: SftArgs) -> Result<()> {
         },
     );
     eprintln!("memory plan:\n{plan}");
-    plan.check(host_memory_available())?;
+    if args.device == arcticd_kernels::Device::Cpu {
+        plan.check(host_memory_available())?;
+    }
     let model = Qwen3_5::load(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
     let config = TrainConfig {
@@ -116,6 +123,9 @@ pub fn sft(args: SftArgs) -> Result<()> {
         micro_batch_tokens: args.micro_batch_tokens,
         ..TrainConfig::default()
     };
+    if let arcticd_kernels::Device::Cuda(ordinal) = args.device {
+        return sft_on_cuda(&args, &data, &config, model, ordinal);
+    }
     let mut trainer = Trainer::new(ParamStore::new(model), config)?;
     let mut progress = Progress::new(Some(args.steps as u64), "sft");
     let mut stdout = std::io::stdout().lock();
@@ -145,6 +155,67 @@ pub fn sft(args: SftArgs) -> Result<()> {
     save_checkpoint(&args.out, &model, &args.model, Some(&trainer.optimizer))
         .with_context(|| format!("writing checkpoint {}", args.out.display()))?;
     Ok(())
+}
+
+/// `sft --device cuda:N`: every step on the GPU (`trainer::cuda::sft_step`),
+/// the same JSON line per step, the same checkpoint (weights and optimizer
+/// state brought back to the host) at the end.
+#[cfg(feature = "cuda")]
+fn sft_on_cuda(
+    args: &SftArgs,
+    data: &[arcticd_trainer::step::SftExample],
+    config: &TrainConfig,
+    mut model: Qwen3_5,
+    ordinal: usize,
+) -> Result<()> {
+    use arcticd_engine::model::cuda::CudaModel;
+    use arcticd_engine::model::WeightDType;
+    use arcticd_kernels::cuda::device::CudaDevice;
+    use arcticd_trainer::cuda::{sft_step, CudaAdamW};
+    let dev = std::sync::Arc::new(CudaDevice::new(ordinal)?);
+    let mut gpu = CudaModel::upload(&model, dev, WeightDType::F32)?;
+    let mut opt = CudaAdamW::new(&gpu, config.optimizer)?;
+    let mut progress = Progress::new(Some(args.steps as u64), "sft");
+    let mut stdout = std::io::stdout().lock();
+    for step in 0..args.steps {
+        let batch = batch_for_step(data, step, args.batch_size);
+        let lr = config.optimizer.lr * config.schedule.factor(step as u64);
+        let (loss, grad_norm) = sft_step(&mut gpu, &mut opt, &batch, lr, args.grad_clip)?;
+        let tokens: usize = batch
+            .iter()
+            .map(|e| e.loss_mask[1..].iter().filter(|&&m| m != 0).count())
+            .sum();
+        let line = serde_json::json!({
+            "step": step + 1,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": tokens,
+            "skipped": false,
+            "device": args.device.to_string(),
+        });
+        writeln!(stdout, "{line}")?;
+        stdout.flush()?;
+        progress.set_message(format!("loss {loss:.4}"));
+        progress.inc(1);
+    }
+    progress.finish(format!("writing checkpoint {}", args.out.display()));
+    gpu.download_into(&mut model)?;
+    let optimizer = opt.to_host(&gpu, &model)?;
+    save_checkpoint(&args.out, &model, &args.model, Some(&optimizer))
+        .with_context(|| format!("writing checkpoint {}", args.out.display()))?;
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn sft_on_cuda(
+    _args: &SftArgs,
+    _data: &[arcticd_trainer::step::SftExample],
+    _config: &TrainConfig,
+    _model: Qwen3_5,
+    ordinal: usize,
+) -> Result<()> {
+    crate::cli_model::no_cuda(ordinal)
 }
 
 /// Where `arcticd plan` places the trainer's buffers.

@@ -151,5 +151,28 @@ fn bad_data_lines_are_named() {
         assert!(err.contains(want), "{err} lacks {want}");
         assert!(!dir.join("out").exists());
     }
+    // No GPU here (and, without the feature, no CUDA backend): a clear
+    // error naming the device, no checkpoint.
+    let data = dir.join("data.jsonl");
+    std::fs::write(&data, "{\"tokens\":[1,2],\"loss_mask\":[0,1]}\n").unwrap();
+    let res = sft(
+        &fx.join("mqa_tied"),
+        &data,
+        &dir.join("out"),
+        &[
+            "--steps",
+            "1",
+            "--batch-size",
+            "1",
+            "--lr",
+            "0.1",
+            "--device",
+            "cuda:0",
+        ],
+    );
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success() && err.contains("cuda:0"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(!dir.join("out").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }

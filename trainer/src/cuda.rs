@@ -267,6 +267,25 @@ impl CudaAdamW {
     }
 }
 
+impl CudaAdamW {
+    /// The state as the CPU's optimizer holds it (masters from `model`'s
+    /// parameters, the moments downloaded), to write with a checkpoint.
+    pub fn to_host(&self, model: &CudaModel, host: &Qwen3_5) -> Result<crate::optim::AdamW> {
+        let dev = model.device();
+        let mut opt = crate::optim::AdamW::new(host, self.config)?;
+        opt.step = self.step;
+        for (dst, src) in [
+            (&mut opt.exp_avg, &self.exp_avg),
+            (&mut opt.exp_avg_sq, &self.exp_avg_sq),
+        ] {
+            for (d, (_, s)) in dst.iter_mut().zip(src.named()) {
+                *d = dev.download(s)?;
+            }
+        }
+        Ok(opt)
+    }
+}
+
 /// Scales the gradients to a global norm of at most `max_norm` (as the
 /// CPU's `optim::clip_grad_norm`: per-tensor sums of squares in f64, in
 /// parameter order); returns the norm before.

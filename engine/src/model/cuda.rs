@@ -152,6 +152,33 @@ impl CudaModel {
         &self.model
     }
 
+    /// Copies the parameters back into `model` (same shapes), each widened
+    /// to f32 when the device holds bf16.
+    pub fn download_into(&self, model: &mut Qwen3_5) -> Result<()> {
+        let dev = &*self.dev;
+        for ((name, p), (hname, t)) in self.model.named().into_iter().zip(model.named_params_mut())
+        {
+            let values = match p {
+                DeviceParam::F32(s) => dev.download(s)?,
+                DeviceParam::Bf16(s) => dev
+                    .download(s)?
+                    .into_iter()
+                    .map(|b| bf16::from_bits(b).to_f32())
+                    .collect(),
+            };
+            let dst = t
+                .as_f32_mut()
+                .map_err(|e| Error::Weights(format!("{hname}: {e}")))?;
+            if name != hname || dst.len() != values.len() {
+                return Err(Error::Invariant(format!(
+                    "device parameter {name} does not match {hname}"
+                )));
+            }
+            dst.copy_from_slice(&values);
+        }
+        Ok(())
+    }
+
     /// The parameters on the device, to update in place (the optimizer).
     pub fn params_mut(&mut self) -> &mut Qwen3_5<DeviceParam> {
         &mut self.model
