@@ -9,7 +9,8 @@
 # each as a fraction of the HBM bandwidth), and decode through the engine
 # on a random model of the Qwen3.5-0.8B shape at batch 1, 32 and 128
 # (`arcticd bench-decode --device cuda:0`: tokens/s and the fraction of the
-# HBM roofline; DECODE_PRESETS adds qwen3.5-4b, whose init takes minutes).
+# HBM roofline; DECODE_PRESETS adds qwen3.5-4b, whose init takes minutes),
+# and `arcticd sft --device cuda:0` against PyTorch's AdamW on the fixture.
 #
 # Needs an NVIDIA driver, and NVRTC and cuBLAS on the loader path (PyPI's
 # nvidia-cuda-nvrtc and nvidia-cublas wheels put them in nvidia/cu13/lib,
@@ -132,7 +133,25 @@ benches=$(awk -v hbm="${HBM_TBS:-4.8}" '
     ns = $5; b = bytes[$2]; tbs = (ns > 0 && b > 0) ? b / ns / 1000 : 0
     printf "%s{\"name\":\"%s\",\"ns\":%s,\"bytes\":%s,\"tb_s\":%.4f,\"hbm_fraction\":%.4f}", (n++ ? "," : ""), $2, ns, (b ? b : 0), tbs, tbs / hbm
   }' "$log/bench.err" "$log/bench.txt")
+# arcticd sft on CUDA against PyTorch's AdamW on the committed fixture
+# (tests/fixtures/grads/sft_adamw, the CPU's CLI test): the largest
+# relative difference of the three losses (the CPU test's bound is 1e-4).
+fx=tests/fixtures/grads
+sft_diff=null
+if "$arcticd" sft --model "$fx/gqa_untied" --data "$fx/sft_adamw/data.jsonl" --out "$log/sft" \
+  --steps 3 --batch-size 2 --lr 0.01 --weight-decay 0.1 --beta1 0.9 --beta2 0.95 --eps 1e-8 \
+  --grad-clip 1.0 --device cuda:0 > "$log/sft.txt" 2> "$log/sft.err"; then
+  sft_diff=$(awk '
+    FNR == NR { sub(/.*"losses":\[/, ""); sub(/\].*/, ""); n = split($0, want, ","); next }
+    { sub(/.*"loss":/, ""); sub(/,.*/, ""); got[++m] = $0 }
+    END { worst = 0; for (i = 1; i <= n; i++) { d = got[i] - want[i]; if (d < 0) d = -d;
+          w = want[i] < 0 ? -want[i] : want[i]; if (d / w > worst) worst = d / w }
+          printf "%.3e", (m == n ? worst : 1e9) }' "$fx/sft_adamw/expected.json" "$log/sft.txt")
+else
+  cat "$log/sft.err" >&2
+  bench_rc=1
+fi
 decode=$(paste -sd, "$log/decode.txt")
-printf '{"gpu":"%s","tests":{"rc":%d,"passed":%d,"failed":%d,"failures":[%s]},"bench_rc":%d,"hbm_tb_s":%s,"benches":[%s],"decode":[%s]}\n' \
-  "$gpu" "$tests_rc" "$passed" "$failed" "$failures" "$bench_rc" "${HBM_TBS:-4.8}" "$benches" "$decode"
+printf '{"gpu":"%s","tests":{"rc":%d,"passed":%d,"failed":%d,"failures":[%s]},"bench_rc":%d,"hbm_tb_s":%s,"benches":[%s],"decode":[%s],"sft_vs_pytorch_max_rel_loss_diff":%s}\n' \
+  "$gpu" "$tests_rc" "$passed" "$failed" "$failures" "$bench_rc" "${HBM_TBS:-4.8}" "$benches" "$decode" "$sft_diff"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
