@@ -600,7 +600,8 @@ impl<'a> CudaOps<'a> {
 impl LayerOps for CudaOps<'_> {
     type W = DeviceParam;
     type Buf = CudaSlice<f32>;
-    /// The CUDA forward keeps nothing for a backward (yet).
+    /// No recurrent-state checkpoints: the CUDA gated-delta backward replays
+    /// each sequence from its zero initial state.
     type Checkpoints = ();
 
     fn duplicate(&mut self, x: &CudaSlice<f32>) -> Result<CudaSlice<f32>> {
