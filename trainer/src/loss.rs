@@ -12,7 +12,8 @@
 //!   importance weight (TIS) for the gap between a proximal policy and the
 //!   behaviour policy; an optional band outside which tokens are masked;
 //!   token-mean or sequence-mean aggregation; optional k3 KL to the behaviour
-//!   policy. Advantages are group-relative ([`group_advantages`]).
+//!   policy, and to a fixed reference policy (the run's starting model).
+//!   Advantages are group-relative ([`group_advantages`]).
 
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -60,6 +61,11 @@ pub struct PgConfig {
     pub aggregation: Aggregation,
     /// Coefficient of the k3 estimator of KL(current || behaviour). Default 0 (off).
     pub kl_coef: f64,
+    /// Coefficient of the k3 estimator of KL(current || reference), the
+    /// reference being a fixed policy (`arcticd train`: the model the run
+    /// started from), whose log-probs each [`PgSeq::reference`] carries.
+    /// Default 0 (off).
+    pub ref_kl_coef: f64,
     /// Entropy bonus: `-entropy_coef * H_t` is added per token (needs the
     /// full-vocabulary entropy, computed from the same logits). Default 0 (off).
     pub entropy_coef: f64,
@@ -79,6 +85,7 @@ impl Default for PgConfig {
             mask_band: None,
             aggregation: Aggregation::TokenMean,
             kl_coef: 0.0,
+            ref_kl_coef: 0.0,
             entropy_coef: 0.0,
             temperature: 1.0,
         }
@@ -99,6 +106,9 @@ pub struct PgSeq<'a> {
     pub advantage: f32,
     /// Policy entropy at each token; required when `entropy_coef != 0`.
     pub entropy: Option<&'a [f32]>,
+    /// The reference policy's log-probs of the same tokens; required when
+    /// `ref_kl_coef != 0`.
+    pub reference: Option<&'a [f32]>,
 }
 
 /// Per-step policy-gradient metrics.
@@ -114,6 +124,8 @@ pub struct PgMetrics {
     /// Tokens masked by `mask_band` or `max_log_ratio`.
     pub masked_fraction: f64,
     pub kl: f64,
+    /// The k3 estimate of KL(current || reference) (0 when off).
+    pub ref_kl: f64,
     /// Mean policy entropy over the tokens (0 when not computed).
     pub entropy: f64,
 }
@@ -155,6 +167,15 @@ pub fn pg_loss(
             Aggregation::SequenceMean => 1.0 / (normalizer as f64 * n.max(1) as f64),
         };
         let a = seq.advantage as f64;
+        let reference = match (cfg.ref_kl_coef != 0.0, seq.reference) {
+            (false, _) => None,
+            (true, Some(r)) if r.len() == n => Some(r),
+            (true, _) => {
+                return Err(Error::Input(format!(
+                    "trajectory {s}: KL to the reference on but no reference log-probs"
+                )))
+            }
+        };
         let mut dlp = vec![0.0f32; n];
         let mut dent = Vec::new();
         if cfg.entropy_coef != 0.0 {
@@ -202,12 +223,16 @@ pub fn pg_loss(
             }
             let mut tok = -tis * obj;
             if cfg.kl_coef != 0.0 {
-                // k3 = exp(b - l) - (b - l) - 1, d/dl = 1 - exp(b - l).
-                let x = (b - l).clamp(-cfg.max_log_ratio, cfg.max_log_ratio);
-                let k3 = x.exp() - x - 1.0;
+                let (k3, dk3) = k3(l, b, cfg.max_log_ratio);
                 m.kl += k3 * weight;
                 tok += cfg.kl_coef * k3;
-                d += cfg.kl_coef * (1.0 - x.exp());
+                d += cfg.kl_coef * dk3;
+            }
+            if let Some(r) = reference {
+                let (k3, dk3) = k3(l, r[t] as f64, cfg.max_log_ratio);
+                m.ref_kl += k3 * weight;
+                tok += cfg.ref_kl_coef * k3;
+                d += cfg.ref_kl_coef * dk3;
             }
             m.loss += tok * weight;
             dlp[t] = (d * weight) as f32;
@@ -222,6 +247,15 @@ pub fn pg_loss(
         m.entropy /= m.tokens as f64;
     }
     Ok((m, grads))
+}
+
+/// The k3 estimator of KL(current || other) at one token sampled from the
+/// current policy, `exp(o - l) - (o - l) - 1` (never negative, unbiased for
+/// the KL), and its derivative in the current log-prob `l`, `1 - exp(o - l)`.
+/// The log-ratio is bounded by `max_log_ratio` before the `exp`.
+fn k3(l: f64, other: f64, max_log_ratio: f64) -> (f64, f64) {
+    let x = (other - l).clamp(-max_log_ratio, max_log_ratio);
+    (x.exp() - x - 1.0, 1.0 - x.exp())
 }
 
 /// Group-relative advantages: reward minus the group mean, optionally divided
@@ -265,6 +299,7 @@ mod tests {
             proximal: None,
             advantage: a,
             entropy: None,
+            reference: None,
         }
     }
 
@@ -372,6 +407,40 @@ mod tests {
         let (_, d) = f(-1.0);
         let num = (f(-1.0 + 1e-3).0.loss - f(-1.0 - 1e-3).0.loss) / 2e-3;
         assert!((num - d[0][0] as f64).abs() < 1e-4, "{num} vs {}", d[0][0]);
+    }
+
+    #[test]
+    fn reference_kl_pulls_toward_the_reference_and_matches_finite_difference() {
+        let cfg = PgConfig {
+            ref_kl_coef: 0.5,
+            ..PgConfig::default()
+        };
+        let (l, b) = ([-1.0f32, -0.2], [-1.0f32, -0.2]);
+        let r = [-0.3f32, -0.2];
+        fn with<'a>(x: &'a [f32], b: &'a [f32], r: &'a [f32]) -> PgSeq<'a> {
+            PgSeq {
+                reference: Some(r),
+                ..seq(x, b, 0.0)
+            }
+        }
+        let (m, d) = pg_loss_d(&cfg, &[with(&l, &b, &r)], 2).unwrap();
+        // The first token is less likely than under the reference: the
+        // gradient of the loss in its log-prob is negative (descent raises
+        // it); the second agrees with the reference and gets nothing.
+        assert!(d[0][0] < 0.0 && d[0][1] == 0.0, "{:?}", d[0]);
+        let x = -0.3f64 + 1.0;
+        assert!((m.ref_kl - (x.exp() - x - 1.0) / 2.0).abs() < 1e-6);
+        for t in 0..2 {
+            let mut up = l;
+            let mut down = l;
+            up[t] += 1e-3;
+            down[t] -= 1e-3;
+            let f = |v: &[f32]| pg_loss(&cfg, &[with(v, &b, &r)], 2).unwrap().0.loss;
+            let num = (f(&up) - f(&down)) / 2e-3;
+            assert!((num - d[0][t] as f64).abs() < 1e-4, "{num} vs {}", d[0][t]);
+        }
+        // On but without reference log-probs is an error, not a silent 0.
+        assert!(pg_loss(&cfg, &[seq(&l, &b, 0.0)], 2).is_err());
     }
 
     #[test]

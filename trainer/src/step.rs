@@ -303,6 +303,8 @@ pub struct Trainer {
     pub gate: Option<std::sync::Arc<dyn WriteGate>>,
     /// The data-parallel group this trainer is a rank of (None: alone).
     comm: Option<Arc<dyn Communicator>>,
+    /// The fixed policy of the KL-to-reference term (`pg.ref_kl_coef`).
+    reference: Option<Qwen3_5>,
 }
 
 impl Trainer {
@@ -322,7 +324,42 @@ impl Trainer {
             skipped_steps: 0,
             gate: None,
             comm: None,
+            reference: None,
         })
+    }
+
+    /// This trainer with a fixed reference policy for the KL-to-reference
+    /// term: every policy-gradient micro-batch also runs a forward of it (no
+    /// backward) to score the sampled tokens. Must have the trained model's
+    /// shapes.
+    pub fn with_reference(mut self, reference: Qwen3_5) -> Result<Self> {
+        let shape = |c: &arcticd_engine::config::ModelConfig| {
+            (
+                [
+                    c.vocab_size,
+                    c.hidden_size,
+                    c.intermediate_size,
+                    c.num_heads,
+                    c.num_kv_heads,
+                    c.head_dim,
+                    c.conv_kernel,
+                    c.linear_key_head_dim,
+                    c.linear_value_head_dim,
+                    c.linear_num_key_heads,
+                    c.linear_num_value_heads,
+                ],
+                c.tie_word_embeddings,
+                c.layer_types.clone(),
+            )
+        };
+        let same = shape(&self.store.read().config) == shape(&reference.config);
+        if !same {
+            return Err(Error::Input(
+                "the KL reference model's config differs from the trained model's".into(),
+            ));
+        }
+        self.reference = Some(reference);
+        Ok(self)
     }
 
     /// This trainer as one rank of a data-parallel group: each step's batch
@@ -417,6 +454,7 @@ impl Trainer {
         tokens: &[&[u32]],
         masks: &[&[u8]],
         entropy: bool,
+        reference: bool,
         temperature: f32,
         mut dlp_of: impl FnMut(&mut Qwen3_5Ctx<'_>) -> Result<(f64, Vec<f32>, Option<Vec<f32>>)>,
     ) -> Result<(f64, usize)> {
@@ -433,6 +471,29 @@ impl Trainer {
             let opts = model::ForwardOptions {
                 recompute_layers: self.config.recompute_layers,
             };
+            // The reference scores the same rows before `packed` moves into
+            // the trained forward; only the loss needs it.
+            let ref_lp = match self.reference.as_ref().filter(|_| reference) {
+                Some(r) => {
+                    let acts = model::forward_with(
+                        r,
+                        packed.clone(),
+                        model::ForwardOptions {
+                            recompute_layers: true,
+                        },
+                    )?;
+                    let (lp, _) = model::token_logprobs_entropy(
+                        r,
+                        &acts.hidden,
+                        &rows,
+                        &targets,
+                        false,
+                        temperature,
+                    )?;
+                    Some(lp)
+                }
+                None => None,
+            };
             let acts = model::forward_with(&m, packed, opts)?;
             let (lp, ent) = model::token_logprobs_entropy(
                 &m,
@@ -447,6 +508,7 @@ impl Trainer {
                 at: &at,
                 lp: &lp,
                 entropy: ent.as_deref(),
+                reference: ref_lp.as_deref(),
             };
             let (part, dlp, dent) = dlp_of(&mut ctx)?;
             loss += part;
@@ -543,7 +605,7 @@ impl Trainer {
         let tokens: Vec<&[u32]> = batch.iter().map(|e| e.tokens.as_slice()).collect();
         let masks: Vec<&[u8]> = batch.iter().map(|e| e.loss_mask.as_slice()).collect();
         let local = self
-            .accumulate(&tokens, &masks, false, 1.0, |ctx| {
+            .accumulate(&tokens, &masks, false, false, 1.0, |ctx| {
                 sft_loss(ctx.lp, n_targets).map(|(l, d)| (l, d, None))
             })
             .map(|(loss, parts)| vec![loss, parts as f64]);
@@ -613,51 +675,80 @@ impl Trainer {
         let versioned = batch
             .iter()
             .all(|e| e.weight_versions.len() == e.tokens.len());
-        let local = self.accumulate(&tokens, &masks, entropy, cfg.temperature, |ctx| {
-            // Group this micro-batch's rows by sequence (rows come in order).
-            // (sequence in the micro-batch, l_t, b_t, H_t) per trajectory.
-            type Rows = (usize, Vec<f32>, Vec<f32>, Vec<f32>, Option<Vec<f32>>);
-            let mut per_seq: Vec<Rows> = Vec::new();
-            for (i, &(s, t)) in ctx.at.iter().enumerate() {
-                let ex = &batch[ctx.range.start + s];
-                if per_seq.last().is_none_or(|p| p.0 != s) {
-                    let prox = ex.proximal_logprobs.as_ref().map(|_| Vec::new());
-                    per_seq.push((s, Vec::new(), Vec::new(), Vec::new(), prox));
+        let reference = cfg.ref_kl_coef != 0.0;
+        if reference && self.reference.is_none() {
+            return Err(Error::Input(
+                "ref_kl_coef is set but the trainer has no reference model".into(),
+            ));
+        }
+        let local = self.accumulate(
+            &tokens,
+            &masks,
+            entropy,
+            reference,
+            cfg.temperature,
+            |ctx| {
+                // Group this micro-batch's rows by sequence (rows come in order).
+                #[derive(Default)]
+                struct Rows {
+                    /// The sequence within the micro-batch.
+                    s: usize,
+                    current: Vec<f32>,
+                    behaviour: Vec<f32>,
+                    entropy: Vec<f32>,
+                    proximal: Option<Vec<f32>>,
+                    reference: Vec<f32>,
                 }
-                if versioned {
-                    let d = (ctx.lp[i] as f64 - ex.behaviour_logprobs[t] as f64).abs();
-                    let same = ex.weight_versions[t] == trainer_version;
-                    if same && d > 1e-6 && tracing::enabled!(tracing::Level::DEBUG) {
-                        trace_same_version_miss(ex, t, d);
+                let mut per_seq: Vec<Rows> = Vec::new();
+                for (i, &(s, t)) in ctx.at.iter().enumerate() {
+                    let ex = &batch[ctx.range.start + s];
+                    if per_seq.last().is_none_or(|p| p.s != s) {
+                        per_seq.push(Rows {
+                            s,
+                            proximal: ex.proximal_logprobs.as_ref().map(|_| Vec::new()),
+                            ..Rows::default()
+                        });
                     }
-                    split.add(same, d);
+                    if versioned {
+                        let d = (ctx.lp[i] as f64 - ex.behaviour_logprobs[t] as f64).abs();
+                        let same = ex.weight_versions[t] == trainer_version;
+                        if same && d > 1e-6 && tracing::enabled!(tracing::Level::DEBUG) {
+                            trace_same_version_miss(ex, t, d);
+                        }
+                        split.add(same, d);
+                    }
+                    if let Some(p) = per_seq.last_mut() {
+                        p.current.push(ctx.lp[i]);
+                        p.behaviour.push(ex.behaviour_logprobs[t]);
+                        if let Some(e) = ctx.entropy {
+                            p.entropy.push(e[i]);
+                        }
+                        if let (Some(dst), Some(src)) = (p.proximal.as_mut(), &ex.proximal_logprobs)
+                        {
+                            dst.push(src[t]);
+                        }
+                        if let Some(r) = ctx.reference {
+                            p.reference.push(r[i]);
+                        }
+                    }
                 }
-                if let Some(p) = per_seq.last_mut() {
-                    p.1.push(ctx.lp[i]);
-                    p.2.push(ex.behaviour_logprobs[t]);
-                    if let Some(e) = ctx.entropy {
-                        p.3.push(e[i]);
-                    }
-                    if let (Some(dst), Some(src)) = (p.4.as_mut(), &ex.proximal_logprobs) {
-                        dst.push(src[t]);
-                    }
-                }
-            }
-            let seqs: Vec<PgSeq<'_>> = per_seq
-                .iter()
-                .map(|(s, l, b, e, p)| PgSeq {
-                    logprobs: l,
-                    behaviour: b,
-                    proximal: p.as_deref(),
-                    advantage: batch[ctx.range.start + s].advantage,
-                    entropy: entropy.then_some(e.as_slice()),
-                })
-                .collect();
-            let (m, g) = pg_loss(&cfg, &seqs, normalizer)?;
-            merge_pg(&mut all, &m);
-            let dent = entropy.then(|| g.dent.into_iter().flatten().collect());
-            Ok((m.loss, g.dlp.into_iter().flatten().collect(), dent))
-        });
+                let seqs: Vec<PgSeq<'_>> = per_seq
+                    .iter()
+                    .map(|p| PgSeq {
+                        logprobs: &p.current,
+                        behaviour: &p.behaviour,
+                        proximal: p.proximal.as_deref(),
+                        advantage: batch[ctx.range.start + p.s].advantage,
+                        entropy: entropy.then_some(p.entropy.as_slice()),
+                        reference: reference.then_some(p.reference.as_slice()),
+                    })
+                    .collect();
+                let (m, g) = pg_loss(&cfg, &seqs, normalizer)?;
+                merge_pg(&mut all, &m);
+                let dent = entropy.then(|| g.dent.into_iter().flatten().collect());
+                Ok((m.loss, g.dlp.into_iter().flatten().collect(), dent))
+            },
+        );
         // What each rank measured, as sums and maxima until combined.
         let local = local.map(|(loss, parts)| {
             vec![
@@ -677,9 +768,10 @@ impl Trainer {
                 split.lag_tokens as f64,
                 split.lag_mean,
                 split.lag_max,
+                all.ref_kl,
             ]
         });
-        let ranks = self.reduce(local, 16)?;
+        let ranks = self.reduce(local, 17)?;
         let max = |c: usize| ranks.iter().fold(0.0f64, |a, r| a.max(r[c]));
         let (loss, parts) = (column_sum(&ranks, 0), column_sum(&ranks, 1) as usize);
         all = PgMetrics {
@@ -691,6 +783,7 @@ impl Trainer {
             masked_fraction: column_sum(&ranks, 5),
             kl: column_sum(&ranks, 6),
             entropy: column_sum(&ranks, 7),
+            ref_kl: column_sum(&ranks, 16),
         };
         let versioned = ranks.iter().all(|r| r[9] != 0.0);
         split = MismatchSplit {
@@ -756,6 +849,7 @@ fn merge_pg(all: &mut PgMetrics, m: &PgMetrics) {
     all.clipped_fraction += m.clipped_fraction * n;
     all.masked_fraction += m.masked_fraction * n;
     all.kl += m.kl;
+    all.ref_kl += m.ref_kl;
     all.entropy += m.entropy * n;
     all.tokens += m.tokens;
 }
@@ -770,6 +864,9 @@ pub struct Qwen3_5Ctx<'a> {
     pub lp: &'a [f32],
     /// Policy entropy at each scored row, when asked for.
     pub entropy: Option<&'a [f32]>,
+    /// The reference policy's log-prob of each scored row, when asked for
+    /// and the trainer has one.
+    pub reference: Option<&'a [f32]>,
 }
 
 /// Convenience for tests and tools: a store around a loaded model.

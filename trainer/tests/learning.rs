@@ -151,3 +151,92 @@ fn proximal_logprobs_give_a_truncated_importance_weight() {
     let pg = weighted.pg.unwrap();
     assert!((pg.mismatch_max - 4f64.ln()).abs() < 1e-5);
 }
+
+/// The KL to a reference policy: with the reference equal to the current
+/// weights its gradient is exactly zero (the step's bits are the plain
+/// step's); after the policy has drifted, steps that carry no reward
+/// signal pull it back toward the reference, and the reported KL falls.
+#[test]
+fn kl_to_the_reference_pulls_a_drifted_policy_back() {
+    use arcticd_trainer::loss::PgConfig;
+    let tokens = vec![5u32, 17, 99, 42];
+    let with_kl = |lr: f64| TrainConfig {
+        pg: PgConfig {
+            ref_kl_coef: 1.0,
+            ..PgConfig::default()
+        },
+        ..cfg(lr)
+    };
+    let example = |tr: &Trainer, advantage: f32| {
+        let lp = tr
+            .store
+            .read()
+            .score(std::slice::from_ref(&tokens))
+            .unwrap()[0][3]
+            .unwrap();
+        PgExample {
+            tokens: tokens.clone(),
+            loss_mask: vec![0, 0, 0, 1],
+            behaviour_logprobs: vec![0.0, 0.0, 0.0, lp],
+            proximal_logprobs: None,
+            advantage,
+            weight_versions: vec![],
+        }
+    };
+
+    // Reference == current weights: the same bits as without the term.
+    let mut plain = Trainer::new(store_of(tiny()), cfg(1e-3)).unwrap();
+    let mut kl = Trainer::new(store_of(tiny()), with_kl(1e-3))
+        .unwrap()
+        .with_reference(tiny())
+        .unwrap();
+    let ex = example(&plain, 1.0);
+    let (a, b) = (
+        plain.pg_step(std::slice::from_ref(&ex)).unwrap(),
+        kl.pg_step(std::slice::from_ref(&ex)).unwrap(),
+    );
+    assert_eq!(a.grad_norm.to_bits(), b.grad_norm.to_bits());
+    assert_eq!(b.pg.unwrap().ref_kl, 0.0);
+    let bits = |t: &Trainer| -> Vec<u32> {
+        t.store.read().named_params()[0]
+            .1
+            .as_f32()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    };
+    assert_eq!(bits(&plain), bits(&kl));
+
+    // Drift: SFT on the sequence raises its last token well above the
+    // reference's probability.
+    let mut tr = Trainer::new(store_of(tiny()), with_kl(1e-2))
+        .unwrap()
+        .with_reference(tiny())
+        .unwrap();
+    let reference_lp = tiny().score(std::slice::from_ref(&tokens)).unwrap()[0][3].unwrap();
+    for _ in 0..8 {
+        tr.sft_step(&[SftExample {
+            tokens: tokens.clone(),
+            loss_mask: vec![0, 0, 0, 1],
+        }])
+        .unwrap();
+    }
+    let drifted = example(&tr, 0.0).behaviour_logprobs[3];
+    assert!(drifted > reference_lp + 0.5, "{reference_lp} -> {drifted}");
+    // Advantage 0: only the KL term moves the weights.
+    let mut kls = Vec::new();
+    for _ in 0..8 {
+        let ex = example(&tr, 0.0);
+        kls.push(tr.pg_step(&[ex]).unwrap().pg.unwrap().ref_kl);
+    }
+    let back = example(&tr, 0.0).behaviour_logprobs[3];
+    println!("log-prob: reference {reference_lp:.3}, drifted {drifted:.3}, after KL steps {back:.3}; KL {kls:?}");
+    assert!(back < drifted - 0.2, "{drifted} -> {back}");
+    assert!(kls[7] < kls[0], "{kls:?}");
+
+    // On without a reference model is an error, not a silent zero.
+    let mut none = Trainer::new(store_of(tiny()), with_kl(1e-3)).unwrap();
+    let ex = example(&none, 1.0);
+    assert!(none.pg_step(&[ex]).is_err());
+}

@@ -479,6 +479,20 @@ pub fn memory_plan(recipe: &Recipe, config: &ModelConfig) -> MemoryPlan {
             *bytes *= recipe.ranks as u64;
         }
     }
+    if recipe.ref_kl_coef != 0.0 {
+        let params = Qwen3_5::plan(config.clone()).parameters();
+        plan.add(
+            format!(
+                "KL reference weights, f32{}",
+                if recipe.ranks > 1 {
+                    ", one copy per rank"
+                } else {
+                    ""
+                }
+            ),
+            params * 4 * recipe.ranks as u64,
+        );
+    }
     plan.add_engines(config, recipe.replicas, engine.cache_memory, true);
     plan
 }
@@ -572,6 +586,12 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         }));
         if let Some(c) = comm.take() {
             t = t.with_comm(c);
+        }
+        if recipe.ref_kl_coef != 0.0 {
+            // The run's starting model, also on resume.
+            let reference = Qwen3_5::load(&model_dir)
+                .map_err(|e| Error::Recipe(format!("KL reference {}: {e}", model_dir.display())))?;
+            t = t.with_reference(reference)?;
         }
         trainers.push(t);
     }
@@ -911,6 +931,12 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 "clip_fraction",
                 json!(pg.as_ref().map(|p| p.clipped_fraction)),
             );
+            if recipe.kl_coef != 0.0 {
+                put("kl_behaviour", json!(pg.as_ref().map(|p| p.kl)));
+            }
+            if recipe.ref_kl_coef != 0.0 {
+                put("kl_reference", json!(pg.as_ref().map(|p| p.ref_kl)));
+            }
             put("lr", json!(trainer.lr()));
             put(
                 "weights_checksum",

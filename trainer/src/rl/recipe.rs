@@ -154,6 +154,10 @@ pub struct Recipe {
     pub tis_cap: f64,
     /// k3 KL coefficient to the behaviour policy. Default 0.0.
     pub kl_coef: f64,
+    /// k3 KL coefficient to the run's starting model (`model`), held frozen
+    /// by the trainer: one more forward per micro-batch and one more copy
+    /// of the weights. Default 0.0.
+    pub ref_kl_coef: f64,
     /// Entropy bonus coefficient. Default 0.0.
     pub entropy_coef: f64,
     /// Divide group advantages by the group's standard deviation. Default false.
@@ -271,6 +275,7 @@ impl Default for Recipe {
             clip_high: 0.28,
             tis_cap: 2.0,
             kl_coef: 0.0,
+            ref_kl_coef: 0.0,
             entropy_coef: 0.0,
             advantage_std: false,
             filter_zero_variance: true,
@@ -417,6 +422,15 @@ impl Recipe {
         if self.micro_batch_tokens == 0 || self.engine_cache_mib == 0 {
             return bad("micro_batch_tokens and engine_cache_mib must be positive");
         }
+        for (name, v) in [
+            ("kl_coef", self.kl_coef),
+            ("ref_kl_coef", self.ref_kl_coef),
+            ("entropy_coef", self.entropy_coef),
+        ] {
+            if !v.is_finite() {
+                return Err(Error::Recipe(format!("{name} must be a finite number")));
+            }
+        }
         if !(self.length_penalty.is_finite() && self.length_penalty >= 0.0) {
             return bad("length_penalty must be a finite number >= 0 (0 = off)");
         }
@@ -509,6 +523,7 @@ impl Recipe {
                 clip_high: self.clip_high,
                 tis_cap: self.tis_cap,
                 kl_coef: self.kl_coef,
+                ref_kl_coef: self.ref_kl_coef,
                 entropy_coef: self.entropy_coef,
                 temperature: self.rollout.temperature,
                 ..PgConfig::default()
