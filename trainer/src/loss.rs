@@ -57,6 +57,15 @@ pub struct PgConfig {
     /// When set, tokens whose `exp(l - b)` leaves `[lo, hi]` are masked out
     /// (no loss, no gradient) and counted. Default off.
     pub mask_band: Option<(f64, f64)>,
+    /// Tokens the behaviour policy sampled with a probability below this
+    /// (`exp(b_t) < min_token_prob`) are left out of the loss and counted
+    /// ([`PgMetrics::tail_masked`]). Such tail draws of temperature-1
+    /// sampling are about 0.1% of the tokens, nearly all in failed attempts,
+    /// yet their push-down (`1 - p` ~ 1 on the logit) carried 20-44% of
+    /// the logit-gradient mass of the demo's batches, and one batch of them
+    /// broke a learned skill in one update (docs/demo.md). 0 = off.
+    /// Default 1e-4.
+    pub min_token_prob: f64,
     /// Default token-mean.
     pub aggregation: Aggregation,
     /// Coefficient of the k3 estimator of KL(current || behaviour). Default 0 (off).
@@ -83,6 +92,7 @@ impl Default for PgConfig {
             max_log_ratio: 20.0,
             tis_cap: 2.0,
             mask_band: None,
+            min_token_prob: 1e-4,
             aggregation: Aggregation::TokenMean,
             kl_coef: 0.0,
             ref_kl_coef: 0.0,
@@ -121,8 +131,10 @@ pub struct PgMetrics {
     pub mismatch_max: f64,
     /// Tokens whose clipped branch was active (no gradient through the ratio).
     pub clipped_fraction: f64,
-    /// Tokens masked by `mask_band` or `max_log_ratio`.
+    /// Tokens masked by `mask_band`, `max_log_ratio` or `min_token_prob`.
     pub masked_fraction: f64,
+    /// Tokens left out by `min_token_prob` (a count).
+    pub tail_masked: usize,
     pub kl: f64,
     /// The k3 estimate of KL(current || reference) (0 when off).
     pub ref_kl: f64,
@@ -152,6 +164,11 @@ pub fn pg_loss(
     }
     let mut m = PgMetrics::default();
     let (mut clipped, mut masked) = (0usize, 0usize);
+    let min_logprob = if cfg.min_token_prob > 0.0 {
+        cfg.min_token_prob.ln()
+    } else {
+        f64::NEG_INFINITY
+    };
     let mut grads = PgGrads::default();
     for (s, seq) in seqs.iter().enumerate() {
         let n = seq.logprobs.len();
@@ -201,6 +218,11 @@ pub fn pg_loss(
                 let r = (l - b).clamp(-cfg.max_log_ratio, cfg.max_log_ratio).exp();
                 r < lo || r > hi
             });
+            if b < min_logprob {
+                masked += 1;
+                m.tail_masked += 1;
+                continue;
+            }
             if out_of_band || !raw.is_finite() || raw.abs() > cfg.max_log_ratio {
                 masked += 1;
                 continue;
@@ -441,6 +463,27 @@ mod tests {
         }
         // On but without reference log-probs is an error, not a silent 0.
         assert!(pg_loss(&cfg, &[seq(&l, &b, 0.0)], 2).is_err());
+    }
+
+    #[test]
+    fn tail_draws_are_left_out_and_counted() {
+        // Behaviour probabilities 0.5, 2e-5 and 0.9; the second is below
+        // the default floor of 1e-4.
+        let b = [0.5f32.ln(), 2e-5f32.ln(), 0.9f32.ln()];
+        let cfg = PgConfig::default();
+        let (m, d) = pg_loss_d(&cfg, &[seq(&b, &b, -1.0)], 3).unwrap();
+        assert_eq!(m.tail_masked, 1);
+        assert!((m.masked_fraction - 1.0 / 3.0).abs() < 1e-12);
+        assert_eq!(d[0][1], 0.0);
+        assert!(d[0][0] != 0.0 && d[0][2] != 0.0);
+        // Off: every token counts, with the same gradient as any other.
+        let off = PgConfig {
+            min_token_prob: 0.0,
+            ..cfg
+        };
+        let (m, d) = pg_loss_d(&off, &[seq(&b, &b, -1.0)], 3).unwrap();
+        assert_eq!((m.tail_masked, m.masked_fraction), (0, 0.0));
+        assert_eq!(d[0][1], d[0][0]);
     }
 
     #[test]

@@ -769,9 +769,10 @@ impl Trainer {
                 split.lag_mean,
                 split.lag_max,
                 all.ref_kl,
+                all.tail_masked as f64,
             ]
         });
-        let ranks = self.reduce(local, 17)?;
+        let ranks = self.reduce(local, 18)?;
         let max = |c: usize| ranks.iter().fold(0.0f64, |a, r| a.max(r[c]));
         let (loss, parts) = (column_sum(&ranks, 0), column_sum(&ranks, 1) as usize);
         all = PgMetrics {
@@ -784,6 +785,7 @@ impl Trainer {
             kl: column_sum(&ranks, 6),
             entropy: column_sum(&ranks, 7),
             ref_kl: column_sum(&ranks, 16),
+            tail_masked: column_sum(&ranks, 17) as usize,
         };
         let versioned = ranks.iter().all(|r| r[9] != 0.0);
         split = MismatchSplit {
@@ -850,6 +852,7 @@ fn merge_pg(all: &mut PgMetrics, m: &PgMetrics) {
     all.masked_fraction += m.masked_fraction * n;
     all.kl += m.kl;
     all.ref_kl += m.ref_kl;
+    all.tail_masked += m.tail_masked;
     all.entropy += m.entropy * n;
     all.tokens += m.tokens;
 }

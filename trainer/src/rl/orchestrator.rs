@@ -931,6 +931,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 "clip_fraction",
                 json!(pg.as_ref().map(|p| p.clipped_fraction)),
             );
+            put("tail_masked", json!(pg.as_ref().map(|p| p.tail_masked)));
             if recipe.kl_coef != 0.0 {
                 put("kl_behaviour", json!(pg.as_ref().map(|p| p.kl)));
             }

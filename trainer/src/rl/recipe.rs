@@ -160,6 +160,10 @@ pub struct Recipe {
     pub ref_kl_coef: f64,
     /// Entropy bonus coefficient. Default 0.0.
     pub entropy_coef: f64,
+    /// Leave out of the loss every token the engine sampled with a
+    /// probability below this (see `PgConfig::min_token_prob`); 0 = off.
+    /// Default 1e-4.
+    pub min_token_prob: f64,
     /// Divide group advantages by the group's standard deviation. Default false.
     pub advantage_std: bool,
     /// Leave out groups whose rewards are all equal (they carry no signal
@@ -277,6 +281,7 @@ impl Default for Recipe {
             kl_coef: 0.0,
             ref_kl_coef: 0.0,
             entropy_coef: 0.0,
+            min_token_prob: 1e-4,
             advantage_std: false,
             filter_zero_variance: true,
             overlong: Overlong::Zero,
@@ -422,6 +427,9 @@ impl Recipe {
         if self.micro_batch_tokens == 0 || self.engine_cache_mib == 0 {
             return bad("micro_batch_tokens and engine_cache_mib must be positive");
         }
+        if !(self.min_token_prob.is_finite() && (0.0..1.0).contains(&self.min_token_prob)) {
+            return bad("min_token_prob must be a number in [0, 1) (0 = off)");
+        }
         for (name, v) in [
             ("kl_coef", self.kl_coef),
             ("ref_kl_coef", self.ref_kl_coef),
@@ -525,6 +533,7 @@ impl Recipe {
                 kl_coef: self.kl_coef,
                 ref_kl_coef: self.ref_kl_coef,
                 entropy_coef: self.entropy_coef,
+                min_token_prob: self.min_token_prob,
                 temperature: self.rollout.temperature,
                 ..PgConfig::default()
             },
