@@ -35,6 +35,51 @@ pub struct TrainArgs {
     pub metrics_port: Option<u16>,
 }
 
+#[derive(Args)]
+pub struct ReplayArgs {
+    /// The run directory.
+    #[arg(long)]
+    pub run: PathBuf,
+    /// The update to replay (its batch is trajectories/step-N.jsonl; the
+    /// checkpoint of update N-1 must exist).
+    #[arg(long)]
+    pub step: u64,
+    /// Change a key of the run's recipe for the replay: --set min_token_prob=0.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// JSON file `{"sequences": [[token ids], ...]}`: the log-prob of each
+    /// sequence's last token is reported before and after the update.
+    #[arg(long)]
+    pub probes: Option<PathBuf>,
+}
+
+/// `arcticd replay`: one JSON object on stdout.
+pub fn replay(args: ReplayArgs) -> Result<()> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Probes {
+        sequences: Vec<Vec<u32>>,
+    }
+    let probes = match &args.probes {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            serde_json::from_str::<Probes>(&text)
+                .with_context(|| {
+                    format!(
+                        "{} must be {{\"sequences\": [[token ids], ...]}}",
+                        p.display()
+                    )
+                })?
+                .sequences
+        }
+        None => Vec::new(),
+    };
+    let r = rl::replay::replay(&args.run, args.step, &args.sets, &probes)?;
+    println!("{}", serde_json::to_string(&r)?);
+    Ok(())
+}
+
 fn unix_time() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

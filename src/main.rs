@@ -55,6 +55,8 @@ enum Command {
     Sft(cli_train::SftArgs),
     /// Asynchronous RL: a recipe, a resumed run, or with no arguments the built-in demo.
     Train(cli_rl::TrainArgs),
+    /// Replay one update of a run from the checkpoint before it, with recipe keys changed: its gradient norm and how it moves probe log-probs (JSON).
+    Replay(cli_rl::ReplayArgs),
     /// Rejection fine-tuning: sample K attempts per task, SFT on the solved well-formed ones, repeat.
     Rft(cli_rft::RftArgs),
     /// PNG figures of one or more runs' metrics.jsonl (reward, mismatch, staleness, time, load).
@@ -86,6 +88,7 @@ fn main() {
         Command::Serve(args) => cli_serve::serve(args),
         Command::Sft(args) => cli_train::sft(args),
         Command::Train(args) => cli_rl::train(args),
+        Command::Replay(args) => cli_rl::replay(args),
         Command::Rft(args) => cli_rft::rft(args),
         Command::Plot(args) => cli_plot::plot(args),
         Command::WarmStart(args) => cli_warm::warm_start(args),

@@ -138,6 +138,37 @@ fn trained_tokens_are_honest_about_their_weights() {
         assert!(mx <= 1e-6, "probe mismatch {mx}: {m}");
         assert!(m["probe_version"].as_u64().unwrap() >= 1, "{m}");
     }
+
+    // `arcticd replay` of every update, from the checkpoint before it and
+    // its recorded batch, is that update: the same loss and gradient norm
+    // to the bit. With a recipe key changed it is another update.
+    for m in &metrics {
+        let step = m["step"].as_u64().unwrap();
+        let replay = |sets: &[&str]| -> Value {
+            let mut cmd = arcticd();
+            cmd.args(["replay", "--run"])
+                .arg(&run)
+                .args(["--step", &step.to_string()]);
+            for s in sets {
+                cmd.args(["--set", s]);
+            }
+            serde_json::from_slice(&ok(cmd.output().unwrap(), "replay").stdout).unwrap()
+        };
+        let r = replay(&[]);
+        assert_eq!(r["grad_norm"], m["grad_norm"], "update {step}: {r} vs {m}");
+        assert_eq!(r["loss"], m["loss"], "update {step}: {r} vs {m}");
+        let changed = replay(&["entropy_coef=0"]);
+        assert_ne!(changed["loss"], m["loss"], "update {step}: {changed}");
+    }
+    let out = arcticd()
+        .args(["replay", "--run"])
+        .arg(&run)
+        .args(["--step", "9"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no complete checkpoint of update 8"), "{err}");
 }
 
 /// Two data-parallel trainer ranks, each with its own weights and its own

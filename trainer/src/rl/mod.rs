@@ -20,6 +20,7 @@ pub mod orchestrator;
 pub mod pool;
 pub mod probe;
 pub mod recipe;
+pub mod replay;
 pub mod run_dir;
 
 pub use orchestrator::{memory_plan, run, RunOptions, RunSummary};

@@ -1,0 +1,167 @@
+//! Replaying one update of a finished (or running) run: the weights and
+//! AdamW state of the checkpoint before it, the batch it trained on
+//! (`trajectories/step-N.jsonl`), and the recipe with any keys changed.
+//! This is how a sudden break is traced to its batch and a fix is tried on
+//! that batch before a whole run is spent on it (docs/demo.md).
+//!
+//! The replay is the run's update when nothing is changed: the same
+//! trainer code on the same inputs (the weights' version is the
+//! checkpoint's, so the version split and stale masking see what the run
+//! saw). Needs the checkpoint of update N-1 (`checkpoint_every = 1`), or
+//! none for update 1, which starts from the recipe's model.
+//!
+//! Not for: evaluating a change on fresh rollouts (that is a run).
+
+use super::recipe::{Recipe, StalePolicy};
+use super::run_dir::{RunDir, RunState};
+use crate::checkpoint::load_optimizer;
+use crate::harness::trajectory::Trajectory;
+use crate::step::{PgExample, Trainer};
+use crate::{Error, Result};
+use arcticd_engine::{ParamStore, Qwen3_5};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// What replaying an update measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Replay {
+    pub step: u64,
+    pub loss: f64,
+    pub grad_norm: f64,
+    /// Generated tokens of the batch, and those its loss left out.
+    pub tokens: usize,
+    pub masked_fraction: f64,
+    pub tail_masked: usize,
+    pub clip_fraction: f64,
+    /// Log-prob of the last token of each probe sequence before and after
+    /// the update.
+    pub probe_before: Vec<f32>,
+    pub probe_after: Vec<f32>,
+}
+
+/// One record of `trajectories/step-N.jsonl`.
+#[derive(Deserialize)]
+struct Trained {
+    advantage: f32,
+    #[serde(flatten)]
+    t: Trajectory,
+}
+
+/// Replays update `step` of the run in `run_dir` with `sets` applied to its
+/// recipe, scoring `probes` (token sequences of at least two tokens) before
+/// and after.
+pub fn replay(run_dir: &Path, step: u64, sets: &[String], probes: &[Vec<u32>]) -> Result<Replay> {
+    if step == 0 {
+        return Err(Error::Input("updates count from 1".into()));
+    }
+    if let Some(i) = probes.iter().position(|p| p.len() < 2) {
+        return Err(Error::Input(format!(
+            "probe {i} has fewer than two tokens: nothing to score"
+        )));
+    }
+    let dir = RunDir::new(run_dir);
+    let recipe = Recipe::from_file(&dir.recipe(), sets)?.checked()?;
+    let (weights, version) = if step == 1 {
+        let model = recipe
+            .model
+            .clone()
+            .ok_or_else(|| Error::Recipe("the run's recipe names no model".into()))?;
+        (model, 0)
+    } else {
+        let ck = dir.checkpoint(step - 1);
+        let state_path = ck.join("run_state.json");
+        let text = std::fs::read(&state_path).map_err(|_| {
+            let kept: Vec<u64> = dir
+                .complete_checkpoints()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect();
+            Error::Input(format!(
+                "{} has no complete checkpoint of update {} (it keeps {kept:?}); a run \
+                 with checkpoint_every = 1 and keep_checkpoints = \"all\" can replay any update",
+                run_dir.display(),
+                step - 1
+            ))
+        })?;
+        let state: RunState = serde_json::from_slice(&text)
+            .map_err(|e| Error::Input(format!("{}: {e}", state_path.display())))?;
+        (ck, state.weight_version)
+    };
+    let model = Qwen3_5::load(&weights)
+        .map_err(|e| Error::Input(format!("model {}: {e}", weights.display())))?;
+    let mut trainer = Trainer::new(
+        ParamStore::with_version(model, version),
+        recipe.train_config(),
+    )?;
+    if step > 1 {
+        load_optimizer(&weights, &mut trainer.optimizer)?;
+    }
+    if recipe.ref_kl_coef != 0.0 {
+        let start = recipe.model.as_deref().unwrap_or(&weights);
+        let reference = Qwen3_5::load(start)
+            .map_err(|e| Error::Input(format!("KL reference {}: {e}", start.display())))?;
+        trainer = trainer.with_reference(reference)?;
+    }
+
+    let path = dir.step_trajectories(step);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let oldest_allowed = version.saturating_sub(recipe.max_staleness);
+    let mut batch = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let r: Trained = serde_json::from_str(line)
+            .map_err(|e| Error::Input(format!("{} line {}: {e}", path.display(), i + 1)))?;
+        let mut loss_mask = r.t.loss_mask.clone();
+        if recipe.stale == StalePolicy::Mask {
+            for (m, v) in loss_mask.iter_mut().zip(&r.t.weight_versions) {
+                if *v < oldest_allowed {
+                    *m = 0;
+                }
+            }
+        }
+        batch.push(PgExample {
+            tokens: r.t.token_ids,
+            loss_mask,
+            behaviour_logprobs: r.t.logprobs,
+            proximal_logprobs: None,
+            advantage: r.advantage,
+            weight_versions: r.t.weight_versions,
+        });
+    }
+    if batch.is_empty() {
+        return Err(Error::Input(format!(
+            "{}: update {step} trained on nothing",
+            path.display()
+        )));
+    }
+
+    let last = |t: &Trainer| -> Result<Vec<f32>> {
+        if probes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let scores = t.store.read().score(probes)?;
+        Ok(scores
+            .iter()
+            .map(|s| s.last().copied().flatten().unwrap_or(f32::NAN))
+            .collect())
+    };
+    let probe_before = last(&trainer)?;
+    let m = trainer.pg_step(&batch)?;
+    let probe_after = last(&trainer)?;
+    let pg = m.pg.unwrap_or_default();
+    Ok(Replay {
+        step,
+        loss: m.loss,
+        grad_norm: m.grad_norm,
+        tokens: pg.tokens,
+        masked_fraction: pg.masked_fraction,
+        tail_masked: pg.tail_masked,
+        clip_fraction: pg.clipped_fraction,
+        probe_before,
+        probe_after,
+    })
+}
