@@ -182,12 +182,8 @@ pub fn plan(groups: Vec<Group>, cfg: PlanConfig) -> Batch {
         }
         for ((t, _), a) in kept.into_iter().zip(adv) {
             let mut mask = t.loss_mask.clone();
-            for (m, v) in mask.iter_mut().zip(&t.weight_versions) {
-                if *m == 1 && *v < oldest_allowed {
-                    *m = 0;
-                    b.stats.stale_masked_tokens += 1;
-                }
-            }
+            b.stats.stale_masked_tokens +=
+                mask_stale(&mut mask, &t.weight_versions, oldest_allowed);
             let n_gen = mask.iter().skip(1).filter(|m| **m == 1).count();
             if n_gen == 0 {
                 continue;
@@ -222,6 +218,19 @@ pub fn plan(groups: Vec<Group>, cfg: PlanConfig) -> Batch {
         b.stats.staleness_mean = lag_sum as f64 / b.stats.trained as f64;
     }
     b
+}
+
+/// Masks the generated tokens of versions older than `oldest_allowed`
+/// (`stale = "mask"`); returns how many.
+pub fn mask_stale(mask: &mut [u8], versions: &[u64], oldest_allowed: u64) -> usize {
+    let mut n = 0;
+    for (m, v) in mask.iter_mut().zip(versions) {
+        if *m == 1 && *v < oldest_allowed {
+            *m = 0;
+            n += 1;
+        }
+    }
+    n
 }
 
 #[cfg(test)]

@@ -117,11 +117,7 @@ pub fn replay(run_dir: &Path, step: u64, sets: &[String], probes: &[Vec<u32>]) -
             .map_err(|e| Error::Input(format!("{} line {}: {e}", path.display(), i + 1)))?;
         let mut loss_mask = r.t.loss_mask.clone();
         if recipe.stale == StalePolicy::Mask {
-            for (m, v) in loss_mask.iter_mut().zip(&r.t.weight_versions) {
-                if *v < oldest_allowed {
-                    *m = 0;
-                }
-            }
+            super::batch::mask_stale(&mut loss_mask, &r.t.weight_versions, oldest_allowed);
         }
         batch.push(PgExample {
             tokens: r.t.token_ids,
