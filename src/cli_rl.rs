@@ -33,6 +33,10 @@ pub struct TrainArgs {
     /// (127.0.0.1).
     #[arg(long)]
     pub metrics_port: Option<u16>,
+    /// Where the engines run and the trainer steps: cpu or cuda:N (the
+    /// recipe key `device`; a resumed run may move to another device).
+    #[arg(long)]
+    pub device: Option<arcticd_kernels::Device>,
 }
 
 #[derive(Args)]
@@ -44,6 +48,11 @@ pub struct ReplayArgs {
     /// checkpoint of update N-1 must exist).
     #[arg(long)]
     pub step: u64,
+    /// Go on replaying the recorded updates after it, up to this one, each
+    /// after the one before (the checkpoint of update STEP-1 is the only one
+    /// needed).
+    #[arg(long)]
+    pub through: Option<u64>,
     /// Change a key of the run's recipe for the replay: --set min_token_prob=0.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
@@ -53,7 +62,7 @@ pub struct ReplayArgs {
     pub probes: Option<PathBuf>,
 }
 
-/// `arcticd replay`: one JSON object on stdout.
+/// `arcticd replay`: one JSON object per replayed update on stdout.
 pub fn replay(args: ReplayArgs) -> Result<()> {
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
@@ -75,8 +84,10 @@ pub fn replay(args: ReplayArgs) -> Result<()> {
         }
         None => Vec::new(),
     };
-    let r = rl::replay::replay(&args.run, args.step, &args.sets, &probes)?;
-    println!("{}", serde_json::to_string(&r)?);
+    let through = args.through.unwrap_or(args.step);
+    for r in rl::replay::replay(&args.run, args.step, through, &args.sets, &probes)? {
+        println!("{}", serde_json::to_string(&r)?);
+    }
     Ok(())
 }
 
@@ -195,8 +206,11 @@ fn serve_metrics(port: u16, latest: Arc<Mutex<String>>) -> Result<()> {
     Ok(())
 }
 
-pub fn train(a: TrainArgs) -> Result<()> {
-    let (recipe, out, resume) = if let Some(dir) = &a.resume {
+pub fn train(mut a: TrainArgs) -> Result<()> {
+    if let (Some(d), None) = (a.device, &a.resume) {
+        a.sets.push(format!("device={d}"));
+    }
+    let (mut recipe, out, resume) = if let Some(dir) = &a.resume {
         let path = dir.join("recipe.toml");
         if !path.is_file() {
             bail!("{} is not a run directory (no recipe.toml)", dir.display());
@@ -228,6 +242,10 @@ pub fn train(a: TrainArgs) -> Result<()> {
             .unwrap_or_else(|| PathBuf::from(format!("runs/demo-{}", unix_time())));
         (r, out, false)
     };
+    if let (Some(d), true) = (a.device, resume) {
+        recipe.device = d;
+        recipe = recipe.checked()?;
+    }
     let steps = recipe.steps;
     for a in recipe.ablations() {
         eprintln!("ABLATION ON (not the full recipe): {a}");

@@ -15,6 +15,7 @@ use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_engine::{ParamStore, Qwen3_5};
 use arcticd_trainer::checkpoint::save_checkpoint;
 use arcticd_trainer::data::{batch_for_step, read_sft_jsonl, ChatRender};
+use arcticd_trainer::device::StepDevice;
 use arcticd_trainer::memory::{host_memory_available, MemoryPlan, Placement, PlanShape};
 use arcticd_trainer::optim::{AdamWConfig, LrSchedule};
 use arcticd_trainer::step::{TrainConfig, Trainer};
@@ -58,8 +59,7 @@ pub struct SftArgs {
     /// (transformers' get_constant_schedule_with_warmup); 0 = constant.
     #[arg(long, default_value_t = 0)]
     pub warmup: u64,
-    /// Tokens per micro-batch (gradient accumulation inside a step; on
-    /// the CPU).
+    /// Tokens per micro-batch (gradient accumulation inside a step).
     #[arg(long, default_value_t = 16384)]
     pub micro_batch_tokens: usize,
     /// `cpu`, or `cuda:N` in a build with the `cuda` feature: the whole
@@ -123,14 +123,24 @@ pub fn sft(args: SftArgs) -> Result<()> {
         micro_batch_tokens: args.micro_batch_tokens,
         ..TrainConfig::default()
     };
-    if let arcticd_kernels::Device::Cuda(ordinal) = args.device {
-        return sft_on_cuda(&args, &data, &config, model, ordinal);
+    let store = ParamStore::new(model);
+    match args.device {
+        arcticd_kernels::Device::Cpu => sft_loop(&args, &data, Trainer::new(store, config)?),
+        arcticd_kernels::Device::Cuda(ordinal) => sft_on_cuda(&args, &data, config, store, ordinal),
     }
-    let mut trainer = Trainer::new(ParamStore::new(model), config)?;
+}
+
+/// The SFT steps on whichever device `trainer` runs: a JSON line per step,
+/// then the checkpoint (weights and optimizer state from the host).
+fn sft_loop<D: StepDevice>(
+    args: &SftArgs,
+    data: &[arcticd_trainer::step::SftExample],
+    mut trainer: Trainer<D>,
+) -> Result<()> {
     let mut progress = Progress::new(Some(args.steps as u64), "sft");
     let mut stdout = std::io::stdout().lock();
     for step in 0..args.steps {
-        let m = trainer.sft_step(&batch_for_step(&data, step, args.batch_size))?;
+        let m = trainer.sft_step(&batch_for_step(data, step, args.batch_size))?;
         let line = serde_json::json!({
             "step": step + 1,
             "loss": m.loss,
@@ -138,6 +148,7 @@ pub fn sft(args: SftArgs) -> Result<()> {
             "lr": m.lr,
             "tokens": m.tokens,
             "skipped": m.skipped,
+            "device": args.device.to_string(),
         });
         writeln!(stdout, "{line}")?;
         stdout.flush()?;
@@ -151,68 +162,35 @@ pub fn sft(args: SftArgs) -> Result<()> {
         progress.inc(1);
     }
     progress.finish(format!("writing checkpoint {}", args.out.display()));
-    let model = trainer.store.read();
-    save_checkpoint(&args.out, &model, &args.model, Some(&trainer.optimizer))
+    let optimizer = trainer.optimizer()?;
+    let model = trainer.store().read();
+    save_checkpoint(&args.out, &model, &args.model, Some(&optimizer))
         .with_context(|| format!("writing checkpoint {}", args.out.display()))?;
     Ok(())
 }
 
-/// `sft --device cuda:N`: every step on the GPU (`trainer::cuda::sft_step`),
-/// the same JSON line per step, the same checkpoint (weights and optimizer
-/// state brought back to the host) at the end.
+/// `sft --device cuda:N`: the trainer's steps on the GPU
+/// (`trainer::cuda::CudaStep`), the rest as on the CPU.
 #[cfg(feature = "cuda")]
 fn sft_on_cuda(
     args: &SftArgs,
     data: &[arcticd_trainer::step::SftExample],
-    config: &TrainConfig,
-    mut model: Qwen3_5,
+    config: TrainConfig,
+    store: std::sync::Arc<ParamStore>,
     ordinal: usize,
 ) -> Result<()> {
-    use arcticd_engine::model::cuda::CudaModel;
-    use arcticd_engine::model::WeightDType;
     use arcticd_kernels::cuda::device::CudaDevice;
-    use arcticd_trainer::cuda::{sft_step, CudaAdamW};
     let dev = std::sync::Arc::new(CudaDevice::new(ordinal)?);
-    let mut gpu = CudaModel::upload(&model, dev, WeightDType::F32)?;
-    let mut opt = CudaAdamW::new(&gpu, config.optimizer)?;
-    let mut progress = Progress::new(Some(args.steps as u64), "sft");
-    let mut stdout = std::io::stdout().lock();
-    for step in 0..args.steps {
-        let batch = batch_for_step(data, step, args.batch_size);
-        let lr = config.optimizer.lr * config.schedule.factor(step as u64);
-        let (loss, grad_norm) = sft_step(&mut gpu, &mut opt, &batch, lr, args.grad_clip)?;
-        let tokens: usize = batch
-            .iter()
-            .map(|e| e.loss_mask[1..].iter().filter(|&&m| m != 0).count())
-            .sum();
-        let line = serde_json::json!({
-            "step": step + 1,
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": tokens,
-            "skipped": false,
-            "device": args.device.to_string(),
-        });
-        writeln!(stdout, "{line}")?;
-        stdout.flush()?;
-        progress.set_message(format!("loss {loss:.4}"));
-        progress.inc(1);
-    }
-    progress.finish(format!("writing checkpoint {}", args.out.display()));
-    gpu.download_into(&mut model)?;
-    let optimizer = opt.to_host(&gpu, &model)?;
-    save_checkpoint(&args.out, &model, &args.model, Some(&optimizer))
-        .with_context(|| format!("writing checkpoint {}", args.out.display()))?;
-    Ok(())
+    let step = arcticd_trainer::cuda::CudaStep::new(store, dev, config.optimizer)?;
+    sft_loop(args, data, Trainer::on(step, config))
 }
 
 #[cfg(not(feature = "cuda"))]
 fn sft_on_cuda(
     _args: &SftArgs,
     _data: &[arcticd_trainer::step::SftExample],
-    _config: &TrainConfig,
-    _model: Qwen3_5,
+    _config: TrainConfig,
+    _store: std::sync::Arc<ParamStore>,
     ordinal: usize,
 ) -> Result<()> {
     crate::cli_model::no_cuda(ordinal)

@@ -160,6 +160,28 @@ fn trained_tokens_are_honest_about_their_weights() {
         let changed = replay(&["entropy_coef=0"]);
         assert_ne!(changed["loss"], m["loss"], "update {step}: {changed}");
     }
+    // Chained from the first update's start, the recorded updates are the
+    // run's, one JSON line each.
+    let last = metrics.last().unwrap()["step"].as_u64().unwrap();
+    let out = arcticd()
+        .args(["replay", "--run"])
+        .arg(&run)
+        .args(["--step", "1", "--through", &last.to_string()])
+        .output()
+        .unwrap();
+    let chain: Vec<Value> = String::from_utf8_lossy(&ok(out, "replay --through").stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let trained: Vec<&Value> = metrics
+        .iter()
+        .filter(|m| !m["grad_norm"].is_null())
+        .collect();
+    assert_eq!(chain.len(), trained.len());
+    for (r, m) in chain.iter().zip(trained) {
+        assert_eq!(r["step"], m["step"]);
+        assert_eq!(r["grad_norm"], m["grad_norm"], "chained: {r} vs {m}");
+    }
     let out = arcticd()
         .args(["replay", "--run"])
         .arg(&run)
@@ -450,6 +472,12 @@ fn bad_recipes_and_inputs_are_clear_errors() {
         ("group_size = 1\n", "group_size"),
         ("model = \"nope\"\ntasks = \"nope.jsonl\"\n", "nope.jsonl"),
         ("tasks = \"t.jsonl\"\n", "no model"),
+        ("device = \"tpu\"\n", "expected cpu, cuda or cuda:N"),
+        // Without a CUDA build (or driver), before any input is read.
+        (
+            "model = \"m\"\ntasks = \"nope.jsonl\"\ndevice = \"cuda:0\"\n",
+            "device = \"cuda:0\", rank 0",
+        ),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
         let r = dir.path().join(format!("bad{i}.toml"));

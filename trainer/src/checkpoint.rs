@@ -139,7 +139,10 @@ pub fn save_checkpoint_with(
 }
 
 /// Restore AdamW moments and step saved by [`save_checkpoint`] into an
-/// optimizer built from the checkpoint's model.
+/// optimizer built from the checkpoint's model. Its hyper-parameters stay
+/// `opt`'s (the caller's recipe): the checkpoint records the ones it was
+/// written with, and a replay or a resume with a changed `eps` or `beta2`
+/// must step with the changed ones.
 pub fn load_optimizer(dir: &Path, opt: &mut AdamW) -> Result<()> {
     let state_path = dir.join("trainer_state.json");
     let text = std::fs::read(&state_path).map_err(|e| Error::io(&state_path, e))?;
@@ -166,7 +169,6 @@ pub fn load_optimizer(dir: &Path, opt: &mut AdamW) -> Result<()> {
         }
     }
     opt.step = state.step;
-    opt.config = state.optimizer;
     Ok(())
 }
 

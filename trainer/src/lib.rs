@@ -11,6 +11,7 @@ pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data;
+pub mod device;
 pub mod error;
 pub mod grads;
 pub mod harness;

@@ -90,13 +90,20 @@ impl LrSchedule {
     }
 }
 
+/// The factor `torch.nn.utils.clip_grad_norm_(params, max_norm)` scales
+/// every gradient by at global norm `norm`: `max_norm / (norm + 1e-6)`,
+/// None when that is not below 1 (no scaling).
+pub fn clip_coef(norm: f64, max_norm: f64) -> Option<f32> {
+    let coef = (max_norm / (norm + 1e-6)).min(1.0);
+    (coef < 1.0).then_some(coef as f32)
+}
+
 /// `torch.nn.utils.clip_grad_norm_(params, max_norm)`: returns the total norm
-/// before clipping and scales every gradient by `min(1, max_norm / (norm + 1e-6))`.
+/// before clipping and scales every gradient by [`clip_coef`].
 pub fn clip_grad_norm(grads: &mut ModelGrads, max_norm: f64) -> f64 {
     let (total, _) = grads.global_norm();
-    let coef = (max_norm / (total + 1e-6)).min(1.0);
-    if coef < 1.0 {
-        grads.scale(coef as f32);
+    if let Some(s) = clip_coef(total, max_norm) {
+        grads.scale(s);
     }
     total
 }

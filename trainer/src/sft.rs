@@ -138,8 +138,8 @@ pub fn train_sft(
             "SFT step"
         );
     }
-    let model = trainer.store.read();
-    save_checkpoint(out, &model, base, Some(&trainer.optimizer))?;
+    let model = trainer.store().read();
+    save_checkpoint(out, &model, base, Some(&*trainer.optimizer()?))?;
     Ok(losses)
 }
 

@@ -21,14 +21,16 @@
 //! the metrics, counted, weights untouched.
 
 use crate::comm::{all_gather_f64, Communicator};
+use crate::device::{CpuStep, MicroBatch, StepDevice};
 use crate::grads::ModelGrads;
 use crate::loss::{pg_loss, sft_loss, Aggregation, PgConfig, PgMetrics, PgSeq};
-use crate::model::{self, Packed};
-use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
+use crate::optim::{clip_coef, AdamW, AdamWConfig, LrSchedule};
 use crate::{Error, Result};
 use arcticd_engine::{ParamStore, Qwen3_5};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::ops::Range;
+use std::path::Path;
 use std::sync::Arc;
 
 /// Trainer settings.
@@ -249,21 +251,20 @@ pub fn micro_batches(lens: &[usize], budget: usize) -> Vec<Range<usize>> {
     out
 }
 
-/// Rows, targets and (sequence, token) of every masked position t >= 1.
-fn scored_rows(
-    packed: &Packed,
-    tokens: &[&[u32]],
-    masks: &[&[u8]],
-) -> (Vec<usize>, Vec<u32>, Vec<(usize, usize)>) {
+/// Packed rows (the sequences one after another), targets and
+/// (sequence, token) of every masked position t >= 1.
+fn scored_rows(tokens: &[&[u32]], masks: &[&[u8]]) -> (Vec<usize>, Vec<u32>, Vec<(usize, usize)>) {
     let (mut rows, mut targets, mut at) = (Vec::new(), Vec::new(), Vec::new());
-    for (s, &(start, n)) in packed.spans.iter().enumerate() {
-        for t in 1..n {
+    let mut start = 0;
+    for (s, seq) in tokens.iter().enumerate() {
+        for t in 1..seq.len() {
             if masks[s][t] != 0 {
                 rows.push(start + t - 1);
-                targets.push(tokens[s][t]);
+                targets.push(seq[t]);
                 at.push((s, t));
             }
         }
+        start += seq.len();
     }
     (rows, targets, at)
 }
@@ -291,41 +292,23 @@ pub(crate) fn check_example(i: usize, tokens: &[u32], mask: &[u8], vocab: usize)
     Ok(mask[1..].iter().filter(|&&m| m != 0).count())
 }
 
-/// The trainer: AdamW state and gradients for the model in a shared store.
-pub struct Trainer {
-    pub store: Arc<ParamStore>,
-    pub optimizer: AdamW,
+/// The trainer: the step's logic over a [`StepDevice`] (the CPU by
+/// default), which holds the weights, the gradients and AdamW's state.
+pub struct Trainer<D: StepDevice = CpuStep> {
+    pub dev: D,
     pub config: TrainConfig,
-    grads: ModelGrads,
     /// Steps skipped for a non-finite loss or gradient.
     pub skipped_steps: u64,
     /// Paused around each write of the store (the engines reading it).
     pub gate: Option<std::sync::Arc<dyn WriteGate>>,
     /// The data-parallel group this trainer is a rank of (None: alone).
     comm: Option<Arc<dyn Communicator>>,
-    /// The fixed policy of the KL-to-reference term (`pg.ref_kl_coef`).
-    reference: Option<Qwen3_5>,
 }
 
-impl Trainer {
+impl Trainer<CpuStep> {
+    /// A trainer on the CPU for the model in `store`.
     pub fn new(store: Arc<ParamStore>, config: TrainConfig) -> Result<Self> {
-        let (optimizer, grads) = {
-            let m = store.read();
-            (
-                AdamW::new(&m, config.optimizer)?,
-                ModelGrads::zeros_like(&m),
-            )
-        };
-        Ok(Trainer {
-            store,
-            optimizer,
-            config,
-            grads,
-            skipped_steps: 0,
-            gate: None,
-            comm: None,
-            reference: None,
-        })
+        Ok(Trainer::on(CpuStep::new(store, config.optimizer)?, config))
     }
 
     /// This trainer with a fixed reference policy for the KL-to-reference
@@ -333,33 +316,42 @@ impl Trainer {
     /// backward) to score the sampled tokens. Must have the trained model's
     /// shapes.
     pub fn with_reference(mut self, reference: Qwen3_5) -> Result<Self> {
-        let shape = |c: &arcticd_engine::config::ModelConfig| {
-            (
-                [
-                    c.vocab_size,
-                    c.hidden_size,
-                    c.intermediate_size,
-                    c.num_heads,
-                    c.num_kv_heads,
-                    c.head_dim,
-                    c.conv_kernel,
-                    c.linear_key_head_dim,
-                    c.linear_value_head_dim,
-                    c.linear_num_key_heads,
-                    c.linear_num_value_heads,
-                ],
-                c.tie_word_embeddings,
-                c.layer_types.clone(),
-            )
-        };
-        let same = shape(&self.store.read().config) == shape(&reference.config);
-        if !same {
-            return Err(Error::Input(
-                "the KL reference model's config differs from the trained model's".into(),
-            ));
-        }
-        self.reference = Some(reference);
+        self.dev.set_reference(reference)?;
         Ok(self)
+    }
+
+    /// The gradients of the last accumulation (for inspection and tests).
+    pub fn grads(&self) -> &ModelGrads {
+        self.dev.grads()
+    }
+}
+
+impl<D: StepDevice> Trainer<D> {
+    /// A trainer whose steps run on `dev`.
+    pub fn on(dev: D, config: TrainConfig) -> Self {
+        Trainer {
+            dev,
+            config,
+            skipped_steps: 0,
+            gate: None,
+            comm: None,
+        }
+    }
+
+    /// The store the engines read, written after every step.
+    pub fn store(&self) -> &Arc<ParamStore> {
+        self.dev.store()
+    }
+
+    /// The optimizer state as the host holds it (checkpoints).
+    pub fn optimizer(&self) -> Result<Cow<'_, AdamW>> {
+        self.dev.host_optimizer()
+    }
+
+    /// Resumes the optimizer from the checkpoint `dir` whose weights the
+    /// store holds.
+    pub fn load_optimizer(&mut self, dir: &Path) -> Result<()> {
+        self.dev.load_optimizer(dir)
     }
 
     /// This trainer as one rank of a data-parallel group: each step's batch
@@ -401,12 +393,10 @@ impl Trainer {
 
     /// Sums the gradients over the ranks (nothing alone).
     fn reduce_grads(&mut self) -> Result<()> {
-        if let Some(comm) = &self.comm {
-            for (_, g) in self.grads.named_mut() {
-                comm.all_reduce_sum(g)?;
-            }
+        match &self.comm {
+            Some(comm) => self.dev.all_reduce_grads(comm.as_ref()),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Fails when the ranks' weights differ; returns the checksum they
@@ -415,21 +405,21 @@ impl Trainer {
         let (Some(comm), every) = (&self.comm, self.config.checksum_every) else {
             return Ok(None);
         };
-        if every == 0 || !self.optimizer.step.is_multiple_of(every) {
+        let step = self.dev.steps();
+        if every == 0 || !step.is_multiple_of(every) {
             return Ok(None);
         }
-        let sum = weights_checksum(&self.store.read())?;
+        let sum = weights_checksum(&self.store().read())?;
         let all = comm.all_gather(&[sum])?;
         if all.iter().any(|w| w[0] != sum) {
             let sums: Vec<String> = all.iter().map(|w| format!("{:016x}", w[0])).collect();
             return Err(Error::Collective(format!(
-                "the ranks' weights differ after step {}: checksums {}",
-                self.optimizer.step,
+                "the ranks' weights differ after step {step}: checksums {}",
                 sums.join(", ")
             )));
         }
         tracing::info!(
-            step = self.optimizer.step,
+            step,
             ranks = all.len(),
             checksum = format!("{sum:016x}"),
             "weights identical on every rank"
@@ -439,12 +429,7 @@ impl Trainer {
 
     /// Learning rate of the next step.
     pub fn lr(&self) -> f64 {
-        self.config.optimizer.lr * self.config.schedule.factor(self.optimizer.step)
-    }
-
-    /// The gradients of the last accumulation (for inspection and tests).
-    pub fn grads(&self) -> &ModelGrads {
-        &self.grads
+        self.config.optimizer.lr * self.config.schedule.factor(self.dev.steps())
     }
 
     /// Forward + backward over micro-batches; `dlp_of(batch range, lps)`
@@ -458,51 +443,27 @@ impl Trainer {
         temperature: f32,
         mut dlp_of: impl FnMut(&mut Qwen3_5Ctx<'_>) -> Result<(f64, Vec<f32>, Option<Vec<f32>>)>,
     ) -> Result<(f64, usize)> {
-        self.grads.clear();
+        self.dev.zero_grads()?;
         let lens: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
         let parts = micro_batches(&lens, self.config.micro_batch_tokens.max(1));
         let mut loss = 0.0;
         for range in &parts {
-            let m = self.store.read();
-            let seqs: Vec<Vec<u32>> = tokens[range.clone()].iter().map(|t| t.to_vec()).collect();
-            let packed = Packed::new(&seqs, m.config.vocab_size)?;
-            let (rows, targets, at) =
-                scored_rows(&packed, &tokens[range.clone()], &masks[range.clone()]);
-            let opts = model::ForwardOptions {
-                recompute_layers: self.config.recompute_layers,
+            let sequences = &tokens[range.clone()];
+            let (rows, targets, at) = scored_rows(sequences, &masks[range.clone()]);
+            let batch = MicroBatch {
+                sequences,
+                rows: &rows,
+                targets: &targets,
             };
-            // The reference scores the same rows before `packed` moves into
-            // the trained forward; only the loss needs it.
-            let ref_lp = match self.reference.as_ref().filter(|_| reference) {
-                Some(r) => {
-                    let acts = model::forward_with(
-                        r,
-                        packed.clone(),
-                        model::ForwardOptions {
-                            recompute_layers: true,
-                        },
-                    )?;
-                    let (lp, _) = model::token_logprobs_entropy(
-                        r,
-                        &acts.hidden,
-                        &rows,
-                        &targets,
-                        false,
-                        temperature,
-                    )?;
-                    Some(lp)
-                }
-                None => None,
+            // Only the loss needs the reference's scores.
+            let ref_lp = if reference {
+                Some(self.dev.reference_logprobs(batch, temperature)?)
+            } else {
+                None
             };
-            let acts = model::forward_with(&m, packed, opts)?;
-            let (lp, ent) = model::token_logprobs_entropy(
-                &m,
-                &acts.hidden,
-                &rows,
-                &targets,
-                entropy,
-                temperature,
-            )?;
+            let (lp, ent) =
+                self.dev
+                    .forward(batch, entropy, temperature, self.config.recompute_layers)?;
             let mut ctx = Qwen3_5Ctx {
                 range: range.clone(),
                 at: &at,
@@ -512,17 +473,7 @@ impl Trainer {
             };
             let (part, dlp, dent) = dlp_of(&mut ctx)?;
             loss += part;
-            let dhidden = model::token_logprobs_entropy_backward(
-                &m,
-                &mut self.grads,
-                &acts.hidden,
-                &rows,
-                &targets,
-                &dlp,
-                dent.as_deref(),
-                temperature,
-            )?;
-            model::backward(&m, &acts, &dhidden, &mut self.grads)?;
+            self.dev.backward(&dlp, dent.as_deref(), temperature)?;
         }
         Ok((loss, parts.len()))
     }
@@ -530,16 +481,16 @@ impl Trainer {
     /// Clip, check, AdamW, write the store.
     fn finish(&mut self, loss: f64, tokens: usize, micro_batches: usize) -> Result<StepMetrics> {
         let lr = self.lr();
-        let (norm, finite) = self.grads.global_norm();
+        let (norm, finite) = self.dev.grad_norm()?;
         let mut metrics = StepMetrics {
-            step: self.optimizer.step,
+            step: self.dev.steps(),
             lr,
             loss,
             grad_norm: norm,
             tokens,
             micro_batches,
             skipped: false,
-            weight_version: self.store.weight_version(),
+            weight_version: self.store().weight_version(),
             pg: None,
             mismatch: None,
             update_secs: 0.0,
@@ -547,10 +498,10 @@ impl Trainer {
         };
         if !finite || !loss.is_finite() || !norm.is_finite() {
             self.skipped_steps += 1;
-            self.grads.clear();
+            self.dev.zero_grads()?;
             metrics.skipped = true;
             tracing::warn!(
-                step = self.optimizer.step + 1,
+                step = self.dev.steps() + 1,
                 loss,
                 grad_norm = norm,
                 skipped_total = self.skipped_steps,
@@ -558,19 +509,12 @@ impl Trainer {
             );
             return Ok(metrics);
         }
-        if let Some(c) = self.config.grad_clip {
-            clip_grad_norm(&mut self.grads, c);
+        if let Some(s) = self.config.grad_clip.and_then(|c| clip_coef(norm, c)) {
+            self.dev.scale_grads(s)?;
         }
-        self.optimizer.step(&self.grads, lr)?;
-        let opt = &self.optimizer;
-        let t0 = std::time::Instant::now();
-        let (version, res) = {
-            let _paused = PauseGuard::pause(self.gate.as_deref())?;
-            self.store.update(|m| opt.write_to(m))
-        };
-        metrics.update_secs = t0.elapsed().as_secs_f64();
-        res?;
-        metrics.step = self.optimizer.step;
+        let (version, secs) = self.dev.apply(lr, self.gate.as_deref())?;
+        metrics.update_secs = secs;
+        metrics.step = self.dev.steps();
         metrics.weight_version = version;
         metrics.weights_checksum = self.check_weights()?;
         tracing::info!(
@@ -590,7 +534,7 @@ impl Trainer {
     /// In a data-parallel group `batch` is this rank's share (it may be
     /// empty); the loss is the whole batch's.
     pub fn sft_step(&mut self, batch: &[SftExample]) -> Result<StepMetrics> {
-        let vocab = self.store.read().config.vocab_size;
+        let vocab = self.store().read().config.vocab_size;
         let local = batch
             .iter()
             .enumerate()
@@ -626,7 +570,7 @@ impl Trainer {
     /// In a data-parallel group `batch` is this rank's share (it may be
     /// empty); the loss and the metrics are the whole batch's.
     pub fn pg_step(&mut self, batch: &[PgExample]) -> Result<StepMetrics> {
-        let vocab = self.store.read().config.vocab_size;
+        let vocab = self.store().read().config.vocab_size;
         let local = (|| {
             let (mut n_tokens, mut n_seqs) = (0, 0);
             for (i, ex) in batch.iter().enumerate() {
@@ -667,7 +611,7 @@ impl Trainer {
         let entropy = cfg.entropy_coef != 0.0;
         // The only writer is this trainer, so the version cannot move
         // before its own write below.
-        let trainer_version = self.store.weight_version();
+        let trainer_version = self.store().weight_version();
         let mut split = MismatchSplit {
             trainer_version,
             ..Default::default()
@@ -676,7 +620,7 @@ impl Trainer {
             .iter()
             .all(|e| e.weight_versions.len() == e.tokens.len());
         let reference = cfg.ref_kl_coef != 0.0;
-        if reference && self.reference.is_none() {
+        if reference && !self.dev.has_reference() {
             return Err(Error::Input(
                 "ref_kl_coef is set but the trainer has no reference model".into(),
             ));

@@ -103,7 +103,7 @@ fn run<T: Clone + Send + Sync + 'static>(
             tr = tr.with_comm(c);
         }
         if tamper == Some(rank) {
-            tr.optimizer.master[0][0] += 1e-3;
+            tr.dev.optimizer.master[0][0] += 1e-3;
         }
         let mut metrics = Vec::new();
         let mut first_grads = Vec::new();
@@ -118,7 +118,7 @@ fn run<T: Clone + Send + Sync + 'static>(
                     .collect();
             }
         }
-        let weights = flat(&tr.store.read());
+        let weights = flat(&tr.store().read());
         Ok(Ran {
             metrics,
             first_grads,

@@ -50,7 +50,7 @@ fn policy_gradient_raises_the_rewarded_token() {
     let (good, bad) = (42u32, 7u32);
     let mut tr = Trainer::new(store_of(tiny()), cfg(3e-3)).unwrap();
     let p_good = |tr: &Trainer| {
-        let m = tr.store.read();
+        let m = tr.store().read();
         let s = m.score(&[[&prompt[..], &[good]].concat()]).unwrap();
         s[0][3].unwrap().exp()
     };
@@ -59,7 +59,7 @@ fn policy_gradient_raises_the_rewarded_token() {
         // A group of two attempts, one rewarded: advantages +0.5 / -0.5;
         // behaviour log-probs from the current weights (on-policy).
         let scores = {
-            let m = tr.store.read();
+            let m = tr.store().read();
             m.score(&[
                 [&prompt[..], &[good]].concat(),
                 [&prompt[..], &[bad]].concat(),
@@ -97,7 +97,7 @@ fn policy_gradient_raises_the_rewarded_token() {
 #[test]
 fn non_finite_step_is_skipped_and_counted() {
     let mut tr = Trainer::new(store_of(tiny()), cfg(1e-2)).unwrap();
-    let before: Vec<f32> = tr.store.read().named_params()[0]
+    let before: Vec<f32> = tr.store().read().named_params()[0]
         .1
         .as_f32()
         .unwrap()
@@ -113,8 +113,8 @@ fn non_finite_step_is_skipped_and_counted() {
     let m = tr.pg_step(&batch).unwrap();
     assert!(m.skipped);
     assert_eq!(tr.skipped_steps, 1);
-    assert_eq!(tr.store.weight_version(), 0);
-    let after: Vec<f32> = tr.store.read().named_params()[0]
+    assert_eq!(tr.store().weight_version(), 0);
+    let after: Vec<f32> = tr.store().read().named_params()[0]
         .1
         .as_f32()
         .unwrap()
@@ -169,7 +169,7 @@ fn kl_to_the_reference_pulls_a_drifted_policy_back() {
     };
     let example = |tr: &Trainer, advantage: f32| {
         let lp = tr
-            .store
+            .store()
             .read()
             .score(std::slice::from_ref(&tokens))
             .unwrap()[0][3]
@@ -198,7 +198,7 @@ fn kl_to_the_reference_pulls_a_drifted_policy_back() {
     assert_eq!(a.grad_norm.to_bits(), b.grad_norm.to_bits());
     assert_eq!(b.pg.unwrap().ref_kl, 0.0);
     let bits = |t: &Trainer| -> Vec<u32> {
-        t.store.read().named_params()[0]
+        t.store().read().named_params()[0]
             .1
             .as_f32()
             .unwrap()

@@ -4,7 +4,7 @@
 //! tests/ref/make_grad_fixtures.py), plus checkpoint round trips.
 
 use arcticd_engine::Qwen3_5;
-use arcticd_trainer::checkpoint::{load_optimizer, save_checkpoint};
+use arcticd_trainer::checkpoint::save_checkpoint;
 use arcticd_trainer::data::{batch_for_step, read_sft_jsonl};
 use arcticd_trainer::optim::{AdamWConfig, LrSchedule};
 use arcticd_trainer::step::{store_of, TrainConfig, Trainer};
@@ -83,7 +83,7 @@ fn sft_steps_match_pytorch_adamw() {
     }
     let bytes = std::fs::read(fixtures().join("sft_adamw/final.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let model = tr.store.read();
+    let model = tr.store().read();
     let mut worst = 0.0f64;
     for (name, p) in model.named_params() {
         let want: Vec<f32> = st
@@ -118,19 +118,19 @@ fn checkpoint_resume_is_exact() {
     a.sft_step(&batch_for_step(&data, 0, 2)).unwrap();
     let dir = tmpdir("ckpt");
     let ck = dir.join("step1");
-    save_checkpoint(&ck, &a.store.read(), &base, Some(&a.optimizer)).unwrap();
+    save_checkpoint(&ck, &a.store().read(), &base, Some(&a.dev.optimizer)).unwrap();
     // Saving again over an existing checkpoint replaces it.
-    save_checkpoint(&ck, &a.store.read(), &base, Some(&a.optimizer)).unwrap();
+    save_checkpoint(&ck, &a.store().read(), &base, Some(&a.dev.optimizer)).unwrap();
     a.sft_step(&batch_for_step(&data, 1, 2)).unwrap();
 
     let reloaded = Qwen3_5::load(&ck).unwrap();
     let seqs = vec![data[0].tokens.clone(), data[3].tokens.clone()];
     let mut b = Trainer::new(store_of(reloaded), cfg).unwrap();
-    load_optimizer(&ck, &mut b.optimizer).unwrap();
-    assert_eq!(b.optimizer.step, 1);
-    let s1 = b.store.read().score(&seqs).unwrap();
+    b.load_optimizer(&ck).unwrap();
+    assert_eq!(b.dev.optimizer.step, 1);
+    let s1 = b.store().read().score(&seqs).unwrap();
     b.sft_step(&batch_for_step(&data, 1, 2)).unwrap();
-    let (ma, mb) = (a.store.read(), b.store.read());
+    let (ma, mb) = (a.store().read(), b.store().read());
     for ((n, pa), (_, pb)) in ma.named_params().iter().zip(mb.named_params()) {
         assert_eq!(
             pa.as_f32().unwrap(),
@@ -148,5 +148,13 @@ fn checkpoint_resume_is_exact() {
         vec!["step1".to_string()],
         "no temporary directories left"
     );
+    // A resume (or replay) with changed AdamW settings steps with them, not
+    // with those the checkpoint was written with.
+    let mut changed = config(args, 1 << 20);
+    changed.optimizer.eps *= 10.0;
+    let mut c = Trainer::new(store_of(Qwen3_5::load(&ck).unwrap()), changed.clone()).unwrap();
+    c.load_optimizer(&ck).unwrap();
+    assert_eq!(c.dev.optimizer.step, 1);
+    assert_eq!(c.dev.optimizer.config, changed.optimizer);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -28,8 +28,9 @@ use super::pool::TaskPool;
 use super::probe::{self, Probe};
 use super::recipe::{Keep, Recipe, SandboxBackend};
 use super::run_dir::{append_jsonl, write_jsonl, RunDir, RunState, Totals};
-use crate::checkpoint::{load_optimizer, save_checkpoint_with};
+use crate::checkpoint::save_checkpoint_with;
 use crate::comm::{Communicator, LocalComm};
+use crate::device::{step_device, StepDevice};
 use crate::harness::engine_policy::EnginePolicy;
 use crate::harness::trajectory::Trajectory;
 use crate::harness::{Harness, Policy};
@@ -76,6 +77,18 @@ impl WriteGate for RouterGate {
     }
 }
 
+/// A trainer rank on the device the recipe names.
+type RankTrainer = Trainer<Box<dyn StepDevice>>;
+
+/// The device of rank `rank` (and its replicas): `cuda:N+rank` for
+/// `cuda:N`.
+fn rank_device(device: arcticd_kernels::Device, rank: usize) -> arcticd_kernels::Device {
+    match device {
+        arcticd_kernels::Device::Cpu => arcticd_kernels::Device::Cpu,
+        arcticd_kernels::Device::Cuda(n) => arcticd_kernels::Device::Cuda(n + rank),
+    }
+}
+
 /// The trainer ranks past rank 0 (which steps on the loop's own thread),
 /// one thread each with its own copy of the weights, taking its share of
 /// every batch.
@@ -86,7 +99,7 @@ struct Ranks {
 
 impl Ranks {
     /// Starts `trainers` (ranks 1.., in order) on threads of their own.
-    fn start(trainers: Vec<Trainer>) -> Result<Ranks> {
+    fn start(trainers: Vec<RankTrainer>) -> Result<Ranks> {
         let (mut shares, mut results) = (Vec::new(), Vec::new());
         for (i, mut trainer) in trainers.into_iter().enumerate() {
             let (share_tx, share_rx) = mpsc::channel::<Vec<PgExample>>();
@@ -110,7 +123,7 @@ impl Ranks {
     /// One policy-gradient step over every rank: `trainer` (rank 0) here,
     /// the others on their threads, each on a contiguous share of
     /// `examples` of about equal tokens.
-    fn pg_step(&self, trainer: &mut Trainer, examples: &[PgExample]) -> Result<StepMetrics> {
+    fn pg_step(&self, trainer: &mut RankTrainer, examples: &[PgExample]) -> Result<StepMetrics> {
         if self.shares.is_empty() {
             return trainer.pg_step(examples);
         }
@@ -511,6 +524,12 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         .ok_or_else(|| Error::Recipe("no tasks: set tasks = \"FILE\"".into()))?;
     // Everything that can be wrong with the inputs fails here, before a
     // single rollout starts.
+    for rank in 0..recipe.ranks {
+        let d = rank_device(recipe.device, rank);
+        d.check_available().map_err(|e| {
+            Error::Recipe(format!("device = \"{}\", rank {rank}: {e}", recipe.device))
+        })?;
+    }
     let tasks = Arc::new(load_task_file(&tasks_path)?);
     let eval_tasks = match &recipe.eval_tasks {
         Some(p) => load_task_file(p)?,
@@ -544,7 +563,9 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         .map_err(|e| Error::Recipe(format!("model {}: {e}", weights_dir.display())))?;
     let plan = memory_plan(&recipe, &model_config);
     tracing::info!("memory plan:\n{plan}");
-    plan.check(host_memory_available())?;
+    if recipe.device == arcticd_kernels::Device::Cpu {
+        plan.check(host_memory_available())?;
+    }
     let model = Qwen3_5::load(&weights_dir)
         .map_err(|e| Error::Recipe(format!("model {}: {e}", weights_dir.display())))?;
     let version0 = start.as_ref().map_or(0, |s| s.weight_version);
@@ -561,7 +582,10 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 engine::start(
                     stores[r % stores.len()].clone(),
                     Some(tokenizer.clone()),
-                    engine_cfg.clone(),
+                    EngineConfig {
+                        device: rank_device(recipe.device, r % stores.len()),
+                        ..engine_cfg.clone()
+                    },
                 )
             })
             .collect::<std::result::Result<Vec<_>, _>>()?,
@@ -576,9 +600,25 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     };
     let mut trainers = Vec::with_capacity(stores.len());
     for (rank, (s, comm)) in stores.iter().zip(comms.iter_mut()).enumerate() {
-        let mut t = Trainer::new(s.clone(), recipe.train_config())?;
+        let reference =
+            if recipe.ref_kl_coef != 0.0 {
+                // The run's starting model, also on resume.
+                Some(Qwen3_5::load(&model_dir).map_err(|e| {
+                    Error::Recipe(format!("KL reference {}: {e}", model_dir.display()))
+                })?)
+            } else {
+                None
+            };
+        let config = recipe.train_config();
+        let dev = step_device(
+            rank_device(recipe.device, rank),
+            s.clone(),
+            config.optimizer,
+            reference,
+        )?;
+        let mut t = Trainer::on(dev, config);
         if start.is_some() {
-            load_optimizer(&weights_dir, &mut t.optimizer)?;
+            t.load_optimizer(&weights_dir)?;
         }
         t.gate = Some(Arc::new(RouterGate {
             router: router.clone(),
@@ -586,12 +626,6 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         }));
         if let Some(c) = comm.take() {
             t = t.with_comm(c);
-        }
-        if recipe.ref_kl_coef != 0.0 {
-            // The run's starting model, also on resume.
-            let reference = Qwen3_5::load(&model_dir)
-                .map_err(|e| Error::Recipe(format!("KL reference {}: {e}", model_dir.display())))?;
-            t = t.with_reference(reference)?;
         }
         trainers.push(t);
     }
@@ -1179,7 +1213,7 @@ fn checkpoint(
     run_dir: &RunDir,
     recipe: &Recipe,
     model_dir: &Path,
-    trainer: &Trainer,
+    trainer: &RankTrainer,
     shared: &Shared,
     step: u64,
     consumed: u64,
@@ -1192,7 +1226,7 @@ fn checkpoint(
     }
     let state = RunState {
         step,
-        weight_version: trainer.store.weight_version(),
+        weight_version: trainer.store().weight_version(),
         pool: shared
             .pool
             .lock()
@@ -1212,12 +1246,12 @@ fn checkpoint(
         .checkpoints()
         .join(format!(".step-{step:06}.partial"));
     {
-        let m = trainer.store.read();
+        let m = trainer.store().read();
         save_checkpoint_with(
             &partial,
             &m,
             model_dir,
-            Some(&trainer.optimizer),
+            Some(&*trainer.optimizer()?),
             &[("run_state.json", json)],
         )?;
     }

@@ -19,6 +19,7 @@ use crate::step::TrainConfig;
 use crate::{Error, Result};
 use arcticd_engine::engine::EngineConfig;
 pub use arcticd_engine::engine::StateDtype;
+use arcticd_kernels::Device;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -114,6 +115,12 @@ pub struct Recipe {
     /// them and every rank takes the same step, so no weights are ever
     /// copied between them. `replicas` must be a multiple. Default 1.
     pub ranks: usize,
+    /// Where the engines run and the trainer steps: "cpu", or "cuda:N" in
+    /// a build with the `cuda` feature (rank r and its replicas on
+    /// cuda:N+r). A CUDA trainer does not yet run `ref_kl_coef` or
+    /// `entropy_coef`. Default "cpu".
+    #[serde(with = "device_key")]
+    pub device: Device,
     /// With several ranks, compare a checksum of every rank's weights
     /// every this many updates, recorded in the metrics (0: never).
     /// Default 10.
@@ -262,6 +269,7 @@ impl Default for Recipe {
             concurrency: 8,
             replicas: 1,
             ranks: 1,
+            device: Device::Cpu,
             checksum_every: 10,
             seed: 0,
             lr: 1e-6,
@@ -313,6 +321,21 @@ impl Default for Recipe {
 
 /// Parses `key=value`: the value as a TOML value when it is one
 /// (`3`, `1e-4`, `true`, `"x"`, `[1, 2]`), else as a bare string.
+/// A [`Device`] in a recipe: its name ("cpu", "cuda:N").
+mod device_key {
+    use arcticd_kernels::Device;
+    use serde::{de::Error as _, Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(d)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Device, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(D::Error::custom)
+    }
+}
+
 fn parse_set(kv: &str) -> Result<(Vec<String>, toml::Value)> {
     let (k, v) = kv
         .split_once('=')
@@ -400,6 +423,9 @@ impl Recipe {
         if !self.replicas.is_multiple_of(self.ranks) {
             return bad("replicas must be a multiple of ranks (each rank's weights are read by its own replicas)");
         }
+        if self.device != Device::Cpu && (self.ref_kl_coef != 0.0 || self.entropy_coef != 0.0) {
+            return bad("ref_kl_coef and entropy_coef are not built for a CUDA trainer yet (set them to 0, or device = \"cpu\")");
+        }
         if !(self.lr.is_finite() && self.lr >= 0.0) {
             return bad("lr must be a finite number >= 0");
         }
@@ -477,9 +503,11 @@ impl Recipe {
     }
 
     /// The settings of every engine of the run (the training replicas and
-    /// the frozen ones that score held-out and retired tasks).
+    /// the frozen ones that score held-out and retired tasks), on `device`
+    /// (rank 0's; the replicas of rank r are on its own).
     pub fn engine_config(&self) -> EngineConfig {
         EngineConfig {
+            device: self.device,
             cache_memory: self.engine_cache_mib << 20,
             max_model_len: self
                 .rollout
@@ -647,6 +675,16 @@ mod tests {
         assert!(err.contains("multiple of ranks"), "{err}");
         assert!(Recipe::from_toml("ranks = 2\nreplicas = 4\n", "r").is_ok());
         assert!(Recipe::from_toml("ranks = 0\n", "r").is_err());
+        let r = Recipe::from_toml_with("", "r", &["device=cuda:1".into()]).unwrap();
+        assert_eq!(r.device, Device::Cuda(1));
+        assert!(r.to_toml().unwrap().contains("device = \"cuda:1\""));
+        let err = Recipe::from_toml("device = \"gpu\"\n", "r").unwrap_err();
+        assert!(
+            err.to_string().contains("expected cpu, cuda or cuda:N"),
+            "{err}"
+        );
+        let err = Recipe::from_toml("device = \"cuda\"\nentropy_coef = 0.01\n", "r").unwrap_err();
+        assert!(err.to_string().contains("CUDA trainer"), "{err}");
         assert!(Recipe::from_toml("stale = \"sometimes\"\n", "r").is_err());
         assert!(Recipe::from_toml("steps = \"many\"\n", "r").is_err());
     }

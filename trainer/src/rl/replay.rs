@@ -10,11 +10,15 @@
 //! saw). Needs the checkpoint of update N-1 (`checkpoint_every = 1`), or
 //! none for update 1, which starts from the recipe's model.
 //!
+//! Updates N..=M replay in a chain from that one checkpoint, each on its
+//! recorded batch after the one before: unchanged, the chain is the run's
+//! own updates (each replay equals its update bit for bit), so a run that
+//! kept a checkpoint every 20 updates can still be traced update by update.
+//!
 //! Not for: evaluating a change on fresh rollouts (that is a run).
 
 use super::recipe::{Recipe, StalePolicy};
 use super::run_dir::{RunDir, RunState};
-use crate::checkpoint::load_optimizer;
 use crate::harness::trajectory::Trajectory;
 use crate::step::{PgExample, Trainer};
 use crate::{Error, Result};
@@ -47,12 +51,24 @@ struct Trained {
     t: Trajectory,
 }
 
-/// Replays update `step` of the run in `run_dir` with `sets` applied to its
-/// recipe, scoring `probes` (token sequences of at least two tokens) before
-/// and after.
-pub fn replay(run_dir: &Path, step: u64, sets: &[String], probes: &[Vec<u32>]) -> Result<Replay> {
+/// Replays updates `step..=through` of the run in `run_dir` in a chain
+/// from the checkpoint before `step`, with `sets` applied to its recipe,
+/// scoring `probes` (token sequences of at least two tokens) before and
+/// after each.
+pub fn replay(
+    run_dir: &Path,
+    step: u64,
+    through: u64,
+    sets: &[String],
+    probes: &[Vec<u32>],
+) -> Result<Vec<Replay>> {
     if step == 0 {
         return Err(Error::Input("updates count from 1".into()));
+    }
+    if through < step {
+        return Err(Error::Input(format!(
+            "replaying updates {step} through {through}: the last comes before the first"
+        )));
     }
     if let Some(i) = probes.iter().position(|p| p.len() < 2) {
         return Err(Error::Input(format!(
@@ -95,7 +111,7 @@ pub fn replay(run_dir: &Path, step: u64, sets: &[String], probes: &[Vec<u32>]) -
         recipe.train_config(),
     )?;
     if step > 1 {
-        load_optimizer(&weights, &mut trainer.optimizer)?;
+        trainer.load_optimizer(&weights)?;
     }
     if recipe.ref_kl_coef != 0.0 {
         let start = recipe.model.as_deref().unwrap_or(&weights);
@@ -104,6 +120,58 @@ pub fn replay(run_dir: &Path, step: u64, sets: &[String], probes: &[Vec<u32>]) -
         trainer = trainer.with_reference(reference)?;
     }
 
+    let last = |t: &Trainer| -> Result<Vec<f32>> {
+        if probes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let scores = t.store().read().score(probes)?;
+        Ok(scores
+            .iter()
+            .map(|s| s.last().copied().flatten().unwrap_or(f32::NAN))
+            .collect())
+    };
+    let mut out = Vec::new();
+    let mut probe_before = last(&trainer)?;
+    for step in step..=through {
+        let batch = recorded_batch(&dir, step, &recipe, trainer.store().weight_version())?;
+        if batch.is_empty() {
+            if out.is_empty() {
+                return Err(Error::Input(format!(
+                    "{}: update {step} trained on nothing",
+                    dir.step_trajectories(step).display()
+                )));
+            }
+            // The run did not step either: the weights stay.
+            continue;
+        }
+        let m = trainer.pg_step(&batch)?;
+        let probe_after = last(&trainer)?;
+        let pg = m.pg.unwrap_or_default();
+        out.push(Replay {
+            step,
+            loss: m.loss,
+            grad_norm: m.grad_norm,
+            tokens: pg.tokens,
+            masked_fraction: pg.masked_fraction,
+            tail_masked: pg.tail_masked,
+            clip_fraction: pg.clipped_fraction,
+            probe_before: std::mem::take(&mut probe_before),
+            probe_after: probe_after.clone(),
+        });
+        probe_before = probe_after;
+    }
+    Ok(out)
+}
+
+/// The batch update `step` trained on, as the trainer saw it at weight
+/// `version` (stale tokens masked when the recipe masks them); empty when
+/// it trained on nothing.
+fn recorded_batch(
+    dir: &RunDir,
+    step: u64,
+    recipe: &Recipe,
+    version: u64,
+) -> Result<Vec<PgExample>> {
     let path = dir.step_trajectories(step);
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
     let oldest_allowed = version.saturating_sub(recipe.max_staleness);
@@ -128,36 +196,5 @@ pub fn replay(run_dir: &Path, step: u64, sets: &[String], probes: &[Vec<u32>]) -
             weight_versions: r.t.weight_versions,
         });
     }
-    if batch.is_empty() {
-        return Err(Error::Input(format!(
-            "{}: update {step} trained on nothing",
-            path.display()
-        )));
-    }
-
-    let last = |t: &Trainer| -> Result<Vec<f32>> {
-        if probes.is_empty() {
-            return Ok(Vec::new());
-        }
-        let scores = t.store.read().score(probes)?;
-        Ok(scores
-            .iter()
-            .map(|s| s.last().copied().flatten().unwrap_or(f32::NAN))
-            .collect())
-    };
-    let probe_before = last(&trainer)?;
-    let m = trainer.pg_step(&batch)?;
-    let probe_after = last(&trainer)?;
-    let pg = m.pg.unwrap_or_default();
-    Ok(Replay {
-        step,
-        loss: m.loss,
-        grad_norm: m.grad_norm,
-        tokens: pg.tokens,
-        masked_fraction: pg.masked_fraction,
-        tail_masked: pg.tail_masked,
-        clip_fraction: pg.clipped_fraction,
-        probe_before,
-        probe_after,
-    })
+    Ok(batch)
 }

@@ -1,0 +1,369 @@
+//! Where a trainer's weights, gradients and optimizer state live: the seam
+//! an optimizer step is written over. [`crate::step::Trainer`] writes the
+//! step once (micro-batches, the losses, the data-parallel sync, the
+//! metrics, clipping, the skip of a non-finite step, the pause of the
+//! engines around the write); a [`StepDevice`] runs the model's part of it
+//! (the training forward with log-probs, the backward, the gradient
+//! reductions, AdamW, the write of the weights the engines read).
+//! [`CpuStep`] is the CPU, `cuda::CudaStep` (feature `cuda`) a GPU.
+//!
+//! Not for: the layer code (the engine's `Qwen3_5::layer_forward` and
+//! `backward::model_backward`, both already device-generic), the losses.
+
+use crate::comm::Communicator;
+use crate::grads::ModelGrads;
+use crate::model::{self, Activations, ForwardOptions, Packed};
+use crate::optim::{AdamW, AdamWConfig};
+use crate::step::WriteGate;
+use crate::{Error, Result};
+use arcticd_engine::{ParamStore, Qwen3_5};
+use std::borrow::Cow;
+use std::path::Path;
+use std::sync::Arc;
+
+/// One micro-batch as a device scores it: whole sequences, and the packed
+/// rows whose next token is a target (`rows[i]` predicts `targets[i]`).
+#[derive(Debug, Clone, Copy)]
+pub struct MicroBatch<'a> {
+    pub sequences: &'a [&'a [u32]],
+    pub rows: &'a [usize],
+    pub targets: &'a [u32],
+}
+
+/// What a training forward scored: each target's log-prob, and the
+/// entropy of each row's distribution when asked for.
+pub type Scores = (Vec<f32>, Option<Vec<f32>>);
+
+/// The device side of an optimizer step. Calls come in this order per
+/// step: [`zero_grads`](Self::zero_grads); per micro-batch
+/// [`reference_logprobs`](Self::reference_logprobs) (when the loss needs
+/// them), [`forward`](Self::forward), [`backward`](Self::backward); then
+/// [`all_reduce_grads`](Self::all_reduce_grads) in a group,
+/// [`grad_norm`](Self::grad_norm), [`scale_grads`](Self::scale_grads) when
+/// clipping, [`apply`](Self::apply).
+pub trait StepDevice: Send {
+    /// The host store the engines read: after [`apply`](Self::apply) it
+    /// holds the new weights under a new version.
+    fn store(&self) -> &Arc<ParamStore>;
+    fn zero_grads(&mut self) -> Result<()>;
+    /// The training forward of one micro-batch at `temperature`, keeping
+    /// what [`backward`](Self::backward) needs (only each layer's input
+    /// with `recompute_layers`).
+    fn forward(
+        &mut self,
+        batch: MicroBatch<'_>,
+        entropy: bool,
+        temperature: f32,
+        recompute_layers: bool,
+    ) -> Result<Scores>;
+    /// Whether a fixed reference policy is held (`pg.ref_kl_coef`).
+    fn has_reference(&self) -> bool;
+    /// The reference policy's log-prob of each target (no backward).
+    fn reference_logprobs(&mut self, batch: MicroBatch<'_>, temperature: f32) -> Result<Vec<f32>>;
+    /// Backward of the last [`forward`](Self::forward) from the gradient of
+    /// each target's log-prob (and of each row's entropy): the parameter
+    /// gradients accumulate.
+    fn backward(&mut self, dlp: &[f32], dentropy: Option<&[f32]>, temperature: f32) -> Result<()>;
+    /// Sums the gradients over the ranks of `comm`.
+    fn all_reduce_grads(&mut self, comm: &dyn Communicator) -> Result<()>;
+    /// The gradients' global L2 norm (per-tensor sums of squares in f64, in
+    /// parameter order), and whether every gradient is finite.
+    fn grad_norm(&self) -> Result<(f64, bool)>;
+    fn scale_grads(&mut self, s: f32) -> Result<()>;
+    /// One AdamW step at `lr` on the master weights, then the write of the
+    /// store with `gate` paused around it; returns the new weight version
+    /// and the seconds the gate was held.
+    fn apply(&mut self, lr: f64, gate: Option<&dyn WriteGate>) -> Result<(u64, f64)>;
+    /// Optimizer steps taken.
+    fn steps(&self) -> u64;
+    /// The optimizer state as the host holds it (checkpoints).
+    fn host_optimizer(&self) -> Result<Cow<'_, AdamW>>;
+    /// Loads the optimizer's moments and step count from the checkpoint
+    /// `dir` whose weights the store holds (resuming): the masters are those
+    /// weights already.
+    fn load_optimizer(&mut self, dir: &Path) -> Result<()>;
+}
+
+/// The CPU: the model in the shared store, gradients and AdamW on the host.
+pub struct CpuStep {
+    pub store: Arc<ParamStore>,
+    pub optimizer: AdamW,
+    grads: ModelGrads,
+    /// The fixed policy of the KL-to-reference term.
+    reference: Option<Qwen3_5>,
+    /// The last forward's activations, until its backward.
+    acts: Option<(Activations, Vec<usize>, Vec<u32>)>,
+}
+
+impl CpuStep {
+    pub fn new(store: Arc<ParamStore>, config: AdamWConfig) -> Result<Self> {
+        let (optimizer, grads) = {
+            let m = store.read();
+            (AdamW::new(&m, config)?, ModelGrads::zeros_like(&m))
+        };
+        Ok(CpuStep {
+            store,
+            optimizer,
+            grads,
+            reference: None,
+            acts: None,
+        })
+    }
+
+    /// The gradients of the last accumulation.
+    pub fn grads(&self) -> &ModelGrads {
+        &self.grads
+    }
+
+    /// Holds `reference` as the KL term's fixed policy; it must have the
+    /// trained model's shapes.
+    pub fn set_reference(&mut self, reference: Qwen3_5) -> Result<()> {
+        if !same_shapes(&self.store.read().config, &reference.config) {
+            return Err(Error::Input(
+                "the KL reference model's config differs from the trained model's".into(),
+            ));
+        }
+        self.reference = Some(reference);
+        Ok(())
+    }
+}
+
+/// Whether two configs describe parameters of the same shapes.
+pub(crate) fn same_shapes(
+    a: &arcticd_engine::config::ModelConfig,
+    b: &arcticd_engine::config::ModelConfig,
+) -> bool {
+    let shape = |c: &arcticd_engine::config::ModelConfig| {
+        (
+            [
+                c.vocab_size,
+                c.hidden_size,
+                c.intermediate_size,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                c.conv_kernel,
+                c.linear_key_head_dim,
+                c.linear_value_head_dim,
+                c.linear_num_key_heads,
+                c.linear_num_value_heads,
+            ],
+            c.tie_word_embeddings,
+            c.layer_types.clone(),
+        )
+    };
+    shape(a) == shape(b)
+}
+
+fn packed_of(sequences: &[&[u32]], vocab: usize) -> Result<Packed> {
+    let seqs: Vec<Vec<u32>> = sequences.iter().map(|s| s.to_vec()).collect();
+    Packed::new(&seqs, vocab)
+}
+
+impl StepDevice for CpuStep {
+    fn store(&self) -> &Arc<ParamStore> {
+        &self.store
+    }
+
+    fn zero_grads(&mut self) -> Result<()> {
+        self.grads.clear();
+        self.acts = None;
+        Ok(())
+    }
+
+    fn forward(
+        &mut self,
+        batch: MicroBatch<'_>,
+        entropy: bool,
+        temperature: f32,
+        recompute_layers: bool,
+    ) -> Result<Scores> {
+        // A read guard per call: the engines keep generating meanwhile, and
+        // the only writer is this trainer's `apply`.
+        let m = self.store.read();
+        let packed = packed_of(batch.sequences, m.config.vocab_size)?;
+        let acts = model::forward_with(&m, packed, ForwardOptions { recompute_layers })?;
+        let scores = model::token_logprobs_entropy(
+            &m,
+            &acts.hidden,
+            batch.rows,
+            batch.targets,
+            entropy,
+            temperature,
+        )?;
+        self.acts = Some((acts, batch.rows.to_vec(), batch.targets.to_vec()));
+        Ok(scores)
+    }
+
+    fn has_reference(&self) -> bool {
+        self.reference.is_some()
+    }
+
+    fn reference_logprobs(&mut self, batch: MicroBatch<'_>, temperature: f32) -> Result<Vec<f32>> {
+        let r = self.reference.as_ref().ok_or_else(|| {
+            Error::Input("ref_kl_coef is set but the trainer has no reference model".into())
+        })?;
+        let packed = packed_of(batch.sequences, r.config.vocab_size)?;
+        let acts = model::forward_with(
+            r,
+            packed,
+            ForwardOptions {
+                recompute_layers: true,
+            },
+        )?;
+        let (lp, _) = model::token_logprobs_entropy(
+            r,
+            &acts.hidden,
+            batch.rows,
+            batch.targets,
+            false,
+            temperature,
+        )?;
+        Ok(lp)
+    }
+
+    fn backward(&mut self, dlp: &[f32], dentropy: Option<&[f32]>, temperature: f32) -> Result<()> {
+        let (acts, rows, targets) = self
+            .acts
+            .take()
+            .ok_or_else(|| Error::Shape("a backward without its forward".into()))?;
+        let m = self.store.read();
+        let dhidden = model::token_logprobs_entropy_backward(
+            &m,
+            &mut self.grads,
+            &acts.hidden,
+            &rows,
+            &targets,
+            dlp,
+            dentropy,
+            temperature,
+        )?;
+        model::backward(&m, &acts, &dhidden, &mut self.grads)
+    }
+
+    fn all_reduce_grads(&mut self, comm: &dyn Communicator) -> Result<()> {
+        for (_, g) in self.grads.named_mut() {
+            comm.all_reduce_sum(g)?;
+        }
+        Ok(())
+    }
+
+    fn grad_norm(&self) -> Result<(f64, bool)> {
+        Ok(self.grads.global_norm())
+    }
+
+    fn scale_grads(&mut self, s: f32) -> Result<()> {
+        self.grads.scale(s);
+        Ok(())
+    }
+
+    fn apply(&mut self, lr: f64, gate: Option<&dyn WriteGate>) -> Result<(u64, f64)> {
+        self.optimizer.step(&self.grads, lr)?;
+        let opt = &self.optimizer;
+        let t0 = std::time::Instant::now();
+        let (version, res) = {
+            let _paused = crate::step::PauseGuard::pause(gate)?;
+            self.store.update(|m| opt.write_to(m))
+        };
+        let secs = t0.elapsed().as_secs_f64();
+        res?;
+        Ok((version, secs))
+    }
+
+    fn steps(&self) -> u64 {
+        self.optimizer.step
+    }
+
+    fn host_optimizer(&self) -> Result<Cow<'_, AdamW>> {
+        Ok(Cow::Borrowed(&self.optimizer))
+    }
+
+    fn load_optimizer(&mut self, dir: &Path) -> Result<()> {
+        crate::checkpoint::load_optimizer(dir, &mut self.optimizer)
+    }
+}
+
+/// A device chosen at run time (`Trainer<Box<dyn StepDevice>>`).
+impl<T: StepDevice + ?Sized> StepDevice for Box<T> {
+    fn store(&self) -> &Arc<ParamStore> {
+        (**self).store()
+    }
+    fn zero_grads(&mut self) -> Result<()> {
+        (**self).zero_grads()
+    }
+    fn forward(
+        &mut self,
+        batch: MicroBatch<'_>,
+        entropy: bool,
+        temperature: f32,
+        recompute_layers: bool,
+    ) -> Result<Scores> {
+        (**self).forward(batch, entropy, temperature, recompute_layers)
+    }
+    fn has_reference(&self) -> bool {
+        (**self).has_reference()
+    }
+    fn reference_logprobs(&mut self, batch: MicroBatch<'_>, temperature: f32) -> Result<Vec<f32>> {
+        (**self).reference_logprobs(batch, temperature)
+    }
+    fn backward(&mut self, dlp: &[f32], dentropy: Option<&[f32]>, temperature: f32) -> Result<()> {
+        (**self).backward(dlp, dentropy, temperature)
+    }
+    fn all_reduce_grads(&mut self, comm: &dyn Communicator) -> Result<()> {
+        (**self).all_reduce_grads(comm)
+    }
+    fn grad_norm(&self) -> Result<(f64, bool)> {
+        (**self).grad_norm()
+    }
+    fn scale_grads(&mut self, s: f32) -> Result<()> {
+        (**self).scale_grads(s)
+    }
+    fn apply(&mut self, lr: f64, gate: Option<&dyn WriteGate>) -> Result<(u64, f64)> {
+        (**self).apply(lr, gate)
+    }
+    fn steps(&self) -> u64 {
+        (**self).steps()
+    }
+    fn host_optimizer(&self) -> Result<Cow<'_, AdamW>> {
+        (**self).host_optimizer()
+    }
+    fn load_optimizer(&mut self, dir: &Path) -> Result<()> {
+        (**self).load_optimizer(dir)
+    }
+}
+
+/// The step device for `device`: the CPU, or a GPU by ordinal (builds
+/// with the `cuda` feature), for the model in `store`, with `reference`
+/// as the KL term's fixed policy when given.
+pub fn step_device(
+    device: arcticd_kernels::Device,
+    store: Arc<ParamStore>,
+    config: AdamWConfig,
+    reference: Option<Qwen3_5>,
+) -> Result<Box<dyn StepDevice>> {
+    match device {
+        arcticd_kernels::Device::Cpu => {
+            let mut cpu = CpuStep::new(store, config)?;
+            if let Some(r) = reference {
+                cpu.set_reference(r)?;
+            }
+            Ok(Box::new(cpu))
+        }
+        #[cfg(feature = "cuda")]
+        arcticd_kernels::Device::Cuda(i) => {
+            if reference.is_some() {
+                return Err(Error::Input(format!(
+                    "ref_kl_coef on {device}: the KL reference is not built for a CUDA trainer yet"
+                )));
+            }
+            let dev = Arc::new(arcticd_kernels::cuda::device::CudaDevice::new(i)?);
+            Ok(Box::new(crate::cuda::CudaStep::new(store, dev, config)?))
+        }
+        #[cfg(not(feature = "cuda"))]
+        arcticd_kernels::Device::Cuda(_) => {
+            // The stand-in's error: this build has no CUDA backend.
+            device.check_available()?;
+            Err(Error::Input(format!("{device}: no CUDA backend")))
+        }
+    }
+}
