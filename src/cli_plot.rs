@@ -11,6 +11,7 @@
 //! |---|---|
 //! | `reward.png` | `reward_mean` and `pass_rate` (thin raw, thick moving mean over `--smooth` steps), `recheck_reward` and `eval_pass_at_1` as markers where present |
 //! | `mismatch.png` | `mismatch_same_version_mean` / `_max` and `probe_mismatch_max` (linear axis: expected exactly 0), `lag_divergence_mean` (log axis when all positive) |
+//! | `update.png` | `grad_norm` (log axis when all positive), `tail_masked` (tokens left out as sampled below `min_token_prob`), `kl_behaviour` / `kl_reference` (log axis when all positive) |
 //! | `staleness.png` | `staleness_mean`, `staleness_max`, `stale_dropped` |
 //! | `time.png` | `time_wait_s`, `time_train_s`, `time_update_s` |
 //! | `replica_load.png` | `replica_load` (one value per replica): each replica, their mean, and max / mean |
@@ -360,6 +361,35 @@ fn figures(smooth: usize) -> Vec<Figure> {
                     y_label: "divergence",
                     scale: Scale::LogIfPositive,
                     series: vec![series("lag_divergence_mean", "lag divergence", Kind::Line)],
+                },
+            ],
+        },
+        Figure {
+            file: "update.png",
+            title: "what each update trained on",
+            panels: vec![
+                Panel {
+                    title: format!("gradient norm before clipping ({raw})"),
+                    y_label: "grad norm",
+                    scale: Scale::LogIfPositive,
+                    series: vec![series("grad_norm", "grad_norm", Kind::Smoothed)],
+                },
+                Panel {
+                    title: "tokens left out of the loss as sampled below min_token_prob"
+                        .to_string(),
+                    y_label: "tokens",
+                    scale: Scale::Linear,
+                    series: vec![series("tail_masked", "tail_masked", Kind::Line)],
+                },
+                Panel {
+                    title: "k3 KL to the behaviour policy (thick), to the starting model (thin)"
+                        .to_string(),
+                    y_label: "KL",
+                    scale: Scale::LogIfPositive,
+                    series: vec![
+                        series("kl_behaviour", "kl_behaviour", Kind::Line),
+                        series("kl_reference", "kl_reference", Kind::Thin),
+                    ],
                 },
             ],
         },
@@ -894,6 +924,22 @@ mod tests {
         assert_eq!(per.drawn[0].thick, Some(vec![(1.0, 2.0), (3.0, 2.0)]));
         let imb = PanelData::collect(&figure.panels[2], &runs, 1).unwrap();
         assert_eq!(imb.drawn[0].lines, vec![vec![(1.0, 1.5), (3.0, 1.0)]]);
+    }
+
+    #[test]
+    fn update_figure_draws_what_the_run_logged() {
+        let r = run("{\"step\":1,\"grad_norm\":0.2,\"tail_masked\":3,\"kl_behaviour\":0.001}\n{\"step\":2,\"grad_norm\":0.1,\"tail_masked\":0,\"kl_behaviour\":0.002}\n");
+        let figure = figures(1)
+            .into_iter()
+            .find(|f| f.file == "update.png")
+            .unwrap();
+        let runs = [r];
+        let tail = PanelData::collect(&figure.panels[1], &runs, 1).unwrap();
+        assert_eq!(tail.drawn[0].lines, vec![vec![(1.0, 3.0), (2.0, 0.0)]]);
+        let kl = PanelData::collect(&figure.panels[2], &runs, 1).unwrap();
+        assert!(kl.log, "{}", kl.title);
+        // No kl_reference logged (ref_kl_coef off): only the behaviour line.
+        assert_eq!(kl.drawn.len(), 1);
     }
 
     #[test]
