@@ -63,7 +63,7 @@ pub struct SftArgs {
     #[arg(long, default_value_t = 16384)]
     pub micro_batch_tokens: usize,
     /// `cpu`, or `cuda:N` in a build with the `cuda` feature: the whole
-    /// step on the GPU (f32 weights as the masters, one pass per batch).
+    /// step on the GPU (f32 weights as the masters; the same trainer code).
     #[arg(long, default_value = "cpu")]
     pub device: arcticd_kernels::Device,
 }
