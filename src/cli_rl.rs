@@ -60,6 +60,10 @@ pub struct ReplayArgs {
     /// sequence's last token is reported before and after the update.
     #[arg(long)]
     pub probes: Option<PathBuf>,
+    /// On the last replayed update, put each parameter alone back to its
+    /// value before it and report those that move the probes most.
+    #[arg(long, requires = "probes")]
+    pub attribute: bool,
 }
 
 /// `arcticd replay`: one JSON object per replayed update on stdout.
@@ -85,7 +89,14 @@ pub fn replay(args: ReplayArgs) -> Result<()> {
         None => Vec::new(),
     };
     let through = args.through.unwrap_or(args.step);
-    for r in rl::replay::replay(&args.run, args.step, through, &args.sets, &probes)? {
+    for r in rl::replay::replay(
+        &args.run,
+        args.step,
+        through,
+        &args.sets,
+        &probes,
+        args.attribute,
+    )? {
         println!("{}", serde_json::to_string(&r)?);
     }
     Ok(())

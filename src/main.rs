@@ -59,7 +59,7 @@ enum Command {
     Replay(cli_rl::ReplayArgs),
     /// Rejection fine-tuning: sample K attempts per task, SFT on the solved well-formed ones, repeat.
     Rft(cli_rft::RftArgs),
-    /// PNG figures of one or more runs' metrics.jsonl (reward, mismatch, staleness, time, load).
+    /// PNG figures of one or more runs' metrics.jsonl (reward, mismatch, update, staleness, time, load).
     Plot(cli_plot::PlotArgs),
     /// Build the RL demo's warm-started model: SFT on scripted expert trajectories of toy tasks.
     WarmStart(cli_warm::WarmStartArgs),

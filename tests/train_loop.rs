@@ -182,6 +182,37 @@ fn trained_tokens_are_honest_about_their_weights() {
         assert_eq!(r["step"], m["step"]);
         assert_eq!(r["grad_norm"], m["grad_norm"], "chained: {r} vs {m}");
     }
+    // --attribute names the parameters that carry the last update's
+    // effect on the probes, largest first.
+    let first = &read_jsonl(&run.join("trajectories/step-000001.jsonl"))[0];
+    let ids: Vec<u64> = first["token_ids"].as_array().unwrap()[..40]
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let probes = run.join("probes.json");
+    std::fs::write(&probes, serde_json::json!({"sequences": [ids]}).to_string()).unwrap();
+    let out = arcticd()
+        .args(["replay", "--run"])
+        .arg(&run)
+        .args(["--step", "1", "--attribute", "--probes"])
+        .arg(&probes)
+        .output()
+        .unwrap();
+    let r: Value = serde_json::from_slice(&ok(out, "replay --attribute").stdout).unwrap();
+    let shifts: Vec<f64> = r["attribution"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            assert!(
+                a["parameter"].as_str().unwrap().starts_with("model."),
+                "{a}"
+            );
+            a["probe_shift"].as_f64().unwrap().abs()
+        })
+        .collect();
+    assert!(!shifts.is_empty() && shifts.len() <= 12, "{r}");
+    assert!(shifts.windows(2).all(|w| w[0] >= w[1]), "{r}");
     let out = arcticd()
         .args(["replay", "--run"])
         .arg(&run)

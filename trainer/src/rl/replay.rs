@@ -41,6 +41,20 @@ pub struct Replay {
     /// the update.
     pub probe_before: Vec<f32>,
     pub probe_after: Vec<f32>,
+    /// With `attribute`, on the last update: the parameters whose change
+    /// moved the probes most, largest first (at most 12).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub attribution: Vec<Attribution>,
+}
+
+/// How much of an update's effect on the probes one parameter carries.
+#[derive(Debug, Clone, Serialize)]
+pub struct Attribution {
+    pub parameter: String,
+    /// Mean over the probes of the last token's log-prob with this
+    /// parameter alone put back to its value before the update, minus its
+    /// log-prob after the update.
+    pub probe_shift: f32,
 }
 
 /// One record of `trajectories/step-N.jsonl`.
@@ -61,7 +75,13 @@ pub fn replay(
     through: u64,
     sets: &[String],
     probes: &[Vec<u32>],
+    attribute: bool,
 ) -> Result<Vec<Replay>> {
+    if attribute && probes.is_empty() {
+        return Err(Error::Input(
+            "attributing an update needs probes to measure it by".into(),
+        ));
+    }
     if step == 0 {
         return Err(Error::Input("updates count from 1".into()));
     }
@@ -120,16 +140,7 @@ pub fn replay(
         trainer = trainer.with_reference(reference)?;
     }
 
-    let last = |t: &Trainer| -> Result<Vec<f32>> {
-        if probes.is_empty() {
-            return Ok(Vec::new());
-        }
-        let scores = t.store().read().score(probes)?;
-        Ok(scores
-            .iter()
-            .map(|s| s.last().copied().flatten().unwrap_or(f32::NAN))
-            .collect())
-    };
+    let last = |t: &Trainer| last_logprobs(&t.store().read(), probes);
     let mut out = Vec::new();
     let mut probe_before = last(&trainer)?;
     for step in step..=through {
@@ -144,8 +155,13 @@ pub fn replay(
             // The run did not step either: the weights stay.
             continue;
         }
+        let before = (attribute && step == through).then(|| trainer.store().read().clone());
         let m = trainer.pg_step(&batch)?;
         let probe_after = last(&trainer)?;
+        let attribution = match before {
+            Some(b) => attribute_update(&b, &trainer.store().read(), probes, &probe_after)?,
+            None => Vec::new(),
+        };
         let pg = m.pg.unwrap_or_default();
         out.push(Replay {
             step,
@@ -157,9 +173,63 @@ pub fn replay(
             clip_fraction: pg.clipped_fraction,
             probe_before: std::mem::take(&mut probe_before),
             probe_after: probe_after.clone(),
+            attribution,
         });
         probe_before = probe_after;
     }
+    Ok(out)
+}
+
+/// The log-prob of each probe's last token under `model`.
+fn last_logprobs(model: &Qwen3_5, probes: &[Vec<u32>]) -> Result<Vec<f32>> {
+    if probes.is_empty() {
+        return Ok(Vec::new());
+    }
+    Ok(model
+        .score(probes)?
+        .iter()
+        .map(|s| s.last().copied().flatten().unwrap_or(f32::NAN))
+        .collect())
+}
+
+/// Puts each parameter alone back to its value in `before` and scores the
+/// probes: the parameters that carry the update's effect on them, largest
+/// mean shift first.
+fn attribute_update(
+    before: &Qwen3_5,
+    after: &Qwen3_5,
+    probes: &[Vec<u32>],
+    probe_after: &[f32],
+) -> Result<Vec<Attribution>> {
+    let mut m = after.clone();
+    let old: Vec<Vec<f32>> = before
+        .named_params()
+        .iter()
+        .map(|(_, t)| t.as_f32().map(<[f32]>::to_vec))
+        .collect::<std::result::Result<_, _>>()?;
+    let mut out = Vec::with_capacity(old.len());
+    for (i, old) in old.iter().enumerate() {
+        let (name, new) = {
+            let mut params = m.named_params_mut();
+            let (name, t) = &mut params[i];
+            let dst = t.as_f32_mut()?;
+            let new = dst.to_vec();
+            dst.copy_from_slice(old);
+            (name.clone(), new)
+        };
+        let lp = last_logprobs(&m, probes)?;
+        m.named_params_mut()[i]
+            .1
+            .as_f32_mut()?
+            .copy_from_slice(&new);
+        let shift = lp.iter().zip(probe_after).map(|(a, b)| a - b).sum::<f32>() / lp.len() as f32;
+        out.push(Attribution {
+            parameter: name,
+            probe_shift: shift,
+        });
+    }
+    out.sort_by(|a, b| b.probe_shift.abs().total_cmp(&a.probe_shift.abs()));
+    out.truncate(12);
     Ok(out)
 }
 
