@@ -640,47 +640,75 @@ impl CudaDevice {
         dims: (usize, usize, usize, usize),
     ) -> Result<()> {
         let op = "gated_delta_prefill";
-        let (nk, nv, dk, dv) = dims;
-        let seqs = slots.len();
-        if nk == 0 || !nv.is_multiple_of(nk) {
-            return Err(Error::Shape(format!(
-                "{op}: nv {nv} is not a multiple of nk {nk}"
-            )));
-        }
-        check_cu_seqlens(op, cu_seqlens, seqs)?;
-        let t = cu_seqlens[seqs] as usize;
-        shape(
-            op,
-            &[
-                ("out", out.len(), t * nv * dv),
-                ("q", q.len(), t * nk * dk),
-                ("k", k.len(), t * nk * dk),
-                ("v", v.len(), t * nv * dv),
-                ("g", g.len(), t * nv),
-                ("beta", beta.len(), t * nv),
-            ],
-        )?;
-        let per_slot = nv * dk * dv;
-        if per_slot == 0 || !state.len().is_multiple_of(per_slot) {
-            return Err(Error::Shape(format!(
-                "{op}: state has {} elements, not a whole number of [{nv}, {dk}, {dv}] slots",
-                state.len()
-            )));
-        }
-        if seqs == 0 || t == 0 {
+        let Some(ints) = check_prefill(op, out, state, q, k, v, g, beta, slots, cu_seqlens, dims)?
+        else {
             return Ok(());
-        }
+        };
+        let (seqs, nv, dk, dv) = (slots.len(), dims.1, dims.2, dims.3);
         let cu = self.upload(cu_seqlens)?;
-        let ints = [seqs, nk, nv, dk, dv]
-            .iter()
-            .map(|&x| int(op, "size", x))
-            .collect::<Result<Vec<i32>>>()?;
         let cfg = LaunchConfig {
             grid_dim: ((seqs * nv) as u32, 1, 1),
             block_dim: (dv.next_multiple_of(32).min(1024) as u32, 1, 1),
             shared_mem_bytes: (2 * dk * 4) as u32,
         };
         launch!(self, op, cfg; out, state, q, k, v, g, beta, slots, &cu, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
+        Ok(())
+    }
+
+    /// [`Self::gated_delta_prefill`] in the chunked (WY) form: the same
+    /// function up to rounding, in chunks of [`GD_CHUNK`] tokens from each
+    /// sequence's first new token (CPU reference:
+    /// `cpu::gated_delta::gated_delta_chunked_forward`), and a chunk of one
+    /// token is the recurrent step, with decode's bits. Work that touches no
+    /// state (the masked attention within a chunk and the triangular solve
+    /// for the pseudo-values) runs for every chunk at once; the state then
+    /// advances a chunk at a time. Scratch: `t * nv * (dv + dk + 1)` floats
+    /// and `GD_CHUNK^2` per chunk and value head.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_delta_chunked_prefill(
+        &self,
+        out: &mut CudaSlice<f32>,
+        state: &mut CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        slots: &CudaSlice<u32>,
+        cu_seqlens: &[u32],
+        dims: (usize, usize, usize, usize),
+    ) -> Result<()> {
+        let op = "gated_delta_chunked_prefill";
+        let Some(ints) = check_prefill(op, out, state, q, k, v, g, beta, slots, cu_seqlens, dims)?
+        else {
+            return Ok(());
+        };
+        let (seqs, nv, dk, dv) = (slots.len(), dims.1, dims.2, dims.3);
+        let t = cu_seqlens[seqs] as usize;
+        let plan = ChunkPlan::new(cu_seqlens, GD_CHUNK);
+        let chunks = plan.tok0.len();
+        let mut a = self.zeros::<f32>(chunks * nv * GD_CHUNK * GD_CHUNK)?;
+        let mut u = self.zeros::<f32>(t * nv * dv)?;
+        let mut w = self.zeros::<f32>(t * nv * dk)?;
+        let mut cum = self.zeros::<f32>(t * nv)?;
+        let (tok0, len, first) = (
+            self.upload(&plan.tok0)?,
+            self.upload(&plan.len)?,
+            self.upload(&plan.first)?,
+        );
+        let n = int(op, "chunks", chunks)?;
+        let prep = LaunchConfig {
+            grid_dim: ((chunks * nv) as u32, 1, 1),
+            block_dim: (GD_CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, "gated_delta_chunk_prep", prep; &mut a, &mut u, &mut w, &mut cum, q, k, v, g, beta, &tok0, &len, &n, &ints[1], &ints[2], &ints[3], &ints[4]);
+        let scan = LaunchConfig {
+            grid_dim: ((seqs * nv * dv.div_ceil(GD_COLS)) as u32, 1, 1),
+            block_dim: (GD_CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: (2 * dk * 4) as u32,
+        };
+        launch!(self, "gated_delta_chunk_scan", scan; out, state, &u, &a, &w, &cum, q, k, v, g, beta, slots, &first, &tok0, &len, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
         Ok(())
     }
 
@@ -1058,6 +1086,94 @@ impl CudaDevice {
         let (ni, vi) = (int(op, "rows", n)?, int(op, "vocab", vocab)?);
         launch!(self, "argmax_forward", rows(n); out, logits, &ni, &vi);
         Ok(())
+    }
+}
+
+/// Tokens per chunk of the chunked gated-delta form (`GD_CHUNK` in
+/// gated_delta.cu), and that pair of kernels' threads per block
+/// (`GD_COLS * GD_ROWS`).
+const GD_CHUNK: usize = 64;
+const GD_COLS: usize = 32;
+const GD_CHUNK_THREADS: u32 = 256;
+
+/// The checks both prefill forms make; the kernels' integer sizes
+/// `[seqs, nk, nv, dk, dv]`, or None when there is nothing to do.
+#[allow(clippy::too_many_arguments)]
+fn check_prefill(
+    op: &str,
+    out: &CudaSlice<f32>,
+    state: &CudaSlice<f32>,
+    q: &CudaSlice<f32>,
+    k: &CudaSlice<f32>,
+    v: &CudaSlice<f32>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    slots: &CudaSlice<u32>,
+    cu_seqlens: &[u32],
+    dims: (usize, usize, usize, usize),
+) -> Result<Option<Vec<i32>>> {
+    let (nk, nv, dk, dv) = dims;
+    let seqs = slots.len();
+    if nk == 0 || !nv.is_multiple_of(nk) {
+        return Err(Error::Shape(format!(
+            "{op}: nv {nv} is not a multiple of nk {nk}"
+        )));
+    }
+    check_cu_seqlens(op, cu_seqlens, seqs)?;
+    let t = cu_seqlens[seqs] as usize;
+    shape(
+        op,
+        &[
+            ("out", out.len(), t * nv * dv),
+            ("q", q.len(), t * nk * dk),
+            ("k", k.len(), t * nk * dk),
+            ("v", v.len(), t * nv * dv),
+            ("g", g.len(), t * nv),
+            ("beta", beta.len(), t * nv),
+        ],
+    )?;
+    let per_slot = nv * dk * dv;
+    if per_slot == 0 || !state.len().is_multiple_of(per_slot) {
+        return Err(Error::Shape(format!(
+            "{op}: state has {} elements, not a whole number of [{nv}, {dk}, {dv}] slots",
+            state.len()
+        )));
+    }
+    if seqs == 0 || t == 0 {
+        return Ok(None);
+    }
+    [seqs, nk, nv, dk, dv]
+        .iter()
+        .map(|&x| int(op, "size", x))
+        .collect::<Result<Vec<i32>>>()
+        .map(Some)
+}
+
+/// The chunks of packed sequences: chunk `n` is tokens `tok0[n] ..
+/// tok0[n] + len[n]` (at most `chunk`, cut from each sequence's first
+/// token), and sequence `s` owns chunks `first[s] .. first[s + 1]`.
+#[derive(Debug, PartialEq, Eq)]
+struct ChunkPlan {
+    tok0: Vec<u32>,
+    len: Vec<u32>,
+    first: Vec<u32>,
+}
+
+impl ChunkPlan {
+    fn new(cu_seqlens: &[u32], chunk: usize) -> Self {
+        let mut plan = ChunkPlan {
+            tok0: Vec::new(),
+            len: Vec::new(),
+            first: vec![0],
+        };
+        for w in cu_seqlens.windows(2) {
+            for t0 in (w[0]..w[1]).step_by(chunk) {
+                plan.tok0.push(t0);
+                plan.len.push((w[1] - t0).min(chunk as u32));
+            }
+            plan.first.push(plan.tok0.len() as u32);
+        }
+        plan
     }
 }
 
@@ -1600,6 +1716,128 @@ mod tests {
             &d.download(&dstate).unwrap(),
             &states.concat(),
             1e-5,
+        );
+    }
+
+    #[test]
+    fn chunk_plan_cuts_each_sequence_from_its_first_token() {
+        let plan = ChunkPlan::new(&[0, 150, 151, 151, 216], 64);
+        assert_eq!(plan.tok0, [0, 64, 128, 150, 151, 215]);
+        assert_eq!(plan.len, [64, 64, 22, 1, 64, 1]);
+        assert_eq!(plan.first, [0, 3, 4, 4, 6]);
+        assert_eq!(ChunkPlan::new(&[0], 64).first, [0]);
+    }
+
+    /// The chunked prefill against the CPU's recurrent form per sequence
+    /// (1e-4 relative: the two forms sum in different orders), with GQA,
+    /// widths that are not multiples of the kernels' tiles (dk 48 over
+    /// tiles of 16 plus a tail, dv 40 over column tiles of 32), sequences of
+    /// 150 (three chunks, the last partial), 1, 0 and 65 (a chunk, then one
+    /// token) tokens in shuffled slots. A one-token sequence has the
+    /// recurrent kernel's bits exactly, and a prefill cut at a chunk
+    /// boundary equals the one-call prefill bit for bit (the prefix cache's
+    /// requirement).
+    #[test]
+    fn gated_delta_chunked_prefill_matches_the_recurrent_form() {
+        let Some(d) = gpu() else { return };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        let (nk, nv, dk, dv) = (2, 4, 48, 40);
+        let cu = [0u32, 150, 151, 151, 216];
+        let slots = [3u32, 0, 4, 1];
+        let t = 216;
+        let q = rand_vec(&mut rng, t * nk * dk, 0.15);
+        let kk = rand_vec(&mut rng, t * nk * dk, 0.15);
+        let v = rand_vec(&mut rng, t * nv * dv, 1.0);
+        let g: Vec<f32> = (0..t * nv).map(|_| -rng.gen_range(0.0..0.7f32)).collect();
+        let beta: Vec<f32> = (0..t * nv).map(|_| rng.gen_range(0.0..1.0f32)).collect();
+        let per = nv * dk * dv;
+        let init: Vec<f32> = rand_vec(&mut rng, 5 * per, 0.3);
+        let mut st: Vec<Vec<f32>> = init.chunks(per).map(|c| c.to_vec()).collect();
+        let mut want = vec![0.0; t * nv * dv];
+        for (s, &slot) in slots.iter().enumerate() {
+            let (a, b) = (cu[s] as usize, cu[s + 1] as usize);
+            if a == b {
+                continue;
+            }
+            let dims = cpu::gated_delta::GatedDeltaDims {
+                t: b - a,
+                nk,
+                nv,
+                dk,
+                dv,
+            };
+            cpu::gated_delta::gated_delta_recurrent_forward(
+                &mut want[a * nv * dv..b * nv * dv],
+                &mut st[slot as usize],
+                &q[a * nk * dk..b * nk * dk],
+                &kk[a * nk * dk..b * nk * dk],
+                &v[a * nv * dv..b * nv * dv],
+                &g[a * nv..b * nv],
+                &beta[a * nv..b * nv],
+                dims,
+            )
+            .unwrap();
+        }
+        let up = |x: &[f32]| d.upload(x).unwrap();
+        let (dq, dk_, dvv, dg, db) = (up(&q), up(&kk), up(&v), up(&g), up(&beta));
+        let dslots = d.upload(&slots).unwrap();
+        let run = |chunked: bool| {
+            let mut dst = up(&init);
+            let mut out = d.zeros(t * nv * dv).unwrap();
+            let f = if chunked {
+                CudaDevice::gated_delta_chunked_prefill
+            } else {
+                CudaDevice::gated_delta_prefill
+            };
+            f(
+                &d,
+                &mut out,
+                &mut dst,
+                &dq,
+                &dk_,
+                &dvv,
+                &dg,
+                &db,
+                &dslots,
+                &cu,
+                (nk, nv, dk, dv),
+            )
+            .unwrap();
+            (d.download(&out).unwrap(), d.download(&dst).unwrap())
+        };
+        let (out, state) = run(true);
+        close("chunked prefill", &out, &want, 1e-4);
+        close("chunked prefill state", &state, &st.concat(), 1e-4);
+        let (rec_out, _) = run(false);
+        let one = (150 * nv * dv)..(151 * nv * dv);
+        assert_eq!(out[one.clone()], rec_out[one], "a one-token sequence");
+
+        // Sequence 0 alone, cut at token 64: the same bits as in one call.
+        let sub = |x: &[f32], w: usize, a: usize, b: usize| up(&x[a * w..b * w]);
+        let mut dst = up(&init);
+        let slot0 = d.upload(&[3u32]).unwrap();
+        let mut split = Vec::new();
+        for (a, b) in [(0, 64), (64, 150)] {
+            let mut o = d.zeros((b - a) * nv * dv).unwrap();
+            d.gated_delta_chunked_prefill(
+                &mut o,
+                &mut dst,
+                &sub(&q, nk * dk, a, b),
+                &sub(&kk, nk * dk, a, b),
+                &sub(&v, nv * dv, a, b),
+                &sub(&g, nv, a, b),
+                &sub(&beta, nv, a, b),
+                &slot0,
+                &[0, (b - a) as u32],
+                (nk, nv, dk, dv),
+            )
+            .unwrap();
+            split.extend(d.download(&o).unwrap());
+        }
+        assert_eq!(split[..], out[..150 * nv * dv], "a prefill cut at a chunk");
+        assert_eq!(
+            d.download(&dst).unwrap()[3 * per..4 * per],
+            state[3 * per..4 * per]
         );
     }
 

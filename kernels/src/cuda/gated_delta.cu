@@ -86,6 +86,188 @@ extern "C" __global__ void gated_delta_prefill(float* out, float* state, const f
     }
 }
 
+// ---- chunked prefill (the WY form) -----------------------------------------
+#define GD_CHUNK 64
+// The same function as gated_delta_prefill up to rounding, GD_CHUNK tokens
+// at a time: the algebra of kernels/src/cpu/gated_delta.rs's header, whose
+// gated_delta_chunked_forward is this pair's CPU reference. Chunk n covers
+// tokens chunk_tok0[n] .. + chunk_len[n] (at most GD_CHUNK) of one
+// sequence; sequence s owns chunks seq_chunk0[s] .. seq_chunk0[s + 1], in
+// order. With G_i the cumulative log decay within a chunk:
+//   gated_delta_chunk_prep, one block per (chunk, value head), touches no
+//     state, so every chunk of every sequence runs at once: G; the masked
+//     attention A_ij = (q_i . k_j) e^(G_i - G_j), j <= i (to global, row
+//     stride GD_CHUNK); L_ij = beta_i (k_i . k_j) e^(G_i - G_j), j < i (in
+//     shared memory); and the unit lower triangular solve
+//     (I + L) [U | W] = [diag(beta) V | diag(beta e^G) K], a thread per column.
+//   gated_delta_chunk_scan, one block per (sequence, value head, GD_COLS
+//     value columns), walks the sequence's chunks in order:
+//     Delta = U - W S0;  O = diag(e^G) Q S0 + A Delta;
+//     S = e^(G_last) S0 + (diag(e^(G_last - G)) K)^T Delta.
+//     The columns of S never mix, so a block owns GD_COLS of them (a warp
+//     reads a row of S coalesced); its GD_ROWS warps split the chunk's rows
+//     (Delta, O) and then the rows of S. q/W/A/k reads are warp broadcasts.
+//     A chunk of one token (a decode-sized segment, or a prefill's last)
+//     takes the recurrent step instead, with decode's arithmetic, so a
+//     token computed alone has the same bits in either form.
+// Every exponent is a difference G_i - G_j with i >= j, or G_i alone: <= 0.
+// Shared memory is static and under 48 KiB for any dk, dv (dk is tiled).
+#define GD_TILE 16
+#define GD_COLS 32
+#define GD_ROWS 8
+
+extern "C" __global__ void gated_delta_chunk_prep(
+    float* A, float* U, float* W, float* G, const float* q, const float* k, const float* v,
+    const float* g, const float* beta, const u32* chunk_tok0, const u32* chunk_len, int chunks,
+    int nk, int nv, int dk, int dv) {
+    __shared__ float cum[GD_CHUNK], bet[GD_CHUNK];
+    __shared__ float att[GD_CHUNK * GD_CHUNK], low[GD_CHUNK * GD_CHUNK];
+    __shared__ float tq[GD_CHUNK * (GD_TILE + 1)], tk[GD_CHUNK * (GD_TILE + 1)];
+    int n = blockIdx.x / nv, h = blockIdx.x % nv;
+    if (n >= chunks) return;
+    int kh = h / (nv / nk);
+    int t0 = (int)chunk_tok0[n], c = (int)chunk_len[n];
+    if ((int)threadIdx.x < c) bet[threadIdx.x] = beta[(size_t)(t0 + threadIdx.x) * nv + h];
+    if (threadIdx.x == 0) {
+        float acc = 0.0f;
+        for (int i = 0; i < c; i++) {
+            acc += g[(size_t)(t0 + i) * nv + h];
+            cum[i] = acc;
+        }
+    }
+    for (int e = threadIdx.x; e < c * c; e += blockDim.x) {
+        att[e] = 0.0f;
+        low[e] = 0.0f;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < c) G[(size_t)(t0 + threadIdx.x) * nv + h] = cum[threadIdx.x];
+
+    // [Q; K] K^T, lower triangle, over dk in tiles of GD_TILE.
+    for (int d0 = 0; d0 < dk; d0 += GD_TILE) {
+        int w = min(GD_TILE, dk - d0);
+        for (int e = threadIdx.x; e < c * GD_TILE; e += blockDim.x) {
+            int i = e / GD_TILE, d = e % GD_TILE;
+            size_t at = ((size_t)(t0 + i) * nk + kh) * dk + d0 + d;
+            tq[i * (GD_TILE + 1) + d] = d < w ? q[at] : 0.0f;
+            tk[i * (GD_TILE + 1) + d] = d < w ? k[at] : 0.0f;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < c * c; e += blockDim.x) {
+            int i = e / c, j = e % c;
+            if (j > i) continue;
+            float a = 0.0f, l = 0.0f;
+            for (int d = 0; d < w; d++) {
+                float kj = tk[j * (GD_TILE + 1) + d];
+                a += tq[i * (GD_TILE + 1) + d] * kj;
+                l += tk[i * (GD_TILE + 1) + d] * kj;
+            }
+            att[e] += a;
+            low[e] += l;
+        }
+        __syncthreads();
+    }
+
+    // The decay mask; zero above the diagonal (those exponents are positive
+    // and never evaluated).
+    float* An = A + ((size_t)n * nv + h) * GD_CHUNK * GD_CHUNK;
+    for (int e = threadIdx.x; e < c * c; e += blockDim.x) {
+        int i = e / c, j = e % c;
+        float decay = j <= i ? expf(cum[i] - cum[j]) : 0.0f;
+        float a = j <= i ? att[e] * decay : 0.0f;
+        low[e] = j < i ? bet[i] * low[e] * decay : 0.0f;
+        An[i * GD_CHUNK + j] = a;
+    }
+    __syncthreads();
+
+    // (I + L) X = rhs by forward substitution, one column of [U | W] per
+    // thread; x_i -= sum_{l < i} L_il x_l.
+    for (int col = threadIdx.x; col < dv + dk; col += blockDim.x) {
+        float x[GD_CHUNK];
+        for (int i = 0; i < c; i++) {
+            size_t row = (size_t)(t0 + i);
+            float r = col < dv ? bet[i] * v[(row * nv + h) * dv + col]
+                               : bet[i] * expf(cum[i]) * k[(row * nk + kh) * dk + (col - dv)];
+            for (int l = 0; l < i; l++) r -= low[i * c + l] * x[l];
+            x[i] = r;
+            if (col < dv)
+                U[(row * nv + h) * dv + col] = r;
+            else
+                W[(row * nv + h) * dk + (col - dv)] = r;
+        }
+    }
+}
+
+extern "C" __global__ void gated_delta_chunk_scan(
+    float* out, float* state, const float* U, const float* A, const float* W, const float* G,
+    const float* q, const float* k, const float* v, const float* g, const float* beta,
+    const u32* slots, const u32* seq_chunk0, const u32* chunk_tok0, const u32* chunk_len, int seqs,
+    int nk, int nv, int dk, int dv) {
+    __shared__ float delta[GD_CHUNK * GD_COLS];
+    __shared__ float cum[GD_CHUNK], dec[GD_CHUNK];
+    extern __shared__ float qk[];  // 2 * dk: a one-token chunk's q and k
+    int tiles = (dv + GD_COLS - 1) / GD_COLS;
+    int tile = blockIdx.x % tiles, h = (blockIdx.x / tiles) % nv, s = blockIdx.x / tiles / nv;
+    if (s >= seqs) return;
+    int kh = h / (nv / nk);
+    int tx = threadIdx.x % GD_COLS, ty = threadIdx.x / GD_COLS;
+    int j = tile * GD_COLS + tx;
+    bool live = j < dv;
+    float* S = state + ((size_t)slots[s] * nv + h) * dk * dv;
+    for (u32 n = seq_chunk0[s]; n < seq_chunk0[s + 1]; n++) {
+        int t0 = (int)chunk_tok0[n], c = (int)chunk_len[n];
+        if (c == 1) {
+            // One token: the recurrent step itself, the bits of decode.
+            for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+                qk[i] = q[((size_t)t0 * nk + kh) * dk + i];
+                qk[dk + i] = k[((size_t)t0 * nk + kh) * dk + i];
+            }
+            __syncthreads();
+            if (ty == 0 && live) {
+                size_t at = ((size_t)t0 * nv + h) * dv + j;
+                out[at] = gd_column_step(S, qk, expf(g[(size_t)t0 * nv + h]),
+                                         beta[(size_t)t0 * nv + h], v[at], j, dk, dv);
+            }
+            __syncthreads();
+            continue;
+        }
+        if ((int)threadIdx.x < c) cum[threadIdx.x] = G[(size_t)(t0 + threadIdx.x) * nv + h];
+        __syncthreads();
+        if ((int)threadIdx.x < c) dec[threadIdx.x] = expf(cum[c - 1] - cum[threadIdx.x]);
+        // Delta = U - W S0 and O = diag(e^G) Q S0, rows i = ty (mod GD_ROWS).
+        for (int i = ty; i < c && live; i += GD_ROWS) {
+            size_t row = (size_t)(t0 + i);
+            const float* wi = W + (row * nv + h) * dk;
+            const float* qi = q + (row * nk + kh) * dk;
+            float ws = 0.0f, qs = 0.0f;
+            for (int d = 0; d < dk; d++) {
+                float sv = S[(size_t)d * dv + j];
+                ws += wi[d] * sv;
+                qs += qi[d] * sv;
+            }
+            delta[i * GD_COLS + tx] = U[(row * nv + h) * dv + j] - ws;
+            out[(row * nv + h) * dv + j] = expf(cum[i]) * qs;
+        }
+        __syncthreads();
+        // O += A Delta (causal, the diagonal included), the same rows.
+        const float* An = A + ((size_t)n * nv + h) * GD_CHUNK * GD_CHUNK;
+        for (int i = ty; i < c && live; i += GD_ROWS) {
+            float o = 0.0f;
+            for (int l = 0; l <= i; l++) o += An[i * GD_CHUNK + l] * delta[l * GD_COLS + tx];
+            out[((size_t)(t0 + i) * nv + h) * dv + j] += o;
+        }
+        // S = e^(G_last) S0 + sum_i e^(G_last - G_i) k_i delta_i^T, rows of S
+        // d = ty (mod GD_ROWS); every read of S0 above is behind the barrier.
+        float last = expf(cum[c - 1]);
+        for (int d = ty; d < dk && live; d += GD_ROWS) {
+            float acc = 0.0f;
+            for (int i = 0; i < c; i++)
+                acc += dec[i] * k[((size_t)(t0 + i) * nk + kh) * dk + d] * delta[i * GD_COLS + tx];
+            S[(size_t)d * dv + j] = last * S[(size_t)d * dv + j] + acc;
+        }
+        __syncthreads();
+    }
+}
+
 // ---- backward -----------------------------------------------------------
 // The recurrence's backward for one sequence of t tokens from state0, one
 // block per value head, by re-computation (fp32 throughout, as the CPU
@@ -106,8 +288,6 @@ extern "C" __global__ void gated_delta_prefill(float* out, float* state, const f
 // adds a key head's value heads in order. Scratch per head: ckpt
 // [chunks, dk, dv], st [GD_CHUNK + 1, dk, dv], dS [dk, dv], res
 // [GD_CHUNK, dv]. Shared: q, k, do, delta, dkv and two partial sums.
-#define GD_CHUNK 64
-
 extern "C" __global__ void gated_delta_backward(
     float* dq_v, float* dk_v, float* dv_out, float* dg_out, float* dbeta_out, float* dstate0,
     float* ckpt, float* st, float* dS_all, float* res_all, const float* dout, const float* state0,

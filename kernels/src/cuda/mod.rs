@@ -118,6 +118,8 @@ pub const MODULES: &[Module] = &[
         kernels: &[
             "gated_delta_decode",
             "gated_delta_prefill",
+            "gated_delta_chunk_prep",
+            "gated_delta_chunk_scan",
             "gated_delta_backward",
             "gated_delta_backward_reduce",
         ],
