@@ -9,7 +9,7 @@ use crate::server::{app, AppState};
 use anyhow::{Context, Result};
 use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::engine::EngineConfig;
-use arcticd_engine::model::WeightDType;
+use arcticd_engine::model::{PrefillForm, WeightDType};
 use arcticd_engine::router::Router;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_engine::{ParamStore, Qwen3_5};
@@ -67,6 +67,11 @@ pub struct ServeArgs {
     /// On CUDA, the matrices' type: `bf16` (half the memory) or `f32`.
     #[arg(long, default_value = "bf16")]
     pub weights: WeightDType,
+    /// How a prompt runs through the gated-delta layers: `recurrent` (token
+    /// by token: a trainer's bits) or `chunked` (64 tokens at a time: faster
+    /// prefill on a GPU, the same function to rounding; slower on the CPU).
+    #[arg(long, default_value = "recurrent")]
+    pub prefill: PrefillForm,
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
@@ -157,6 +162,7 @@ fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) 
         enable_prefix_cache: !args.no_prefix_cache,
         device: args.device,
         weights: args.weights,
+        prefill: args.prefill,
         ..Default::default()
     };
     let router = Router::start(args.replicas.max(1), store, Some(tokenizer.clone()), config)?;

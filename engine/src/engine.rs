@@ -32,7 +32,7 @@
 
 use crate::error::Failure;
 use crate::kv_cache::{fit_slots, CacheLayout, PagedKvCache, Placement};
-use crate::model::{LinearPacks, PagedPast, Qwen3_5, SeqCache, SeqInput, WeightDType};
+use crate::model::{LinearPacks, PagedPast, PrefillForm, Qwen3_5, SeqCache, SeqInput, WeightDType};
 use crate::params::ParamStore;
 use crate::sampler::{Sampled, Sampler, SamplingParams};
 use crate::scheduler::{Limits, Scheduled, Scheduler, Sequence};
@@ -88,6 +88,9 @@ pub struct EngineConfig {
     /// How the matrices are held on a GPU (`bf16`, the default, or `f32`).
     /// Ignored on the CPU.
     pub weights: WeightDType,
+    /// How a prefill runs the gated-delta recurrence: `recurrent` (the
+    /// default: the trainer's bits) or `chunked` (see [`PrefillForm`]).
+    pub prefill: PrefillForm,
 }
 
 /// A [`Device`] in a config file: its name (`cpu`, `cuda:0`).
@@ -133,6 +136,7 @@ impl Default for EngineConfig {
             rebuild_caches: true,
             device: Device::Cpu,
             weights: WeightDType::Bf16,
+            prefill: PrefillForm::Recurrent,
         }
     }
 }
@@ -638,6 +642,7 @@ pub fn start(
         version,
         max_model_len: config.max_model_len,
         state_dtype: config.state_dtype,
+        prefill: config.prefill,
         rebuild_caches: config.rebuild_caches,
         gpu,
     };
@@ -661,6 +666,7 @@ struct EngineLoop {
     version: u64,
     max_model_len: usize,
     state_dtype: StateDtype,
+    prefill: PrefillForm,
     rebuild_caches: bool,
     /// The model on a GPU, when the engine runs there.
     gpu: Option<GpuReplica>,
@@ -962,7 +968,7 @@ impl EngineLoop {
         plan: &[Scheduled],
     ) -> Result<StepOut> {
         if let Some(gpu) = &mut self.gpu {
-            return gpu.forward(model, version, &mut self.scheduler, plan);
+            return gpu.forward(model, version, &mut self.scheduler, plan, self.prefill);
         }
         cpu_forward(
             model,
@@ -971,7 +977,7 @@ impl EngineLoop {
             &mut self.scheduler,
             &mut self.scratch,
             plan,
-            self.state_dtype,
+            (self.state_dtype, self.prefill),
         )
     }
 
@@ -1032,7 +1038,7 @@ fn cpu_forward(
     sched: &mut Scheduler,
     scratch: &mut Vec<SeqCache>,
     plan: &[Scheduled],
-    state_dtype: StateDtype,
+    (state_dtype, prefill): (StateDtype, PrefillForm),
 ) -> Result<StepOut> {
     // Weights packed once per version for every replica (see
     // `LinearPacks`); without them the products are the same, only
@@ -1127,7 +1133,7 @@ fn cpu_forward(
             let (run, pasts, wants) = run?;
             let lens: Vec<usize> = run.iter().map(|seq| seq.tokens.len()).collect();
             let out = m
-                .forward_paged(run, Some(pasts), Some(packs))
+                .forward_paged(run, Some(pasts), Some(packs), prefill)
                 .and_then(|hidden| {
                     let mut rows = Vec::new();
                     let mut end = 0;
@@ -1232,6 +1238,7 @@ impl GpuReplica {
         version: u64,
         sched: &mut Scheduler,
         plan: &[Scheduled],
+        prefill: PrefillForm,
     ) -> Result<StepOut> {
         use crate::model::cuda::CudaModel;
         use crate::model::paged_batch::PagedSeq;
@@ -1261,7 +1268,7 @@ impl GpuReplica {
         let cache = sched.cache.device_mut().ok_or_else(|| {
             Error::Invariant("the GPU model was given a cache in host memory".into())
         })?;
-        let hidden = self.model.forward_batch(cache, &seqs)?;
+        let hidden = self.model.forward_batch(cache, &seqs, prefill)?;
         let logits = self.model.logits_of_rows(&hidden, &rows)?;
         Ok((logits, Vec::new()))
     }
@@ -1279,6 +1286,7 @@ impl GpuReplica {
         _: u64,
         _: &mut Scheduler,
         _: &[Scheduled],
+        _: PrefillForm,
     ) -> Result<StepOut> {
         match *self {}
     }

@@ -9,6 +9,7 @@
 //! the tiny preset.
 
 use arcticd_engine::engine::{self, Choice, EngineConfig, FinishReason, Request, StateDtype};
+use arcticd_engine::model::PrefillForm;
 use arcticd_engine::sampler::SamplingParams;
 use arcticd_engine::{ParamStore, Qwen3_5, SeqInput};
 use std::path::PathBuf;
@@ -183,19 +184,67 @@ fn run_all(eng: &engine::EngineHandle, reqs: &[Request]) -> Vec<Choice> {
 
 #[test]
 fn prefix_hit_is_bit_identical_to_cold() {
-    let dir = tiny_model("prefix", 2);
+    prefix_hit_against_cold("prefix", PrefillForm::Recurrent);
+}
+
+/// The chunked prefill keeps the prefix cache's guarantee (segments start
+/// at multiples of the chunk, so a hit chunks the same tokens the same
+/// way), and stays within rounding of the recurrent form without being it.
+#[test]
+fn chunked_prefill_keeps_prefix_hits_exact_and_stays_near_recurrent() {
+    prefix_hit_against_cold("prefix-chunked", PrefillForm::Chunked);
+    let dir = tiny_model("chunked", 4);
+    let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+    let engine_with = |prefill| {
+        engine::start(
+            store.clone(),
+            None,
+            EngineConfig {
+                prefill,
+                ..small_config()
+            },
+        )
+        .unwrap()
+    };
+    let (rec, chunked) = (
+        engine_with(PrefillForm::Recurrent),
+        engine_with(PrefillForm::Chunked),
+    );
+    let mut worst = 0.0f32;
+    // Shorter than a chunk, one chunk and a token, several chunks and a tail.
+    for (len, salt) in [(5usize, 1u32), (65, 2), (230, 3)] {
+        let a = rec
+            .generate_blocking(greedy(prompt(len, salt), 16))
+            .unwrap();
+        let b = chunked
+            .generate_blocking(greedy(prompt(len, salt), 16))
+            .unwrap();
+        assert_eq!(a[0].tokens, b[0].tokens, "prompt {len}");
+        worst = worst.max(max_abs_diff(&a[0].logprobs, &b[0].logprobs));
+    }
+    eprintln!("chunked vs recurrent prefill: max |dlogprob| = {worst:.3e}");
+    assert!(worst < 1e-4, "{worst}");
+    assert!(worst > 0.0, "the chunked form was not taken");
+}
+
+fn prefix_hit_against_cold(tag: &str, prefill: PrefillForm) {
+    let dir = tiny_model(tag, 2);
     let model = Qwen3_5::load(&dir).unwrap();
     let store = ParamStore::new(model);
+    let config = EngineConfig {
+        prefill,
+        ..small_config()
+    };
     let cold_eng = engine::start(
         store.clone(),
         None,
         EngineConfig {
             enable_prefix_cache: false,
-            ..small_config()
+            ..config.clone()
         },
     )
     .unwrap();
-    let eng = engine::start(store, None, small_config()).unwrap();
+    let eng = engine::start(store, None, config).unwrap();
     let shared = prompt(200, 5);
     let mut reqs = Vec::new();
     for (i, tail) in [0usize, 1, 7, 64, 70].iter().enumerate() {

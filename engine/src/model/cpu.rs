@@ -10,6 +10,7 @@
 
 use super::ops::LayerOps;
 use super::qwen3_5::{Layout, Linear, LinearAttention, LinearPacks, PagedPast, SeqInput};
+use super::PrefillForm;
 use crate::config::ModelConfig;
 use crate::{Error, Result};
 use arcticd_kernels::cpu::{
@@ -18,8 +19,9 @@ use arcticd_kernels::cpu::{
     conv1d::conv1d_forward,
     embedding::embedding_forward,
     gated_delta::{
-        gated_delta_recurrent_forward, gated_delta_recurrent_forward_checkpointed, warm_state,
-        GatedDeltaDims, CHECKPOINT_EVERY,
+        gated_delta_chunked_forward, gated_delta_recurrent_forward,
+        gated_delta_recurrent_forward_checkpointed, warm_state, GatedDeltaDims, CHECKPOINT_EVERY,
+        CHUNK,
     },
     l2norm::l2norm_forward,
     matmul::matmul_forward_packed,
@@ -43,6 +45,9 @@ pub(crate) struct CpuOps<'a, 'b, 'c> {
     pub batch: &'a mut [SeqInput<'b>],
     pub pasts: Option<&'a [Option<PagedPast<'c>>]>,
     pub packs: Option<&'a LinearPacks>,
+    /// How the recurrence runs over a sequence's new tokens (a training
+    /// forward, which keeps checkpoints, always runs it token by token).
+    pub form: PrefillForm,
 }
 
 /// `[l.forward(inp) for l in group]`, in one product when `packs` holds the
@@ -90,6 +95,52 @@ fn split_rows<'a>(
         buf = tail;
     }
     pieces
+}
+
+/// One sequence's `q, k, v, g, beta` for the gated-delta kernels.
+type DeltaInputs<'a> = (&'a [f32], &'a [f32], &'a [f32], &'a [f32], &'a [f32]);
+
+/// [`PrefillForm::Chunked`] over one sequence's new tokens: chunks of
+/// [`CHUNK`] from the first, and a last chunk of one token (or a segment of
+/// one) as the recurrent step, as the GPU kernel runs it, so a token
+/// computed alone has decode's bits.
+fn chunked_segment(
+    out: &mut [f32],
+    state: &mut [f32],
+    (q, k, v, g, beta): DeltaInputs<'_>,
+    dims: GatedDeltaDims,
+) -> Result<()> {
+    let GatedDeltaDims { t, nk, nv, dk, dv } = dims;
+    let m = if t % CHUNK == 1 { t - 1 } else { t };
+    if m > 0 {
+        let head = GatedDeltaDims { t: m, ..dims };
+        let (qd, vd) = (m * nk * dk, m * nv * dv);
+        gated_delta_chunked_forward(
+            &mut out[..vd],
+            state,
+            &q[..qd],
+            &k[..qd],
+            &v[..vd],
+            &g[..m * nv],
+            &beta[..m * nv],
+            head,
+            CHUNK,
+        )?;
+    }
+    if m < t {
+        let (qd, vd) = (m * nk * dk, m * nv * dv);
+        gated_delta_recurrent_forward(
+            &mut out[vd..],
+            state,
+            &q[qd..],
+            &k[qd..],
+            &v[vd..],
+            &g[m * nv..],
+            &beta[m * nv..],
+            GatedDeltaDims { t: 1, ..dims },
+        )?;
+    }
+    Ok(())
 }
 
 /// RMSNorm over rows of `c`: the output and each row's reciprocal RMS.
@@ -332,6 +383,7 @@ impl LayerOps for CpuOps<'_, '_, '_> {
         // arithmetic is the same whatever runs beside it. With `keep`, the
         // states every CHECKPOINT_EVERY tokens are kept for the backward.
         let states = &states;
+        let chunked = self.form == PrefillForm::Chunked;
         let checkpoints = jobs
             .into_par_iter()
             .map(|(i, ((&(start, n, _), seq), out))| -> Result<Vec<f32>> {
@@ -359,7 +411,12 @@ impl LayerOps for CpuOps<'_, '_, '_> {
                 // makes prefill, decode and scoring of the same tokens bit-identical,
                 // which the engine's prefix cache and the trainer's log-prob
                 // agreement rely on. The chunked form (held to 1e-5 of this one in
-                // the kernel tests) is the GPU prefill path.
+                // the kernel tests) is the GPU prefill path, and here on request
+                // (PrefillForm::Chunked).
+                if chunked && !keep {
+                    chunked_segment(out, state, args, dims)?;
+                    return Ok(Vec::new());
+                }
                 if !keep {
                     gated_delta_recurrent_forward(
                         out, state, args.0, args.1, args.2, args.3, args.4, dims,

@@ -24,11 +24,11 @@
 //!
 //! Not for: the layer's structure (`qwen3_5`), the kernels themselves.
 
-use super::logit_rows_per_chunk;
 use super::ops::LayerOps;
 use super::paged_batch::{PagedBatch, PagedSeq};
 use super::qwen3_5::{Linear, LinearAttention, Qwen3_5};
 use super::saved::Kept;
+use super::{logit_rows_per_chunk, PrefillForm};
 use crate::config::ModelConfig;
 use crate::kv_cache::{CacheLayout, SlotId};
 use crate::{Error, Result};
@@ -227,7 +227,7 @@ impl CudaModel {
             slot: 0,
             blocks: &cache.blocks,
         };
-        let hidden = self.forward_batch(&mut cache.cache, &[seq])?;
+        let hidden = self.forward_batch(&mut cache.cache, &[seq], PrefillForm::Recurrent)?;
         cache.len += tokens.len();
         Ok(hidden)
     }
@@ -235,15 +235,18 @@ impl CudaModel {
     /// Runs a packed batch, each sequence after its past in `cache`;
     /// returns the final hidden states (after the final norm) `[sum of new
     /// tokens, hidden]`, sequences in order. Each sequence's state slot
-    /// and blocks advance in place.
+    /// and blocks advance in place; `form` is how the recurrence runs over
+    /// each sequence's new tokens.
     pub fn forward_batch(
         &self,
         cache: &mut DeviceCache,
         seqs: &[PagedSeq<'_>],
+        form: PrefillForm,
     ) -> Result<CudaSlice<f32>> {
         let c = &self.model.config;
         cache.take_fault()?;
         let mut ops = CudaOps::new(&self.dev, c, seqs, cache)?;
+        ops.form = form;
         let t = ops.t();
         let mut x = ops.embed(&self.model.embed_tokens)?;
         for li in 0..self.model.layers.len() {
@@ -571,6 +574,9 @@ pub(crate) struct CudaOps<'a> {
     positions: CudaSlice<u32>,
     device_slots: CudaSlice<u32>,
     cache: &'a mut DeviceCache,
+    /// How the recurrence runs over new tokens (a training forward keeps
+    /// its activations and runs it token by token).
+    form: PrefillForm,
 }
 
 impl<'a> CudaOps<'a> {
@@ -589,6 +595,7 @@ impl<'a> CudaOps<'a> {
             device_slots: dev.upload(&batch.slots)?,
             batch,
             cache,
+            form: PrefillForm::Recurrent,
         })
     }
 
@@ -790,7 +797,13 @@ impl LayerOps for CudaOps<'_> {
         let t = self.t();
         let mut out = self.dev.zeros::<f32>(t * dims.1 * dims.3)?;
         let state = state_of(&mut self.cache.rec, li, "recurrent")?;
-        self.dev.gated_delta_prefill(
+        let prefill = if self.form == PrefillForm::Chunked && !keep {
+            CudaDevice::gated_delta_chunked_prefill
+        } else {
+            CudaDevice::gated_delta_prefill
+        };
+        prefill(
+            self.dev,
             &mut out,
             state,
             q,

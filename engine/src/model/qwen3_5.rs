@@ -19,6 +19,7 @@
 use super::cpu::{self, CpuOps};
 use super::ops::{take, LayerOps};
 use super::saved::{FullActs, Keep, Kept, LayerActs, LinearActs, MixerActs, Trace};
+use super::PrefillForm;
 use crate::config::{LayerType, ModelConfig};
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
@@ -431,19 +432,21 @@ impl Qwen3_5 {
         batch: &mut [SeqInput<'_>],
         packs: Option<&LinearPacks>,
     ) -> Result<Vec<f32>> {
-        self.forward_paged(batch, None, packs)
+        self.forward_paged(batch, None, packs, PrefillForm::Recurrent)
     }
 
     /// [`forward_with`](Self::forward_with) where sequence `s` may read its
     /// past keys and values in place from a paged cache, `pasts[s]`, instead
     /// of from its [`SeqCache`]: its cache then holds no K/V (it receives
     /// only the positions this call adds, for the caller to write back).
-    /// The bits are those of the same K/V held in the cache.
+    /// The bits are those of the same K/V held in the cache. `form` is how
+    /// the recurrence runs over each sequence's new tokens.
     pub fn forward_paged(
         &self,
         batch: &mut [SeqInput<'_>],
         pasts: Option<&[Option<PagedPast<'_>>]>,
         packs: Option<&LinearPacks>,
+        form: PrefillForm,
     ) -> Result<Vec<f32>> {
         if pasts.is_some_and(|p| p.len() != batch.len()) {
             return Err(Error::Input(format!(
@@ -455,6 +458,7 @@ impl Qwen3_5 {
         let layout = Layout::of(batch)?;
         let t = layout.ids.len();
         let mut ops = self.cpu_ops(&layout, batch, pasts, packs);
+        ops.form = form;
         let mut x = ops.embed(&self.embed_tokens)?;
         for li in 0..self.layers.len() {
             self.layer_forward(&mut ops, li, &mut x, t, false)?;
@@ -550,6 +554,7 @@ impl Qwen3_5 {
             batch,
             pasts,
             packs,
+            form: PrefillForm::Recurrent,
         }
     }
 
