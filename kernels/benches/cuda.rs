@@ -211,6 +211,48 @@ fn linear_attention(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
             .unwrap()
         },
     );
+    // Prefill of one 8,192-token sequence, in both forms: token by token
+    // (one block per value head walks every token) and chunked (every
+    // chunk's state-free work at once, then a scan over 128 chunks); the
+    // same bytes, so the two times are the ratio.
+    let tv = T * NV * DK;
+    let (q, kk, v) = (
+        buf(d, rng, tv, 0.1),
+        buf(d, rng, tv, 0.1),
+        buf(d, rng, tv, 1.0),
+    );
+    let decay: Vec<f32> = (0..T * NV).map(|_| -rng.gen_range(0.0..0.2f32)).collect();
+    let (gp, bp) = (d.upload(&decay).unwrap(), buf(d, rng, T * NV, 0.5));
+    let mut st = d.zeros(NV * DK * DK).unwrap();
+    let slot0 = d.upload(&[0u32]).unwrap();
+    let mut o = d.zeros(tv).unwrap();
+    let cu = [0u32, T as u32];
+    for (name, chunked) in [
+        ("gated_delta_prefill_recurrent", false),
+        ("gated_delta_prefill_chunked", true),
+    ] {
+        let f = if chunked {
+            CudaDevice::gated_delta_chunked_prefill
+        } else {
+            CudaDevice::gated_delta_prefill
+        };
+        bench(&mut g, d, (G, name, "8192x16x128x128"), 4 * tv * 4, || {
+            f(
+                d,
+                &mut o,
+                &mut st,
+                &q,
+                &kk,
+                &v,
+                &gp,
+                &bp,
+                &slot0,
+                &cu,
+                (NV, NV, DK, DK),
+            )
+            .unwrap()
+        });
+    }
     // The recurrence's backward over 2,048 tokens (one block per value
     // head, by re-computation): what it must read and write at least.
     let t = 2048;

@@ -1081,8 +1081,9 @@ mod tests {
     /// The engine on a GPU against the engine on the CPU, same store, f32
     /// matrices: prompts shorter than, equal to and longer than one prefill
     /// unit and one step's token budget (so prefills after a past run the
-    /// paged path), run together; a prefix-cache hit; a weight update. The
-    /// tokens must be the CPU's; the log-probs within 2e-3 (printed).
+    /// paged path), run together; a prefix-cache hit; a weight update; with
+    /// either prefill form. The tokens must be the CPU's; the log-probs
+    /// within 2e-3 (printed).
     #[test]
     fn engine_on_cuda_matches_the_cpu_engine() {
         use crate::engine::{self, EngineConfig, Request};
@@ -1096,67 +1097,71 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("arcticd-cuda-engine-{}", std::process::id()));
         crate::init::init_model(crate::init::TINY, &dir, 5).unwrap();
         let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
-        let config = EngineConfig {
-            cache_memory: 16 << 20,
-            max_num_seqs: 8,
-            max_batched_tokens: 256,
-            max_model_len: 2048,
-            ..Default::default()
-        };
-        let cpu = engine::start(store.clone(), None, config.clone()).unwrap();
-        let gpu_config = EngineConfig {
-            device: Device::Cuda(0),
-            weights: WeightDType::F32,
-            ..config
-        };
-        let on_gpu = engine::start(store.clone(), None, gpu_config).unwrap();
-        let greedy = |len: usize, salt: u32| Request {
-            prompt: (0..len as u32)
-                .map(|i| (i * 2_654_435 + salt * 97) % 900 + 10)
-                .collect(),
-            params: SamplingParams {
-                ignore_eos: true,
-                ..SamplingParams::greedy(16)
-            },
-        };
-        let lens = [(5usize, 1u32), (64, 2), (150, 3), (300, 4)];
-        let mut worst = 0.0f32;
-        let mut compare = |round: &str| {
-            // Submitted together on the GPU, so they share steps.
-            let subs: Vec<_> = lens
-                .iter()
-                .map(|&(n, salt)| on_gpu.submit_collected(greedy(n, salt)).unwrap())
-                .collect();
-            for (sub, &(n, salt)) in subs.into_iter().zip(&lens) {
-                let got = engine::collect_blocking(sub, 1).unwrap();
-                let want = cpu.generate_blocking(greedy(n, salt)).unwrap();
-                assert_eq!(got[0].tokens, want[0].tokens, "{round}: prompt of {n}");
-                assert_eq!(got[0].weight_versions, want[0].weight_versions);
-                for (a, b) in got[0].logprobs.iter().zip(&want[0].logprobs) {
-                    worst = worst.max((a - b).abs());
-                }
-            }
-        };
-        compare("cold");
-        // The same prompts again: their prefixes come from the cache.
-        compare("prefix hit");
-        assert!(on_gpu.metrics().prefix_hit_tokens.load(Ordering::Relaxed) > 0);
-        on_gpu.pause().unwrap();
-        cpu.pause().unwrap();
-        store.update(|m| {
-            for (i, (_, t)) in m.named_params_mut().into_iter().enumerate() {
-                if let Ok(w) = t.as_f32_mut() {
-                    for (j, x) in w.iter_mut().enumerate() {
-                        *x += 0.01 * (((i * 31 + j * 7) % 13) as f32 - 6.0) / 6.0;
+        // Both prefill forms, each on both devices.
+        for prefill in [PrefillForm::Recurrent, PrefillForm::Chunked] {
+            let config = EngineConfig {
+                cache_memory: 16 << 20,
+                max_num_seqs: 8,
+                max_batched_tokens: 256,
+                max_model_len: 2048,
+                prefill,
+                ..Default::default()
+            };
+            let cpu = engine::start(store.clone(), None, config.clone()).unwrap();
+            let gpu_config = EngineConfig {
+                device: Device::Cuda(0),
+                weights: WeightDType::F32,
+                ..config
+            };
+            let on_gpu = engine::start(store.clone(), None, gpu_config).unwrap();
+            let greedy = |len: usize, salt: u32| Request {
+                prompt: (0..len as u32)
+                    .map(|i| (i * 2_654_435 + salt * 97) % 900 + 10)
+                    .collect(),
+                params: SamplingParams {
+                    ignore_eos: true,
+                    ..SamplingParams::greedy(16)
+                },
+            };
+            let lens = [(5usize, 1u32), (64, 2), (150, 3), (300, 4)];
+            let mut worst = 0.0f32;
+            let mut compare = |round: &str| {
+                // Submitted together on the GPU, so they share steps.
+                let subs: Vec<_> = lens
+                    .iter()
+                    .map(|&(n, salt)| on_gpu.submit_collected(greedy(n, salt)).unwrap())
+                    .collect();
+                for (sub, &(n, salt)) in subs.into_iter().zip(&lens) {
+                    let got = engine::collect_blocking(sub, 1).unwrap();
+                    let want = cpu.generate_blocking(greedy(n, salt)).unwrap();
+                    assert_eq!(got[0].tokens, want[0].tokens, "{round}: prompt of {n}");
+                    assert_eq!(got[0].weight_versions, want[0].weight_versions);
+                    for (a, b) in got[0].logprobs.iter().zip(&want[0].logprobs) {
+                        worst = worst.max((a - b).abs());
                     }
                 }
-            }
-        });
-        on_gpu.resume();
-        cpu.resume();
-        compare("after an update");
-        eprintln!("engine: max |log-prob CUDA - CPU| = {worst:.3e}");
-        assert!(worst <= 2e-3, "{worst}");
+            };
+            compare("cold");
+            // The same prompts again: their prefixes come from the cache.
+            compare("prefix hit");
+            assert!(on_gpu.metrics().prefix_hit_tokens.load(Ordering::Relaxed) > 0);
+            on_gpu.pause().unwrap();
+            cpu.pause().unwrap();
+            store.update(|m| {
+                for (i, (_, t)) in m.named_params_mut().into_iter().enumerate() {
+                    if let Ok(w) = t.as_f32_mut() {
+                        for (j, x) in w.iter_mut().enumerate() {
+                            *x += 0.01 * (((i * 31 + j * 7) % 13) as f32 - 6.0) / 6.0;
+                        }
+                    }
+                }
+            });
+            on_gpu.resume();
+            cpu.resume();
+            compare("after an update");
+            eprintln!("engine ({prefill:?} prefill): max |log-prob CUDA - CPU| = {worst:.3e}");
+            assert!(worst <= 2e-3, "{worst}");
+        }
         std::fs::remove_dir_all(&dir).ok();
     }
 }
