@@ -672,9 +672,31 @@ struct EngineLoop {
     gpu: Option<GpuReplica>,
 }
 
-/// A row's logits for every sampled sequence of a step (in plan order),
-/// and the greedy picks made beside them.
-type StepOut = (Vec<f32>, Vec<Option<(usize, f32)>>);
+/// One run's rows of logits (in plan order) and the greedy picks made
+/// beside them.
+type RunOut = (Vec<f32>, Vec<Option<(usize, f32)>>);
+
+/// What a step's forward hands the samplers, per sampled row in plan
+/// order: the pick when the forward made it with the row's own sampler (a
+/// greedy pick for a cheap sampler, or a draw on the device), and the
+/// row's logits unless that pick is all there is.
+struct StepOut {
+    logits: Vec<f32>,
+    /// Where each row's logits are in `logits`, in rows.
+    at: Vec<Option<usize>>,
+    picks: Vec<Option<(usize, f32)>>,
+}
+
+impl StepOut {
+    /// Every row's logits, in order, beside the picks made.
+    fn dense((logits, picks): RunOut, rows: usize) -> Self {
+        StepOut {
+            logits,
+            at: (0..rows).map(Some).collect(),
+            picks,
+        }
+    }
+}
 
 impl EngineLoop {
     fn run(&mut self, rx: mpsc::Receiver<Command>) {
@@ -815,7 +837,7 @@ impl EngineLoop {
         }
         let result = self.forward(&store, &model, version, &plan);
         let sched = &mut self.scheduler;
-        let (logits, picks) = match result {
+        let StepOut { logits, at, picks } = match result {
             Ok(out) => out,
             Err(e) => {
                 tracing::error!("engine forward failed: {e}");
@@ -837,16 +859,22 @@ impl EngineLoop {
             .collect();
         let vocab_size = model.config.vocab_size;
         drop(model);
-        if logits.len() != which.len() * vocab_size {
+        let with_logits = at.iter().flatten().count();
+        if at.len() != which.len()
+            || picks.len() > which.len()
+            || logits.len() != with_logits * vocab_size
+            || at.iter().flatten().any(|&j| j >= with_logits)
+        {
             let msg = format!(
-                "{} logits for {} sampled rows of {vocab_size}",
+                "{} logits for {} of {} sampled rows of {vocab_size}",
                 logits.len(),
+                with_logits,
                 which.len()
             );
             self.fail_plan(&plan, Failure::msg(msg));
             return;
         }
-        let vocab = logits.len() / which.len().max(1);
+        let vocab = vocab_size;
         let mut finished: Vec<(usize, FinishReason)> = Vec::new();
         let mut hung_up: Vec<u64> = Vec::new();
         // Pending choices fork now and sample from their parent's row.
@@ -874,16 +902,30 @@ impl EngineLoop {
                 .map(|&(r, i)| (r, samplers[i].take()))
                 .collect();
             let logits = &logits;
-            let picks = &picks;
+            let (picks, at) = (&picks, &at);
             let one = |(r, s): (usize, Option<&mut Sampler>)| {
                 match (s, picks.get(r).copied().flatten()) {
-                    // The run made this row's greedy pick already.
-                    (Some(s), Some((token, logprob))) if s.is_cheap() => Ok(Sampled {
-                        token: token as u32,
-                        logprob,
-                        top: Vec::new(),
-                    }),
-                    (Some(s), _) => s.sample(&logits[r * vocab..(r + 1) * vocab]),
+                    (Some(s), pick) => {
+                        let on_device = s.take_device_draw();
+                        match (pick, at[r]) {
+                            // The forward made this row's pick already: a
+                            // greedy one, or with the sampler's own draw on
+                            // the device.
+                            (Some((token, logprob)), _) if on_device || s.is_cheap() => {
+                                Ok(Sampled {
+                                    token: token as u32,
+                                    logprob,
+                                    top: Vec::new(),
+                                })
+                            }
+                            (_, Some(j)) if !on_device => {
+                                s.sample(&logits[j * vocab..(j + 1) * vocab])
+                            }
+                            _ => Err(Error::Invariant(format!(
+                                "sampled row {r}: no pick for its draw, or no logits"
+                            ))),
+                        }
+                    }
                     (None, _) => Err(Error::Input(
                         "a sequence was sampled twice in one step".into(),
                     )),
@@ -1124,7 +1166,7 @@ fn cpu_forward(
             runs.into_iter().map(|run| Mutex::new(Some(run))).collect();
         let h = model.config.hidden_size;
         let vocab = model.config.vocab_size;
-        let outs: Vec<Option<Result<StepOut>>> = rayon::broadcast(|ctx| {
+        let outs: Vec<Option<Result<RunOut>>> = rayon::broadcast(|ctx| {
             let run = runs
                 .get(ctx.index())?
                 .lock()
@@ -1163,7 +1205,7 @@ fn cpu_forward(
         });
         outs.into_iter().flatten().try_fold(
             (Vec::new(), Vec::new()),
-            |(mut logits, mut picks), out| -> Result<StepOut> {
+            |(mut logits, mut picks), out| -> Result<RunOut> {
                 let (l, p) = out?;
                 logits.extend_from_slice(&l);
                 picks.extend(p);
@@ -1188,7 +1230,14 @@ fn cpu_forward(
             )?;
         }
     }
-    result
+    let rows = plan
+        .iter()
+        .filter(|item| {
+            let seq = &sched.running[item.seq];
+            seq.computed + item.n == seq.tokens.len()
+        })
+        .count();
+    result.map(|out| StepOut::dense(out, rows))
 }
 
 /// The engine's model on a GPU: the store's weights uploaded (again after
@@ -1246,6 +1295,21 @@ impl GpuReplica {
             self.model = CudaModel::upload(host, self.dev.clone(), self.weights)?;
             self.version = version;
         }
+        let vocab = host.config.vocab_size;
+        // Sampled rows whose sampler can draw where the logits are (no
+        // truncation, no alternatives, no forks waiting to sample the same
+        // row) are drawn on the device; only the others' logits travel.
+        let mut draws = Vec::new();
+        for item in plan {
+            let seq = &mut sched.running[item.seq];
+            if seq.computed + item.n == seq.tokens.len() {
+                draws.push(if seq.forks.is_empty() {
+                    seq.sampler.device_draw(vocab)
+                } else {
+                    None
+                });
+            }
+        }
         let mut seqs = Vec::with_capacity(plan.len());
         let mut rows = Vec::new();
         let mut end = 0;
@@ -1269,8 +1333,22 @@ impl GpuReplica {
             Error::Invariant("the GPU model was given a cache in host memory".into())
         })?;
         let hidden = self.model.forward_batch(cache, &seqs, prefill)?;
-        let logits = self.model.logits_of_rows(&hidden, &rows)?;
-        Ok((logits, Vec::new()))
+        let (logits, picks) = self.model.picks_or_logits(&hidden, &rows, &draws)?;
+        let mut next = 0;
+        let at = picks
+            .iter()
+            .map(|p| {
+                p.is_none().then(|| {
+                    next += 1;
+                    next - 1
+                })
+            })
+            .collect();
+        let picks = picks
+            .into_iter()
+            .map(|p| p.map(|(t, lp)| (t as usize, lp)))
+            .collect();
+        Ok(StepOut { logits, at, picks })
     }
 }
 

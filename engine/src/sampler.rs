@@ -130,7 +130,17 @@ pub struct Sampler {
     /// Reused buffers, so sampling allocates nothing per token.
     logp: Vec<f32>,
     order: Vec<u32>,
+    /// A draw was handed to a device ([`device_draw`](Self::device_draw))
+    /// and its pick not yet taken.
+    drawn_on_device: bool,
 }
+
+/// How a device draws a sampler's next token where the logits are:
+/// `None` greedy (the first largest logit, its log-prob at `T = 1`), or
+/// `Some((1 / T, u))`, the inverse CDF at `u` of `softmax(logits * (1 /
+/// T))` in vocabulary order, exactly as [`Sampler::sample`] draws from an
+/// untruncated distribution.
+pub type DeviceDraw = Option<(f32, f64)>;
 
 impl Sampler {
     /// A sampler for choice `index` of a request.
@@ -144,6 +154,7 @@ impl Sampler {
             rng: StdRng::seed_from_u64(seed),
             logp: Vec::new(),
             order: Vec::new(),
+            drawn_on_device: false,
         }
     }
 
@@ -156,6 +167,33 @@ impl Sampler {
     /// else to compute (about a microsecond for a 4k vocabulary).
     pub fn is_cheap(&self) -> bool {
         self.params.is_greedy() && self.params.top_logprobs == 0
+    }
+
+    /// The next token's draw for a device that holds the logits, so only
+    /// the pick travels: `None` when the host must see the row (top-k or
+    /// top-p truncation over `vocab`, or alternatives to report). A draw
+    /// takes the same uniform from the RNG as [`sample`](Self::sample)
+    /// would, so a seed gives the same tokens on either side (to the
+    /// device's rounding of the row's log-softmax).
+    pub fn device_draw(&mut self, vocab: usize) -> Option<DeviceDraw> {
+        let p = &self.params;
+        let truncating = (p.top_k != 0 && p.top_k < vocab) || p.top_p < 1.0;
+        if p.top_logprobs > 0 || truncating {
+            return None;
+        }
+        if p.is_greedy() {
+            return Some(None);
+        }
+        let t = p.temperature;
+        let inv_t = if t == 1.0 { 1.0 } else { 1.0 / t };
+        self.drawn_on_device = true;
+        Some(Some((inv_t, self.rng.gen())))
+    }
+
+    /// Whether a [`device_draw`](Self::device_draw) awaits its pick;
+    /// taking it clears it.
+    pub fn take_device_draw(&mut self) -> bool {
+        std::mem::take(&mut self.drawn_on_device)
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> Result<Sampled> {
@@ -324,6 +362,54 @@ mod tests {
         let lse = scaled.iter().map(|x| x.exp()).sum::<f64>().ln();
         let want = scaled[out.token as usize] - lse;
         assert!((out.logprob as f64 - want).abs() < 1e-6);
+    }
+
+    /// A device draw takes exactly the uniform `sample` would (the next
+    /// host sample is the one a sampler that sampled twice gets second),
+    /// and is refused where the host must see the row.
+    #[test]
+    fn device_draw_takes_the_samplers_uniform() {
+        let logits = [0.3f32, -0.2, 1.1, 0.0, 0.7];
+        let mut host = Sampler::new(&params(0.7), 0);
+        let mut dev = Sampler::new(&params(0.7), 0);
+        host.sample(&logits).unwrap();
+        let Some(Some((inv_t, u))) = dev.device_draw(logits.len()) else {
+            panic!("an untruncated sampler draws on the device");
+        };
+        assert_eq!(inv_t, 1.0 / 0.7f32);
+        assert!((0.0..1.0).contains(&u));
+        assert!(dev.take_device_draw() && !dev.take_device_draw());
+        for _ in 0..20 {
+            assert_eq!(
+                host.sample(&logits).unwrap().token,
+                dev.sample(&logits).unwrap().token
+            );
+        }
+        let mut g = Sampler::new(&SamplingParams::greedy(4), 0);
+        assert_eq!(g.device_draw(5), Some(None));
+        assert!(!g.take_device_draw());
+        for p in [
+            SamplingParams {
+                top_k: 2,
+                ..params(1.0)
+            },
+            SamplingParams {
+                top_p: 0.9,
+                ..params(1.0)
+            },
+            SamplingParams {
+                top_logprobs: 1,
+                ..params(1.0)
+            },
+        ] {
+            assert_eq!(Sampler::new(&p, 0).device_draw(5), None, "{p:?}");
+        }
+        // top_k at or past the vocabulary truncates nothing.
+        let wide = SamplingParams {
+            top_k: 5,
+            ..params(1.0)
+        };
+        assert!(Sampler::new(&wide, 0).device_draw(5).is_some());
     }
 
     #[test]

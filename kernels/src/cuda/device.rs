@@ -1087,6 +1087,52 @@ impl CudaDevice {
         launch!(self, "argmax_forward", rows(n); out, logits, &ni, &vi);
         Ok(())
     }
+
+    /// One token per row of `logits [rows, vocab]`, drawn on the device as
+    /// the engine's sampler draws from an untruncated distribution, and its
+    /// log-prob: `draws[r]` is `Some((1 / T, u))` with `u` in `[0, 1)` the
+    /// sampler's uniform (inverse CDF of `softmax(logits * (1 / T))` in
+    /// vocabulary order), or `None` for a greedy pick (the first largest
+    /// logit, its log-prob at `T = 1`). Only the picks come back to the
+    /// host, not the rows.
+    pub fn sample_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        draws: &[Option<(f32, f64)>],
+        vocab: usize,
+    ) -> Result<Vec<(u32, f32)>> {
+        let op = "sample_rows";
+        let n = draws.len();
+        shape(op, &[("logits", logits.len(), n * vocab)])?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        if vocab == 0 {
+            return Err(Error::Shape(format!("{op}: an empty vocabulary")));
+        }
+        let mut inv_t = Vec::with_capacity(n);
+        let mut u = Vec::with_capacity(n);
+        for (r, d) in draws.iter().enumerate() {
+            let (it, ur) = d.unwrap_or((1.0, -1.0));
+            if !(it.is_finite() && it > 0.0) || (d.is_some() && !(0.0..1.0).contains(&ur)) {
+                return Err(Error::Shape(format!(
+                    "{op}: row {r} draws with 1/T = {it}, u = {ur} (need 1/T > 0, 0 <= u < 1)"
+                )));
+            }
+            inv_t.push(it);
+            u.push(ur);
+        }
+        let (dinv, du) = (self.upload(&inv_t)?, self.upload(&u)?);
+        let mut tok = self.zeros::<u32>(n)?;
+        let mut lp = self.zeros::<f32>(n)?;
+        let (ni, vi) = (int(op, "rows", n)?, int(op, "vocab", vocab)?);
+        launch!(self, op, rows(n); &mut tok, &mut lp, logits, &dinv, &du, &ni, &vi);
+        Ok(self
+            .download(&tok)?
+            .into_iter()
+            .zip(self.download(&lp)?)
+            .collect())
+    }
 }
 
 /// Tokens per chunk of the chunked gated-delta form (`GD_CHUNK` in

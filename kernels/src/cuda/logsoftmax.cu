@@ -80,3 +80,87 @@ extern "C" __global__ void logprob_gather_backward(float* dlogits, const float* 
     for (int i = threadIdx.x; i < vocab; i += blockDim.x)
         d[i] = -g * expf(x[i] * inv_temp - lse) + ((u32)i == y ? g : 0.0f);
 }
+
+// One token per row, drawn as the engine's sampler draws it (CPU reference:
+// engine/src/sampler.rs, untruncated): with lp = log softmax(logits[r] *
+// inv_t[r]), a row with u[r] < 0 takes the argmax of its logits (greedy,
+// inv_t 1), any other the first index i with u[r] < sum_{j <= i} exp(lp[j])
+// (the inverse CDF in vocabulary order, sums in f64), or the last index of
+// positive probability when u reaches the total. token[r] is the pick and
+// logprob[r] its lp. The f64 sums run per thread over a contiguous piece of
+// the row, then across the pieces, so a pick can differ from the host's
+// sequential sum only where u lies within f64 rounding of a boundary.
+// blockDim.x at most SAMPLE_THREADS.
+#define SAMPLE_THREADS 256
+
+extern "C" __global__ void sample_rows(u32* token, float* logprob, const float* logits,
+                                       const float* inv_t, const double* u, int rows, int vocab) {
+    __shared__ float scratch[32];
+    __shared__ double part[SAMPLE_THREADS];
+    __shared__ int last[SAMPLE_THREADS];
+    __shared__ int pick;
+    int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* x = logits + (size_t)r * vocab;
+    float it = inv_t[r];
+    double ur = u[r];
+    float lse = row_logsumexp(x, vocab, it, scratch);
+    if (ur < 0.0) {
+        // Greedy: the lowest index of the largest logit.
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            float v = x[i];
+            if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+        }
+        float m = block_max(bv, scratch);
+        int cand = bv == m ? bi : 0x7fffffff;
+        __syncthreads();
+        if (threadIdx.x == 0) pick = 0x7fffffff;
+        __syncthreads();
+        atomicMin(&pick, cand);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int t = pick == 0x7fffffff ? 0 : pick;
+            token[r] = (u32)t;
+            logprob[r] = x[t] * it - lse;
+        }
+        return;
+    }
+    int per = (vocab + blockDim.x - 1) / blockDim.x;
+    int lo = threadIdx.x * per, hi = min(lo + per, vocab);
+    double s = 0.0;
+    int lastpos = -1;
+    for (int i = lo; i < hi; i++) {
+        double p = exp((double)(x[i] * it - lse));
+        if (p > 0.0) lastpos = i;
+        s += p;
+    }
+    part[threadIdx.x] = s;
+    last[threadIdx.x] = lastpos;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double acc = 0.0;
+        int t = -1, fallback = 0;
+        for (int w = 0; w < (int)blockDim.x && t < 0; w++) {
+            if (last[w] >= 0) fallback = last[w];
+            if (ur < acc + part[w]) {
+                int a = w * per, b = min(a + per, vocab);
+                for (int i = a; i < b; i++) {
+                    acc += exp((double)(x[i] * it - lse));
+                    if (ur < acc) { t = i; break; }
+                }
+                // Not crossed (the piece's two sums rounded apart): go on.
+            } else {
+                acc += part[w];
+            }
+        }
+        if (t < 0) {
+            for (int w = 0; w < (int)blockDim.x; w++)
+                if (last[w] >= 0) fallback = last[w];
+            t = fallback;
+        }
+        token[r] = (u32)t;
+        logprob[r] = x[t] * it - lse;
+    }
+}

@@ -142,6 +142,7 @@ pub const MODULES: &[Module] = &[
             "logprob_gather_forward",
             "argmax_forward",
             "logprob_gather_backward",
+            "sample_rows",
         ],
     },
     Module {
