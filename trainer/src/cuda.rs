@@ -102,21 +102,28 @@ pub fn backward(
     model_backward(&mut ops, model.params(), &fwd, dhidden, grads)
 }
 
-/// `lp[i] = log p(targets[i] | hidden row rows[i])` at `temperature` (as
-/// the CPU's `model::token_logprobs_entropy`, without the entropy), on the
-/// device. `hidden` is `[tokens, hidden]` (a trace's final hidden states).
+/// `lp[i] = log p(targets[i] | hidden row rows[i])` at `temperature` and,
+/// with `entropy`, that distribution's entropy at each row (as the CPU's
+/// `model::token_logprobs_entropy`), on the device. `hidden` is `[tokens,
+/// hidden]` (a trace's final hidden states).
 pub fn token_logprobs(
     model: &CudaModel,
     hidden: &Buf,
     rows: &[usize],
     targets: &[u32],
+    entropy: bool,
     temperature: f32,
-) -> Result<Buf> {
+) -> Result<(Buf, Option<Buf>)> {
     let inv_t = crate::model::inverse_temperature(temperature)?.unwrap_or(1.0);
     let (h, vocab) = (model.config().hidden_size, model.config().vocab_size);
     crate::model::check_rows(hidden.len() / h.max(1), rows, targets)?;
     let (dev, head) = (model.device(), head_of(model)?);
     let mut lps = dev.zeros(rows.len())?;
+    let mut ents = if entropy {
+        Some(dev.zeros(rows.len())?)
+    } else {
+        None
+    };
     let per = arcticd_engine::model::logit_rows_per_chunk(vocab);
     let mut start = 0;
     for (rc, tc) in rows.chunks(per).zip(targets.chunks(per)) {
@@ -125,15 +132,22 @@ pub fn token_logprobs(
         let mut lp = dev.zeros(m)?;
         dev.logprob_gather_forward(&mut lp, &logits, &dev.upload(tc)?, vocab, inv_t)?;
         dev.copy_into(&mut lps, &lp, 1, (start, 0), (m, 1))?;
+        if let Some(all) = ents.as_mut() {
+            let mut e = dev.zeros(m)?;
+            dev.entropy_forward(&mut e, &logits, vocab, inv_t)?;
+            dev.copy_into(all, &e, 1, (start, 0), (m, 1))?;
+        }
         start += m;
     }
-    Ok(lps)
+    Ok((lps, ents))
 }
 
-/// Backward of [`token_logprobs`] for upstream gradients `dlp` (one per
-/// row, on the device): the output projection's gradient accumulates into
-/// `grads` (into `embed_tokens` when tied) and `dhidden [tokens, hidden]`
-/// comes back. `rows` must be distinct (each position's next token once).
+/// Backward of [`token_logprobs`] for upstream gradients `dlp` and, when
+/// given, `dent` (of each row's entropy), one per row, on the device: the
+/// output projection's gradient accumulates into `grads` (into
+/// `embed_tokens` when tied) and `dhidden [tokens, hidden]` comes back.
+/// `rows` must be distinct (each position's next token once).
+#[allow(clippy::too_many_arguments)]
 pub fn token_logprobs_backward(
     model: &CudaModel,
     grads: &mut Qwen3_5<Buf>,
@@ -141,13 +155,14 @@ pub fn token_logprobs_backward(
     rows: &[usize],
     targets: &[u32],
     dlp: &Buf,
+    dent: Option<&Buf>,
     temperature: f32,
 ) -> Result<Buf> {
     let inv_t = crate::model::inverse_temperature(temperature)?.unwrap_or(1.0);
     let (h, vocab) = (model.config().hidden_size, model.config().vocab_size);
     let n = hidden.len() / h.max(1);
     crate::model::check_rows(n, rows, targets)?;
-    if dlp.len() != rows.len() {
+    if dlp.len() != rows.len() || dent.is_some_and(|d| d.len() != rows.len()) {
         return Err(Error::Input(format!(
             "{} log-prob gradients for {} rows",
             dlp.len(),
@@ -169,6 +184,11 @@ pub fn token_logprobs_backward(
         dev.copy_block(&mut d, dlp, 1, (start, 0), (m, 1))?;
         let mut dlogits = dev.zeros(m * vocab)?;
         dev.logprob_gather_backward(&mut dlogits, &d, &logits, &dev.upload(tc)?, vocab, inv_t)?;
+        if let Some(de) = dent {
+            let mut e = dev.zeros(m)?;
+            dev.copy_block(&mut e, de, 1, (start, 0), (m, 1))?;
+            dev.entropy_backward(&mut dlogits, &e, &logits, vocab, inv_t)?;
+        }
         let sel = gather(dev, hidden, rc, h)?;
         let mut dsel = dev.zeros(m * h)?;
         dev.matmul_backward(&mut dsel, dw, &dlogits, &sel, head, m, h, vocab)?;
@@ -360,9 +380,10 @@ pub fn global_norm(dev: &CudaDevice, grads: &Qwen3_5<Buf>) -> Result<f64> {
 /// After each step the new weights are downloaded into the host store the
 /// engines read (a copy through the host: one GPU's engine and trainer do
 /// not share the device weights yet). In a data-parallel group the
-/// gradients are summed on the host through the communicator. Not yet on
-/// the device: recomputing layers, the entropy term and the KL reference
-/// (each an error when asked for).
+/// gradients are summed on the host through the communicator. The entropy
+/// term runs on the device (its kernels beside the log-prob's). Not yet on
+/// the device: recomputing layers and the KL reference (each an error when
+/// asked for).
 pub struct CudaStep {
     store: Arc<ParamStore>,
     model: CudaModel,
@@ -436,26 +457,26 @@ impl StepDevice for CudaStep {
         if recompute_layers {
             return Err(not_on_cuda("recompute_layers"));
         }
-        if entropy {
-            return Err(not_on_cuda("the entropy term (entropy_coef)"));
-        }
         // Token ids were checked against the vocabulary by the trainer.
         let trace = self.model.forward_keeping(batch.sequences)?;
-        let lp = token_logprobs(
+        let (lp, ent) = token_logprobs(
             &self.model,
             &trace.hidden,
             batch.rows,
             batch.targets,
+            entropy,
             temperature,
         )?;
-        let lp = self.model.device().download(&lp)?;
+        let dev = self.model.device();
+        let lp = dev.download(&lp)?;
+        let ent = ent.map(|e| dev.download(&e)).transpose()?;
         self.last = Some(Kept {
             sequences: batch.sequences.iter().map(|s| s.to_vec()).collect(),
             trace,
             rows: batch.rows.to_vec(),
             targets: batch.targets.to_vec(),
         });
-        Ok((lp, None))
+        Ok((lp, ent))
     }
 
     fn has_reference(&self) -> bool {
@@ -467,14 +488,13 @@ impl StepDevice for CudaStep {
     }
 
     fn backward(&mut self, dlp: &[f32], dentropy: Option<&[f32]>, temperature: f32) -> Result<()> {
-        if dentropy.is_some() {
-            return Err(not_on_cuda("the entropy term (entropy_coef)"));
-        }
         let k = self
             .last
             .take()
             .ok_or_else(|| Error::Shape("a backward without its forward".into()))?;
-        let dlp = self.model.device().upload(dlp)?;
+        let dev = self.model.device();
+        let dlp = dev.upload(dlp)?;
+        let dent = dentropy.map(|d| dev.upload(d)).transpose()?;
         let dhidden = token_logprobs_backward(
             &self.model,
             &mut self.grads,
@@ -482,6 +502,7 @@ impl StepDevice for CudaStep {
             &k.rows,
             &k.targets,
             &dlp,
+            dent.as_ref(),
             temperature,
         )?;
         let seqs: Vec<&[u32]> = k.sequences.iter().map(|s| s.as_slice()).collect();
@@ -969,7 +990,7 @@ mod tests {
             crate::model::token_logprobs_entropy(&model, &acts.hidden, &rows, &targets, false, 0.7)
                 .unwrap()
                 .0;
-        let lp = token_logprobs(&on_gpu, &trace.hidden, &rows, &targets, 0.7).unwrap();
+        let (lp, _) = token_logprobs(&on_gpu, &trace.hidden, &rows, &targets, false, 0.7).unwrap();
         let lp = dev.download(&lp).unwrap();
         let d = lp
             .iter()
@@ -998,6 +1019,7 @@ mod tests {
             &rows,
             &targets,
             &dlp_dev,
+            None,
             0.7,
         )
         .unwrap();
@@ -1015,8 +1037,8 @@ mod tests {
         assert!(rel(&got_head, want_head) <= 1e-3);
 
         // The trainer on both devices, the same code over each device:
-        // three SFT steps, then three policy-gradient steps, each in two
-        // micro-batches (forward, log-probs, the loss, backward, clipping,
+        // three SFT steps, then three policy-gradient steps with an entropy
+        // bonus, each in two micro-batches (forward, log-probs, the loss, backward, clipping,
         // AdamW, the write of the host store). The losses within 1e-4; the
         // weights after within a mean of 1e-2 of an AdamW step each (a
         // near-zero gradient's sign can flip a step); the host store the
@@ -1066,6 +1088,8 @@ mod tests {
                 weight_versions: Vec::new(),
             })
             .collect();
+        gpu.config.pg.entropy_coef = 0.01;
+        cpu.config.pg.entropy_coef = 0.01;
         for step in 0..3 {
             let (g, c) = (gpu.pg_step(&pg).unwrap(), cpu.pg_step(&pg).unwrap());
             eprintln!("pg step {step}: loss CUDA {:.6} CPU {:.6}", g.loss, c.loss);

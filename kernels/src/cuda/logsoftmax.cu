@@ -164,3 +164,64 @@ extern "C" __global__ void sample_rows(u32* token, float* logprob, const float* 
         logprob[r] = x[t] * it - lse;
     }
 }
+
+// ---- entropy ------------------------------------------------------------
+// The policy's entropy per row, for entropy bonuses: with s = logits[r] *
+// inv_temp and lp = log softmax(s), H = -sum_j exp(lp_j) lp_j, sums in f64
+// (CPU reference: entropy_forward and entropy_backward in
+// kernels/src/cpu/logsoftmax.rs, on the scaled logits).
+
+__device__ double block_sum_f64(double v, double* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int warps = blockDim.x >> 5;
+    v = lane < warps ? scratch[lane] : 0.0;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// H of row r, every thread of the block taking part; lse is the row's
+// log-sum-exp of the scaled logits.
+__device__ double row_entropy(const float* x, int vocab, float inv_temp, float lse,
+                              double* scratch) {
+    double h = 0.0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        double lp = (double)(x[i] * inv_temp) - (double)lse;
+        h -= exp(lp) * lp;
+    }
+    return block_sum_f64(h, scratch);
+}
+
+extern "C" __global__ void entropy_forward(float* out, const float* logits, int rows, int vocab,
+                                           float inv_temp) {
+    __shared__ float scratch[32];
+    __shared__ double dscratch[32];
+    int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* x = logits + (size_t)r * vocab;
+    float lse = row_logsumexp(x, vocab, inv_temp, scratch);
+    double h = row_entropy(x, vocab, inv_temp, lse, dscratch);
+    if (threadIdx.x == 0) out[r] = (float)h;
+}
+
+// dlogits[r, j] += dent[r] * inv_temp * -p_j (lp_j + H): accumulates onto
+// logprob_gather_backward's output (the inv_temp is d s / d logits).
+extern "C" __global__ void entropy_backward(float* dlogits, const float* dent, const float* logits,
+                                            int rows, int vocab, float inv_temp) {
+    __shared__ float scratch[32];
+    __shared__ double dscratch[32];
+    int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* x = logits + (size_t)r * vocab;
+    float* d = dlogits + (size_t)r * vocab;
+    float lse = row_logsumexp(x, vocab, inv_temp, scratch);
+    double h = row_entropy(x, vocab, inv_temp, lse, dscratch);
+    double g = (double)dent[r] * (double)inv_temp;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        double lp = (double)(x[i] * inv_temp) - (double)lse;
+        d[i] += (float)(g * -exp(lp) * (lp + h));
+    }
+}

@@ -143,6 +143,8 @@ pub const MODULES: &[Module] = &[
             "argmax_forward",
             "logprob_gather_backward",
             "sample_rows",
+            "entropy_forward",
+            "entropy_backward",
         ],
     },
     Module {

@@ -388,6 +388,55 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// `out[r]`: the entropy of `softmax(logits[r] * inv_temp)`, sums in
+    /// f64 (as `cpu::logsoftmax::entropy_forward` on the scaled logits).
+    pub fn entropy_forward(
+        &self,
+        out: &mut CudaSlice<f32>,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        inv_temp: f32,
+    ) -> Result<()> {
+        let op = "entropy_forward";
+        let n = out.len();
+        shape(op, &[("logits", logits.len(), n * vocab)])?;
+        if n == 0 || vocab == 0 {
+            return Ok(());
+        }
+        let (ni, vi) = (int(op, "rows", n)?, int(op, "vocab", vocab)?);
+        launch!(self, op, rows(n); out, logits, &ni, &vi, &inv_temp);
+        Ok(())
+    }
+
+    /// Backward of [`Self::entropy_forward`] for `dent` per row,
+    /// accumulated (`+=`) onto `dlogits` (after
+    /// [`Self::logprob_gather_backward`]), the chain rule's `inv_temp`
+    /// included.
+    pub fn entropy_backward(
+        &self,
+        dlogits: &mut CudaSlice<f32>,
+        dent: &CudaSlice<f32>,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        inv_temp: f32,
+    ) -> Result<()> {
+        let op = "entropy_backward";
+        let n = dent.len();
+        shape(
+            op,
+            &[
+                ("dlogits", dlogits.len(), n * vocab),
+                ("logits", logits.len(), n * vocab),
+            ],
+        )?;
+        if n == 0 || vocab == 0 {
+            return Ok(());
+        }
+        let (ni, vi) = (int(op, "rows", n)?, int(op, "vocab", vocab)?);
+        launch!(self, op, rows(n); dlogits, dent, logits, &ni, &vi, &inv_temp);
+        Ok(())
+    }
+
     /// The causal conv over one sequence of `t` tokens from `state[k - 1,
     /// c]` (read, then advanced to the last `k - 1` inputs):
     /// `out, inp [t, c]`, `weight[c, k]`, pre-activation (as
@@ -963,6 +1012,22 @@ mod tests {
             )
             .unwrap();
             close("logprob backward", &d.download(&gl).unwrap(), &want, 1e-5);
+
+            // The entropy and its backward, added onto the log-prob's.
+            let mut want_h = vec![0.0; n];
+            cpu::logsoftmax::entropy_forward(&mut want_h, &scaled, n, v).unwrap();
+            let mut h = d.zeros(n).unwrap();
+            d.entropy_forward(&mut h, &up(&logits), v, inv_t).unwrap();
+            close("entropy", &d.download(&h).unwrap(), &want_h, 1e-5);
+            let dent = rand_vec(&mut rng, n, 1.0);
+            let mut want_d = vec![0.0; n * v];
+            cpu::logsoftmax::logprob_gather_backward(&mut want_d, &dlp, &scaled, &targets, n, v)
+                .unwrap();
+            cpu::logsoftmax::entropy_backward(&mut want_d, &dent, &scaled, n, v).unwrap();
+            want_d.iter_mut().for_each(|x| *x *= inv_t);
+            d.entropy_backward(&mut gl, &up(&dent), &up(&logits), v, inv_t)
+                .unwrap();
+            close("entropy backward", &d.download(&gl).unwrap(), &want_d, 1e-5);
         }
     }
 
