@@ -381,14 +381,16 @@ pub fn global_norm(dev: &CudaDevice, grads: &Qwen3_5<Buf>) -> Result<f64> {
 /// engines read (a copy through the host: one GPU's engine and trainer do
 /// not share the device weights yet). In a data-parallel group the
 /// gradients are summed on the host through the communicator. The entropy
-/// term runs on the device (its kernels beside the log-prob's). Not yet on
-/// the device: recomputing layers and the KL reference (each an error when
+/// term and the KL reference (a frozen f32 copy on the same device) run
+/// there too. Not yet on the device: recomputing layers (an error when
 /// asked for).
 pub struct CudaStep {
     store: Arc<ParamStore>,
     model: CudaModel,
     opt: CudaAdamW,
     grads: Qwen3_5<Buf>,
+    /// The fixed policy of the KL-to-reference term, on the device.
+    reference: Option<CudaModel>,
     /// The last forward's trace, until its backward.
     last: Option<Kept>,
 }
@@ -411,8 +413,22 @@ impl CudaStep {
             model,
             opt,
             grads,
+            reference: None,
             last: None,
         })
+    }
+
+    /// Holds `reference` (uploaded in f32 beside the masters) as the KL
+    /// term's fixed policy; it must have the trained model's shapes.
+    pub fn set_reference(&mut self, reference: &Qwen3_5) -> Result<()> {
+        if !crate::device::same_shapes(&self.store.read().config, &reference.config) {
+            return Err(Error::Input(
+                "the KL reference model's config differs from the trained model's".into(),
+            ));
+        }
+        let dev = self.model.device().clone();
+        self.reference = Some(CudaModel::upload(reference, dev, WeightDType::F32)?);
+        Ok(())
     }
 
     /// The model on the device (its parameters are the masters).
@@ -480,11 +496,26 @@ impl StepDevice for CudaStep {
     }
 
     fn has_reference(&self) -> bool {
-        false
+        self.reference.is_some()
     }
 
-    fn reference_logprobs(&mut self, _: MicroBatch<'_>, _: f32) -> Result<Vec<f32>> {
-        Err(not_on_cuda("the KL reference (ref_kl_coef)"))
+    /// The reference's forward keeps its activations (the training
+    /// forward's code) and drops them at once: the peak is the policy
+    /// forward's own, which comes after.
+    fn reference_logprobs(&mut self, batch: MicroBatch<'_>, temperature: f32) -> Result<Vec<f32>> {
+        let r = self.reference.as_ref().ok_or_else(|| {
+            Error::Input("ref_kl_coef is set but the trainer has no reference model".into())
+        })?;
+        let trace = r.forward_keeping(batch.sequences)?;
+        let (lp, _) = token_logprobs(
+            r,
+            &trace.hidden,
+            batch.rows,
+            batch.targets,
+            false,
+            temperature,
+        )?;
+        Ok(r.device().download(&lp)?)
     }
 
     fn backward(&mut self, dlp: &[f32], dentropy: Option<&[f32]>, temperature: f32) -> Result<()> {
@@ -1038,7 +1069,7 @@ mod tests {
 
         // The trainer on both devices, the same code over each device:
         // three SFT steps, then three policy-gradient steps with an entropy
-        // bonus, each in two micro-batches (forward, log-probs, the loss, backward, clipping,
+        // bonus and a KL term to the starting model, each in two micro-batches (forward, log-probs, the loss, backward, clipping,
         // AdamW, the write of the host store). The losses within 1e-4; the
         // weights after within a mean of 1e-2 of an AdamW step each (a
         // near-zero gradient's sign can flip a step); the host store the
@@ -1090,6 +1121,11 @@ mod tests {
             .collect();
         gpu.config.pg.entropy_coef = 0.01;
         cpu.config.pg.entropy_coef = 0.01;
+        // A KL term to the starting model, held by each device.
+        gpu.config.pg.ref_kl_coef = 0.05;
+        cpu.config.pg.ref_kl_coef = 0.05;
+        gpu.dev.set_reference(&model).unwrap();
+        cpu.dev.set_reference(model.clone()).unwrap();
         for step in 0..3 {
             let (g, c) = (gpu.pg_step(&pg).unwrap(), cpu.pg_step(&pg).unwrap());
             eprintln!("pg step {step}: loss CUDA {:.6} CPU {:.6}", g.loss, c.loss);

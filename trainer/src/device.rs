@@ -351,13 +351,12 @@ pub fn step_device(
         }
         #[cfg(feature = "cuda")]
         arcticd_kernels::Device::Cuda(i) => {
-            if reference.is_some() {
-                return Err(Error::Input(format!(
-                    "ref_kl_coef on {device}: the KL reference is not built for a CUDA trainer yet"
-                )));
-            }
             let dev = Arc::new(arcticd_kernels::cuda::device::CudaDevice::new(i)?);
-            Ok(Box::new(crate::cuda::CudaStep::new(store, dev, config)?))
+            let mut gpu = crate::cuda::CudaStep::new(store, dev, config)?;
+            if let Some(r) = reference {
+                gpu.set_reference(&r)?;
+            }
+            Ok(Box::new(gpu))
         }
         #[cfg(not(feature = "cuda"))]
         arcticd_kernels::Device::Cuda(_) => {
