@@ -36,7 +36,7 @@ use crate::{Error, Result};
 use arcticd_engine::model::cuda::{CudaModel, CudaTrace, DeviceParam};
 use arcticd_engine::model::qwen3_5::{Linear, LinearAttention};
 use arcticd_engine::model::saved::{FullActs, LayerActs, LinearActs};
-use arcticd_engine::model::WeightDType;
+use arcticd_engine::model::{Keep, WeightDType};
 use arcticd_engine::ParamStore;
 use arcticd_engine::{ModelConfig, Qwen3_5};
 use arcticd_kernels::cpu::attention::AttnDims;
@@ -93,6 +93,8 @@ pub fn backward(
         positions: dev.upload(&positions)?,
         ids,
         spans,
+        model,
+        sequences,
     };
     let fwd = Forward {
         layers: &trace.layers,
@@ -381,9 +383,9 @@ pub fn global_norm(dev: &CudaDevice, grads: &Qwen3_5<Buf>) -> Result<f64> {
 /// engines read (a copy through the host: one GPU's engine and trainer do
 /// not share the device weights yet). In a data-parallel group the
 /// gradients are summed on the host through the communicator. The entropy
-/// term and the KL reference (a frozen f32 copy on the same device) run
-/// there too. Not yet on the device: recomputing layers (an error when
-/// asked for).
+/// term, the KL reference (a frozen f32 copy on the same device) and
+/// layer recomputation (`recompute_layers`: only each layer's input kept,
+/// the layer run again in the backward) run there too.
 pub struct CudaStep {
     store: Arc<ParamStore>,
     model: CudaModel,
@@ -442,12 +444,6 @@ impl CudaStep {
     }
 }
 
-fn not_on_cuda(what: &str) -> Error {
-    Error::Input(format!(
-        "{what} is not built for a CUDA trainer yet (it runs on the CPU trainer)"
-    ))
-}
-
 impl StepDevice for CudaStep {
     fn store(&self) -> &Arc<ParamStore> {
         &self.store
@@ -470,11 +466,13 @@ impl StepDevice for CudaStep {
         temperature: f32,
         recompute_layers: bool,
     ) -> Result<Scores> {
-        if recompute_layers {
-            return Err(not_on_cuda("recompute_layers"));
-        }
         // Token ids were checked against the vocabulary by the trainer.
-        let trace = self.model.forward_keeping(batch.sequences)?;
+        let keep = if recompute_layers {
+            Keep::Inputs
+        } else {
+            Keep::All
+        };
+        let trace = self.model.forward_keeping(batch.sequences, keep)?;
         let (lp, ent) = token_logprobs(
             &self.model,
             &trace.hidden,
@@ -499,14 +497,13 @@ impl StepDevice for CudaStep {
         self.reference.is_some()
     }
 
-    /// The reference's forward keeps its activations (the training
-    /// forward's code) and drops them at once: the peak is the policy
-    /// forward's own, which comes after.
+    /// The reference's forward is the training forward keeping only each
+    /// layer's input, dropped at once.
     fn reference_logprobs(&mut self, batch: MicroBatch<'_>, temperature: f32) -> Result<Vec<f32>> {
         let r = self.reference.as_ref().ok_or_else(|| {
             Error::Input("ref_kl_coef is set but the trainer has no reference model".into())
         })?;
-        let trace = r.forward_keeping(batch.sequences)?;
+        let trace = r.forward_keeping(batch.sequences, Keep::Inputs)?;
         let (lp, _) = token_logprobs(
             r,
             &trace.hidden,
@@ -633,6 +630,9 @@ struct CudaBackward<'a> {
     /// `(start, len)` of each sequence.
     spans: Vec<(usize, usize)>,
     positions: CudaSlice<u32>,
+    /// The model and the sequences, for a layer recomputed from its input.
+    model: &'a CudaModel,
+    sequences: &'a [&'a [u32]],
 }
 
 impl CudaBackward<'_> {
@@ -938,11 +938,9 @@ impl BackwardOps for CudaBackward<'_> {
         &mut self,
         _model: &Qwen3_5<DeviceParam>,
         li: usize,
-        _x_in: &Buf,
+        x_in: &Buf,
     ) -> Result<LayerActs<Buf, ()>> {
-        Err(Error::Shape(format!(
-            "layer {li} kept only its input: recomputing layers runs on the CPU only"
-        )))
+        Ok(self.model.recompute_layer(li, x_in, self.sequences)?)
     }
 }
 
@@ -989,7 +987,7 @@ mod tests {
 
         let on_gpu = CudaModel::upload(&model, dev.clone(), WeightDType::F32).unwrap();
         let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
-        let trace = on_gpu.forward_keeping(&refs).unwrap();
+        let trace = on_gpu.forward_keeping(&refs, Keep::All).unwrap();
         let mut got = zero_grads(&on_gpu).unwrap();
         let dh = dev.upload(&dhidden).unwrap();
         backward(&on_gpu, &refs, &trace, &dh, &mut got).unwrap();
@@ -1158,14 +1156,18 @@ mod tests {
         assert!(mean <= 6.0 * 1e-2 * lr, "{mean}");
         drop((host, cpu_model));
         assert_eq!(gpu_store.weight_version(), 6);
-        // What the device does not run yet is an error, not a wrong step.
+        // Layers recomputed in the backward: the same step as keeping them.
         gpu.config.recompute_layers = true;
-        let err = gpu.sft_step(&batch).unwrap_err();
-        assert!(err.to_string().contains("recompute_layers"), "{err}");
+        cpu.config.recompute_layers = true;
+        let (g, c) = (gpu.sft_step(&batch).unwrap(), cpu.sft_step(&batch).unwrap());
+        assert!(
+            (g.loss - c.loss).abs() <= 1e-4,
+            "recomputed: {g:?} vs {c:?}"
+        );
 
         // A bf16 model cannot run the backward (f32 products): an error.
         let bf16 = CudaModel::upload(&model, dev.clone(), WeightDType::Bf16).unwrap();
-        let trace = bf16.forward_keeping(&refs).unwrap();
+        let trace = bf16.forward_keeping(&refs, Keep::All).unwrap();
         let mut g = zero_grads(&bf16).unwrap();
         let err = backward(&bf16, &refs, &trace, &dh, &mut g).unwrap_err();
         assert!(err.to_string().contains("f32 weights"), "{err}");

@@ -27,7 +27,7 @@
 use super::ops::LayerOps;
 use super::paged_batch::{PagedBatch, PagedSeq};
 use super::qwen3_5::{Linear, LinearAttention, Qwen3_5};
-use super::saved::Kept;
+use super::saved::{Keep, Kept, LayerActs};
 use super::{logit_rows_per_chunk, PrefillForm};
 use crate::config::ModelConfig;
 use crate::kv_cache::{CacheLayout, SlotId};
@@ -256,15 +256,10 @@ impl CudaModel {
         Ok(hidden)
     }
 
-    /// The training forward: `sequences`, each from position 0 with fresh
-    /// state, packed back to back, through the layer code of
-    /// [`forward_batch`](Self::forward_batch), keeping every layer's
-    /// activations on the device (what the CPU's
-    /// [`Qwen3_5::forward_keeping`] keeps with [`Keep::All`](super::Keep),
-    /// less the recurrent-state checkpoints).
-    pub fn forward_keeping(&self, sequences: &[&[u32]]) -> Result<CudaTrace> {
-        let c = &self.model.config;
-        let layout = CacheLayout::new(c);
+    /// A cache for `sequences` from position 0 with fresh state (one slot
+    /// each), and each one's block table.
+    fn fresh_cache(&self, sequences: &[&[u32]]) -> Result<(DeviceCache, Vec<Vec<u32>>)> {
+        let layout = CacheLayout::new(&self.model.config);
         let mut tables = Vec::with_capacity(sequences.len());
         let mut next = 0u32;
         for s in sequences {
@@ -272,29 +267,39 @@ impl CudaModel {
             tables.push((next..next + n).collect::<Vec<u32>>());
             next += n;
         }
-        let mut cache = DeviceCache::new(
+        let cache = DeviceCache::new(
             self.dev.clone(),
             &layout,
             KV_BLOCK,
             next as usize,
             sequences.len(),
         )?;
-        let seqs: Vec<PagedSeq<'_>> = sequences
-            .iter()
-            .zip(&tables)
-            .enumerate()
-            .map(|(i, (tokens, blocks))| PagedSeq {
-                tokens,
-                past: 0,
-                slot: i as SlotId,
-                blocks,
-            })
-            .collect();
+        Ok((cache, tables))
+    }
+
+    /// The training forward: `sequences`, each from position 0 with fresh
+    /// state, packed back to back, through the layer code of
+    /// [`forward_batch`](Self::forward_batch), keeping on the device what
+    /// the CPU's [`Qwen3_5::forward_keeping`] keeps (less the
+    /// recurrent-state checkpoints): every layer's activations
+    /// ([`Keep::All`]) or only each layer's input ([`Keep::Inputs`], for a
+    /// backward that recomputes a layer at a time with
+    /// [`recompute_layer`](Self::recompute_layer)).
+    pub fn forward_keeping(&self, sequences: &[&[u32]], keep: Keep) -> Result<CudaTrace> {
+        let c = &self.model.config;
+        let (mut cache, tables) = self.fresh_cache(sequences)?;
+        let seqs = fresh_seqs(sequences, &tables);
         let mut ops = CudaOps::new(&self.dev, c, &seqs, &mut cache)?;
         let t = ops.t();
         let mut x = ops.embed(&self.model.embed_tokens)?;
         let mut layers = Vec::with_capacity(self.model.layers.len());
         for li in 0..self.model.layers.len() {
+            if keep == Keep::Inputs {
+                let x_in = ops.duplicate(&x)?;
+                self.model.layer_forward(&mut ops, li, &mut x, t, false)?;
+                layers.push(Kept::Input(x_in));
+                continue;
+            }
             let acts = self.model.layer_forward(&mut ops, li, &mut x, t, true)?;
             let acts =
                 acts.ok_or_else(|| Error::Invariant(format!("layer {li} kept no activations")))?;
@@ -308,6 +313,38 @@ impl CudaModel {
             final_rstd,
             hidden,
         })
+    }
+
+    /// Layer `li`'s activations again, from its input `x_in`, for the
+    /// sequences of a [`forward_keeping`](Self::forward_keeping) with
+    /// [`Keep::Inputs`]: the same code on fresh state, so the same numbers.
+    pub fn recompute_layer(
+        &self,
+        li: usize,
+        x_in: &CudaSlice<f32>,
+        sequences: &[&[u32]],
+    ) -> Result<LayerActs<CudaSlice<f32>, ()>> {
+        let c = &self.model.config;
+        if li >= self.model.layers.len() {
+            return Err(Error::Input(format!(
+                "layer {li} of a model with {} layers",
+                self.model.layers.len()
+            )));
+        }
+        let (mut cache, tables) = self.fresh_cache(sequences)?;
+        let seqs = fresh_seqs(sequences, &tables);
+        let mut ops = CudaOps::new(&self.dev, c, &seqs, &mut cache)?;
+        let t = ops.t();
+        if x_in.len() != t * c.hidden_size {
+            return Err(Error::Input(format!(
+                "layer input of {} values for {t} tokens",
+                x_in.len()
+            )));
+        }
+        let mut x = ops.duplicate(x_in)?;
+        self.model
+            .layer_forward(&mut ops, li, &mut x, t, true)?
+            .ok_or_else(|| Error::Invariant(format!("layer {li} kept no activations")))
     }
 
     /// Logits `[rows.len(), vocab]` of the given rows of `hidden`, on the
@@ -449,13 +486,28 @@ impl CudaModel {
 
 /// A training forward on the device ([`CudaModel::forward_keeping`]).
 pub struct CudaTrace {
-    /// Every layer's activations (always [`Kept::All`]).
+    /// Every layer's activations ([`Kept::All`]) or input ([`Kept::Input`]).
     pub layers: Vec<Kept<CudaSlice<f32>, ()>>,
     /// The residual stream after the last layer, before the final norm.
     pub x_last: CudaSlice<f32>,
     pub final_rstd: CudaSlice<f32>,
     /// Final hidden states after the final norm, `[tokens, hidden]`.
     pub hidden: CudaSlice<f32>,
+}
+
+/// `sequences` from position 0, sequence `i` in slot `i` with `tables[i]`.
+fn fresh_seqs<'a>(sequences: &[&'a [u32]], tables: &'a [Vec<u32>]) -> Vec<PagedSeq<'a>> {
+    sequences
+        .iter()
+        .zip(tables)
+        .enumerate()
+        .map(|(i, (tokens, blocks))| PagedSeq {
+            tokens,
+            past: 0,
+            slot: i as SlotId,
+            blocks,
+        })
+        .collect()
 }
 
 /// Positions per block of a lone sequence's key/value pool
@@ -1068,7 +1120,6 @@ mod tests {
     #[test]
     fn cuda_training_forward_keeps_the_cpu_activations() {
         use crate::model::saved::MixerActs;
-        use crate::model::Keep;
         let Some(dev) = gpu() else { return };
         let dir = std::env::temp_dir().join(format!("arcticd-cuda-keep-{}", std::process::id()));
         crate::init::init_model(crate::init::TINY, &dir, 7).unwrap();
@@ -1081,7 +1132,7 @@ mod tests {
         let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
         let want = model.forward_keeping(&refs, Keep::All).unwrap();
         let on_gpu = CudaModel::upload(&model, dev.clone(), WeightDType::F32).unwrap();
-        let got = on_gpu.forward_keeping(&refs).unwrap();
+        let got = on_gpu.forward_keeping(&refs, Keep::All).unwrap();
         let mut worst = 0.0f32;
         let mut check = |name: String, d: &CudaSlice<f32>, h: &[f32]| {
             let d = dev.download(d).unwrap();
@@ -1139,6 +1190,32 @@ mod tests {
         }
         check("hidden".into(), &got.hidden, &want.hidden);
         eprintln!("training forward: max relative |CUDA - CPU| = {worst:.3e}");
+
+        // Keeping only the inputs gives the same bits, and each layer
+        // recomputed from its input gives the kept activations' bits.
+        let inputs = on_gpu.forward_keeping(&refs, Keep::Inputs).unwrap();
+        let bits = |x: &CudaSlice<f32>| {
+            dev.download(x)
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<u32>>()
+        };
+        assert_eq!(bits(&inputs.hidden), bits(&got.hidden));
+        for (li, (kept, all)) in inputs.layers.iter().zip(&got.layers).enumerate() {
+            let (Kept::Input(x_in), Kept::All(all)) = (kept, all) else {
+                panic!("layer {li}: not the kept kinds asked for")
+            };
+            assert_eq!(bits(x_in), bits(&all.x_in), "layer {li} input");
+            let again = on_gpu.recompute_layer(li, x_in, &refs).unwrap();
+            for (name, a, b) in [
+                ("xn1", &again.xn1, &all.xn1),
+                ("x_mid", &again.x_mid, &all.x_mid),
+                ("act", &again.act, &all.act),
+            ] {
+                assert_eq!(bits(a), bits(b), "layer {li} {name} recomputed");
+            }
+        }
         std::fs::remove_dir_all(&dir).ok();
     }
 
