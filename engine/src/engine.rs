@@ -1010,7 +1010,13 @@ impl EngineLoop {
         plan: &[Scheduled],
     ) -> Result<StepOut> {
         if let Some(gpu) = &mut self.gpu {
-            return gpu.forward(model, version, &mut self.scheduler, plan, self.prefill);
+            return gpu.forward(
+                (store, model),
+                version,
+                &mut self.scheduler,
+                plan,
+                self.prefill,
+            );
         }
         cpu_forward(
             model,
@@ -1240,15 +1246,26 @@ fn cpu_forward(
     result.map(|out| StepOut::dense(out, rows))
 }
 
-/// The engine's model on a GPU: the store's weights uploaded (again after
-/// every update, before any token of the new version), run over the
-/// scheduler's cache on the device.
+/// The engine's model on a GPU, run over the scheduler's cache on the
+/// device: after an update, the copy a trainer on the same GPU wrote in
+/// place for this version when the store has one (`DeviceCopy`), else the
+/// store's weights uploaded again, before any token of the new version.
 #[cfg(feature = "cuda")]
 struct GpuReplica {
-    model: crate::model::cuda::CudaModel,
+    /// None only while the weights of a new version are being loaded.
+    model: Option<ReplicaWeights>,
     dev: Arc<arcticd_kernels::cuda::device::CudaDevice>,
     weights: WeightDType,
     version: u64,
+}
+
+/// A GPU replica's weights: its own upload, or the trainer's copy on the
+/// same GPU, read under its lock and through the replica's own device
+/// handle.
+#[cfg(feature = "cuda")]
+enum ReplicaWeights {
+    Own(Box<crate::model::cuda::CudaModel>),
+    Shared(Arc<std::sync::RwLock<crate::model::cuda::CudaModel>>),
 }
 
 #[cfg(feature = "cuda")]
@@ -1274,7 +1291,7 @@ impl GpuReplica {
             )));
         }
         Ok(GpuReplica {
-            model: on_gpu,
+            model: Some(ReplicaWeights::Own(Box::new(on_gpu))),
             dev,
             weights,
             version,
@@ -1283,7 +1300,7 @@ impl GpuReplica {
 
     fn forward(
         &mut self,
-        host: &Qwen3_5,
+        (store, host): (&ParamStore, &Qwen3_5),
         version: u64,
         sched: &mut Scheduler,
         plan: &[Scheduled],
@@ -1292,9 +1309,33 @@ impl GpuReplica {
         use crate::model::cuda::CudaModel;
         use crate::model::paged_batch::PagedSeq;
         if version != self.version {
-            self.model = CudaModel::upload(host, self.dev.clone(), self.weights)?;
+            // The old weights go first: the two never coexist.
+            self.model = None;
+            self.model = Some(match store.device_copy(self.dev.ordinal()) {
+                Some(c) if c.version == version && self.weights == WeightDType::Bf16 => {
+                    ReplicaWeights::Shared(c.model)
+                }
+                _ => ReplicaWeights::Own(Box::new(CudaModel::upload(
+                    host,
+                    self.dev.clone(),
+                    self.weights,
+                )?)),
+            });
             self.version = version;
         }
+        let shared;
+        let model: &CudaModel = match &self.model {
+            Some(ReplicaWeights::Own(m)) => m,
+            Some(ReplicaWeights::Shared(s)) => {
+                shared = s.read().unwrap_or_else(|e| e.into_inner());
+                &shared
+            }
+            None => {
+                return Err(Error::Invariant(
+                    "the GPU replica lost its weights in a failed reload".into(),
+                ))
+            }
+        };
         let vocab = host.config.vocab_size;
         // Sampled rows whose sampler can draw where the logits are (no
         // truncation, no alternatives, no forks waiting to sample the same
@@ -1332,8 +1373,8 @@ impl GpuReplica {
         let cache = sched.cache.device_mut().ok_or_else(|| {
             Error::Invariant("the GPU model was given a cache in host memory".into())
         })?;
-        let hidden = self.model.forward_batch(cache, &seqs, prefill)?;
-        let (logits, picks) = self.model.picks_or_logits(&hidden, &rows, &draws)?;
+        let hidden = model.forward_batch_on(&self.dev, cache, &seqs, prefill)?;
+        let (logits, picks) = model.picks_or_logits(&self.dev, &hidden, &rows, &draws)?;
         let mut next = 0;
         let at = picks
             .iter()
@@ -1360,7 +1401,7 @@ enum GpuReplica {}
 impl GpuReplica {
     fn forward(
         &mut self,
-        _: &Qwen3_5,
+        _: (&ParamStore, &Qwen3_5),
         _: u64,
         _: &mut Scheduler,
         _: &[Scheduled],

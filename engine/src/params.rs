@@ -4,7 +4,9 @@
 //! "Weights"). Readers take a read guard for the duration of one forward;
 //! `update` takes the write guard, applies the change in place (no copy of
 //! the model) and bumps `weight_version`. The weights packed for the
-//! matrix product are kept here too, once per version for every replica.
+//! matrix product are kept here too, once per version for every replica,
+//! and (with the `cuda` feature) the weight copies a trainer keeps on a
+//! GPU for the engines on that GPU to read in place ([`DeviceCopy`]).
 
 use crate::model::{LinearPacks, Qwen3_5};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,16 +19,52 @@ pub struct ParamStore {
     /// The current version's packed weights, built by the first reader
     /// that needs them.
     packs: Mutex<Option<(u64, Arc<LinearPacks>)>>,
+    /// One per GPU whose trainer keeps the engines' weights there.
+    #[cfg(feature = "cuda")]
+    device_copies: Mutex<Vec<DeviceCopy>>,
+}
+
+/// The weights on one GPU as its engines read them (bf16 matrices), written
+/// in place by the trainer on that GPU after each optimizer step, while
+/// the engines are paused: an engine on `ordinal` whose store moved to
+/// `version` reads `model` instead of uploading the host copy again.
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone)]
+pub struct DeviceCopy {
+    pub ordinal: usize,
+    pub version: u64,
+    pub model: Arc<RwLock<crate::model::cuda::CudaModel>>,
 }
 
 impl ParamStore {
-    /// Wrap a loaded model at weight version 0.
-    pub fn new(model: Qwen3_5) -> Arc<Self> {
+    fn build(model: Qwen3_5, version: u64, packs: Option<(u64, Arc<LinearPacks>)>) -> Arc<Self> {
         Arc::new(ParamStore {
             model: RwLock::new(model),
-            version: AtomicU64::new(0),
-            packs: Mutex::new(None),
+            version: AtomicU64::new(version),
+            packs: Mutex::new(packs),
+            #[cfg(feature = "cuda")]
+            device_copies: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Wrap a loaded model at weight version 0.
+    pub fn new(model: Qwen3_5) -> Arc<Self> {
+        Self::build(model, 0, None)
+    }
+
+    /// Records (or replaces) the weight copy on `copy.ordinal`.
+    #[cfg(feature = "cuda")]
+    pub fn publish_device_copy(&self, copy: DeviceCopy) {
+        let mut all = self.device_copies.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|c| c.ordinal != copy.ordinal);
+        all.push(copy);
+    }
+
+    /// The weight copy on GPU `ordinal`, if a trainer keeps one there.
+    #[cfg(feature = "cuda")]
+    pub fn device_copy(&self, ordinal: usize) -> Option<DeviceCopy> {
+        let all = self.device_copies.lock().unwrap_or_else(|e| e.into_inner());
+        all.iter().find(|c| c.ordinal == ordinal).cloned()
     }
 
     /// Wrap a model loaded with its packs by [`Qwen3_5::load_packed`], at
@@ -35,21 +73,13 @@ impl ParamStore {
     /// after an [`update`](Self::update) its matrices cannot be packed
     /// again, and forwards fail with an error naming the released tensor.
     pub fn packed(model: Qwen3_5, packs: LinearPacks) -> Arc<Self> {
-        Arc::new(ParamStore {
-            model: RwLock::new(model),
-            version: AtomicU64::new(0),
-            packs: Mutex::new(Some((0, Arc::new(packs)))),
-        })
+        Self::build(model, 0, Some((0, Arc::new(packs))))
     }
 
     /// Wrap a model at a given weight version (a resumed run continues the
     /// version numbering of its checkpoint).
     pub fn with_version(model: Qwen3_5, version: u64) -> Arc<Self> {
-        Arc::new(ParamStore {
-            model: RwLock::new(model),
-            version: AtomicU64::new(version),
-            packs: Mutex::new(None),
-        })
+        Self::build(model, version, None)
     }
 
     /// Read access for one forward pass. A poisoned lock (a writer panicked)

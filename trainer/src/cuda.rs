@@ -9,9 +9,8 @@
 //! The ops that run per sequence (the gated delta rule, the causal conv,
 //! attention) copy each sequence's rows out of the packed batch and its
 //! gradients back. The model's matrices must be f32 on the device
-//! (`WeightDType::F32`): the product's backward takes f32 weights. Only a
-//! forward that kept every activation is accepted (recomputing layers is
-//! CPU-only for now).
+//! (`WeightDType::F32`): the product's backward takes f32 weights. A layer
+//! whose forward kept only its input is run again from it.
 //!
 //! The loss's log-probabilities and their backward run here too
 //! ([`token_logprobs`], [`token_logprobs_backward`]), as on the CPU: the
@@ -24,8 +23,12 @@
 //! together as the CPU's SFT step does (mean negative log-likelihood of
 //! the masked tokens, global-norm clipping, AdamW).
 //!
-//! Not for: the engine's bf16 copy written from the masters (the kernel
-//! can; the shared weights are not wired yet), the kernels themselves.
+//! With [`CudaStep::share_with_engines`] the engines on the trainer's GPU
+//! read a bf16 copy of the weights there that the step writes in place from
+//! the masters (`DeviceCopy` in the store), instead of uploading the host
+//! copy after every update.
+//!
+//! Not for: the kernels themselves.
 
 use crate::backward::{model_backward, BackwardOps, Forward};
 use crate::comm::Communicator;
@@ -37,6 +40,7 @@ use arcticd_engine::model::cuda::{CudaModel, CudaTrace, DeviceParam};
 use arcticd_engine::model::qwen3_5::{Linear, LinearAttention};
 use arcticd_engine::model::saved::{FullActs, LayerActs, LinearActs};
 use arcticd_engine::model::{Keep, WeightDType};
+use arcticd_engine::params::DeviceCopy;
 use arcticd_engine::ParamStore;
 use arcticd_engine::{ModelConfig, Qwen3_5};
 use arcticd_kernels::cpu::attention::AttnDims;
@@ -45,7 +49,7 @@ use arcticd_kernels::cuda::cudarc::driver::CudaSlice;
 use arcticd_kernels::cuda::device::CudaDevice;
 use std::borrow::Cow;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 type Buf = CudaSlice<f32>;
 
@@ -393,6 +397,9 @@ pub struct CudaStep {
     grads: Qwen3_5<Buf>,
     /// The fixed policy of the KL-to-reference term, on the device.
     reference: Option<CudaModel>,
+    /// The engines' weights on this GPU, written in place after each step
+    /// ([`share_with_engines`](Self::share_with_engines)).
+    shared: Option<Arc<RwLock<CudaModel>>>,
     /// The last forward's trace, until its backward.
     last: Option<Kept>,
 }
@@ -416,8 +423,27 @@ impl CudaStep {
             opt,
             grads,
             reference: None,
+            shared: None,
             last: None,
         })
+    }
+
+    /// Keeps the engines' weights on this GPU (bf16 matrices, as a GPU
+    /// engine holds them) and writes them in place from the masters after
+    /// every step, while the engines are paused; the copy is published in
+    /// the store, so an engine on this GPU reads it after an update instead
+    /// of uploading the host copy again.
+    pub fn share_with_engines(&mut self) -> Result<()> {
+        let dev = self.model.device().clone();
+        let copy = CudaModel::upload(&self.store.read(), dev.clone(), WeightDType::Bf16)?;
+        let model = Arc::new(RwLock::new(copy));
+        self.store.publish_device_copy(DeviceCopy {
+            ordinal: dev.ordinal(),
+            version: self.store.weight_version(),
+            model: model.clone(),
+        });
+        self.shared = Some(model);
+        Ok(())
     }
 
     /// Holds `reference` (uploaded in f32 beside the masters) as the KL
@@ -574,7 +600,22 @@ impl StepDevice for CudaStep {
         let t0 = std::time::Instant::now();
         let (version, res) = {
             let _paused = PauseGuard::pause(gate)?;
-            self.store.update(|m| write_values(m, &values))
+            if let Some(shared) = &self.shared {
+                let mut copy = shared.write().unwrap_or_else(|e| e.into_inner());
+                write_engine_copy(&self.model, &mut copy)?;
+                // Done before an engine's stream reads it (an engine's step
+                // ends in a download, so none is reading it now).
+                dev.synchronize()?;
+            }
+            let (version, res) = self.store.update(|m| write_values(m, &values));
+            if let Some(shared) = &self.shared {
+                self.store.publish_device_copy(DeviceCopy {
+                    ordinal: dev.ordinal(),
+                    version,
+                    model: shared.clone(),
+                });
+            }
+            (version, res)
         };
         let secs = t0.elapsed().as_secs_f64();
         res?;
@@ -944,6 +985,25 @@ impl BackwardOps for CudaBackward<'_> {
     }
 }
 
+/// The engines' copy of the weights from the masters, in place: bf16
+/// matrices rounded (as the upload rounds them), f32 parameters copied.
+fn write_engine_copy(masters: &CudaModel, copy: &mut CudaModel) -> Result<()> {
+    let dev = masters.device().clone();
+    for ((name, m), (_, c)) in masters
+        .params()
+        .named()
+        .into_iter()
+        .zip(copy.params_mut().named_mut())
+    {
+        let m = m.f32(&name)?;
+        match c {
+            DeviceParam::Bf16(bits) => dev.f32_to_bf16(bits, m)?,
+            DeviceParam::F32(x) => dev.copy_block(x, m, m.len(), (0, 0), (1, m.len()))?,
+        }
+    }
+    Ok(())
+}
+
 /// A parameter's f32 buffer: the backward's products take f32 weights.
 fn weight(p: &DeviceParam) -> Result<&Buf> {
     Ok(p.f32("the CUDA backward needs f32 weights (WeightDType::F32)")?)
@@ -962,6 +1022,69 @@ mod tests {
     /// gradient) against the CPU backward, on packed sequences of 3, 70
     /// and 150 tokens: within 1e-3 of the largest value of each tensor
     /// (fp32, different summation orders; the worst printed).
+    /// One GPU's engine reads the trainer's weights in place: after an SFT
+    /// step on a trainer sharing its weights, the store's device copy is at
+    /// the new version, and an engine that followed the update (reading
+    /// the copy) generates exactly what a fresh engine uploading the
+    /// updated host store generates (the same bf16 rounding of the same
+    /// masters).
+    #[test]
+    fn the_engine_reads_the_trainers_weights_in_place() {
+        use crate::step::{SftExample, TrainConfig, Trainer};
+        use arcticd_engine::engine::{self, EngineConfig, Request};
+        use arcticd_engine::sampler::SamplingParams;
+        let Some(dev) = test_device().map(Arc::new) else {
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("arcticd-cuda-shared-{}", std::process::id()));
+        arcticd_engine::init::init_model(arcticd_engine::init::TINY, &dir, 11).unwrap();
+        let model = Qwen3_5::load(&dir).unwrap();
+        let vocab = model.config.vocab_size as u32;
+        let store = crate::step::store_of(model);
+        let config = TrainConfig {
+            optimizer: AdamWConfig {
+                lr: 1e-2,
+                ..AdamWConfig::default()
+            },
+            ..TrainConfig::default()
+        };
+        let mut step = CudaStep::new(store.clone(), dev.clone(), config.optimizer).unwrap();
+        step.share_with_engines().unwrap();
+        let mut trainer = Trainer::on(step, config);
+        let engine_config = EngineConfig {
+            cache_memory: 16 << 20,
+            max_num_seqs: 4,
+            max_batched_tokens: 256,
+            max_model_len: 1024,
+            device: arcticd_kernels::Device::Cuda(dev.ordinal()),
+            ..Default::default()
+        };
+        let follower = engine::start(store.clone(), None, engine_config.clone()).unwrap();
+        let greedy = || Request {
+            prompt: (0..40u32).map(|i| (i * 97 + 5) % vocab).collect(),
+            params: SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(12)
+            },
+        };
+        follower.generate_blocking(greedy()).unwrap();
+        let batch = vec![SftExample {
+            tokens: (0..60u32).map(|i| (i * 31 + 7) % vocab).collect(),
+            loss_mask: vec![1; 60],
+        }];
+        trainer.sft_step(&batch).unwrap();
+        let copy = store.device_copy(dev.ordinal()).unwrap();
+        assert_eq!(copy.version, store.weight_version());
+        let after = follower.generate_blocking(greedy()).unwrap();
+        let fresh = engine::start(store.clone(), None, engine_config).unwrap();
+        let want = fresh.generate_blocking(greedy()).unwrap();
+        assert_eq!(after[0].tokens, want[0].tokens);
+        let bits = |c: &engine::Choice| c.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&after[0]), bits(&want[0]));
+        assert_eq!(after[0].weight_versions, want[0].weight_versions);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     #[test]
     fn cuda_gradients_match_the_cpu() {
         let Some(dev) = test_device().map(Arc::new) else {

@@ -356,6 +356,8 @@ pub fn step_device(
             if let Some(r) = reference {
                 gpu.set_reference(&r)?;
             }
+            // The rank's engines run on its GPU: they read its weights there.
+            gpu.share_with_engines()?;
             Ok(Box::new(gpu))
         }
         #[cfg(not(feature = "cuda"))]

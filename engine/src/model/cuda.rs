@@ -243,9 +243,23 @@ impl CudaModel {
         seqs: &[PagedSeq<'_>],
         form: PrefillForm,
     ) -> Result<CudaSlice<f32>> {
+        self.forward_batch_on(&self.dev, cache, seqs, form)
+    }
+
+    /// [`forward_batch`](Self::forward_batch) launched through `dev`, a
+    /// handle of the same GPU owned by the caller's thread (weights shared
+    /// between threads are read through each thread's own handle: a cuBLAS
+    /// handle is not for two threads at once).
+    pub fn forward_batch_on(
+        &self,
+        dev: &CudaDevice,
+        cache: &mut DeviceCache,
+        seqs: &[PagedSeq<'_>],
+        form: PrefillForm,
+    ) -> Result<CudaSlice<f32>> {
         let c = &self.model.config;
         cache.take_fault()?;
-        let mut ops = CudaOps::new(&self.dev, c, seqs, cache)?;
+        let mut ops = CudaOps::new(dev, c, seqs, cache)?;
         ops.form = form;
         let t = ops.t();
         let mut x = ops.embed(&self.model.embed_tokens)?;
@@ -367,10 +381,12 @@ impl CudaModel {
     /// the device draws from its logits and that token's log-prob
     /// ([`CudaDevice::sample_rows`]); without one, its logits, downloaded.
     /// Returns the downloaded rows `[rows without a draw, vocab]` in order,
-    /// and the picks.
+    /// and the picks. Launched through `dev` (see
+    /// [`forward_batch_on`](Self::forward_batch_on)).
     #[allow(clippy::type_complexity)]
     pub fn picks_or_logits(
         &self,
+        dev: &CudaDevice,
         hidden: &CudaSlice<f32>,
         rows: &[usize],
         draws: &[Option<crate::sampler::DeviceDraw>],
@@ -385,13 +401,13 @@ impl CudaModel {
         let vocab = self.model.config.vocab_size;
         let mut out = Vec::new();
         let mut picks = Vec::with_capacity(rows.len());
-        let (h, dev) = (self.model.config.hidden_size, &*self.dev);
+        let h = self.model.config.hidden_size;
         let per = logit_rows_per_chunk(vocab);
         for (chunk, chunk_draws) in rows.chunks(per).zip(draws.chunks(per)) {
             let mut sel = dev.zeros::<f32>(chunk.len() * h)?;
             let which: Vec<u32> = chunk.iter().map(|&r| r as u32).collect();
             dev.gather_rows(&mut sel, hidden, &which, h)?;
-            let logits = self.logits(&sel, 0, chunk.len())?;
+            let logits = self.logits_on(dev, &sel, 0, chunk.len())?;
             let drawn: Vec<usize> = (0..chunk.len())
                 .filter(|&i| chunk_draws[i].is_some())
                 .collect();
@@ -429,13 +445,23 @@ impl CudaModel {
 
     /// The output projection of hidden rows `r0..r0 + n`: logits `[n, vocab]`.
     fn logits(&self, hidden: &CudaSlice<f32>, r0: usize, n: usize) -> Result<CudaSlice<f32>> {
+        self.logits_on(&self.dev, hidden, r0, n)
+    }
+
+    /// [`logits`](Self::logits) launched through `dev`.
+    fn logits_on(
+        &self,
+        dev: &CudaDevice,
+        hidden: &CudaSlice<f32>,
+        r0: usize,
+        n: usize,
+    ) -> Result<CudaSlice<f32>> {
         let (h, vocab) = (self.model.config.hidden_size, self.model.config.vocab_size);
         let head = self
             .model
             .lm_head
             .as_ref()
             .unwrap_or(&self.model.embed_tokens);
-        let dev = &*self.dev;
         let mut rows = dev.zeros::<f32>(n * h)?;
         dev.copy_block(&mut rows, hidden, h, (r0, 0), (n, h))?;
         let mut logits = dev.zeros::<f32>(n * vocab)?;

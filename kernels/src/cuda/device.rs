@@ -152,6 +152,11 @@ impl CudaDevice {
         })
     }
 
+    /// The device's ordinal (`cuda:N`).
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
     /// Compute capability as one number (90 for sm_90).
     pub fn arch(&self) -> u32 {
         self.arch
