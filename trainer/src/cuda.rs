@@ -46,6 +46,7 @@ use arcticd_engine::{ModelConfig, Qwen3_5};
 use arcticd_kernels::cpu::attention::AttnDims;
 use arcticd_kernels::cpu::gated_delta::GatedDeltaDims;
 use arcticd_kernels::cuda::cudarc::driver::CudaSlice;
+use arcticd_kernels::cuda::cudarc::nccl::{Comm, ReduceOp};
 use arcticd_kernels::cuda::device::CudaDevice;
 use std::borrow::Cow;
 use std::path::Path;
@@ -400,6 +401,9 @@ pub struct CudaStep {
     /// The engines' weights on this GPU, written in place after each step
     /// ([`share_with_engines`](Self::share_with_engines)).
     shared: Option<Arc<RwLock<CudaModel>>>,
+    /// This rank's NCCL communicator: the gradients are summed across the
+    /// ranks' GPUs in place (else through the host communicator).
+    nccl: Option<NcclRank>,
     /// The last forward's trace, until its backward.
     last: Option<Kept>,
 }
@@ -424,8 +428,16 @@ impl CudaStep {
             grads,
             reference: None,
             shared: None,
+            nccl: None,
             last: None,
         })
+    }
+
+    /// Sums the gradients across ranks over NCCL, on the device, instead of
+    /// through the host communicator ([`nccl_world`]).
+    pub fn with_nccl(mut self, rank: NcclRank) -> Self {
+        self.nccl = Some(rank);
+        self
     }
 
     /// Keeps the engines' weights on this GPU (bf16 matrices, as a GPU
@@ -565,6 +577,15 @@ impl StepDevice for CudaStep {
 
     fn all_reduce_grads(&mut self, comm: &dyn Communicator) -> Result<()> {
         let dev = self.model.device().clone();
+        if let Some(n) = &self.nccl {
+            // On the device's stream, in order with the backward that made
+            // the gradients and the norm that reads them.
+            for (name, g) in self.grads.named_mut() {
+                n.0.all_reduce_in_place(g, &ReduceOp::Sum)
+                    .map_err(|e| Error::Input(format!("NCCL all-reduce of {name}: {e:?}")))?;
+            }
+            return Ok(());
+        }
         for (_, g) in self.grads.named_mut() {
             let mut host = dev.download(g)?;
             comm.all_reduce_sum(&mut host)?;
@@ -985,6 +1006,33 @@ impl BackwardOps for CudaBackward<'_> {
     }
 }
 
+/// One rank's NCCL communicator ([`nccl_world`]).
+pub struct NcclRank(Comm);
+
+// SAFETY: an NCCL communicator may be used from any thread as long as two
+// threads do not use it at once; a rank's communicator is owned by that
+// rank's step device and used only through `&mut self` (the all-reduce).
+unsafe impl Send for NcclRank {}
+
+/// One NCCL communicator per device of `devices` (one rank each, this
+/// process), on each device's stream. An error, never a panic, when the
+/// library cannot be loaded: cudarc looks for `libnccl.so`, and NCCL's
+/// wheels ship only `libnccl.so.2` (link one to the other in a folder on
+/// `LD_LIBRARY_PATH`).
+pub fn nccl_world(devices: &[Arc<CudaDevice>]) -> Result<Vec<NcclRank>> {
+    // SAFETY: only tries to open the library by its candidate names.
+    if !unsafe { arcticd_kernels::cuda::cudarc::nccl::sys::is_culib_present() } {
+        return Err(Error::Input(
+            "the NCCL library (libnccl.so) is not on the loader path; NCCL's wheels \
+             ship libnccl.so.2 only: link libnccl.so to it in a folder on LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let streams = devices.iter().map(|d| d.stream().clone()).collect();
+    let comms = Comm::from_devices(streams).map_err(|e| Error::Input(format!("NCCL: {e:?}")))?;
+    Ok(comms.into_iter().map(NcclRank).collect())
+}
+
 /// The engines' copy of the weights from the masters, in place: bf16
 /// matrices rounded (as the upload rounds them), f32 parameters copied.
 fn write_engine_copy(masters: &CudaModel, copy: &mut CudaModel) -> Result<()> {
@@ -1022,6 +1070,62 @@ mod tests {
     /// gradient) against the CPU backward, on packed sequences of 3, 70
     /// and 150 tokens: within 1e-3 of the largest value of each tensor
     /// (fp32, different summation orders; the worst printed).
+    /// A world of one GPU over NCCL: the all-reduce leaves a rank's
+    /// gradients as they are, so a step with NCCL is the step without it,
+    /// bit for bit. Skipped (said) where the NCCL library does not load,
+    /// unless `ARCTICD_REQUIRE_NCCL` is set.
+    #[test]
+    fn a_single_gpu_nccl_world_changes_nothing() {
+        use crate::comm::LocalComm;
+        use crate::step::{SftExample, TrainConfig, Trainer};
+        let Some(dev) = test_device().map(Arc::new) else {
+            return;
+        };
+        let ranks = match nccl_world(std::slice::from_ref(&dev)) {
+            Ok(r) => r,
+            Err(e) => {
+                assert!(std::env::var_os("ARCTICD_REQUIRE_NCCL").is_none(), "{e}");
+                eprintln!("skipped: {e}");
+                return;
+            }
+        };
+        let dir = std::env::temp_dir().join(format!("arcticd-cuda-nccl-{}", std::process::id()));
+        arcticd_engine::init::init_model(arcticd_engine::init::TINY, &dir, 12).unwrap();
+        let model = Qwen3_5::load(&dir).unwrap();
+        let vocab = model.config.vocab_size as u32;
+        let config = TrainConfig::default();
+        let batch = vec![SftExample {
+            tokens: (0..50u32).map(|i| (i * 13 + 3) % vocab).collect(),
+            loss_mask: vec![1; 50],
+        }];
+        let mut weights = Vec::new();
+        for nccl in [None, ranks.into_iter().next()] {
+            let store = crate::step::store_of(model.clone());
+            let mut step = CudaStep::new(store.clone(), dev.clone(), config.optimizer).unwrap();
+            if let Some(n) = nccl {
+                step = step.with_nccl(n);
+            }
+            let comm = LocalComm::world(1).unwrap().pop().unwrap();
+            let mut t = Trainer::on(step, config.clone()).with_comm(Arc::new(comm));
+            t.sft_step(&batch).unwrap();
+            let m = store.read();
+            weights.push(
+                m.named_params()
+                    .into_iter()
+                    .flat_map(|(_, t)| {
+                        t.as_f32()
+                            .unwrap()
+                            .iter()
+                            .map(|x| x.to_bits())
+                            .collect::<Vec<_>>()
+                    })
+                    .collect::<Vec<u32>>(),
+            );
+        }
+        assert_eq!(weights[0], weights[1]);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     /// One GPU's engine reads the trainer's weights in place: after an SFT
     /// step on a trainer sharing its weights, the store's device copy is at
     /// the new version, and an engine that followed the update (reading

@@ -332,6 +332,84 @@ impl<T: StepDevice + ?Sized> StepDevice for Box<T> {
     }
 }
 
+/// A rank's CUDA step device: its engines run on its GPU and read its
+/// weights there; its gradients go over NCCL when `nccl` is given.
+#[cfg(feature = "cuda")]
+fn cuda_step(
+    dev: Arc<arcticd_kernels::cuda::device::CudaDevice>,
+    store: Arc<ParamStore>,
+    config: AdamWConfig,
+    reference: Option<Qwen3_5>,
+    nccl: Option<crate::cuda::NcclRank>,
+) -> Result<Box<dyn StepDevice>> {
+    let mut gpu = crate::cuda::CudaStep::new(store, dev, config)?;
+    if let Some(r) = reference {
+        gpu.set_reference(&r)?;
+    }
+    gpu.share_with_engines()?;
+    if let Some(n) = nccl {
+        gpu = gpu.with_nccl(n);
+    }
+    Ok(Box::new(gpu))
+}
+
+/// The step devices of a data-parallel group: rank `r` on `devices[r]`
+/// with the model in `stores[r]` and `reference()` as its KL policy. When
+/// every rank is a GPU and there are several, their gradients are summed
+/// over NCCL, on the devices; where the NCCL library does not load, through
+/// the host communicator (said in the log).
+pub fn step_devices(
+    devices: &[arcticd_kernels::Device],
+    stores: &[Arc<ParamStore>],
+    config: AdamWConfig,
+    reference: impl Fn() -> Result<Option<Qwen3_5>>,
+) -> Result<Vec<Box<dyn StepDevice>>> {
+    if devices.len() != stores.len() {
+        return Err(Error::Input(format!(
+            "{} devices for {} ranks",
+            devices.len(),
+            stores.len()
+        )));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let ordinals: Option<Vec<usize>> = devices
+            .iter()
+            .map(|d| match d {
+                arcticd_kernels::Device::Cuda(i) => Some(*i),
+                arcticd_kernels::Device::Cpu => None,
+            })
+            .collect();
+        if let Some(ordinals) = ordinals.filter(|o| o.len() > 1) {
+            let devs = ordinals
+                .iter()
+                .map(|&i| Ok(Arc::new(arcticd_kernels::cuda::device::CudaDevice::new(i)?)))
+                .collect::<Result<Vec<_>>>()?;
+            let mut ranks: Vec<Option<crate::cuda::NcclRank>> = match crate::cuda::nccl_world(&devs)
+            {
+                Ok(r) => r.into_iter().map(Some).collect(),
+                Err(e) => {
+                    tracing::warn!("gradients through the host communicator: {e}");
+                    devs.iter().map(|_| None).collect()
+                }
+            };
+            return devs
+                .into_iter()
+                .zip(stores)
+                .zip(ranks.iter_mut())
+                .map(|((dev, store), nccl)| {
+                    cuda_step(dev, store.clone(), config, reference()?, nccl.take())
+                })
+                .collect();
+        }
+    }
+    devices
+        .iter()
+        .zip(stores)
+        .map(|(&d, store)| step_device(d, store.clone(), config, reference()?))
+        .collect()
+}
+
 /// The step device for `device`: the CPU, or a GPU by ordinal (builds
 /// with the `cuda` feature), for the model in `store`, with `reference`
 /// as the KL term's fixed policy when given.
@@ -352,13 +430,7 @@ pub fn step_device(
         #[cfg(feature = "cuda")]
         arcticd_kernels::Device::Cuda(i) => {
             let dev = Arc::new(arcticd_kernels::cuda::device::CudaDevice::new(i)?);
-            let mut gpu = crate::cuda::CudaStep::new(store, dev, config)?;
-            if let Some(r) = reference {
-                gpu.set_reference(&r)?;
-            }
-            // The rank's engines run on its GPU: they read its weights there.
-            gpu.share_with_engines()?;
-            Ok(Box::new(gpu))
+            cuda_step(dev, store, config, reference, None)
         }
         #[cfg(not(feature = "cuda"))]
         arcticd_kernels::Device::Cuda(_) => {

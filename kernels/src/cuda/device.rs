@@ -157,6 +157,12 @@ impl CudaDevice {
         self.ordinal
     }
 
+    /// The stream every op of this handle runs on (an NCCL communicator
+    /// for this device runs its collectives there, in order with them).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
     /// Compute capability as one number (90 for sm_90).
     pub fn arch(&self) -> u32 {
         self.arch

@@ -30,7 +30,7 @@ use super::recipe::{Keep, Recipe, SandboxBackend};
 use super::run_dir::{append_jsonl, write_jsonl, RunDir, RunState, Totals};
 use crate::checkpoint::save_checkpoint_with;
 use crate::comm::{Communicator, LocalComm};
-use crate::device::{step_device, StepDevice};
+use crate::device::{step_devices, StepDevice};
 use crate::harness::engine_policy::EnginePolicy;
 use crate::harness::trajectory::Trajectory;
 use crate::harness::{Harness, Policy};
@@ -599,24 +599,22 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         vec![None]
     };
     let mut trainers = Vec::with_capacity(stores.len());
-    for (rank, (s, comm)) in stores.iter().zip(comms.iter_mut()).enumerate() {
-        let reference =
-            if recipe.ref_kl_coef != 0.0 {
-                // The run's starting model, also on resume.
-                Some(Qwen3_5::load(&model_dir).map_err(|e| {
-                    Error::Recipe(format!("KL reference {}: {e}", model_dir.display()))
-                })?)
-            } else {
-                None
-            };
-        let config = recipe.train_config();
-        let dev = step_device(
-            rank_device(recipe.device, rank),
-            s.clone(),
-            config.optimizer,
-            reference,
-        )?;
-        let mut t = Trainer::on(dev, config);
+    let config = recipe.train_config();
+    let reference = || -> crate::Result<Option<Qwen3_5>> {
+        if recipe.ref_kl_coef == 0.0 {
+            return Ok(None);
+        }
+        // The run's starting model, also on resume.
+        Ok(Some(Qwen3_5::load(&model_dir).map_err(|e| {
+            Error::Recipe(format!("KL reference {}: {e}", model_dir.display()))
+        })?))
+    };
+    let devices: Vec<_> = (0..stores.len())
+        .map(|rank| rank_device(recipe.device, rank))
+        .collect();
+    let step_devs = step_devices(&devices, &stores, config.optimizer, reference)?;
+    for (rank, (dev, comm)) in step_devs.into_iter().zip(comms.iter_mut()).enumerate() {
+        let mut t = Trainer::on(dev, config.clone());
         if start.is_some() {
             t.load_optimizer(&weights_dir)?;
         }
