@@ -10,6 +10,8 @@
 # on a random model of the Qwen3.5-0.8B shape at batch 1, 32 and 128
 # (`arcticd bench-decode --device cuda:0`: tokens/s and the fraction of the
 # HBM roofline; DECODE_PRESETS adds qwen3.5-4b, whose init takes minutes),
+# training steps of 8,192 tokens on the same models (`arcticd bench-train`:
+# tokens/s, the update's time and model FLOPs utilization),
 # and `arcticd sft --device cuda:0` against PyTorch's AdamW on the fixture.
 #
 # Needs an NVIDIA driver, and NVRTC and cuBLAS on the loader path (PyPI's
@@ -113,11 +115,19 @@ bench_rc=$?
 if [ -x "$stage/arcticd" ]; then arcticd="$stage/arcticd"; else
   cargo build --release --features cuda --bin arcticd >&2 && arcticd=target/release/arcticd; fi
 : > "$log/decode.txt"
+: > "$log/train.txt"
 for preset in ${DECODE_PRESETS:-qwen3.5-0.8b}; do
   "$arcticd" init-model --preset "$preset" --out "$log/$preset" >&2 &&
     "$arcticd" bench-decode --model "$log/$preset" --device cuda:0 --batch 1,32,128 \
       --prompt-len 16 --new-tokens 64 --cache-memory 32768 --hbm-tb-s "${HBM_TBS:-4.8}" \
       | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/decode.txt" || bench_rc=1
+  # Training steps at 8k tokens (f32 products: PEAK_TFLOPS is the fp32
+  # peak, the H200's 67 by default), with and without recomputed layers.
+  for recompute in "" --recompute-layers; do
+    "$arcticd" bench-train --model "$log/$preset" --device cuda:0 --tokens 8192 --seq-len 2048 \
+      --steps 3 --peak-tflops "${PEAK_TFLOPS:-67}" $recompute 2>> "$log/train.err" \
+      | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/train.txt" || bench_rc=1
+  done
   rm -rf "${log:?}/$preset"
 done
 set -e
@@ -152,6 +162,7 @@ else
   bench_rc=1
 fi
 decode=$(paste -sd, "$log/decode.txt")
-printf '{"gpu":"%s","tests":{"rc":%d,"passed":%d,"failed":%d,"failures":[%s]},"bench_rc":%d,"hbm_tb_s":%s,"benches":[%s],"decode":[%s],"sft_vs_pytorch_max_rel_loss_diff":%s}\n' \
-  "$gpu" "$tests_rc" "$passed" "$failed" "$failures" "$bench_rc" "${HBM_TBS:-4.8}" "$benches" "$decode" "$sft_diff"
+train=$(paste -sd, "$log/train.txt")
+printf '{"gpu":"%s","tests":{"rc":%d,"passed":%d,"failed":%d,"failures":[%s]},"bench_rc":%d,"hbm_tb_s":%s,"benches":[%s],"decode":[%s],"train":[%s],"sft_vs_pytorch_max_rel_loss_diff":%s}\n' \
+  "$gpu" "$tests_rc" "$passed" "$failed" "$failures" "$bench_rc" "${HBM_TBS:-4.8}" "$benches" "$decode" "$train" "$sft_diff"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -281,3 +281,138 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[derive(Args)]
+pub struct BenchTrainArgs {
+    /// Checkpoint directory (a random model of a real shape from `arcticd
+    /// init-model` measures that shape).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Tokens per optimizer step (random ids, cut into sequences of
+    /// `--seq-len`).
+    #[arg(long, default_value_t = 8192)]
+    pub tokens: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 2048)]
+    pub seq_len: usize,
+    /// Timed steps (after one untimed warm-up step).
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// Tokens per micro-batch; the whole step in one by default.
+    #[arg(long)]
+    pub micro_batch_tokens: Option<usize>,
+    /// Keep only each layer's input in the forward, recompute in the backward.
+    #[arg(long)]
+    pub recompute_layers: bool,
+    /// `cpu`, or `cuda:N` in a build with the `cuda` feature (the RL loop's
+    /// step there: the engines' copy of the weights written in place too).
+    #[arg(long, default_value = "cpu")]
+    pub device: arcticd_kernels::Device,
+    /// The device's peak in TFLOP/s for the products' precision, to report
+    /// model FLOPs utilization (`mfu`); omitted without it.
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
+}
+
+/// `arcticd bench-train`: the time of full SFT steps (forward, loss,
+/// backward, clipping, AdamW, the write of the weights the engines read)
+/// on random sequences; one JSON line with tokens/s, the median step and
+/// update times, and the model FLOPs of a step counted as 6 per matrix
+/// parameter per token (the output projection included, the attention
+/// scores and the recurrence not).
+pub fn bench_train(args: BenchTrainArgs) -> Result<()> {
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+    anyhow::ensure!(
+        args.tokens > 0 && args.seq_len > 0 && args.steps > 0,
+        "--tokens, --seq-len and --steps must be positive"
+    );
+    let model_config = ModelConfig::from_dir(&args.model)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
+    let micro = args.micro_batch_tokens.unwrap_or(args.tokens).max(1);
+    let seq_len = args.seq_len.min(args.tokens);
+    let plan = MemoryPlan::training(
+        &model_config,
+        PlanShape {
+            tokens: micro.max(seq_len),
+            sequences: args.tokens.div_ceil(seq_len),
+            recompute_layers: args.recompute_layers,
+        },
+    );
+    eprintln!("memory plan:\n{plan}");
+    if args.device == arcticd_kernels::Device::Cpu {
+        plan.check(host_memory_available())?;
+    }
+    let model = Qwen3_5::load(&args.model)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
+    let matrix_params: usize = model
+        .named_params()
+        .iter()
+        .filter(|(name, t)| t.shape().len() == 2 && !name.ends_with("embed_tokens.weight"))
+        .map(|(_, t)| t.numel())
+        .sum::<usize>()
+        + model.lm_head_weight().numel() * usize::from(model.lm_head.is_none());
+    let vocab = model.config.vocab_size as u32;
+    let mut rng = StdRng::seed_from_u64(0);
+    let mut left = args.tokens;
+    let mut batch = Vec::new();
+    while left > 0 {
+        let n = seq_len.min(left);
+        batch.push(arcticd_trainer::step::SftExample {
+            tokens: (0..n).map(|_| rng.gen_range(0..vocab)).collect(),
+            loss_mask: vec![1; n],
+        });
+        left -= n;
+    }
+    let config = TrainConfig {
+        optimizer: AdamWConfig {
+            lr: 1e-5,
+            ..AdamWConfig::default()
+        },
+        grad_clip: Some(1.0),
+        micro_batch_tokens: micro,
+        recompute_layers: args.recompute_layers,
+        ..TrainConfig::default()
+    };
+    let store = ParamStore::new(model);
+    let dev = arcticd_trainer::device::step_device(args.device, store, config.optimizer, None)?;
+    let mut trainer = Trainer::on(dev, config);
+    trainer.sft_step(&batch)?;
+    let (mut times, mut updates) = (Vec::new(), Vec::new());
+    for i in 0..args.steps {
+        let t0 = std::time::Instant::now();
+        let m = trainer.sft_step(&batch)?;
+        let t = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "step {}/{}: {t:.3} s, loss {:.4}, update {:.4} s",
+            i + 1,
+            args.steps,
+            m.loss,
+            m.update_secs
+        );
+        times.push(t);
+        updates.push(m.update_secs);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (step_s, update_s) = (median(&mut times), median(&mut updates));
+    let tflops = 6.0 * matrix_params as f64 * args.tokens as f64 / step_s / 1e12;
+    let mut out = serde_json::json!({
+        "device": args.device.to_string(),
+        "tokens_per_step": args.tokens,
+        "seq_len": seq_len,
+        "micro_batch_tokens": micro,
+        "recompute_layers": args.recompute_layers,
+        "matrix_params": matrix_params,
+        "median_step_s": step_s,
+        "tokens_per_s": args.tokens as f64 / step_s,
+        "median_update_s": update_s,
+        "model_tflops": tflops,
+    });
+    if let Some(peak) = args.peak_tflops {
+        out["mfu"] = serde_json::json!(tflops / peak);
+    }
+    println!("{out}");
+    Ok(())
+}

@@ -65,6 +65,8 @@ enum Command {
     WarmStart(cli_warm::WarmStartArgs),
     /// The training memory plan of a model at a micro-batch shape, on the CPU or one GPU.
     Plan(cli_train::PlanArgs),
+    /// Time full training steps on random sequences (tokens/s, update time, model FLOPs as JSON).
+    BenchTrain(cli_train::BenchTrainArgs),
 }
 
 fn main() {
@@ -93,6 +95,7 @@ fn main() {
         Command::Plot(args) => cli_plot::plot(args),
         Command::WarmStart(args) => cli_warm::warm_start(args),
         Command::Plan(args) => cli_train::plan(args),
+        Command::BenchTrain(args) => cli_train::bench_train(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

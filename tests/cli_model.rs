@@ -278,3 +278,53 @@ fn bench_decode_reports_each_batch_size() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `arcticd bench-train`: one JSON line for the timed steps, its counts
+/// those asked for (sequences cut at `--seq-len`, micro-batches of
+/// `--micro-batch-tokens`), with and without recomputed layers; bad
+/// arguments are clean errors.
+#[test]
+fn bench_train_reports_one_line() {
+    let dir = tmpdir("bench-train");
+    init_tiny(&dir);
+    let o = dir.to_str().unwrap();
+    for recompute in [false, true] {
+        let mut args = vec![
+            "bench-train",
+            "--model",
+            o,
+            "--tokens",
+            "200",
+            "--seq-len",
+            "64",
+            "--steps",
+            "2",
+            "--micro-batch-tokens",
+            "128",
+            "--peak-tflops",
+            "1",
+        ];
+        if recompute {
+            args.push("--recompute-layers");
+        }
+        let out = arcticd(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line: Value =
+            serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+        assert_eq!(line["tokens_per_step"], 200);
+        assert_eq!(line["seq_len"], 64);
+        assert_eq!(line["micro_batch_tokens"], 128);
+        assert_eq!(line["recompute_layers"], recompute);
+        assert!(line["tokens_per_s"].as_f64().unwrap() > 0.0, "{line}");
+        assert!(line["mfu"].as_f64().unwrap() > 0.0, "{line}");
+    }
+    assert_clean_error(
+        &arcticd(&["bench-train", "--model", o, "--steps", "0"]),
+        "positive",
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
