@@ -88,20 +88,14 @@ pub fn sft(args: SftArgs) -> Result<()> {
     // is at most the budget (or one longer sequence), of at most a batch's
     // sequences.
     let longest = data.iter().map(|e| e.tokens.len()).max().unwrap_or(1);
-    let plan = MemoryPlan::training(
-        &model_config,
-        PlanShape {
-            tokens: (args.batch_size * longest)
-                .min(args.micro_batch_tokens)
-                .max(longest),
-            sequences: args.batch_size,
-            recompute_layers: false,
-        },
-    );
-    eprintln!("memory plan:\n{plan}");
-    if args.device == arcticd_kernels::Device::Cpu {
-        plan.check(host_memory_available())?;
-    }
+    let shape = PlanShape {
+        tokens: (args.batch_size * longest)
+            .min(args.micro_batch_tokens)
+            .max(longest),
+        sequences: args.batch_size,
+        recompute_layers: false,
+    };
+    check_plan(&model_config, shape, args.device)?;
     let model = Qwen3_5::load(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
     let config = TrainConfig {
@@ -167,6 +161,42 @@ fn sft_loop<D: StepDevice>(
     save_checkpoint(&args.out, &model, &args.model, Some(&optimizer))
         .with_context(|| format!("writing checkpoint {}", args.out.display()))?;
     Ok(())
+}
+
+/// The trainer's memory plan where it will run, printed, and refused
+/// before anything is loaded when it needs more than is there: host memory
+/// on the CPU, the memory free on the GPU (the device trainer's layout:
+/// the engines' bf16 weights, f32 masters, moments, gradients and
+/// activations).
+fn check_plan(
+    config: &ModelConfig,
+    shape: PlanShape,
+    device: arcticd_kernels::Device,
+) -> Result<()> {
+    match device {
+        arcticd_kernels::Device::Cpu => {
+            let plan = MemoryPlan::training(config, shape);
+            eprintln!("memory plan:\n{plan}");
+            Ok(plan.check(host_memory_available())?)
+        }
+        arcticd_kernels::Device::Cuda(ordinal) => check_gpu_plan(config, shape, ordinal),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn check_gpu_plan(config: &ModelConfig, shape: PlanShape, ordinal: usize) -> Result<()> {
+    let plan = MemoryPlan::training_on(config, shape, Placement::Gpu);
+    eprintln!("memory plan on cuda:{ordinal}:\n{plan}");
+    let dev = arcticd_kernels::cuda::device::CudaDevice::new(ordinal)?;
+    let (free, _) = dev.memory_info()?;
+    Ok(plan.check(Some(free as u64))?)
+}
+
+/// Without CUDA there is no GPU to plan for: the caller's device then
+/// fails with the build's error.
+#[cfg(not(feature = "cuda"))]
+fn check_gpu_plan(_: &ModelConfig, _: PlanShape, ordinal: usize) -> Result<()> {
+    crate::cli_model::no_cuda(ordinal)
 }
 
 /// `sft --device cuda:N`: the trainer's steps on the GPU
@@ -330,18 +360,12 @@ pub fn bench_train(args: BenchTrainArgs) -> Result<()> {
         .with_context(|| format!("loading model from {}", args.model.display()))?;
     let micro = args.micro_batch_tokens.unwrap_or(args.tokens).max(1);
     let seq_len = args.seq_len.min(args.tokens);
-    let plan = MemoryPlan::training(
-        &model_config,
-        PlanShape {
-            tokens: micro.max(seq_len),
-            sequences: args.tokens.div_ceil(seq_len),
-            recompute_layers: args.recompute_layers,
-        },
-    );
-    eprintln!("memory plan:\n{plan}");
-    if args.device == arcticd_kernels::Device::Cpu {
-        plan.check(host_memory_available())?;
-    }
+    let shape = PlanShape {
+        tokens: micro.max(seq_len),
+        sequences: args.tokens.div_ceil(seq_len),
+        recompute_layers: args.recompute_layers,
+    };
+    check_plan(&model_config, shape, args.device)?;
     let model = Qwen3_5::load(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
     let matrix_params: usize = model
