@@ -280,7 +280,14 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
         .as_deref()
         .and_then(|m| ModelConfig::from_dir(m).ok())
     {
-        eprintln!("memory plan:\n{}", rl::memory_plan(&recipe, &config));
+        if recipe.device == arcticd_kernels::Device::Cpu {
+            eprintln!("memory plan:\n{}", rl::memory_plan(&recipe, &config));
+        } else {
+            eprintln!(
+                "memory plan of each rank's GPU:\n{}",
+                rl::gpu_memory_plan(&recipe, &config)
+            );
+        }
     }
     // Resumed runs start past 0; the bar shows updates of the whole run.
     let progress = Arc::new(Mutex::new(

@@ -510,6 +510,60 @@ pub fn memory_plan(recipe: &Recipe, config: &ModelConfig) -> MemoryPlan {
     plan
 }
 
+/// What one rank's GPU holds in a run with `device = "cuda..."`: the device
+/// trainer (the engines' bf16 weights, f32 masters, moments, gradients,
+/// activations), the KL reference in f32, and the rank's engines: their
+/// caches, and until the first update each one's own bf16 upload of the
+/// weights.
+pub fn gpu_memory_plan(recipe: &Recipe, config: &ModelConfig) -> MemoryPlan {
+    let engine = recipe.engine_config();
+    let trajectories = recipe.group_size * recipe.groups_per_step;
+    let mut plan = MemoryPlan::training_on(
+        config,
+        PlanShape {
+            tokens: recipe
+                .micro_batch_tokens
+                .min(trajectories * engine.max_model_len)
+                .max(engine.max_model_len),
+            sequences: trajectories.div_ceil(recipe.ranks.max(1)),
+            recompute_layers: false,
+        },
+        crate::memory::Placement::Gpu,
+    );
+    let params = Qwen3_5::plan(config.clone()).parameters();
+    if recipe.ref_kl_coef != 0.0 {
+        plan.add("KL reference weights, f32", params * 4);
+    }
+    let replicas = recipe.replicas.div_ceil(recipe.ranks.max(1)) as u64;
+    plan.add(
+        format!("engine caches ({replicas} x {})", engine.cache_memory >> 20),
+        replicas * engine.cache_memory as u64,
+    );
+    plan.add(
+        format!("engines' own bf16 weights until the first update ({replicas})"),
+        replicas * params * 2,
+    );
+    plan
+}
+
+/// Bytes free on `device` now (a GPU; the host's for the CPU).
+#[cfg(feature = "cuda")]
+fn free_device_memory(device: arcticd_kernels::Device) -> Result<u64> {
+    match device {
+        arcticd_kernels::Device::Cuda(i) => {
+            let dev = arcticd_kernels::cuda::device::CudaDevice::new(i)?;
+            Ok(dev.memory_info()?.0 as u64)
+        }
+        arcticd_kernels::Device::Cpu => Ok(host_memory_available().unwrap_or(u64::MAX)),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn free_device_memory(device: arcticd_kernels::Device) -> Result<u64> {
+    device.check_available()?;
+    Ok(host_memory_available().unwrap_or(u64::MAX))
+}
+
 /// Runs (or resumes) a training run to its last update.
 pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     let run_dir = RunDir::new(&opts.out);
@@ -565,6 +619,13 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     tracing::info!("memory plan:\n{plan}");
     if recipe.device == arcticd_kernels::Device::Cpu {
         plan.check(host_memory_available())?;
+    } else {
+        let gpu = gpu_memory_plan(&recipe, &model_config);
+        tracing::info!("memory plan of each rank's GPU:\n{gpu}");
+        for rank in 0..recipe.ranks {
+            let device = rank_device(recipe.device, rank);
+            gpu.check(Some(free_device_memory(device)?))?;
+        }
     }
     let model = Qwen3_5::load(&weights_dir)
         .map_err(|e| Error::Recipe(format!("model {}: {e}", weights_dir.display())))?;
@@ -1320,6 +1381,35 @@ fn resume_state(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rank's GPU plan: the device trainer's buffers, the rank's share of
+    /// the engines' caches and their own weights until the first update,
+    /// and the KL reference only when the loss has the term; two ranks
+    /// each plan for half the replicas.
+    #[test]
+    fn a_gpu_plan_holds_a_ranks_share() {
+        let config = arcticd_engine::init::preset_config(&arcticd_engine::init::TINY).unwrap();
+        let one = Recipe::from_toml("device = \"cuda\"\nreplicas = 2\n", "r").unwrap();
+        let plan = gpu_memory_plan(&one, &config);
+        let names: Vec<&str> = plan.items.iter().map(|(n, _)| n.as_str()).collect();
+        assert!(
+            names.iter().any(|n| n.starts_with("engine caches (2 x")),
+            "{plan}"
+        );
+        assert!(!names.iter().any(|n| n.contains("KL reference")), "{plan}");
+        let two = Recipe::from_toml(
+            "device = \"cuda\"\nreplicas = 2\nranks = 2\nref_kl_coef = 0.1\n",
+            "r",
+        )
+        .unwrap();
+        let plan2 = gpu_memory_plan(&two, &config);
+        let names: Vec<&str> = plan2.items.iter().map(|(n, _)| n.as_str()).collect();
+        assert!(
+            names.iter().any(|n| n.starts_with("engine caches (1 x")),
+            "{plan2}"
+        );
+        assert!(names.iter().any(|n| n.contains("KL reference")), "{plan2}");
+    }
 
     /// The streak grows only on updates that solved and trained nothing,
     /// fires at the limit with the last update's terminations, and never
