@@ -107,9 +107,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     run(args, store, cache_memory)
 }
 
-/// `serve --device cuda:N`: the weights go to the GPU in `--weights`
-/// (the host keeps the checkpoint's copy, which updates would write), the
-/// cache is sized from the device memory left beside them.
+/// `serve --device cuda:N`: the weights go to the GPU in `--weights`, the
+/// cache is sized from the device memory left beside them, and once the
+/// replica holds them the host's copy is freed (a server never updates).
 #[cfg(feature = "cuda")]
 fn serve_on_cuda(args: ServeArgs, ordinal: usize) -> Result<()> {
     use arcticd_engine::model::cuda::CudaModel;
@@ -165,7 +165,20 @@ fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) 
         prefill: args.prefill,
         ..Default::default()
     };
-    let router = Router::start(args.replicas.max(1), store, Some(tokenizer.clone()), config)?;
+    let router = Router::start(
+        args.replicas.max(1),
+        store.clone(),
+        Some(tokenizer.clone()),
+        config,
+    )?;
+    if args.device != Device::Cpu {
+        // Every replica uploaded its copy when it started.
+        let freed = store.release_host_weights();
+        eprintln!(
+            "arcticd serve: the host's copy of the weights freed ({} MiB)",
+            freed >> 20
+        );
+    }
     if let Some(first) = router.replicas().first() {
         let info = first.info();
         eprintln!(

@@ -103,6 +103,22 @@ impl ParamStore {
         (v, r)
     }
 
+    /// Frees the host's copy of every parameter (shapes and names stay) and
+    /// its packs, without a new version: for a server whose replicas all
+    /// hold their own copy on a GPU and whose weights never change. Returns
+    /// the bytes freed. Afterwards anything that reads a host tensor (a CPU
+    /// forward, an upload after an update) fails with the released
+    /// tensor's error.
+    pub fn release_host_weights(&self) -> usize {
+        let mut guard = self.model.write().unwrap_or_else(|e| e.into_inner());
+        let freed = guard.held_bytes();
+        for (_, t) in guard.named_params_mut() {
+            t.release();
+        }
+        *self.packs.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        freed
+    }
+
     /// The weights of `version` packed for the matrix product (see
     /// [`LinearPacks`]), one copy for every replica reading this store: the
     /// first caller at a version packs them, the others wait and share it.
@@ -153,6 +169,31 @@ mod tests {
         let next = store.packs(&m, v);
         assert!(!Arc::ptr_eq(&first, &next));
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Releasing the host weights frees them at the same version; a CPU
+    /// forward after it is an error naming a released tensor, not a panic.
+    #[test]
+    fn released_host_weights_are_an_error_to_read() {
+        let dir =
+            std::env::temp_dir().join(format!("arcticd-params-release-{}", std::process::id()));
+        init_model(TINY, &dir, 1).unwrap();
+        let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+        std::fs::remove_dir_all(&dir).ok();
+        let held = store.read().held_bytes();
+        assert_eq!(store.release_host_weights(), held);
+        assert_eq!(store.weight_version(), 0);
+        let m = store.read();
+        assert_eq!(m.held_bytes(), 0);
+        let mut cache = m.new_cache();
+        let tokens: Vec<u32> = (1..5).collect();
+        let err = m
+            .forward(&mut [crate::model::SeqInput {
+                tokens: &tokens,
+                cache: &mut cache,
+            }])
+            .unwrap_err();
+        assert!(err.to_string().contains("released"), "{err}");
     }
 
     /// A store made from a packed load serves its packs at version 0,
