@@ -231,14 +231,8 @@ fn linear_attention(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
         ("gated_delta_prefill_recurrent", false),
         ("gated_delta_prefill_chunked", true),
     ] {
-        let f = if chunked {
-            CudaDevice::gated_delta_chunked_prefill
-        } else {
-            CudaDevice::gated_delta_prefill
-        };
         bench(&mut g, d, (G, name, "8192x16x128x128"), 4 * tv * 4, || {
-            f(
-                d,
+            d.gated_delta_prefill(
                 &mut o,
                 &mut st,
                 &q,
@@ -249,6 +243,7 @@ fn linear_attention(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
                 &slot0,
                 &cu,
                 (NV, NV, DK, DK),
+                chunked,
             )
             .unwrap()
         });

@@ -939,13 +939,8 @@ impl LayerOps for CudaOps<'_> {
         let t = self.t();
         let mut out = self.dev.zeros::<f32>(t * dims.1 * dims.3)?;
         let state = state_of(&mut self.cache.rec, li, "recurrent")?;
-        let prefill = if self.form == PrefillForm::Chunked && !keep {
-            CudaDevice::gated_delta_chunked_prefill
-        } else {
-            CudaDevice::gated_delta_prefill
-        };
-        prefill(
-            self.dev,
+        let chunked = self.form == PrefillForm::Chunked && !keep;
+        self.dev.gated_delta_prefill(
             &mut out,
             state,
             q,
@@ -956,6 +951,7 @@ impl LayerOps for CudaOps<'_> {
             &self.device_slots,
             &self.batch.cu_seqlens,
             dims,
+            chunked,
         )?;
         Ok((out, keep.then_some(())))
     }

@@ -635,7 +635,16 @@ impl CudaDevice {
 
     /// Prefill of the gated delta rule over packed sequences (`cu_seqlens`
     /// from 0 to T), each with its fp32 state at `slots[s]` in
-    /// `state[slots, nv, dk, dv]`, token by token (the recurrent form).
+    /// `state[slots, nv, dk, dv]`: token by token (the recurrent form), or
+    /// with `chunked` in the chunked (WY) form, the same function up to
+    /// rounding, in chunks of [`GD_CHUNK`] tokens from each sequence's first
+    /// new token (CPU reference: `cpu::gated_delta::gated_delta_chunked_forward`),
+    /// a chunk of one token as the recurrent step, with decode's bits. In
+    /// the chunked form the work that touches no state (the masked attention
+    /// within a chunk and the triangular solve for the pseudo-values) runs
+    /// for every chunk at once, then the state advances a chunk at a time;
+    /// scratch: `t * nv * (dv + dk + 1)` floats and `GD_CHUNK^2` per chunk
+    /// and value head.
     #[allow(clippy::too_many_arguments)]
     pub fn gated_delta_prefill(
         &self,
@@ -649,6 +658,7 @@ impl CudaDevice {
         slots: &CudaSlice<u32>,
         cu_seqlens: &[u32],
         dims: (usize, usize, usize, usize),
+        chunked: bool,
     ) -> Result<()> {
         let op = "gated_delta_prefill";
         let Some(ints) = check_prefill(op, out, state, q, k, v, g, beta, slots, cu_seqlens, dims)?
@@ -656,45 +666,16 @@ impl CudaDevice {
             return Ok(());
         };
         let (seqs, nv, dk, dv) = (slots.len(), dims.1, dims.2, dims.3);
-        let cu = self.upload(cu_seqlens)?;
-        let cfg = LaunchConfig {
-            grid_dim: ((seqs * nv) as u32, 1, 1),
-            block_dim: (dv.next_multiple_of(32).min(1024) as u32, 1, 1),
-            shared_mem_bytes: (2 * dk * 4) as u32,
-        };
-        launch!(self, op, cfg; out, state, q, k, v, g, beta, slots, &cu, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
-        Ok(())
-    }
-
-    /// [`Self::gated_delta_prefill`] in the chunked (WY) form: the same
-    /// function up to rounding, in chunks of [`GD_CHUNK`] tokens from each
-    /// sequence's first new token (CPU reference:
-    /// `cpu::gated_delta::gated_delta_chunked_forward`), and a chunk of one
-    /// token is the recurrent step, with decode's bits. Work that touches no
-    /// state (the masked attention within a chunk and the triangular solve
-    /// for the pseudo-values) runs for every chunk at once; the state then
-    /// advances a chunk at a time. Scratch: `t * nv * (dv + dk + 1)` floats
-    /// and `GD_CHUNK^2` per chunk and value head.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gated_delta_chunked_prefill(
-        &self,
-        out: &mut CudaSlice<f32>,
-        state: &mut CudaSlice<f32>,
-        q: &CudaSlice<f32>,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
-        g: &CudaSlice<f32>,
-        beta: &CudaSlice<f32>,
-        slots: &CudaSlice<u32>,
-        cu_seqlens: &[u32],
-        dims: (usize, usize, usize, usize),
-    ) -> Result<()> {
-        let op = "gated_delta_chunked_prefill";
-        let Some(ints) = check_prefill(op, out, state, q, k, v, g, beta, slots, cu_seqlens, dims)?
-        else {
+        if !chunked {
+            let cu = self.upload(cu_seqlens)?;
+            let cfg = LaunchConfig {
+                grid_dim: ((seqs * nv) as u32, 1, 1),
+                block_dim: (dv.next_multiple_of(32).min(1024) as u32, 1, 1),
+                shared_mem_bytes: (2 * dk * 4) as u32,
+            };
+            launch!(self, op, cfg; out, state, q, k, v, g, beta, slots, &cu, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
             return Ok(());
-        };
-        let (seqs, nv, dk, dv) = (slots.len(), dims.1, dims.2, dims.3);
+        }
         let t = cu_seqlens[seqs] as usize;
         let plan = ChunkPlan::new(cu_seqlens, GD_CHUNK);
         let chunks = plan.tok0.len();
@@ -1656,6 +1637,7 @@ mod tests {
             &d.upload(&[0u32, 1]).unwrap(),
             &cu,
             (nk, nv, dk, dv),
+            false,
         )
         .unwrap();
         close(
@@ -1841,13 +1823,7 @@ mod tests {
         let run = |chunked: bool| {
             let mut dst = up(&init);
             let mut out = d.zeros(t * nv * dv).unwrap();
-            let f = if chunked {
-                CudaDevice::gated_delta_chunked_prefill
-            } else {
-                CudaDevice::gated_delta_prefill
-            };
-            f(
-                &d,
+            d.gated_delta_prefill(
                 &mut out,
                 &mut dst,
                 &dq,
@@ -1858,6 +1834,7 @@ mod tests {
                 &dslots,
                 &cu,
                 (nk, nv, dk, dv),
+                chunked,
             )
             .unwrap();
             (d.download(&out).unwrap(), d.download(&dst).unwrap())
@@ -1876,7 +1853,7 @@ mod tests {
         let mut split = Vec::new();
         for (a, b) in [(0, 64), (64, 150)] {
             let mut o = d.zeros((b - a) * nv * dv).unwrap();
-            d.gated_delta_chunked_prefill(
+            d.gated_delta_prefill(
                 &mut o,
                 &mut dst,
                 &sub(&q, nk * dk, a, b),
@@ -1887,6 +1864,7 @@ mod tests {
                 &slot0,
                 &[0, (b - a) as u32],
                 (nk, nv, dk, dv),
+                true,
             )
             .unwrap();
             split.extend(d.download(&o).unwrap());

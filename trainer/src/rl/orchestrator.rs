@@ -467,6 +467,22 @@ fn load_task_file(path: &Path) -> Result<Vec<Arc<Task>>> {
     Ok(tasks.into_iter().map(Arc::new).collect())
 }
 
+/// A trainer's micro-batch in a run of `recipe` holding `sequences`
+/// trajectories: the micro-batch budget, at most all of them at the
+/// engines' context, at least one.
+fn trainer_shape(recipe: &Recipe, sequences: usize) -> PlanShape {
+    let context = recipe.engine_config().max_model_len;
+    let trajectories = recipe.group_size * recipe.groups_per_step;
+    PlanShape {
+        tokens: recipe
+            .micro_batch_tokens
+            .min(trajectories * context)
+            .max(context),
+        sequences,
+        recompute_layers: false,
+    }
+}
+
 /// What a run of `recipe` holds: the trainer at its micro-batch budget
 /// (trajectories of at most the engines' context) on every rank, the
 /// replicas' caches,
@@ -474,17 +490,7 @@ fn load_task_file(path: &Path) -> Result<Vec<Arc<Task>>> {
 pub fn memory_plan(recipe: &Recipe, config: &ModelConfig) -> MemoryPlan {
     let engine = recipe.engine_config();
     let trajectories = recipe.group_size * recipe.groups_per_step;
-    let mut plan = MemoryPlan::training(
-        config,
-        PlanShape {
-            tokens: recipe
-                .micro_batch_tokens
-                .min(trajectories * engine.max_model_len)
-                .max(engine.max_model_len),
-            sequences: trajectories,
-            recompute_layers: false,
-        },
-    );
+    let mut plan = MemoryPlan::training(config, trainer_shape(recipe, trajectories));
     if recipe.ranks > 1 {
         // Every rank holds all of it for its own copy and share.
         for (what, bytes) in &mut plan.items {
@@ -520,14 +526,7 @@ pub fn gpu_memory_plan(recipe: &Recipe, config: &ModelConfig) -> MemoryPlan {
     let trajectories = recipe.group_size * recipe.groups_per_step;
     let mut plan = MemoryPlan::training_on(
         config,
-        PlanShape {
-            tokens: recipe
-                .micro_batch_tokens
-                .min(trajectories * engine.max_model_len)
-                .max(engine.max_model_len),
-            sequences: trajectories.div_ceil(recipe.ranks.max(1)),
-            recompute_layers: false,
-        },
+        trainer_shape(recipe, trajectories.div_ceil(recipe.ranks.max(1))),
         crate::memory::Placement::Gpu,
     );
     let params = Qwen3_5::plan(config.clone()).parameters();
