@@ -5,7 +5,11 @@
 
 use arcticd_kernels::cpu::{
     attention::{attention_forward, AttnDims},
-    gated_delta::{gated_delta_chunked_forward, gated_delta_recurrent_forward, GatedDeltaDims},
+    gated_delta::{
+        gated_delta_backward_from_checkpoints, gated_delta_chunked_backward_from_checkpoints,
+        gated_delta_chunked_forward, gated_delta_recurrent_forward,
+        gated_delta_recurrent_forward_checkpointed, GatedDeltaDims, CHECKPOINT_EVERY,
+    },
     matmul::matmul_forward,
     rmsnorm::rmsnorm_forward,
 };
@@ -91,7 +95,71 @@ fn bench_gated_delta(c: &mut Criterion) {
         })
     });
     g.finish();
+
+    // The two backwards from the same checkpoints, at the demo's head width
+    // (32), this group's (64) and the real models' (128): the ratio of
+    // each pair is the chunked form's gain on a CPU.
+    let mut g = c.benchmark_group("gated_delta_backward");
+    g.throughput(Throughput::Elements(dims.t as u64));
+    for width in [32, 64, 128] {
+        let dims = GatedDeltaDims {
+            dk: width,
+            dv: width,
+            ..dims
+        };
+        let q = unit(rand_vec(dims.t * dims.nk * width, &mut rng), width);
+        let k = unit(rand_vec(dims.t * dims.nk * width, &mut rng), width);
+        let v = rand_vec(dims.t * dims.nv * width, &mut rng);
+        let dout = rand_vec(dims.t * dims.nv * width, &mut rng);
+        let sn = dims.nv * width * width;
+        let mut cps = vec![0.0; dims.t.div_ceil(CHECKPOINT_EVERY) * sn];
+        let mut out = vec![0.0; dims.t * dims.nv * width];
+        let mut state = vec![0.0; sn];
+        gated_delta_recurrent_forward_checkpointed(
+            &mut out, &mut state, &q, &k, &v, &gate, &beta, dims, &mut cps,
+        )
+        .unwrap();
+        let (mut dq, mut dk) = (vec![0.0; q.len()], vec![0.0; q.len()]);
+        let mut dv = vec![0.0; v.len()];
+        let (mut dg, mut db) = (vec![0.0; gate.len()], vec![0.0; gate.len()]);
+        for (name, f) in [
+            (
+                "recurrent",
+                gated_delta_backward_from_checkpoints as BackwardFn,
+            ),
+            ("chunked", gated_delta_chunked_backward_from_checkpoints),
+        ] {
+            g.bench_function(format!("{name}_t512_h4_d{width}"), |b| {
+                b.iter(|| {
+                    f(
+                        &mut dq, &mut dk, &mut dv, &mut dg, &mut db, None, &dout, &cps, &q, &k, &v,
+                        &gate, &beta, dims,
+                    )
+                    .unwrap()
+                })
+            });
+        }
+    }
+    g.finish();
 }
+
+/// The signature both gated-delta backwards share.
+type BackwardFn = fn(
+    &mut [f32],
+    &mut [f32],
+    &mut [f32],
+    &mut [f32],
+    &mut [f32],
+    Option<&mut [f32]>,
+    &[f32],
+    &[f32],
+    &[f32],
+    &[f32],
+    &[f32],
+    &[f32],
+    &[f32],
+    GatedDeltaDims,
+) -> arcticd_kernels::Result<()>;
 
 fn bench_attention(c: &mut Criterion) {
     let mut rng = StdRng::seed_from_u64(3);
