@@ -287,6 +287,34 @@ fn linear_attention(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
             .unwrap()
         },
     );
+    // The same gradient in the chunked form (the trainer's): the pair's
+    // times give its ratio over the recurrent baseline.
+    let cu = [0, t as u32];
+    bench(
+        &mut g,
+        d,
+        (G, "gated_delta_chunked_backward", "2048x16x128x128"),
+        io,
+        || {
+            d.gated_delta_chunked_backward(
+                &mut dq,
+                &mut dkk,
+                &mut dvv,
+                &mut dgg,
+                &mut dbb,
+                &dout,
+                None,
+                &q,
+                &kk,
+                &v,
+                &gt,
+                &bt,
+                &cu,
+                (NV, NV, DK, DK),
+            )
+            .unwrap()
+        },
+    );
     g.finish();
 }
 

@@ -44,7 +44,6 @@ use arcticd_engine::params::DeviceCopy;
 use arcticd_engine::ParamStore;
 use arcticd_engine::{ModelConfig, Qwen3_5};
 use arcticd_kernels::cpu::attention::AttnDims;
-use arcticd_kernels::cpu::gated_delta::GatedDeltaDims;
 use arcticd_kernels::cuda::cudarc::driver::CudaSlice;
 use arcticd_kernels::cuda::cudarc::nccl::{Comm, ReduceOp};
 use arcticd_kernels::cuda::device::CudaDevice;
@@ -815,36 +814,27 @@ impl BackwardOps for CudaBackward<'_> {
         let mut dv_ = self.dev.zeros(t * vd)?;
         let mut dg = self.dev.zeros(t * nv)?;
         let mut dbeta = self.dev.zeros(t * nv)?;
-        let state0 = self.dev.zeros(nv * dk * dv)?;
-        for &span in &self.spans {
-            let n = span.1;
-            let (q, k) = (self.rows(&s.q, qd, span)?, self.rows(&s.k, qd, span)?);
-            let (v, dout) = (self.rows(&s.v, vd, span)?, self.rows(dcore, vd, span)?);
-            let (g, beta) = (self.rows(&s.g, nv, span)?, self.rows(&s.beta, nv, span)?);
-            let (mut sq, mut sk) = (self.dev.zeros(n * qd)?, self.dev.zeros(n * qd)?);
-            let mut sv = self.dev.zeros(n * vd)?;
-            let (mut sg, mut sb) = (self.dev.zeros(n * nv)?, self.dev.zeros(n * nv)?);
-            let dims = GatedDeltaDims {
-                t: n,
-                nk,
-                nv,
-                dk,
-                dv,
-            };
-            self.dev.gated_delta_backward(
-                &mut sq, &mut sk, &mut sv, &mut sg, &mut sb, None, &dout, &state0, &q, &k, &v, &g,
-                &beta, dims,
-            )?;
-            for (out, part, width) in [
-                (&mut dq, &sq, qd),
-                (&mut dk_, &sk, qd),
-                (&mut dv_, &sv, vd),
-                (&mut dg, &sg, nv),
-                (&mut dbeta, &sb, nv),
-            ] {
-                self.put_rows(out, part, width, span.0)?;
-            }
-        }
+        // Every sequence from the zero state, in one chunked backward (the
+        // spans are the packed sequences, in order from token 0).
+        let cu_seqlens: Vec<u32> = std::iter::once(0)
+            .chain(self.spans.iter().map(|&(st, n)| (st + n) as u32))
+            .collect();
+        self.dev.gated_delta_chunked_backward(
+            &mut dq,
+            &mut dk_,
+            &mut dv_,
+            &mut dg,
+            &mut dbeta,
+            dcore,
+            None,
+            &s.q,
+            &s.k,
+            &s.v,
+            &s.g,
+            &s.beta,
+            &cu_seqlens,
+            (nk, nv, dk, dv),
+        )?;
         Ok([dq, dk_, dv_, dg, dbeta])
     }
 

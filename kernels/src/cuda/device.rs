@@ -676,32 +676,77 @@ impl CudaDevice {
             launch!(self, op, cfg; out, state, q, k, v, g, beta, slots, &cu, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
             return Ok(());
         }
-        let t = cu_seqlens[seqs] as usize;
         let plan = ChunkPlan::new(cu_seqlens, GD_CHUNK);
+        self.gated_delta_chunks(
+            out, state, None, q, k, v, g, beta, slots, &plan, &ints, dims,
+        )?;
+        Ok(())
+    }
+
+    /// The chunked prefill's two passes over `plan` (sizes `ints` = `[seqs,
+    /// nk, nv, dk, dv]`), returning what the backward reads again. With
+    /// `keep = (kke, starts)` (the backward's) the prep also writes `KKE`
+    /// (`[chunks, nv, GD_CHUNK, GD_CHUNK]`) and the scan the state entering
+    /// every chunk (`[chunks, nv, dk, dv]`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gated_delta_chunks(
+        &self,
+        out: &mut CudaSlice<f32>,
+        state: &mut CudaSlice<f32>,
+        keep: Option<(&mut CudaSlice<f32>, &mut CudaSlice<f32>)>,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        slots: &CudaSlice<u32>,
+        plan: &ChunkPlan,
+        ints: &[i32],
+        dims: (usize, usize, usize, usize),
+    ) -> Result<ChunkPieces> {
+        let (seqs, nv, dk, dv) = (slots.len(), dims.1, dims.2, dims.3);
+        let t = plan.tokens();
         let chunks = plan.tok0.len();
-        let mut a = self.zeros::<f32>(chunks * nv * GD_CHUNK * GD_CHUNK)?;
-        let mut u = self.zeros::<f32>(t * nv * dv)?;
-        let mut w = self.zeros::<f32>(t * nv * dk)?;
-        let mut cum = self.zeros::<f32>(t * nv)?;
-        let (tok0, len, first) = (
-            self.upload(&plan.tok0)?,
-            self.upload(&plan.len)?,
-            self.upload(&plan.first)?,
-        );
-        let n = int(op, "chunks", chunks)?;
+        let mut p = ChunkPieces {
+            a: self.zeros::<f32>(chunks * nv * GD_CHUNK * GD_CHUNK)?,
+            u: self.zeros::<f32>(t * nv * dv)?,
+            w: self.zeros::<f32>(t * nv * dk)?,
+            cum: self.zeros::<f64>(t * nv)?,
+            tok0: self.upload(&plan.tok0)?,
+            len: self.upload(&plan.len)?,
+            first: self.upload(&plan.first)?,
+        };
+        let n = int("gated_delta_chunks", "chunks", chunks)?;
         let prep = LaunchConfig {
             grid_dim: ((chunks * nv) as u32, 1, 1),
             block_dim: (GD_CHUNK_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        launch!(self, "gated_delta_chunk_prep", prep; &mut a, &mut u, &mut w, &mut cum, q, k, v, g, beta, &tok0, &len, &n, &ints[1], &ints[2], &ints[3], &ints[4]);
         let scan = LaunchConfig {
             grid_dim: ((seqs * nv * dv.div_ceil(GD_COLS)) as u32, 1, 1),
             block_dim: (GD_CHUNK_THREADS, 1, 1),
             shared_mem_bytes: (2 * dk * 4) as u32,
         };
-        launch!(self, "gated_delta_chunk_scan", scan; out, state, &u, &a, &w, &cum, q, k, v, g, beta, slots, &first, &tok0, &len, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
-        Ok(())
+        let ChunkPieces {
+            a,
+            u,
+            w,
+            cum,
+            tok0,
+            len,
+            first,
+        } = &mut p;
+        match keep {
+            None => {
+                launch!(self, "gated_delta_chunk_prep", prep; &mut *a, &mut *u, &mut *w, &mut *cum, &NULL, q, k, v, g, beta, &*tok0, &*len, &n, &ints[1], &ints[2], &ints[3], &ints[4]);
+                launch!(self, "gated_delta_chunk_scan", scan; out, state, &NULL, &*u, &*a, &*w, &*cum, q, k, v, g, beta, slots, &*first, &*tok0, &*len, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
+            }
+            Some((kke, starts)) => {
+                launch!(self, "gated_delta_chunk_prep", prep; &mut *a, &mut *u, &mut *w, &mut *cum, kke, q, k, v, g, beta, &*tok0, &*len, &n, &ints[1], &ints[2], &ints[3], &ints[4]);
+                launch!(self, "gated_delta_chunk_scan", scan; out, state, starts, &*u, &*a, &*w, &*cum, q, k, v, g, beta, slots, &*first, &*tok0, &*len, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
+            }
+        }
+        Ok(p)
     }
 
     /// `out = silu(gate) * up`.
@@ -1130,14 +1175,16 @@ impl CudaDevice {
 /// Tokens per chunk of the chunked gated-delta form (`GD_CHUNK` in
 /// gated_delta.cu), and that pair of kernels' threads per block
 /// (`GD_COLS * GD_ROWS`).
-const GD_CHUNK: usize = 64;
-const GD_COLS: usize = 32;
-const GD_CHUNK_THREADS: u32 = 256;
+pub(super) const GD_CHUNK: usize = 64;
+/// The null device pointer, for an optional output left out.
+pub(super) const NULL: u64 = 0;
+pub(super) const GD_COLS: usize = 32;
+pub(super) const GD_CHUNK_THREADS: u32 = 256;
 
 /// The checks both prefill forms make; the kernels' integer sizes
 /// `[seqs, nk, nv, dk, dv]`, or None when there is nothing to do.
 #[allow(clippy::too_many_arguments)]
-fn check_prefill(
+pub(super) fn check_prefill(
     op: &str,
     out: &CudaSlice<f32>,
     state: &CudaSlice<f32>,
@@ -1191,13 +1238,34 @@ fn check_prefill(
 /// tok0[n] + len[n]` (at most `chunk`, cut from each sequence's first
 /// token), and sequence `s` owns chunks `first[s] .. first[s + 1]`.
 #[derive(Debug, PartialEq, Eq)]
-struct ChunkPlan {
+pub(super) struct ChunkPlan {
     tok0: Vec<u32>,
     len: Vec<u32>,
     first: Vec<u32>,
 }
 
+/// What the chunked forward leaves for its backward: the masked attention
+/// `a`, the pseudo-values `u` and decayed keys `w`, the f64 cumulative
+/// decays `cum`, and the plan on the device.
+pub(super) struct ChunkPieces {
+    a: CudaSlice<f32>,
+    u: CudaSlice<f32>,
+    w: CudaSlice<f32>,
+    cum: CudaSlice<f64>,
+    tok0: CudaSlice<u32>,
+    len: CudaSlice<u32>,
+    first: CudaSlice<u32>,
+}
+
 impl ChunkPlan {
+    /// Tokens the plan covers.
+    fn tokens(&self) -> usize {
+        self.tok0
+            .last()
+            .zip(self.len.last())
+            .map_or(0, |(a, b)| (a + b) as usize)
+    }
+
     fn new(cu_seqlens: &[u32], chunk: usize) -> Self {
         let mut plan = ChunkPlan {
             tok0: Vec::new(),

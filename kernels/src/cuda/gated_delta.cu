@@ -53,7 +53,7 @@ extern "C" __global__ void gated_delta_decode(float* out, float* state, const fl
 }
 
 // Prefill, token by token over packed sequences (the recurrent form; the
-// chunked WY form is the faster path still to come): sequence s owns tokens
+// chunked WY form is below): sequence s owns tokens
 // cu_seqlens[s] .. cu_seqlens[s + 1] and the state at slots[s]. One block
 // per (sequence, value head), thread j owns column j of S, as in decode.
 // Layouts as in decode with a token axis: q, k [T, nk, dk], v, out
@@ -111,16 +111,26 @@ extern "C" __global__ void gated_delta_prefill(float* out, float* state, const f
 //     takes the recurrent step instead, with decode's arithmetic, so a
 //     token computed alone has the same bits in either form.
 // Every exponent is a difference G_i - G_j with i >= j, or G_i alone: <= 0.
+// G is summed and kept in f64 (gd_decay): a difference of two f32 running
+// sums would carry their rounding, about |G_i| 2^-24, into every decay.
 // Shared memory is static and under 48 KiB for any dk, dv (dk is tiled).
+// The prep also writes, where KKE is not null (the backward's),
+// KKE_ij = (k_i . k_j) e^(G_i - G_j) for j < i, so L = diag(beta) KKE.
+// e^(G_i - G_j) from the f64 cumulative log decays.
+__device__ __forceinline__ float gd_decay(const double* cum, int i, int j) {
+    return expf((float)(cum[i] - cum[j]));
+}
+
 #define GD_TILE 16
 #define GD_COLS 32
 #define GD_ROWS 8
 
 extern "C" __global__ void gated_delta_chunk_prep(
-    float* A, float* U, float* W, float* G, const float* q, const float* k, const float* v,
-    const float* g, const float* beta, const u32* chunk_tok0, const u32* chunk_len, int chunks,
-    int nk, int nv, int dk, int dv) {
-    __shared__ float cum[GD_CHUNK], bet[GD_CHUNK];
+    float* A, float* U, float* W, double* G, float* KKE, const float* q, const float* k,
+    const float* v, const float* g, const float* beta, const u32* chunk_tok0,
+    const u32* chunk_len, int chunks, int nk, int nv, int dk, int dv) {
+    __shared__ double cum[GD_CHUNK];
+    __shared__ float bet[GD_CHUNK];
     __shared__ float att[GD_CHUNK * GD_CHUNK], low[GD_CHUNK * GD_CHUNK];
     __shared__ float tq[GD_CHUNK * (GD_TILE + 1)], tk[GD_CHUNK * (GD_TILE + 1)];
     int n = blockIdx.x / nv, h = blockIdx.x % nv;
@@ -129,9 +139,9 @@ extern "C" __global__ void gated_delta_chunk_prep(
     int t0 = (int)chunk_tok0[n], c = (int)chunk_len[n];
     if ((int)threadIdx.x < c) bet[threadIdx.x] = beta[(size_t)(t0 + threadIdx.x) * nv + h];
     if (threadIdx.x == 0) {
-        float acc = 0.0f;
+        double acc = 0.0;
         for (int i = 0; i < c; i++) {
-            acc += g[(size_t)(t0 + i) * nv + h];
+            acc += (double)g[(size_t)(t0 + i) * nv + h];
             cum[i] = acc;
         }
     }
@@ -172,10 +182,12 @@ extern "C" __global__ void gated_delta_chunk_prep(
     float* An = A + ((size_t)n * nv + h) * GD_CHUNK * GD_CHUNK;
     for (int e = threadIdx.x; e < c * c; e += blockDim.x) {
         int i = e / c, j = e % c;
-        float decay = j <= i ? expf(cum[i] - cum[j]) : 0.0f;
+        float decay = j <= i ? gd_decay(cum, i, j) : 0.0f;
         float a = j <= i ? att[e] * decay : 0.0f;
-        low[e] = j < i ? bet[i] * low[e] * decay : 0.0f;
+        float kke = j < i ? low[e] * decay : 0.0f;
+        low[e] = bet[i] * kke;
         An[i * GD_CHUNK + j] = a;
+        if (KKE) KKE[((size_t)n * nv + h) * GD_CHUNK * GD_CHUNK + i * GD_CHUNK + j] = kke;
     }
     __syncthreads();
 
@@ -186,7 +198,7 @@ extern "C" __global__ void gated_delta_chunk_prep(
         for (int i = 0; i < c; i++) {
             size_t row = (size_t)(t0 + i);
             float r = col < dv ? bet[i] * v[(row * nv + h) * dv + col]
-                               : bet[i] * expf(cum[i]) * k[(row * nk + kh) * dk + (col - dv)];
+                               : bet[i] * expf((float)cum[i]) * k[(row * nk + kh) * dk + (col - dv)];
             for (int l = 0; l < i; l++) r -= low[i * c + l] * x[l];
             x[i] = r;
             if (col < dv)
@@ -197,13 +209,16 @@ extern "C" __global__ void gated_delta_chunk_prep(
     }
 }
 
+// starts, where not null (the backward's), receives the state entering
+// every chunk: [chunks, nv, dk, dv].
 extern "C" __global__ void gated_delta_chunk_scan(
-    float* out, float* state, const float* U, const float* A, const float* W, const float* G,
-    const float* q, const float* k, const float* v, const float* g, const float* beta,
-    const u32* slots, const u32* seq_chunk0, const u32* chunk_tok0, const u32* chunk_len, int seqs,
-    int nk, int nv, int dk, int dv) {
+    float* out, float* state, float* starts, const float* U, const float* A, const float* W,
+    const double* G, const float* q, const float* k, const float* v, const float* g,
+    const float* beta, const u32* slots, const u32* seq_chunk0, const u32* chunk_tok0,
+    const u32* chunk_len, int seqs, int nk, int nv, int dk, int dv) {
     __shared__ float delta[GD_CHUNK * GD_COLS];
-    __shared__ float cum[GD_CHUNK], dec[GD_CHUNK];
+    __shared__ double cum[GD_CHUNK];
+    __shared__ float dec[GD_CHUNK];
     extern __shared__ float qk[];  // 2 * dk: a one-token chunk's q and k
     int tiles = (dv + GD_COLS - 1) / GD_COLS;
     int tile = blockIdx.x % tiles, h = (blockIdx.x / tiles) % nv, s = blockIdx.x / tiles / nv;
@@ -215,6 +230,11 @@ extern "C" __global__ void gated_delta_chunk_scan(
     float* S = state + ((size_t)slots[s] * nv + h) * dk * dv;
     for (u32 n = seq_chunk0[s]; n < seq_chunk0[s + 1]; n++) {
         int t0 = (int)chunk_tok0[n], c = (int)chunk_len[n];
+        if (starts) {
+            float* s0 = starts + ((size_t)n * nv + h) * dk * dv;
+            for (int d = ty; d < dk && live; d += GD_ROWS) s0[(size_t)d * dv + j] = S[(size_t)d * dv + j];
+            __syncthreads();
+        }
         if (c == 1) {
             // One token: the recurrent step itself, the bits of decode.
             for (int i = threadIdx.x; i < dk; i += blockDim.x) {
@@ -232,7 +252,7 @@ extern "C" __global__ void gated_delta_chunk_scan(
         }
         if ((int)threadIdx.x < c) cum[threadIdx.x] = G[(size_t)(t0 + threadIdx.x) * nv + h];
         __syncthreads();
-        if ((int)threadIdx.x < c) dec[threadIdx.x] = expf(cum[c - 1] - cum[threadIdx.x]);
+        if ((int)threadIdx.x < c) dec[threadIdx.x] = gd_decay(cum, c - 1, threadIdx.x);
         // Delta = U - W S0 and O = diag(e^G) Q S0, rows i = ty (mod GD_ROWS).
         for (int i = ty; i < c && live; i += GD_ROWS) {
             size_t row = (size_t)(t0 + i);
@@ -245,7 +265,7 @@ extern "C" __global__ void gated_delta_chunk_scan(
                 qs += qi[d] * sv;
             }
             delta[i * GD_COLS + tx] = U[(row * nv + h) * dv + j] - ws;
-            out[(row * nv + h) * dv + j] = expf(cum[i]) * qs;
+            out[(row * nv + h) * dv + j] = expf((float)cum[i]) * qs;
         }
         __syncthreads();
         // O += A Delta (causal, the diagonal included), the same rows.
@@ -257,7 +277,7 @@ extern "C" __global__ void gated_delta_chunk_scan(
         }
         // S = e^(G_last) S0 + sum_i e^(G_last - G_i) k_i delta_i^T, rows of S
         // d = ty (mod GD_ROWS); every read of S0 above is behind the barrier.
-        float last = expf(cum[c - 1]);
+        float last = expf((float)cum[c - 1]);
         for (int d = ty; d < dk && live; d += GD_ROWS) {
             float acc = 0.0f;
             for (int i = 0; i < c; i++)
@@ -266,6 +286,285 @@ extern "C" __global__ void gated_delta_chunk_scan(
         }
         __syncthreads();
     }
+}
+
+// ---- chunked backward (the WY form) ----------------------------------------
+// The gradient of the chunked forward over packed sequences, three passes
+// after the forward's own two (gated_delta_chunk_prep with KKE, then
+// gated_delta_chunk_scan with starts, from each sequence's initial state):
+// the algebra of kernels/src/cpu/gated_delta.rs's head_backward_chunked,
+// its CPU reference, with Qg = diag(e^G) Q and Kd = diag(e^(G_last - G)) K.
+//   gated_delta_chunk_dscan, one block per (sequence, value head, GD_COLS
+//     value columns), walks the chunks in reverse carrying dS, the gradient
+//     of the state leaving the chunk (zero after the last): it saves dS
+//     (ds1, [chunks, nv, dk, dv]), then
+//       dDelta = A^T dO + Kd dS   (ddelta, [T, nv, dv]),
+//       dS    <- e^G_last dS + Qg^T dO - W^T dDelta.
+//     Columns of dS never mix, as in the forward's scan.
+//   gated_delta_chunk_grads, one block per (chunk, value head), touches no
+//     state but its chunk's: Delta = U - W S0; dA = dO Delta^T (j <= i);
+//     dQg = dO S0^T; dKd = Delta dS^T; [dRv | dRk] = (I + L)^-T [dDelta |
+//     -dDelta S0^T] by back substitution, a thread per column; dL = -(dRv
+//     U^T + dRk W^T) (j < i); then with P = dA . E and D = dL . E:
+//       dq = diag(e^G) dQg + P K,   dv = diag(beta) dRv,
+//       dk = P^T Q + diag(e^(G_last - G)) dKd + diag(beta e^G) dRk
+//            + (diag(beta) D + (diag(beta) D)^T) K,
+//       dbeta_i = v_i . dRv_i + e^G_i k_i . dRk_i + sum_j D_ij (k_i . k_j),
+//     and dG_i, the gradient of the cumulative decay (the rows minus the
+//     columns of dA . A and dL . L, plus Qg_i . dQg_i - Kd_i . dKd_i +
+//     beta_i e^G_i k_i . dRk_i, and at the last token e^G_last <S0, dS> +
+//     sum_i Kd_i . dKd_i), in f64, summed from the chunk's end into dg.
+//     dq and dk are per value head ([T, nv, dk]) for
+//     gated_delta_backward_reduce. Scratch rows [T, nv, d]: delta, dqg,
+//     dkd, drv, drk.
+extern "C" __global__ void gated_delta_chunk_dscan(
+    float* ddelta, float* ds1, float* dS_all, const float* A, const float* W, const double* G,
+    const float* q, const float* k, const float* dout, const u32* seq_chunk0,
+    const u32* chunk_tok0, const u32* chunk_len, int seqs, int nk, int nv, int dk, int dv) {
+    __shared__ float dd[GD_CHUNK * GD_COLS];
+    __shared__ double cum[GD_CHUNK];
+    __shared__ float eg[GD_CHUNK], dec[GD_CHUNK];
+    int tiles = (dv + GD_COLS - 1) / GD_COLS;
+    int tile = blockIdx.x % tiles, h = (blockIdx.x / tiles) % nv, s = blockIdx.x / tiles / nv;
+    if (s >= seqs) return;
+    int kh = h / (nv / nk);
+    int tx = threadIdx.x % GD_COLS, ty = threadIdx.x / GD_COLS;
+    int j = tile * GD_COLS + tx;
+    bool live = j < dv;
+    size_t sn = (size_t)dk * dv;
+    float* dS = dS_all + ((size_t)s * nv + h) * sn;
+    for (int n = (int)seq_chunk0[s + 1] - 1; n >= (int)seq_chunk0[s]; n--) {
+        int t0 = (int)chunk_tok0[n], c = (int)chunk_len[n];
+        if ((int)threadIdx.x < c) cum[threadIdx.x] = G[(size_t)(t0 + threadIdx.x) * nv + h];
+        __syncthreads();
+        if ((int)threadIdx.x < c) {
+            eg[threadIdx.x] = expf((float)cum[threadIdx.x]);
+            dec[threadIdx.x] = gd_decay(cum, c - 1, threadIdx.x);
+        }
+        float* d1 = ds1 + ((size_t)n * nv + h) * sn;
+        for (int d = ty; d < dk && live; d += GD_ROWS) d1[(size_t)d * dv + j] = dS[(size_t)d * dv + j];
+        __syncthreads();
+        // dDelta_i = sum_{l >= i} A_li dO_l + e^(G_last - G_i) dS^T k_i.
+        const float* An = A + ((size_t)n * nv + h) * GD_CHUNK * GD_CHUNK;
+        for (int i = ty; i < c && live; i += GD_ROWS) {
+            float acc = 0.0f;
+            for (int l = i; l < c; l++)
+                acc += An[l * GD_CHUNK + i] * dout[((size_t)(t0 + l) * nv + h) * dv + j];
+            const float* ki = k + ((size_t)(t0 + i) * nk + kh) * dk;
+            float ks = 0.0f;
+            for (int d = 0; d < dk; d++) ks += ki[d] * dS[(size_t)d * dv + j];
+            acc += dec[i] * ks;
+            dd[i * GD_COLS + tx] = acc;
+            ddelta[((size_t)(t0 + i) * nv + h) * dv + j] = acc;
+        }
+        __syncthreads();
+        // dS <- e^G_last dS + sum_i (e^G_i q_i dO_i^T - w_i dDelta_i^T).
+        float last = expf((float)cum[c - 1]);
+        for (int d = ty; d < dk && live; d += GD_ROWS) {
+            float acc = 0.0f;
+            for (int i = 0; i < c; i++) {
+                size_t row = (size_t)(t0 + i);
+                acc += eg[i] * q[(row * nk + kh) * dk + d] * dout[(row * nv + h) * dv + j] -
+                       W[(row * nv + h) * dk + d] * dd[i * GD_COLS + tx];
+            }
+            dS[(size_t)d * dv + j] = last * dS[(size_t)d * dv + j] + acc;
+        }
+        __syncthreads();
+    }
+}
+
+// Sum over a block of GD_CHUNK_THREADS (a power of two) threads in f64;
+// every thread gets the total. red holds blockDim.x doubles.
+__device__ double block_sum_f64(double v, double* red) {
+    __syncthreads();
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if ((int)threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
+        __syncthreads();
+    }
+    double total = red[0];
+    __syncthreads();
+    return total;
+}
+
+extern "C" __global__ void gated_delta_chunk_grads(
+    float* dq_v, float* dk_v, float* dv_out, float* dg_out, float* dbeta_out, float* delta,
+    float* dqg, float* dkd, float* drv, float* drk, const float* ddelta, const float* starts,
+    const float* ds1, const float* A, const float* KKE, const float* U, const float* W,
+    const double* G, const float* q, const float* k, const float* v, const float* dout,
+    const float* beta, const u32* chunk_tok0, const u32* chunk_len, int chunks, int nk, int nv,
+    int dk, int dv) {
+    __shared__ double cum[GD_CHUNK], dG[GD_CHUNK], dbl[GD_CHUNK];
+    __shared__ float eg[GD_CHUNK], dec[GD_CHUNK], bet[GD_CHUNK];
+    __shared__ float P[GD_CHUNK * GD_CHUNK], D[GD_CHUNK * GD_CHUNK];
+    __shared__ double red[256];
+    int n = blockIdx.x / nv, h = blockIdx.x % nv;
+    if (n >= chunks) return;
+    int kh = h / (nv / nk);
+    int t0 = (int)chunk_tok0[n], c = (int)chunk_len[n];
+    int tid = threadIdx.x;
+    size_t sn = (size_t)dk * dv;
+    size_t mat = ((size_t)n * nv + h) * GD_CHUNK * GD_CHUNK;
+    const float* S0 = starts + ((size_t)n * nv + h) * sn;
+    const float* dS = ds1 + ((size_t)n * nv + h) * sn;
+    const float* An = A + mat;
+    const float* Kn = KKE + mat;
+    // Rows of token t0 + i: key-width rows of q, k ([T, nk, dk]) and of the
+    // per-value-head buffers ([T, nv, dk]); value-width rows ([T, nv, dv]).
+#define GD_QK(x, i) ((x) + ((size_t)(t0 + (i)) * nk + kh) * dk)
+#define GD_HK(x, i) ((x) + ((size_t)(t0 + (i)) * nv + h) * dk)
+#define GD_HV(x, i) ((x) + ((size_t)(t0 + (i)) * nv + h) * dv)
+    if (tid < c) {
+        cum[tid] = G[(size_t)(t0 + tid) * nv + h];
+        bet[tid] = beta[(size_t)(t0 + tid) * nv + h];
+    }
+    __syncthreads();
+    if (tid < c) {
+        eg[tid] = expf((float)cum[tid]);
+        dec[tid] = gd_decay(cum, c - 1, tid);
+    }
+    // Delta = U - W S0.
+    for (int e = tid; e < c * dv; e += blockDim.x) {
+        int i = e / dv, j = e % dv;
+        const float* wi = GD_HK(W, i);
+        float acc = 0.0f;
+        for (int d = 0; d < dk; d++) acc += wi[d] * S0[(size_t)d * dv + j];
+        GD_HV(delta, i)[j] = GD_HV(U, i)[j] - acc;
+    }
+    __syncthreads();
+    // dQg = dO S0^T, dKd = Delta dS^T, dRk (before the solve) = -dDelta S0^T.
+    for (int e = tid; e < c * dk; e += blockDim.x) {
+        int i = e / dk, d = e % dk;
+        const float* doi = GD_HV(dout, i);
+        const float* dli = GD_HV(delta, i);
+        const float* ddi = GD_HV(ddelta, i);
+        float a = 0.0f, b = 0.0f, w = 0.0f;
+        for (int j = 0; j < dv; j++) {
+            float s0 = S0[(size_t)d * dv + j];
+            a += doi[j] * s0;
+            b += dli[j] * dS[(size_t)d * dv + j];
+            w += ddi[j] * s0;
+        }
+        GD_HK(dqg, i)[d] = a;
+        GD_HK(dkd, i)[d] = b;
+        GD_HK(drk, i)[d] = -w;
+    }
+    for (int e = tid; e < c * dv; e += blockDim.x) GD_HV(drv, e / dv)[e % dv] = GD_HV(ddelta, e / dv)[e % dv];
+    // dA = dO Delta^T on and below the diagonal (kept in P for now).
+    for (int e = tid; e < c * c; e += blockDim.x) {
+        int i = e / c, j = e % c;
+        float a = 0.0f;
+        if (j <= i) {
+            const float* doi = GD_HV(dout, i);
+            const float* dlj = GD_HV(delta, j);
+            for (int x = 0; x < dv; x++) a += doi[x] * dlj[x];
+        }
+        P[i * GD_CHUNK + j] = a;
+    }
+    __syncthreads();
+    // [dRv | dRk] = (I + L)^-T [dDelta | dW]: x_i -= sum_{l > i} L_li x_l,
+    // one column per thread, from the last row up.
+    for (int col = tid; col < dv + dk; col += blockDim.x) {
+        float* base = col < dv ? drv : drk;
+        int width = col < dv ? dv : dk, x = col < dv ? col : col - dv;
+        for (int i = c - 2; i >= 0; i--) {
+            float r = base[((size_t)(t0 + i) * nv + h) * width + x];
+            for (int l = i + 1; l < c; l++)
+                r -= bet[l] * Kn[l * GD_CHUNK + i] * base[((size_t)(t0 + l) * nv + h) * width + x];
+            base[((size_t)(t0 + i) * nv + h) * width + x] = r;
+        }
+    }
+    __syncthreads();
+    // dL = -(dRv U^T + dRk W^T) below the diagonal (in D for now).
+    for (int e = tid; e < c * c; e += blockDim.x) {
+        int i = e / c, j = e % c;
+        float a = 0.0f;
+        if (j < i) {
+            const float *ri = GD_HV(drv, i), *uj = GD_HV(U, j);
+            for (int x = 0; x < dv; x++) a += ri[x] * uj[x];
+            const float *rk = GD_HK(drk, i), *wj = GD_HK(W, j);
+            for (int x = 0; x < dk; x++) a += rk[x] * wj[x];
+        }
+        D[i * GD_CHUNK + j] = -a;
+    }
+    __syncthreads();
+    // dG's rows minus columns of dA . A and dL . L (L = diag(beta) KKE),
+    // and dbeta's share sum_j dL_ij KKE_ij.
+    if (tid < c) {
+        int i = tid;
+        double acc = 0.0, db = 0.0;
+        for (int j = 0; j < c; j++) {
+            if (j <= i) acc += (double)P[i * GD_CHUNK + j] * An[i * GD_CHUNK + j];
+            if (j >= i) acc -= (double)P[j * GD_CHUNK + i] * An[j * GD_CHUNK + i];
+            if (j < i) {
+                double x = (double)D[i * GD_CHUNK + j] * Kn[i * GD_CHUNK + j];
+                acc += bet[i] * x;
+                db += x;
+            }
+            if (j > i) acc -= (double)bet[j] * D[j * GD_CHUNK + i] * Kn[j * GD_CHUNK + i];
+        }
+        dG[i] = acc;
+        dbl[i] = db;
+    }
+    __syncthreads();
+    // P = dA . E, D = dL . E.
+    for (int e = tid; e < c * c; e += blockDim.x) {
+        int i = e / c, j = e % c;
+        float decay = j <= i ? gd_decay(cum, i, j) : 0.0f;
+        P[i * GD_CHUNK + j] *= decay;
+        D[i * GD_CHUNK + j] *= decay;
+    }
+    __syncthreads();
+    for (int e = tid; e < c * dk; e += blockDim.x) {
+        int i = e / dk, d = e % dk;
+        float a = eg[i] * GD_HK(dqg, i)[d];
+        for (int j = 0; j <= i; j++) a += P[i * GD_CHUNK + j] * GD_QK(k, j)[d];
+        GD_HK(dq_v, i)[d] = a;
+        float b = dec[i] * GD_HK(dkd, i)[d] + bet[i] * eg[i] * GD_HK(drk, i)[d];
+        for (int l = i; l < c; l++) b += P[l * GD_CHUNK + i] * GD_QK(q, l)[d];
+        for (int j = 0; j < c; j++)
+            b += (bet[i] * D[i * GD_CHUNK + j] + bet[j] * D[j * GD_CHUNK + i]) * GD_QK(k, j)[d];
+        GD_HK(dk_v, i)[d] = b;
+    }
+    for (int e = tid; e < c * dv; e += blockDim.x) {
+        int i = e / dv, j = e % dv;
+        GD_HV(dv_out, i)[j] = bet[i] * GD_HV(drv, i)[j];
+    }
+    // The per-token scalars, a thread per token.
+    double last_share = 0.0;
+    if (tid < c) {
+        int i = tid;
+        const float *qi = GD_QK(q, i), *ki = GD_QK(k, i), *vi = GD_HV(v, i);
+        const float *rv = GD_HV(drv, i), *rk = GD_HK(drk, i);
+        const float *gq = GD_HK(dqg, i), *gk = GD_HK(dkd, i);
+        double k_rk = 0.0, v_rv = 0.0, q_gq = 0.0, k_gk = 0.0;
+        for (int d = 0; d < dk; d++) {
+            k_rk += (double)ki[d] * rk[d];
+            q_gq += (double)qi[d] * gq[d];
+            k_gk += (double)ki[d] * gk[d];
+        }
+        for (int j = 0; j < dv; j++) v_rv += (double)vi[j] * rv[j];
+        dbeta_out[(size_t)(t0 + i) * nv + h] = (float)(v_rv + eg[i] * k_rk + dbl[i]);
+        double kd_gk = dec[i] * k_gk;
+        dG[i] += eg[i] * q_gq - kd_gk + (double)bet[i] * eg[i] * k_rk;
+        last_share = kd_gk;
+    }
+    double part = last_share;
+    float last = expf((float)cum[c - 1]);
+    for (size_t x = tid; x < sn; x += blockDim.x) part += (double)last * S0[x] * dS[x];
+    double total = block_sum_f64(part, red);
+    if (tid == 0) {
+        dG[c - 1] += total;
+        double acc = 0.0;
+        for (int i = c - 1; i >= 0; i--) {
+            acc += dG[i];
+            dg_out[(size_t)(t0 + i) * nv + h] = (float)acc;
+        }
+    }
+#undef GD_QK
+#undef GD_HK
+#undef GD_HV
 }
 
 // ---- backward -----------------------------------------------------------

@@ -120,6 +120,8 @@ pub const MODULES: &[Module] = &[
             "gated_delta_prefill",
             "gated_delta_chunk_prep",
             "gated_delta_chunk_scan",
+            "gated_delta_chunk_dscan",
+            "gated_delta_chunk_grads",
             "gated_delta_backward",
             "gated_delta_backward_reduce",
         ],

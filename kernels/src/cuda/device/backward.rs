@@ -9,15 +9,15 @@
 //! The GPU tests at the bottom compare each op with its CPU reference at
 //! odd shapes, like the forwards'.
 
-use super::{elems, int, rows, shape, CudaDevice};
+use super::{
+    elems, int, rows, shape, ChunkPlan, CudaDevice, GD_CHUNK, GD_CHUNK_THREADS, GD_COLS, NULL,
+};
 use crate::cpu::adamw::AdamWStep;
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Threads per block of the per-channel and per-head reductions.
 const REDUCE_THREADS: u32 = 256;
-/// The null device pointer, for an optional output left out.
-const NULL: u64 = 0;
 
 /// Column sums over rows: 32 columns per block, 8 row lanes.
 fn columns(c: usize) -> LaunchConfig {
@@ -533,8 +533,9 @@ impl CudaDevice {
     /// `cpu::gated_delta::gated_delta_backward`, the recurrent form by
     /// re-computation from states kept every 64 tokens): every gradient is
     /// written; `dq`, `dk [t, nk, dk]` sum the value heads of a key head.
-    /// Layouts as the forward's. One block per value head: correct first,
-    /// the chunked (WY) backward is the fast path still to come.
+    /// Layouts as the forward's. One block per value head walks every
+    /// token: the baseline of [`Self::gated_delta_chunked_backward`],
+    /// which the trainer uses.
     #[allow(clippy::too_many_arguments)]
     pub fn gated_delta_backward(
         &self,
@@ -618,6 +619,126 @@ impl CudaDevice {
         }
         launch!(self, "gated_delta_backward_reduce", elems(t * nk * kd); dq, dk, &dq_v, &dk_v,
             &ints[0], &ints[1], &ints[2], &ints[3]);
+        Ok(())
+    }
+
+    /// Backward of the gated delta rule over packed sequences (`cu_seqlens`
+    /// from 0 to T) in the chunked (WY) form, each sequence from its
+    /// initial state in `state0 [seqs, nv, dk, dv]` (`None`: zero, as in
+    /// training). The gradient of the same function as
+    /// [`Self::gated_delta_backward`], with every sequence and chunk in one
+    /// set of launches: the chunked forward again (keeping each chunk's
+    /// entering state), a reverse scan of the state's gradient a chunk at a
+    /// time, and the per-chunk gradients for every chunk at once (CPU
+    /// reference: `cpu::gated_delta::gated_delta_chunked_backward_from_checkpoints`).
+    /// Every gradient is written; `dq`, `dk [T, nk, dk]` sum the value heads
+    /// of a key head. Scratch: about `T * nv * (4 dv + 6 dk)` floats plus
+    /// `2 * nv * dk * dv + 2 * nv * GD_CHUNK^2` per chunk.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_delta_chunked_backward(
+        &self,
+        dq: &mut CudaSlice<f32>,
+        dk: &mut CudaSlice<f32>,
+        dv: &mut CudaSlice<f32>,
+        dg: &mut CudaSlice<f32>,
+        dbeta: &mut CudaSlice<f32>,
+        dout: &CudaSlice<f32>,
+        state0: Option<&CudaSlice<f32>>,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        cu_seqlens: &[u32],
+        dims: (usize, usize, usize, usize),
+    ) -> Result<()> {
+        let op = "gated_delta_chunked_backward";
+        let (nk, nv, kd, vd) = dims;
+        let seqs = cu_seqlens.len().saturating_sub(1);
+        let sn = nv * kd * vd;
+        let mut state = match state0 {
+            Some(s) => {
+                shape(op, &[("state0", s.len(), seqs * sn)])?;
+                self.stream.clone_dtod(s)?
+            }
+            None => self.zeros::<f32>(seqs * sn)?,
+        };
+        let slots = self.upload(&(0..seqs as u32).collect::<Vec<u32>>())?;
+        let mut out = self.zeros::<f32>(dout.len())?;
+        let t = cu_seqlens.last().copied().unwrap_or(0) as usize;
+        shape(
+            op,
+            &[
+                ("dq", dq.len(), t * nk * kd),
+                ("dk", dk.len(), t * nk * kd),
+                ("dv", dv.len(), t * nv * vd),
+                ("dg", dg.len(), t * nv),
+                ("dbeta", dbeta.len(), t * nv),
+            ],
+        )?;
+        let Some(ints) =
+            super::check_prefill(op, &out, &state, q, k, v, g, beta, &slots, cu_seqlens, dims)?
+        else {
+            return Ok(());
+        };
+        if kd == 0 || vd == 0 {
+            return Err(Error::Shape(format!("{op}: {dims:?}")));
+        }
+        let plan = ChunkPlan::new(cu_seqlens, GD_CHUNK);
+        let chunks = plan.tok0.len();
+        let mut kke = self.zeros::<f32>(chunks * nv * GD_CHUNK * GD_CHUNK)?;
+        let mut starts = self.zeros::<f32>(chunks * sn)?;
+        let p = self.gated_delta_chunks(
+            &mut out,
+            &mut state,
+            Some((&mut kke, &mut starts)),
+            q,
+            k,
+            v,
+            g,
+            beta,
+            &slots,
+            &plan,
+            &ints,
+            dims,
+        )?;
+        let mut ddelta = self.zeros::<f32>(t * nv * vd)?;
+        let mut ds1 = self.zeros::<f32>(chunks * sn)?;
+        let mut ds_all = self.zeros::<f32>(seqs * sn)?;
+        let dscan = LaunchConfig {
+            grid_dim: ((seqs * nv * vd.div_ceil(GD_COLS)) as u32, 1, 1),
+            block_dim: (GD_CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, "gated_delta_chunk_dscan", dscan; &mut ddelta, &mut ds1, &mut ds_all,
+            &p.a, &p.w, &p.cum, q, k, dout, &p.first, &p.tok0, &p.len,
+            &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
+        let (mut delta, mut drv) = (
+            self.zeros::<f32>(t * nv * vd)?,
+            self.zeros::<f32>(t * nv * vd)?,
+        );
+        let (mut dqg, mut dkd) = (
+            self.zeros::<f32>(t * nv * kd)?,
+            self.zeros::<f32>(t * nv * kd)?,
+        );
+        let mut drk = self.zeros::<f32>(t * nv * kd)?;
+        let (mut dq_v, mut dk_v) = (
+            self.zeros::<f32>(t * nv * kd)?,
+            self.zeros::<f32>(t * nv * kd)?,
+        );
+        let n = int(op, "chunks", chunks)?;
+        let grads = LaunchConfig {
+            grid_dim: ((chunks * nv) as u32, 1, 1),
+            block_dim: (GD_CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, "gated_delta_chunk_grads", grads; &mut dq_v, &mut dk_v, dv, dg, dbeta,
+            &mut delta, &mut dqg, &mut dkd, &mut drv, &mut drk, &ddelta, &starts, &ds1,
+            &p.a, &kke, &p.u, &p.w, &p.cum, q, k, v, dout, beta, &p.tok0, &p.len,
+            &n, &ints[1], &ints[2], &ints[3], &ints[4]);
+        let ti = int(op, "tokens", t)?;
+        launch!(self, "gated_delta_backward_reduce", elems(t * nk * kd); dq, dk, &dq_v, &dk_v,
+            &ti, &ints[1], &ints[2], &ints[3]);
         Ok(())
     }
 
@@ -1167,6 +1288,134 @@ mod tests {
             close("gd dg", &d.download(&gg).unwrap(), &dg, 1e-3);
             close("gd dbeta", &d.download(&gb).unwrap(), &db, 1e-3);
             close("gd dstate0", &d.download(&gs).unwrap(), &ds, 1e-3);
+        }
+    }
+
+    /// The chunked backward over packed sequences against the CPU's chunked
+    /// backward per sequence (1e-4 relative: sums in other orders), with GQA,
+    /// widths off the kernels' tiles (dk 48, dv 40 over column tiles of 32),
+    /// sequences of 150 (the last chunk partial), 1, 0 and 65 tokens (a
+    /// chunk, then a chunk of one), each from its own state; and with no
+    /// initial state, the zero state's gradients.
+    #[test]
+    fn gated_delta_chunked_backward_matches_cpu() {
+        let Some(d) = gpu() else { return };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(22);
+        let up = |x: &[f32]| d.upload(x).unwrap();
+        let (nk, nv, dk, dv) = (2, 4, 48, 40);
+        let cu = [0u32, 150, 151, 151, 216];
+        let t = 216;
+        let unit = |v: Vec<f32>| -> Vec<f32> {
+            v.chunks(dk)
+                .flat_map(|r| {
+                    let n = r.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+                    r.iter().map(move |x| x / n).collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let q: Vec<f32> = unit(rand_vec(&mut rng, t * nk * dk, 1.0))
+            .iter()
+            .map(|x| x / (dk as f32).sqrt())
+            .collect();
+        let k = unit(rand_vec(&mut rng, t * nk * dk, 1.0));
+        let v = rand_vec(&mut rng, t * nv * dv, 1.0);
+        let g: Vec<f32> = (0..t * nv).map(|_| -rng.gen_range(0.0..0.7f32)).collect();
+        let beta: Vec<f32> = (0..t * nv).map(|_| rng.gen_range(0.0..1.0f32)).collect();
+        let dout = rand_vec(&mut rng, t * nv * dv, 1.0);
+        let per = nv * dk * dv;
+        let init = rand_vec(&mut rng, 4 * per, 0.3);
+        for with_state in [true, false] {
+            let mut want: [Vec<f32>; 5] = [
+                vec![0.0; t * nk * dk],
+                vec![0.0; t * nk * dk],
+                vec![0.0; t * nv * dv],
+                vec![0.0; t * nv],
+                vec![0.0; t * nv],
+            ];
+            for s in 0..4 {
+                let (a, b) = (cu[s] as usize, cu[s + 1] as usize);
+                if a == b {
+                    continue;
+                }
+                let n = b - a;
+                let dims = cpu::gated_delta::GatedDeltaDims {
+                    t: n,
+                    nk,
+                    nv,
+                    dk,
+                    dv,
+                };
+                let state0 = if with_state {
+                    init[s * per..(s + 1) * per].to_vec()
+                } else {
+                    vec![0.0; per]
+                };
+                let rows = |x: &[f32], w: usize| x[a * w..b * w].to_vec();
+                let (sq, sk, sv) = (rows(&q, nk * dk), rows(&k, nk * dk), rows(&v, nv * dv));
+                let (sg, sb, sd) = (rows(&g, nv), rows(&beta, nv), rows(&dout, nv * dv));
+                let mut cps = vec![0.0; n.div_ceil(cpu::gated_delta::CHECKPOINT_EVERY) * per];
+                let (mut out, mut st) = (vec![0.0; n * nv * dv], state0);
+                cpu::gated_delta::gated_delta_recurrent_forward_checkpointed(
+                    &mut out, &mut st, &sq, &sk, &sv, &sg, &sb, dims, &mut cps,
+                )
+                .unwrap();
+                let mut part: [Vec<f32>; 5] = [
+                    vec![0.0; n * nk * dk],
+                    vec![0.0; n * nk * dk],
+                    vec![0.0; n * nv * dv],
+                    vec![0.0; n * nv],
+                    vec![0.0; n * nv],
+                ];
+                let [pq, pk, pv, pg, pb] = &mut part;
+                cpu::gated_delta::gated_delta_chunked_backward_from_checkpoints(
+                    pq, pk, pv, pg, pb, None, &sd, &cps, &sq, &sk, &sv, &sg, &sb, dims,
+                )
+                .unwrap();
+                for ((w, p), width) in
+                    want.iter_mut()
+                        .zip(&part)
+                        .zip([nk * dk, nk * dk, nv * dv, nv, nv])
+                {
+                    w[a * width..b * width].copy_from_slice(p);
+                }
+            }
+            let mut got: [CudaSlice<f32>; 5] = [
+                d.zeros(t * nk * dk).unwrap(),
+                d.zeros(t * nk * dk).unwrap(),
+                d.zeros(t * nv * dv).unwrap(),
+                d.zeros(t * nv).unwrap(),
+                d.zeros(t * nv).unwrap(),
+            ];
+            let state0 = up(&init);
+            let [gq, gk, gv, gg, gb] = &mut got;
+            d.gated_delta_chunked_backward(
+                gq,
+                gk,
+                gv,
+                gg,
+                gb,
+                &up(&dout),
+                with_state.then_some(&state0),
+                &up(&q),
+                &up(&k),
+                &up(&v),
+                &up(&g),
+                &up(&beta),
+                &cu,
+                (nk, nv, dk, dv),
+            )
+            .unwrap();
+            for (name, (gt, w)) in ["dq", "dk", "dv", "dg", "dbeta"]
+                .iter()
+                .zip(got.iter().zip(&want))
+            {
+                close(
+                    &format!("chunked gd {name} (state {with_state})"),
+                    &d.download(gt).unwrap(),
+                    w,
+                    1e-4,
+                );
+            }
         }
     }
 
