@@ -156,6 +156,7 @@ fn sft_loop<D: StepDevice>(
         progress.inc(1);
     }
     progress.finish(format!("writing checkpoint {}", args.out.display()));
+    trainer.sync_host()?;
     let optimizer = trainer.optimizer()?;
     let model = trainer.store().read();
     save_checkpoint(&args.out, &model, &args.model, Some(&optimizer))

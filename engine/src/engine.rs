@@ -553,7 +553,7 @@ pub fn start(
         #[cfg(feature = "cuda")]
         let gpu = match &placement {
             Placement::Device(dev) => Some(GpuReplica::new(
-                &model,
+                (&store, &model),
                 dev.clone(),
                 config.weights,
                 store.weight_version(),
@@ -1018,6 +1018,7 @@ impl EngineLoop {
                 self.prefill,
             );
         }
+        store.check_host_current()?;
         cpu_forward(
             model,
             store,
@@ -1269,17 +1270,50 @@ enum ReplicaWeights {
 }
 
 #[cfg(feature = "cuda")]
+impl ReplicaWeights {
+    /// The weights at `version`: the trainer's copy on `dev` when it is at
+    /// that version and the replica reads bf16 (as the copy is), else an
+    /// upload of the host's, which must then be current.
+    fn at(
+        store: &ParamStore,
+        host: &Qwen3_5,
+        dev: &Arc<arcticd_kernels::cuda::device::CudaDevice>,
+        weights: WeightDType,
+        version: u64,
+    ) -> Result<Self> {
+        match store.device_copy(dev.ordinal()) {
+            Some(c) if c.version == version && weights == WeightDType::Bf16 => {
+                Ok(ReplicaWeights::Shared(c.model))
+            }
+            _ => {
+                store.check_host_current()?;
+                Ok(ReplicaWeights::Own(Box::new(
+                    crate::model::cuda::CudaModel::upload(host, dev.clone(), weights)?,
+                )))
+            }
+        }
+    }
+
+    fn param_bytes(&self) -> usize {
+        match self {
+            ReplicaWeights::Own(m) => m.param_bytes(),
+            ReplicaWeights::Shared(s) => s.read().unwrap_or_else(|e| e.into_inner()).param_bytes(),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
 impl GpuReplica {
-    /// Uploads `model` and checks that `cache_memory` bytes are free
-    /// beside it.
+    /// Takes the weights at `version` ([`ReplicaWeights::at`]) and checks
+    /// that `cache_memory` bytes are free beside them.
     fn new(
-        model: &Qwen3_5,
+        (store, model): (&ParamStore, &Qwen3_5),
         dev: Arc<arcticd_kernels::cuda::device::CudaDevice>,
         weights: WeightDType,
         version: u64,
         cache_memory: usize,
     ) -> Result<Self> {
-        let on_gpu = crate::model::cuda::CudaModel::upload(model, dev.clone(), weights)?;
+        let on_gpu = ReplicaWeights::at(store, model, &dev, weights, version)?;
         let (free, _) = dev.memory_info()?;
         if cache_memory > free {
             return Err(Error::Config(format!(
@@ -1291,7 +1325,7 @@ impl GpuReplica {
             )));
         }
         Ok(GpuReplica {
-            model: Some(ReplicaWeights::Own(Box::new(on_gpu))),
+            model: Some(on_gpu),
             dev,
             weights,
             version,
@@ -1311,16 +1345,13 @@ impl GpuReplica {
         if version != self.version {
             // The old weights go first: the two never coexist.
             self.model = None;
-            self.model = Some(match store.device_copy(self.dev.ordinal()) {
-                Some(c) if c.version == version && self.weights == WeightDType::Bf16 => {
-                    ReplicaWeights::Shared(c.model)
-                }
-                _ => ReplicaWeights::Own(Box::new(CudaModel::upload(
-                    host,
-                    self.dev.clone(),
-                    self.weights,
-                )?)),
-            });
+            self.model = Some(ReplicaWeights::at(
+                store,
+                host,
+                &self.dev,
+                self.weights,
+                version,
+            )?);
             self.version = version;
         }
         let shared;

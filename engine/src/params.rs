@@ -16,6 +16,10 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 pub struct ParamStore {
     model: RwLock<Qwen3_5>,
     version: AtomicU64,
+    /// The version the host tensors hold: `version`, or an earlier one
+    /// while a GPU trainer keeps the current weights only on its device
+    /// ([`advance_on_device`](Self::advance_on_device)).
+    host_version: AtomicU64,
     /// The current version's packed weights, built by the first reader
     /// that needs them.
     packs: Mutex<Option<(u64, Arc<LinearPacks>)>>,
@@ -41,6 +45,7 @@ impl ParamStore {
         Arc::new(ParamStore {
             model: RwLock::new(model),
             version: AtomicU64::new(version),
+            host_version: AtomicU64::new(version),
             packs: Mutex::new(packs),
             #[cfg(feature = "cuda")]
             device_copies: Mutex::new(Vec::new()),
@@ -100,7 +105,52 @@ impl ParamStore {
         let mut guard = self.model.write().unwrap_or_else(|e| e.into_inner());
         let r = f(&mut guard);
         let v = self.version.fetch_add(1, Ordering::AcqRel) + 1;
+        self.host_version.store(v, Ordering::Release);
         (v, r)
+    }
+
+    /// Bumps the version without touching the host tensors: a GPU trainer
+    /// wrote the new weights into the device copy its engines read
+    /// ([`DeviceCopy`]) and brings the host up to date only when something
+    /// reads it ([`refresh_host`](Self::refresh_host)), so a step moves no
+    /// weights across the bus. Until then a host read is behind:
+    /// [`host_behind`](Self::host_behind) says so, and a CPU forward or an
+    /// upload from the host refuses. Callers pause the engines around this,
+    /// as around [`update`](Self::update). Returns the new version.
+    pub fn advance_on_device(&self) -> u64 {
+        let _guard = self.model.write().unwrap_or_else(|e| e.into_inner());
+        self.version.fetch_add(1, Ordering::AcqRel) + 1
+    }
+
+    /// Writes the current version's weights into the host tensors (`f`, from
+    /// the device that holds them) and marks the host current; returns `f`'s
+    /// result. The caller holds the weights still meanwhile (no step runs).
+    pub fn refresh_host<R>(&self, f: impl FnOnce(&mut Qwen3_5) -> R) -> R {
+        let mut guard = self.model.write().unwrap_or_else(|e| e.into_inner());
+        let r = f(&mut guard);
+        let v = self.version.load(Ordering::Acquire);
+        self.host_version.store(v, Ordering::Release);
+        r
+    }
+
+    /// `(host version, current version)` while the host tensors are behind
+    /// the current weights; `None` when a host read is current.
+    pub fn host_behind(&self) -> Option<(u64, u64)> {
+        let v = self.version.load(Ordering::Acquire);
+        let h = self.host_version.load(Ordering::Acquire);
+        (h != v).then_some((h, v))
+    }
+
+    /// The error a reader of the host tensors gives while they are behind.
+    pub fn check_host_current(&self) -> crate::Result<()> {
+        match self.host_behind() {
+            None => Ok(()),
+            Some((h, v)) => Err(crate::Error::Invariant(format!(
+                "the host's copy of the weights is at version {h}, behind version {v}: \
+                 the trainer keeps them on its GPU, where only that GPU's replicas with \
+                 bf16 weights read them"
+            ))),
+        }
     }
 
     /// Frees the host's copy of every parameter (shapes and names stay) and
@@ -194,6 +244,30 @@ mod tests {
             }])
             .unwrap_err();
         assert!(err.to_string().contains("released"), "{err}");
+    }
+
+    /// A version moved on the device leaves the host behind until a
+    /// refresh: a CPU forward refuses in between, with both versions named.
+    #[test]
+    fn a_host_behind_the_device_refuses_until_refreshed() {
+        let dir =
+            std::env::temp_dir().join(format!("arcticd-params-behind-{}", std::process::id()));
+        init_model(TINY, &dir, 2).unwrap();
+        let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(store.host_behind(), None);
+        assert_eq!(store.advance_on_device(), 1);
+        assert_eq!(store.advance_on_device(), 2);
+        assert_eq!(store.host_behind(), Some((0, 2)));
+        let err = store.check_host_current().unwrap_err().to_string();
+        assert!(err.contains("version 0, behind version 2"), "{err}");
+        let n = store.refresh_host(|m| m.config.vocab_size);
+        assert_eq!(n, TINY.vocab);
+        assert_eq!(store.host_behind(), None);
+        assert_eq!(store.weight_version(), 2);
+        let (v, ()) = store.update(|_| ());
+        assert_eq!((v, store.host_behind()), (3, None));
+        store.check_host_current().unwrap();
     }
 
     /// A store made from a packed load serves its packs at version 0,

@@ -383,9 +383,12 @@ pub fn global_norm(dev: &CudaDevice, grads: &Qwen3_5<Buf>) -> Result<f64> {
 /// micro-batches, clipping, the data-parallel sync and the metrics are the
 /// CPU trainer's code.
 ///
-/// After each step the new weights are downloaded into the host store the
-/// engines read (a copy through the host: one GPU's engine and trainer do
-/// not share the device weights yet). In a data-parallel group the
+/// After each step the engines on the GPU read the new weights from the
+/// bf16 copy written there in place ([`share_with_engines`](Self::share_with_engines));
+/// the host's tensors are left behind, under the new version, until
+/// something on the host reads them ([`StepDevice::sync_host`]: a
+/// checkpoint, an evaluation's copy, the ranks' checksum), so a step moves
+/// no weights across the bus. In a data-parallel group the
 /// gradients are summed on the host through the communicator. The entropy
 /// term, the KL reference (a frozen f32 copy on the same device) and
 /// layer recomputation (`recompute_layers`: only each layer's input kept,
@@ -608,7 +611,40 @@ impl StepDevice for CudaStep {
 
     fn apply(&mut self, lr: f64, gate: Option<&dyn WriteGate>) -> Result<(u64, f64)> {
         self.opt.step(&mut self.model, &self.grads, lr)?;
-        // Downloaded before the engines pause; only the host copy is paused.
+        let dev = self.model.device();
+        let t0 = std::time::Instant::now();
+        let version = {
+            let _paused = PauseGuard::pause(gate)?;
+            // The engines on this GPU read the device copy; the host's
+            // tensors stay behind until something reads them (sync_host).
+            match &self.shared {
+                Some(shared) => {
+                    let mut copy = shared.write().unwrap_or_else(|e| e.into_inner());
+                    write_engine_copy(&self.model, &mut copy)?;
+                    // Done before an engine's stream reads it (an engine's
+                    // step ends in a download, so none is reading it now).
+                    dev.synchronize()?;
+                    let version = self.store.advance_on_device();
+                    self.store.publish_device_copy(DeviceCopy {
+                        ordinal: dev.ordinal(),
+                        version,
+                        model: shared.clone(),
+                    });
+                    version
+                }
+                // No engine here (SFT, bench-train): nothing reads the
+                // weights before the next sync_host.
+                None => self.store.advance_on_device(),
+            }
+        };
+        Ok((version, t0.elapsed().as_secs_f64()))
+    }
+
+    fn sync_host(&mut self) -> Result<()> {
+        if self.store.host_behind().is_none() {
+            return Ok(());
+        }
+        // The masters are still: steps run on this thread, after this.
         let dev = self.model.device();
         let values = self
             .model
@@ -617,29 +653,7 @@ impl StepDevice for CudaStep {
             .into_iter()
             .map(|(name, p)| Ok(dev.download(p.f32(&name)?)?))
             .collect::<Result<Vec<Vec<f32>>>>()?;
-        let t0 = std::time::Instant::now();
-        let (version, res) = {
-            let _paused = PauseGuard::pause(gate)?;
-            if let Some(shared) = &self.shared {
-                let mut copy = shared.write().unwrap_or_else(|e| e.into_inner());
-                write_engine_copy(&self.model, &mut copy)?;
-                // Done before an engine's stream reads it (an engine's step
-                // ends in a download, so none is reading it now).
-                dev.synchronize()?;
-            }
-            let (version, res) = self.store.update(|m| write_values(m, &values));
-            if let Some(shared) = &self.shared {
-                self.store.publish_device_copy(DeviceCopy {
-                    ordinal: dev.ordinal(),
-                    version,
-                    model: shared.clone(),
-                });
-            }
-            (version, res)
-        };
-        let secs = t0.elapsed().as_secs_f64();
-        res?;
-        Ok((version, secs))
+        self.store.refresh_host(|m| write_values(m, &values))
     }
 
     fn steps(&self) -> u64 {
@@ -1098,6 +1112,7 @@ mod tests {
             let comm = LocalComm::world(1).unwrap().pop().unwrap();
             let mut t = Trainer::on(step, config.clone()).with_comm(Arc::new(comm));
             t.sft_step(&batch).unwrap();
+            t.sync_host().unwrap();
             let m = store.read();
             weights.push(
                 m.named_params()
@@ -1120,7 +1135,7 @@ mod tests {
     /// step on a trainer sharing its weights, the store's device copy is at
     /// the new version, and an engine that followed the update (reading
     /// the copy) generates exactly what a fresh engine uploading the
-    /// updated host store generates (the same bf16 rounding of the same
+    /// synced host weights generates (the same bf16 rounding of the same
     /// masters).
     #[test]
     fn the_engine_reads_the_trainers_weights_in_place() {
@@ -1170,7 +1185,13 @@ mod tests {
         let copy = store.device_copy(dev.ordinal()).unwrap();
         assert_eq!(copy.version, store.weight_version());
         let after = follower.generate_blocking(greedy()).unwrap();
-        let fresh = engine::start(store.clone(), None, engine_config).unwrap();
+        // The host's tensors are behind until synced; a fresh store of
+        // them, with no device copy, makes the fresh engine upload.
+        assert_eq!(store.host_behind(), Some((0, 1)));
+        trainer.sync_host().unwrap();
+        let host =
+            arcticd_engine::ParamStore::with_version(store.read().clone(), store.weight_version());
+        let fresh = engine::start(host, None, engine_config).unwrap();
         let want = fresh.generate_blocking(greedy()).unwrap();
         assert_eq!(after[0].tokens, want[0].tokens);
         let bits = |c: &engine::Choice| c.logprobs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -1349,6 +1370,12 @@ mod tests {
                 "step {step}: {g:?} vs {c:?}"
             );
         }
+        // The steps left the host's tensors at version 0, under version 6
+        // (the checksum of a group would have synced them); a sync brings
+        // them to the masters' values.
+        assert_eq!(gpu_store.host_behind(), Some((0, 6)));
+        gpu.sync_host().unwrap();
+        assert_eq!(gpu_store.host_behind(), None);
         let (mut sum, mut count) = (0.0f64, 0usize);
         let host = gpu_store.read();
         let cpu_model = cpu.store().read();

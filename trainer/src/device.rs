@@ -43,8 +43,16 @@ pub type Scores = (Vec<f32>, Option<Vec<f32>>);
 /// clipping, [`apply`](Self::apply).
 pub trait StepDevice: Send {
     /// The host store the engines read: after [`apply`](Self::apply) it
-    /// holds the new weights under a new version.
+    /// holds the new weights under a new version (on a GPU, in the device
+    /// copy the engines there read; the host tensors follow at
+    /// [`sync_host`](Self::sync_host)).
     fn store(&self) -> &Arc<ParamStore>;
+    /// Brings the store's host tensors up to the current version where
+    /// the step keeps the weights elsewhere (a GPU); the CPU writes them in
+    /// place, so there it does nothing.
+    fn sync_host(&mut self) -> Result<()> {
+        Ok(())
+    }
     fn zero_grads(&mut self) -> Result<()>;
     /// The training forward of one micro-batch at `temperature`, keeping
     /// what [`backward`](Self::backward) needs (only each layer's input
@@ -287,6 +295,9 @@ impl StepDevice for CpuStep {
 impl<T: StepDevice + ?Sized> StepDevice for Box<T> {
     fn store(&self) -> &Arc<ParamStore> {
         (**self).store()
+    }
+    fn sync_host(&mut self) -> Result<()> {
+        (**self).sync_host()
     }
     fn zero_grads(&mut self) -> Result<()> {
         (**self).zero_grads()

@@ -138,6 +138,7 @@ pub fn train_sft(
             "SFT step"
         );
     }
+    trainer.sync_host()?;
     let model = trainer.store().read();
     save_checkpoint(out, &model, base, Some(&*trainer.optimizer()?))?;
     Ok(losses)

@@ -343,6 +343,13 @@ impl<D: StepDevice> Trainer<D> {
         self.dev.store()
     }
 
+    /// [`StepDevice::sync_host`]: the host tensors at the current version,
+    /// for a reader there (a checkpoint, an evaluation's copy); a trainer
+    /// on a GPU leaves them behind after its steps.
+    pub fn sync_host(&mut self) -> Result<()> {
+        self.dev.sync_host()
+    }
+
     /// The optimizer state as the host holds it (checkpoints).
     pub fn optimizer(&self) -> Result<Cow<'_, AdamW>> {
         self.dev.host_optimizer()
@@ -401,14 +408,15 @@ impl<D: StepDevice> Trainer<D> {
 
     /// Fails when the ranks' weights differ; returns the checksum they
     /// agree on. Checked every `checksum_every` steps of a group.
-    fn check_weights(&self) -> Result<Option<u64>> {
-        let (Some(comm), every) = (&self.comm, self.config.checksum_every) else {
+    fn check_weights(&mut self) -> Result<Option<u64>> {
+        let (Some(comm), every) = (self.comm.clone(), self.config.checksum_every) else {
             return Ok(None);
         };
         let step = self.dev.steps();
         if every == 0 || !step.is_multiple_of(every) {
             return Ok(None);
         }
+        self.sync_host()?;
         let sum = weights_checksum(&self.store().read())?;
         let all = comm.all_gather(&[sum])?;
         if all.iter().any(|w| w[0] != sum) {

@@ -518,9 +518,9 @@ pub fn memory_plan(recipe: &Recipe, config: &ModelConfig) -> MemoryPlan {
 
 /// What one rank's GPU holds in a run with `device = "cuda..."`: the device
 /// trainer (the engines' bf16 weights, f32 masters, moments, gradients,
-/// activations), the KL reference in f32, and the rank's engines: their
-/// caches, and until the first update each one's own bf16 upload of the
-/// weights.
+/// activations), the KL reference in f32, and the rank's engines' caches
+/// (the engines read the trainer's bf16 copy from their start: the step
+/// devices are made first).
 pub fn gpu_memory_plan(recipe: &Recipe, config: &ModelConfig) -> MemoryPlan {
     let engine = recipe.engine_config();
     let trajectories = recipe.group_size * recipe.groups_per_step;
@@ -537,10 +537,6 @@ pub fn gpu_memory_plan(recipe: &Recipe, config: &ModelConfig) -> MemoryPlan {
     plan.add(
         format!("engine caches ({replicas} x {})", engine.cache_memory >> 20),
         replicas * engine.cache_memory as u64,
-    );
-    plan.add(
-        format!("engines' own bf16 weights until the first update ({replicas})"),
-        replicas * params * 2,
     );
     plan
 }
@@ -635,6 +631,22 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         .collect();
     let store = ParamStore::with_version(model, version0);
     let stores: Vec<Arc<ParamStore>> = std::iter::once(store.clone()).chain(stores).collect();
+    // The step devices first: a GPU rank's trainer publishes the weight
+    // copy its engines then read from their start, with no upload of their own.
+    let config = recipe.train_config();
+    let reference = || -> crate::Result<Option<Qwen3_5>> {
+        if recipe.ref_kl_coef == 0.0 {
+            return Ok(None);
+        }
+        // The run's starting model, also on resume.
+        Ok(Some(Qwen3_5::load(&model_dir).map_err(|e| {
+            Error::Recipe(format!("KL reference {}: {e}", model_dir.display()))
+        })?))
+    };
+    let devices: Vec<_> = (0..stores.len())
+        .map(|rank| rank_device(recipe.device, rank))
+        .collect();
+    let step_devs = step_devices(&devices, &stores, config.optimizer, reference)?;
     let engine_cfg = recipe.engine_config();
     let router = Router::new(
         (0..recipe.replicas)
@@ -659,20 +671,6 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         vec![None]
     };
     let mut trainers = Vec::with_capacity(stores.len());
-    let config = recipe.train_config();
-    let reference = || -> crate::Result<Option<Qwen3_5>> {
-        if recipe.ref_kl_coef == 0.0 {
-            return Ok(None);
-        }
-        // The run's starting model, also on resume.
-        Ok(Some(Qwen3_5::load(&model_dir).map_err(|e| {
-            Error::Recipe(format!("KL reference {}: {e}", model_dir.display()))
-        })?))
-    };
-    let devices: Vec<_> = (0..stores.len())
-        .map(|rank| rank_device(recipe.device, rank))
-        .collect();
-    let step_devs = step_devices(&devices, &stores, config.optimizer, reference)?;
     for (rank, (dev, comm)) in step_devs.into_iter().zip(comms.iter_mut()).enumerate() {
         let mut t = Trainer::on(dev, config.clone());
         if start.is_some() {
@@ -1071,8 +1069,18 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 lost_now = 0;
             }
 
-            // Frozen side jobs that finished, and the ones now due.
+            // Frozen side jobs that finished, and the ones now due. They
+            // copy the host's weights: a trainer on a GPU brings them up to
+            // date first (its steps leave them on the device).
             let is_last = step >= recipe.steps;
+            let due = |every: u64| every > 0 && step.is_multiple_of(every);
+            if due(recipe.eval_every)
+                || (recipe.eval_every > 0 && is_last)
+                || due(recipe.probe_every)
+                || due(recipe.recheck_every)
+            {
+                trainer.sync_host()?;
+            }
             if recipe.eval_every > 0 && (step % recipe.eval_every == 0 || is_last) {
                 spawn_eval(step, &mut side_pending);
             }
@@ -1207,7 +1215,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                     &run_dir,
                     &recipe,
                     &model_dir,
-                    &trainer,
+                    &mut trainer,
                     &shared,
                     step,
                     consumed,
@@ -1237,7 +1245,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 &run_dir,
                 &recipe,
                 &model_dir,
-                &trainer,
+                &mut trainer,
                 &shared,
                 step,
                 consumed,
@@ -1271,7 +1279,7 @@ fn checkpoint(
     run_dir: &RunDir,
     recipe: &Recipe,
     model_dir: &Path,
-    trainer: &RankTrainer,
+    trainer: &mut RankTrainer,
     shared: &Shared,
     step: u64,
     consumed: u64,
@@ -1282,6 +1290,7 @@ fn checkpoint(
     if dir.join("run_state.json").is_file() {
         return Ok(());
     }
+    trainer.sync_host()?;
     let state = RunState {
         step,
         weight_version: trainer.store().weight_version(),
@@ -1382,9 +1391,9 @@ mod tests {
     use super::*;
 
     /// A rank's GPU plan: the device trainer's buffers, the rank's share of
-    /// the engines' caches and their own weights until the first update,
-    /// and the KL reference only when the loss has the term; two ranks
-    /// each plan for half the replicas.
+    /// the engines' caches (no weights of their own: they read the
+    /// trainer's copy), and the KL reference only when the loss has the
+    /// term; two ranks each plan for half the replicas.
     #[test]
     fn a_gpu_plan_holds_a_ranks_share() {
         let config = arcticd_engine::init::preset_config(&arcticd_engine::init::TINY).unwrap();
@@ -1396,6 +1405,7 @@ mod tests {
             "{plan}"
         );
         assert!(!names.iter().any(|n| n.contains("KL reference")), "{plan}");
+        assert!(!names.iter().any(|n| n.contains("own")), "{plan}");
         let two = Recipe::from_toml(
             "device = \"cuda\"\nreplicas = 2\nranks = 2\nref_kl_coef = 0.1\n",
             "r",
