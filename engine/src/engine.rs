@@ -1283,6 +1283,7 @@ impl ReplicaWeights {
     ) -> Result<Self> {
         match store.device_copy(dev.ordinal()) {
             Some(c) if c.version == version && weights == WeightDType::Bf16 => {
+                dev.wait_event(&c.written)?;
                 Ok(ReplicaWeights::Shared(c.model))
             }
             _ => {

@@ -31,13 +31,16 @@ pub struct ParamStore {
 /// The weights on one GPU as its engines read them (bf16 matrices), written
 /// in place by the trainer on that GPU after each optimizer step, while
 /// the engines are paused: an engine on `ordinal` whose store moved to
-/// `version` reads `model` instead of uploading the host copy again.
+/// `version` reads `model` instead of uploading the host copy again, once
+/// its stream waits for `written` (the write, queued on the trainer's
+/// stream: the trainer's thread does not wait for it).
 #[cfg(feature = "cuda")]
 #[derive(Debug, Clone)]
 pub struct DeviceCopy {
     pub ordinal: usize,
     pub version: u64,
     pub model: Arc<RwLock<crate::model::cuda::CudaModel>>,
+    pub written: Arc<arcticd_kernels::cuda::device::CudaEvent>,
 }
 
 impl ParamStore {

@@ -455,6 +455,7 @@ impl CudaStep {
             ordinal: dev.ordinal(),
             version: self.store.weight_version(),
             model: model.clone(),
+            written: Arc::new(dev.record_event()?),
         });
         self.shared = Some(model);
         Ok(())
@@ -621,14 +622,16 @@ impl StepDevice for CudaStep {
                 Some(shared) => {
                     let mut copy = shared.write().unwrap_or_else(|e| e.into_inner());
                     write_engine_copy(&self.model, &mut copy)?;
-                    // Done before an engine's stream reads it (an engine's
-                    // step ends in a download, so none is reading it now).
-                    dev.synchronize()?;
+                    // An engine's stream waits for this event before it
+                    // reads the copy; none is reading it now (an engine's
+                    // step ends in a download, and the engines are paused).
+                    let written = Arc::new(dev.record_event()?);
                     let version = self.store.advance_on_device();
                     self.store.publish_device_copy(DeviceCopy {
                         ordinal: dev.ordinal(),
                         version,
                         model: shared.clone(),
+                        written,
                     });
                     version
                 }

@@ -12,6 +12,7 @@
 
 use super::{KernelCache, MODULES};
 use crate::{Error, Result};
+pub use cudarc::driver::CudaEvent;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
@@ -187,6 +188,18 @@ impl CudaDevice {
 
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
+    }
+
+    /// An event that completes when the work queued on this device's
+    /// stream so far has run.
+    pub fn record_event(&self) -> Result<CudaEvent> {
+        Ok(self.stream.record_event(None)?)
+    }
+
+    /// Orders the work queued on this device's stream from now on after
+    /// `event` (another stream's), without the host waiting.
+    pub fn wait_event(&self, event: &CudaEvent) -> Result<()> {
+        Ok(self.stream.wait(event)?)
     }
 
     fn func(&self, name: &str) -> Result<&CudaFunction> {
