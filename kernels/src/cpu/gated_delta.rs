@@ -66,6 +66,26 @@ pub struct GatedDeltaDims {
 /// Default chunk length of the chunked form (as in the reference kernels).
 pub const CHUNK: usize = 64;
 
+/// The f32 scratch (in floats) the GPU's chunked backward allocates for
+/// `tokens` packed over at most `sequences` sequences
+/// (`CudaDevice::gated_delta_chunked_backward`: per token the recomputed
+/// output, `U`, `Delta`, its gradient and `dRv` at value width, `W`,
+/// `dQg`, `dKd`, `dRk` and the per-value-head `dq`, `dk` at key width, and
+/// the f64 cumulative decay; per chunk the masked attention, `KKE`, the
+/// entering state and its gradient; per sequence a state and its
+/// gradient), for memory plans. `(nk, nv, dk, dv)` as the forward's.
+pub fn chunked_backward_scratch_floats(
+    tokens: usize,
+    sequences: usize,
+    (_nk, nv, dk, dv): (usize, usize, usize, usize),
+) -> usize {
+    let chunks = tokens.div_ceil(CHUNK) + sequences;
+    let state = nv * dk * dv;
+    tokens * nv * (5 * dv + 6 * dk + 2)
+        + chunks * (2 * nv * CHUNK * CHUNK + 2 * state)
+        + sequences * 2 * state
+}
+
 /// Token-by-token gated delta rule; see the module header.
 #[allow(clippy::too_many_arguments)] // the llm.c convention: outputs, state, inputs, sizes
 pub fn gated_delta_recurrent_forward(

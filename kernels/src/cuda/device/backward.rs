@@ -632,8 +632,9 @@ impl CudaDevice {
     /// time, and the per-chunk gradients for every chunk at once (CPU
     /// reference: `cpu::gated_delta::gated_delta_chunked_backward_from_checkpoints`).
     /// Every gradient is written; `dq`, `dk [T, nk, dk]` sum the value heads
-    /// of a key head. Scratch: about `T * nv * (4 dv + 6 dk)` floats plus
-    /// `2 * nv * dk * dv + 2 * nv * GD_CHUNK^2` per chunk.
+    /// of a key head. Scratch: `cpu::gated_delta::chunked_backward_scratch_floats`
+    /// (about `T * nv * (5 dv + 6 dk)` floats plus `2 * nv * dk * dv + 2 *
+    /// nv * GD_CHUNK^2` per chunk).
     #[allow(clippy::too_many_arguments)]
     pub fn gated_delta_chunked_backward(
         &self,
