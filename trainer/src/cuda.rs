@@ -63,10 +63,13 @@ pub fn zero_grads(model: &CudaModel) -> Result<Qwen3_5<Buf>> {
 
 /// Backward through the whole model on the device, from `dhidden` (the
 /// gradient of the final hidden states, `[tokens, hidden]`) and the trace
-/// of `model.forward_keeping(sequences)`; gradients accumulate into
-/// `grads` ([`zero_grads`]).
+/// of `forward.forward_keeping(sequences)` (`forward`: the f32 masters
+/// `model`, or the engines' bf16 copy of them; a layer recomputed from its
+/// input runs there too); the products take `model`'s weights and the
+/// gradients accumulate into `grads` ([`zero_grads`]).
 pub fn backward(
     model: &CudaModel,
+    forward: &CudaModel,
     sequences: &[&[u32]],
     trace: &CudaTrace,
     dhidden: &Buf,
@@ -97,7 +100,7 @@ pub fn backward(
         positions: dev.upload(&positions)?,
         ids,
         spans,
-        model,
+        model: forward,
         sequences,
     };
     let fwd = Forward {
@@ -123,7 +126,7 @@ pub fn token_logprobs(
     let inv_t = crate::model::inverse_temperature(temperature)?.unwrap_or(1.0);
     let (h, vocab) = (model.config().hidden_size, model.config().vocab_size);
     crate::model::check_rows(hidden.len() / h.max(1), rows, targets)?;
-    let (dev, head) = (model.device(), head_of(model)?);
+    let dev = model.device();
     let mut lps = dev.zeros(rows.len())?;
     let mut ents = if entropy {
         Some(dev.zeros(rows.len())?)
@@ -134,7 +137,7 @@ pub fn token_logprobs(
     let mut start = 0;
     for (rc, tc) in rows.chunks(per).zip(targets.chunks(per)) {
         let m = rc.len();
-        let logits = chunk_logits(dev, hidden, rc, head, h, vocab)?;
+        let logits = chunk_logits(model, hidden, rc)?;
         let mut lp = dev.zeros(m)?;
         dev.logprob_gather_forward(&mut lp, &logits, &dev.upload(tc)?, vocab, inv_t)?;
         dev.copy_into(&mut lps, &lp, 1, (start, 0), (m, 1))?;
@@ -152,10 +155,13 @@ pub fn token_logprobs(
 /// given, `dent` (of each row's entropy), one per row, on the device: the
 /// output projection's gradient accumulates into `grads` (into
 /// `embed_tokens` when tied) and `dhidden [tokens, hidden]` comes back.
-/// `rows` must be distinct (each position's next token once).
+/// `rows` must be distinct (each position's next token once). The logits
+/// are recomputed through `forward` (the model [`token_logprobs`] ran:
+/// the masters, or the engines' bf16 copy); `model` is the f32 masters.
 #[allow(clippy::too_many_arguments)]
 pub fn token_logprobs_backward(
     model: &CudaModel,
+    forward: &CudaModel,
     grads: &mut Qwen3_5<Buf>,
     hidden: &Buf,
     rows: &[usize],
@@ -185,7 +191,7 @@ pub fn token_logprobs_backward(
     let mut start = 0;
     for (rc, tc) in rows.chunks(per).zip(targets.chunks(per)) {
         let m = rc.len();
-        let logits = chunk_logits(dev, hidden, rc, head, h, vocab)?;
+        let logits = chunk_logits(forward, hidden, rc)?;
         let mut d = dev.zeros(m)?;
         dev.copy_block(&mut d, dlp, 1, (start, 0), (m, 1))?;
         let mut dlogits = dev.zeros(m * vocab)?;
@@ -219,27 +225,12 @@ fn gather(dev: &CudaDevice, x: &Buf, rows: &[usize], width: usize) -> Result<Buf
     Ok(out)
 }
 
-/// Logits `[rows.len(), vocab]` of the hidden rows `rows`.
-fn chunk_logits(
-    dev: &CudaDevice,
-    hidden: &Buf,
-    rows: &[usize],
-    head: &Buf,
-    h: usize,
-    vocab: usize,
-) -> Result<Buf> {
-    use arcticd_kernels::cuda::device::{Mat, MatMut};
-    let sel = gather(dev, hidden, rows, h)?;
-    let mut logits = dev.zeros(rows.len() * vocab)?;
-    dev.matmul_forward(
-        MatMut::F32(&mut logits),
-        Mat::F32(&sel),
-        Mat::F32(head),
-        rows.len(),
-        h,
-        vocab,
-    )?;
-    Ok(logits)
+/// Logits `[rows.len(), vocab]` of the hidden rows `rows`, through
+/// `model`'s output projection (the engine's: f32 or bf16 weights).
+fn chunk_logits(model: &CudaModel, hidden: &Buf, rows: &[usize]) -> Result<Buf> {
+    let h = model.config().hidden_size;
+    let sel = gather(model.device(), hidden, rows, h)?;
+    Ok(model.project(&sel, rows.len())?)
 }
 
 /// AdamW on the device: the moments beside the model's f32 parameters
@@ -513,9 +504,17 @@ impl StepDevice for CudaStep {
         } else {
             Keep::All
         };
-        let trace = self.model.forward_keeping(batch.sequences, keep)?;
+        // Where the engines sample from the bf16 copy, the log-probs are
+        // the copy's too (the same weights and products as the engines');
+        // the gradients are the masters'.
+        let copy = self
+            .shared
+            .as_ref()
+            .map(|s| s.read().unwrap_or_else(|e| e.into_inner()));
+        let fwd: &CudaModel = copy.as_deref().unwrap_or(&self.model);
+        let trace = fwd.forward_keeping(batch.sequences, keep)?;
         let (lp, ent) = token_logprobs(
-            &self.model,
+            fwd,
             &trace.hidden,
             batch.rows,
             batch.targets,
@@ -525,6 +524,7 @@ impl StepDevice for CudaStep {
         let dev = self.model.device();
         let lp = dev.download(&lp)?;
         let ent = ent.map(|e| dev.download(&e)).transpose()?;
+        drop(copy);
         self.last = Some(Kept {
             sequences: batch.sequences.iter().map(|s| s.to_vec()).collect(),
             trace,
@@ -564,8 +564,14 @@ impl StepDevice for CudaStep {
         let dev = self.model.device();
         let dlp = dev.upload(dlp)?;
         let dent = dentropy.map(|d| dev.upload(d)).transpose()?;
+        let copy = self
+            .shared
+            .as_ref()
+            .map(|s| s.read().unwrap_or_else(|e| e.into_inner()));
+        let fwd: &CudaModel = copy.as_deref().unwrap_or(&self.model);
         let dhidden = token_logprobs_backward(
             &self.model,
+            fwd,
             &mut self.grads,
             &k.trace.hidden,
             &k.rows,
@@ -575,7 +581,7 @@ impl StepDevice for CudaStep {
             temperature,
         )?;
         let seqs: Vec<&[u32]> = k.sequences.iter().map(|s| s.as_slice()).collect();
-        backward(&self.model, &seqs, &k.trace, &dhidden, &mut self.grads)
+        backward(&self.model, fwd, &seqs, &k.trace, &dhidden, &mut self.grads)
     }
 
     fn all_reduce_grads(&mut self, comm: &dyn Communicator) -> Result<()> {
@@ -708,7 +714,8 @@ struct CudaBackward<'a> {
     /// `(start, len)` of each sequence.
     spans: Vec<(usize, usize)>,
     positions: CudaSlice<u32>,
-    /// The model and the sequences, for a layer recomputed from its input.
+    /// The model that ran the forward and the sequences, for a layer
+    /// recomputed from its input.
     model: &'a CudaModel,
     sequences: &'a [&'a [u32]],
 }
@@ -1188,6 +1195,39 @@ mod tests {
         let copy = store.device_copy(dev.ordinal()).unwrap();
         assert_eq!(copy.version, store.weight_version());
         let after = follower.generate_blocking(greedy()).unwrap();
+        // The trainer scores those tokens with the copy the engine sampled
+        // from (its forward reads the bf16 copy, not the f32 masters): the
+        // same weights and products, so the same log-probs but for the
+        // batch-dependence of cuBLAS's kernels (the engine ran 40 + 1 rows,
+        // then 1 row a step; the trainer runs 52 at once).
+        let prompt = greedy().prompt;
+        let seq: Vec<u32> = prompt.iter().chain(&after[0].tokens).copied().collect();
+        let n = after[0].tokens.len();
+        let rows: Vec<usize> = (prompt.len() - 1..seq.len() - 1).collect();
+        let (lp, _) = trainer
+            .dev
+            .forward(
+                crate::device::MicroBatch {
+                    sequences: &[&seq],
+                    rows: &rows,
+                    targets: &seq[prompt.len()..],
+                },
+                false,
+                1.0,
+                false,
+            )
+            .unwrap();
+        assert_eq!(lp.len(), n);
+        let worst = lp
+            .iter()
+            .zip(&after[0].logprobs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        eprintln!("trainer (bf16 copy) vs engine log-probs: max |diff| {worst:e}");
+        assert!(
+            worst <= 1e-4,
+            "trainer vs engine log-probs differ by {worst}"
+        );
         // The host's tensors are behind until synced; a fresh store of
         // them, with no device copy, makes the fresh engine upload.
         assert_eq!(store.host_behind(), Some((0, 1)));
@@ -1231,7 +1271,7 @@ mod tests {
         let trace = on_gpu.forward_keeping(&refs, Keep::All).unwrap();
         let mut got = zero_grads(&on_gpu).unwrap();
         let dh = dev.upload(&dhidden).unwrap();
-        backward(&on_gpu, &refs, &trace, &dh, &mut got).unwrap();
+        backward(&on_gpu, &on_gpu, &refs, &trace, &dh, &mut got).unwrap();
 
         let mut worst = (0.0f32, String::new());
         for ((name, g), (wname, w)) in got.named().into_iter().zip(want.named()) {
@@ -1283,6 +1323,7 @@ mod tests {
         let mut got_g = zero_grads(&on_gpu).unwrap();
         let dlp_dev = dev.upload(&dlp).unwrap();
         let dh = token_logprobs_backward(
+            &on_gpu,
             &on_gpu,
             &mut got_g,
             &trace.hidden,
@@ -1416,7 +1457,7 @@ mod tests {
         let bf16 = CudaModel::upload(&model, dev.clone(), WeightDType::Bf16).unwrap();
         let trace = bf16.forward_keeping(&refs, Keep::All).unwrap();
         let mut g = zero_grads(&bf16).unwrap();
-        let err = backward(&bf16, &refs, &trace, &dh, &mut g).unwrap_err();
+        let err = backward(&bf16, &bf16, &refs, &trace, &dh, &mut g).unwrap_err();
         assert!(err.to_string().contains("f32 weights"), "{err}");
         std::fs::remove_dir_all(&dir).ok();
     }

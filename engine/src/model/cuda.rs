@@ -361,6 +361,13 @@ impl CudaModel {
             .ok_or_else(|| Error::Invariant(format!("layer {li} kept no activations")))
     }
 
+    /// The output projection of `n` gathered hidden rows (`[n, hidden]`):
+    /// logits `[n, vocab]` on the device, as the engine computes them (with
+    /// bf16 weights the rows are rounded to bf16 for the product).
+    pub fn project(&self, rows: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<f32>> {
+        self.logits(rows, 0, n)
+    }
+
     /// Logits `[rows.len(), vocab]` of the given rows of `hidden`, on the
     /// host (the engine samples there).
     pub fn logits_of_rows(&self, hidden: &CudaSlice<f32>, rows: &[usize]) -> Result<Vec<f32>> {
