@@ -1297,7 +1297,7 @@ impl ChunkPlan {
 }
 
 /// `cu_seqlens` of `seqs` packed sequences must rise from 0.
-fn check_cu_seqlens(op: &str, cu_seqlens: &[u32], seqs: usize) -> Result<()> {
+pub(super) fn check_cu_seqlens(op: &str, cu_seqlens: &[u32], seqs: usize) -> Result<()> {
     if cu_seqlens.len() != seqs + 1
         || cu_seqlens.first() != Some(&0)
         || cu_seqlens.windows(2).any(|w| w[0] > w[1])

@@ -657,15 +657,7 @@ impl CudaDevice {
         let (nk, nv, kd, vd) = dims;
         let seqs = cu_seqlens.len().saturating_sub(1);
         let sn = nv * kd * vd;
-        let mut state = match state0 {
-            Some(s) => {
-                shape(op, &[("state0", s.len(), seqs * sn)])?;
-                self.stream.clone_dtod(s)?
-            }
-            None => self.zeros::<f32>(seqs * sn)?,
-        };
-        let slots = self.upload(&(0..seqs as u32).collect::<Vec<u32>>())?;
-        let mut out = self.zeros::<f32>(dout.len())?;
+        super::check_cu_seqlens(op, cu_seqlens, seqs)?;
         let t = cu_seqlens.last().copied().unwrap_or(0) as usize;
         shape(
             op,
@@ -675,16 +667,30 @@ impl CudaDevice {
                 ("dv", dv.len(), t * nv * vd),
                 ("dg", dg.len(), t * nv),
                 ("dbeta", dbeta.len(), t * nv),
+                ("dout", dout.len(), t * nv * vd),
             ],
         )?;
+        if kd == 0 || vd == 0 || nk == 0 {
+            return Err(Error::Shape(format!("{op}: {dims:?}")));
+        }
+        if t == 0 {
+            // Nothing to differentiate (and nothing to allocate).
+            return Ok(());
+        }
+        let mut state = match state0 {
+            Some(s) => {
+                shape(op, &[("state0", s.len(), seqs * sn)])?;
+                self.stream.clone_dtod(s)?
+            }
+            None => self.zeros::<f32>(seqs * sn)?,
+        };
+        let slots = self.upload(&(0..seqs as u32).collect::<Vec<u32>>())?;
+        let mut out = self.zeros::<f32>(dout.len())?;
         let Some(ints) =
             super::check_prefill(op, &out, &state, q, k, v, g, beta, &slots, cu_seqlens, dims)?
         else {
             return Ok(());
         };
-        if kd == 0 || vd == 0 {
-            return Err(Error::Shape(format!("{op}: {dims:?}")));
-        }
         let plan = ChunkPlan::new(cu_seqlens, GD_CHUNK);
         let chunks = plan.tok0.len();
         let mut kke = self.zeros::<f32>(chunks * nv * GD_CHUNK * GD_CHUNK)?;
