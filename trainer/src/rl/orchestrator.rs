@@ -1074,9 +1074,10 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             // date first (its steps leave them on the device).
             let is_last = step >= recipe.steps;
             let due = |every: u64| every > 0 && step.is_multiple_of(every);
+            let host_probe = recipe.device == arcticd_kernels::Device::Cpu;
             if due(recipe.eval_every)
                 || (recipe.eval_every > 0 && is_last)
-                || due(recipe.probe_every)
+                || (host_probe && due(recipe.probe_every))
                 || due(recipe.recheck_every)
             {
                 trainer.sync_host()?;
@@ -1088,15 +1089,39 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 recipe.probe_every > 0 && step % recipe.probe_every == 0,
                 probe_prompt,
             ) {
-                let (m, v) = (store.read().clone(), store.weight_version());
                 let (r, tx, at) = (router.clone(), side_tx.clone(), step);
                 let (n, temp) = (recipe.probe_tokens, recipe.rollout.temperature);
                 let seed = recipe.seed ^ step;
+                let v = store.weight_version();
                 side_pending += 1;
-                rt.spawn(async move {
-                    let probe = probe::run(r, m, v, prompt, n, temp, seed).await;
+                if recipe.device == arcticd_kernels::Device::Cpu {
+                    let m = store.read().clone();
+                    rt.spawn(async move {
+                        let probe = probe::run(r, m, v, prompt, n, temp, seed).await;
+                        let _ = tx.send(SideJob::Probe { step: at, probe });
+                    });
+                } else {
+                    // The device trainer scores the sample itself, now,
+                    // while it still holds version v.
+                    let probe = rt
+                        .block_on(probe::sample(r, prompt.clone(), n, temp, seed))
+                        .and_then(|choice| {
+                            probe::score_by(v, &prompt, &choice, |seq, rows, targets| {
+                                let (lps, _) = trainer.dev.forward(
+                                    crate::device::MicroBatch {
+                                        sequences: &[seq],
+                                        rows,
+                                        targets,
+                                    },
+                                    false,
+                                    temp,
+                                    false,
+                                )?;
+                                Ok(lps)
+                            })
+                        });
                     let _ = tx.send(SideJob::Probe { step: at, probe });
-                });
+                }
             }
             if recipe.recheck_every > 0 && step % recipe.recheck_every == 0 {
                 let retired = shared

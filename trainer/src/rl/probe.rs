@@ -9,8 +9,10 @@
 //! update, one live replica samples a few tokens from a prompt of the batch
 //! (batched with the rollouts in flight, through the paged cache, state
 //! slots and prefix cache like any request), and the trainer's forward
-//! scores them with a frozen copy of the weights that sampled them.
-//! Tokens a later update stamped with a newer version are left out.
+//! scores them with a frozen copy of the weights that sampled them (on a
+//! GPU, the device trainer itself, before its next step: a host copy would
+//! score with the CPU's kernels, not the GPU's). Tokens a later update
+//! stamped with a newer version are left out.
 
 use crate::model::{forward_with, token_logprobs_entropy, ForwardOptions, Packed};
 use crate::{Error, Result};
@@ -39,7 +41,7 @@ pub fn prompt_of(tokens: &[u32], loss_mask: &[u8]) -> Option<Vec<u32>> {
 
 /// Sample `max_tokens` from `prompt` on the least-loaded replica at
 /// `temperature` (seeded), then score them with `model`, the weights of
-/// `version`.
+/// `version`, on the host.
 pub async fn run(
     router: Router,
     model: Qwen3_5,
@@ -49,6 +51,21 @@ pub async fn run(
     temperature: f32,
     seed: u64,
 ) -> Result<Probe> {
+    let choice = sample(router, prompt.clone(), max_tokens, temperature, seed).await?;
+    tokio::task::spawn_blocking(move || score(&model, version, &prompt, &choice, temperature))
+        .await
+        .map_err(|e| Error::Run(format!("the probe's scoring stopped: {e}")))?
+}
+
+/// The probe's sample: `max_tokens` from `prompt` on the least-loaded
+/// replica at `temperature`, seeded.
+pub async fn sample(
+    router: Router,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    temperature: f32,
+    seed: u64,
+) -> Result<Choice> {
     let params = SamplingParams {
         temperature,
         max_tokens,
@@ -57,28 +74,47 @@ pub async fn run(
         ..SamplingParams::default()
     };
     let replica = router.least_loaded();
-    let request = Request {
-        prompt: prompt.clone(),
-        params,
-    };
-    let choice = router.replicas()[replica]
+    let request = Request { prompt, params };
+    Ok(router.replicas()[replica]
         .generate(request)
         .await?
         .pop()
-        .unwrap_or_default();
-    tokio::task::spawn_blocking(move || score(&model, version, &prompt, &choice, temperature))
-        .await
-        .map_err(|e| Error::Run(format!("the probe's scoring stopped: {e}")))?
+        .unwrap_or_default())
 }
 
 /// |trainer - engine| log-prob over the tokens of `choice` sampled at
-/// `version`.
+/// `version`, the trainer's log-probs from `model` on the host.
 pub fn score(
     model: &Qwen3_5,
     version: u64,
     prompt: &[u32],
     choice: &Choice,
     temperature: f32,
+) -> Result<Probe> {
+    score_by(version, prompt, choice, |seq, rows, targets| {
+        let packed = Packed::new(&[seq.to_vec()], model.config.vocab_size)?;
+        let acts = forward_with(
+            model,
+            packed,
+            ForwardOptions {
+                recompute_layers: true,
+            },
+        )?;
+        let (lps, _) =
+            token_logprobs_entropy(model, &acts.hidden, rows, targets, false, temperature)?;
+        Ok(lps)
+    })
+}
+
+/// |trainer - engine| log-prob over the tokens of `choice` sampled at
+/// `version`, the trainer's log-prob of `targets[i]` at row `rows[i]` of
+/// the sequence `prompt + choice` from `trainer_logprobs(seq, rows,
+/// targets)` (the host's forward, or a device trainer's).
+pub fn score_by(
+    version: u64,
+    prompt: &[u32],
+    choice: &Choice,
+    trainer_logprobs: impl FnOnce(&[u32], &[usize], &[u32]) -> Result<Vec<f32>>,
 ) -> Result<Probe> {
     let n = choice.tokens.len();
     if prompt.is_empty() {
@@ -111,16 +147,14 @@ pub fn score(
     if rows.is_empty() {
         return Ok(probe);
     }
-    let packed = Packed::new(&[seq], model.config.vocab_size)?;
-    let acts = forward_with(
-        model,
-        packed,
-        ForwardOptions {
-            recompute_layers: true,
-        },
-    )?;
-    let (lps, _) =
-        token_logprobs_entropy(model, &acts.hidden, &rows, &targets, false, temperature)?;
+    let lps = trainer_logprobs(&seq, &rows, &targets)?;
+    if lps.len() != rows.len() {
+        return Err(Error::Run(format!(
+            "the trainer scored {} of the probe's {} tokens",
+            lps.len(),
+            rows.len()
+        )));
+    }
     for (t, e) in lps.iter().zip(&engine) {
         let d = (*t as f64 - *e as f64).abs();
         probe.mean += d;
