@@ -1,0 +1,206 @@
+"""Launch sequences of device.rs / device/backward.rs for the attention kernels,
+float64 references, comparison. Usage: python attention.py [case ...]"""
+import sys, time
+import numpy as np
+from simt import T, Buf, shared, F, D
+from simt_warp import launch
+import attention_kernels as K
+
+ATTN_WARPS = 4
+RES = []
+
+def buf(name, a, dt=np.float32):
+    return Buf(name, np.array(a, dtype=dt).copy())
+
+def out_buf(name, n):
+    return Buf(name, np.full(n, np.nan, dtype=np.float32))
+
+def cmp(case, name, got, ref):
+    got = np.asarray(got, dtype=np.float64).reshape(ref.shape)
+    den = np.max(np.abs(ref)) if ref.size else 0.0
+    if np.isnan(got).any():
+        r = float("nan")
+    else:
+        r = np.max(np.abs(got - ref)) / den if den > 0 else np.max(np.abs(got - ref), initial=0.0)
+    flag = "BUG" if not (r <= 1e-4) else "ok"
+    line = f"{case}: {name}: max|diff|/max|ref| = {r:.3e} {flag}"
+    print(line, flush=True); RES.append(line)
+
+def attention_launch_shared(hd):
+    floats = ATTN_WARPS * (hd + 2)  # shared_mem_bytes / 4
+    return lambda: shared("attn.dyn", floats, np.float32)
+
+def ref_attn(qs, ks, vs, nh, nkv, scale):
+    # qs [n, nh, hd], ks/vs [nk, nkv, hd]; query i at position nk - n + i
+    n, nk = qs.shape[0], ks.shape[0]
+    out = np.zeros_like(qs, dtype=np.float64)
+    grp = nh // nkv
+    for i in range(n):
+        pos = nk - n + i
+        for h in range(nh):
+            g = h // grp
+            s = scale * ks[:pos + 1, g] @ qs[i, h]
+            p = np.exp(s - s.max()); p /= p.sum()
+            out[i, h] = p @ vs[:pos + 1, g]
+    return out
+
+def token_seq(cu):
+    r = []
+    for s in range(len(cu) - 1): r += [s] * (cu[s + 1] - cu[s])
+    return r
+
+def case_prefill(name, lens, nh, nkv, hd, seed=0):
+    rng = np.random.default_rng(seed)
+    cu = [0]
+    for x in lens: cu.append(cu[-1] + x)
+    t = cu[-1]
+    q = rng.standard_normal((t, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((t, nkv, hd)).astype(np.float32)
+    v = rng.standard_normal((t, nkv, hd)).astype(np.float32)
+    scale = F(1.0 / np.sqrt(hd))
+    out = out_buf("out", t * nh * hd)
+    t0 = time.time()
+    launch("varlen_attention_prefill", t * nh, ATTN_WARPS * 32, K.varlen_attention_prefill,
+           attention_launch_shared(hd), out, buf("q", q), buf("k", k), buf("v", v),
+           buf("cu_seqlens", cu, np.uint32), buf("token_seq", token_seq(cu), np.uint32),
+           t, nh, nkv, hd, scale)
+    ref = np.zeros((t, nh, hd))
+    for s in range(len(lens)):
+        a, b = cu[s], cu[s + 1]
+        if b > a:
+            ref[a:b] = ref_attn(q[a:b].astype(D), k[a:b].astype(D), v[a:b].astype(D), nh, nkv, float(scale))
+    cmp(name, "out", out.a, ref)
+    print(f"  ({time.time()-t0:.1f}s)")
+
+def case_decode(name, ctx, nh, nkv, hd, bs=16, seed=1):
+    rng = np.random.default_rng(seed)
+    seqs = len(ctx)
+    need = [(n + bs - 1) // bs for n in ctx]
+    pool_blocks = sum(need) + 3
+    perm = list(rng.permutation(pool_blocks))
+    tables = []
+    for s in range(seqs):
+        # pad some rows with one extra (unused) block to exercise max_blocks
+        tables.append([int(perm.pop()) for _ in range(need[s] + (1 if s == 0 else 0))])
+    row = nkv * hd
+    kp = rng.standard_normal(pool_blocks * bs * row).astype(np.float32)
+    vp = rng.standard_normal(pool_blocks * bs * row).astype(np.float32)
+    # current token K/V written through paged_kv_write (slot of position ctx-1)
+    slots = [tables[s][(ctx[s] - 1) // bs] * bs + (ctx[s] - 1) % bs for s in range(seqs) if ctx[s] > 0]
+    knew = rng.standard_normal((len(slots), row)).astype(np.float32)
+    vnew = rng.standard_normal((len(slots), row)).astype(np.float32)
+    kpb, vpb = buf("k_pool", kp), buf("v_pool", vp)
+    ntot = len(slots) * row
+    grid = max(1, min(65535, (ntot + 255) // 256))
+    launch("paged_kv_write", grid, 256, K.paged_kv_write, None, kpb, vpb, buf("k", knew), buf("v", vnew),
+           buf("slot_mapping", slots, np.uint32), len(slots), row)
+    kp2, vp2 = kp.copy(), vp.copy()
+    for r, sl in enumerate(slots):
+        kp2[sl * row:(sl + 1) * row] = knew[r]; vp2[sl * row:(sl + 1) * row] = vnew[r]
+    cmp(name, "paged_kv_write k_pool", kpb.a, kp2.astype(D)); cmp(name, "paged_kv_write v_pool", vpb.a, vp2.astype(D))
+    max_blocks = max(1, max(len(t) for t in tables))
+    flat = np.zeros(seqs * max_blocks, dtype=np.uint32)
+    for s, tb in enumerate(tables): flat[s * max_blocks:s * max_blocks + len(tb)] = tb
+    q = rng.standard_normal((seqs, nh, hd)).astype(np.float32)
+    scale = F(1.0 / np.sqrt(hd))
+    out = out_buf("out", seqs * nh * hd)
+    t0 = time.time()
+    launch("paged_attention_decode", seqs * nh, ATTN_WARPS * 32, K.paged_attention_decode,
+           attention_launch_shared(hd), out, buf("q", q), kpb, vpb, buf("block_tables", flat, np.uint32),
+           buf("context_lens", ctx, np.uint32), seqs, nh, nkv, hd, bs, max_blocks, scale)
+    ref = np.zeros((seqs, nh, hd))
+    kpool = kp2.reshape(pool_blocks, bs, nkv, hd).astype(D); vpool = vp2.reshape(pool_blocks, bs, nkv, hd).astype(D)
+    for s in range(seqs):
+        n = ctx[s]
+        if n == 0: continue
+        ks = np.concatenate([kpool[b] for b in tables[s]])[:n]
+        vs = np.concatenate([vpool[b] for b in tables[s]])[:n]
+        ref[s:s + 1] = ref_attn(q[s:s + 1].astype(D), ks, vs, nh, nkv, float(scale))
+    cmp(name, "out", out.a, ref)
+    print(f"  ({time.time()-t0:.1f}s)")
+
+def ref_backward(q, k, v, do, nh, nkv, scale):
+    nq, nk = q.shape[0], k.shape[0]
+    grp = nh // nkv
+    dq = np.zeros_like(q); dk = np.zeros_like(k); dv = np.zeros_like(v)
+    for i in range(nq):
+        pos = nk - nq + i
+        for h in range(nh):
+            g = h // grp
+            s = scale * k[:pos + 1, g] @ q[i, h]
+            p = np.exp(s - s.max()); p /= p.sum()
+            o = p @ v[:pos + 1, g]
+            dp = v[:pos + 1, g] @ do[i, h]
+            ds = p * (dp - do[i, h] @ o)
+            dq[i, h] = scale * ds @ k[:pos + 1, g]
+            dk[:pos + 1, g] += scale * np.outer(ds, q[i, h])
+            dv[:pos + 1, g] += np.outer(p, do[i, h])
+    return dq, dk, dv
+
+def case_backward(name, nq, nk, nh, nkv, hd, seed=2):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((nq, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((nk, nkv, hd)).astype(np.float32)
+    v = rng.standard_normal((nk, nkv, hd)).astype(np.float32)
+    do = rng.standard_normal((nq, nh, hd)).astype(np.float32)
+    scale = F(1.0 / np.sqrt(hd))
+    TILE = 64
+    dq, dk, dv = out_buf("dq", nq * nh * hd), out_buf("dk", nk * nkv * hd), out_buf("dv", nk * nkv * hd)
+    lse, dd = buf("lse", np.zeros(nq * nh)), buf("dd", np.zeros(nq * nh))
+    bq, bk, bv, bdo = buf("q", q), buf("k", k), buf("v", v), buf("dout", do)
+    t0 = time.time()
+    if nq > 0:
+        launch("attention_backward_dq", nq * nh, 256, K.attention_backward_dq,
+               lambda: (shared("dq.dyn", 2 * hd + TILE, np.float32), shared("dq.scratch", 32, np.float32)),
+               dq, lse, dd, bdo, bq, bk, bv, nq, nk, nh, nkv, hd, scale)
+    launch("attention_backward_dkv", nk * nkv, 256, K.attention_backward_dkv,
+           lambda: shared("dkv.dyn", 2 * hd + 2 * TILE, np.float32),
+           dk, dv, bdo, bq, bk, bv, lse, dd, nq, nk, nh, nkv, hd, scale)
+    rq, rk, rv = ref_backward(q.astype(D), k.astype(D), v.astype(D), do.astype(D), nh, nkv, float(scale))
+    if nq > 0: cmp(name, "dq", dq.a, rq)
+    cmp(name, "dk", dk.a, rk); cmp(name, "dv", dv.a, rv)
+    print(f"  ({time.time()-t0:.1f}s)")
+
+def case_kvwrite_stride():
+    # the kernel's grid-stride loop with fewer threads than elements (grid 2 of 256)
+    rng = np.random.default_rng(5)
+    tokens, row, pool_rows = 7, 200, 20
+    slots = list(rng.permutation(pool_rows)[:tokens])
+    kp = rng.standard_normal(pool_rows * row).astype(np.float32); vp = rng.standard_normal(pool_rows * row).astype(np.float32)
+    kn = rng.standard_normal(tokens * row).astype(np.float32); vn = rng.standard_normal(tokens * row).astype(np.float32)
+    kb, vb = buf("k_pool", kp), buf("v_pool", vp)
+    launch("paged_kv_write", 2, 256, K.paged_kv_write, None, kb, vb, buf("k", kn), buf("v", vn), buf("slot_mapping", slots, np.uint32), tokens, row)
+    for r, s in enumerate(slots):
+        kp[s*row:(s+1)*row] = kn[r*row:(r+1)*row]; vp[s*row:(s+1)*row] = vn[r*row:(r+1)*row]
+    cmp("paged_kv_write grid-stride (grid 2x256, 1400 elems)", "k_pool", kb.a, kp.astype(D))
+    cmp("paged_kv_write grid-stride (grid 2x256, 1400 elems)", "v_pool", vb.a, vp.astype(D))
+
+CASES = {
+    "prefill40": lambda: case_prefill("prefill hd40 GQA4/2 lens[70,1,0,5]", [70, 1, 0, 5], 4, 2, 40),
+    "prefill256": lambda: case_prefill("prefill hd256 GQA4/2 lens[9,1,0,5]", [9, 1, 0, 5], 4, 2, 256),
+    "prefill40mha": lambda: case_prefill("prefill hd40 MHA2/2 lens[3,0,4]", [3, 0, 4], 2, 2, 40),
+    "decode40": lambda: case_decode("decode hd40 GQA4/2 ctx[1,17,40]", [1, 17, 40], 4, 2, 40),
+    "decode256": lambda: case_decode("decode hd256 GQA4/2 ctx[1,17,40,0]", [1, 17, 40, 0], 4, 2, 256),
+    "bwd40s": lambda: case_backward("backward hd40 GQA4/2 nq5 nk37", 5, 37, 4, 2, 40),
+    "bwd40eq": lambda: case_backward("backward hd40 GQA4/2 nq=nk=20", 20, 20, 4, 2, 40),
+    "bwd40big": lambda: case_backward("backward hd40 GQA2/1 nq70 nk70 (>64: 2 tiles each)", 70, 70, 2, 1, 40),
+    "bwd256s": lambda: case_backward("backward hd256 GQA4/2 nq5 nk12", 5, 12, 4, 2, 256),
+    "bwd256eq": lambda: case_backward("backward hd256 GQA4/2 nq=nk=6", 6, 6, 4, 2, 256),
+    "prefill256big": lambda: case_prefill("prefill hd256 GQA4/2 lens[70,1,0,5]", [70, 1, 0, 5], 4, 2, 256),
+    "prefill_hd1_g4": lambda: case_prefill("prefill hd1 GQA8/2 lens[5,33]", [5, 33], 8, 2, 1),
+    "prefill_hd33_g4": lambda: case_prefill("prefill hd33 GQA8/2 lens[0,6,2]", [0, 6, 2], 8, 2, 33),
+    "decode_g4": lambda: case_decode("decode hd72 GQA8/2 ctx[16,33,1,64] bs16", [16, 33, 1, 64], 8, 2, 72),
+    "decode_bs5": lambda: case_decode("decode hd40 GQA4/1 ctx[7,11] bs5", [7, 11], 4, 1, 40, bs=5),
+    "kvwrite_stride": lambda: case_kvwrite_stride(),
+    "bwd256big": lambda: case_backward("backward hd256 GQA4/2 nq5 nk37", 5, 37, 4, 2, 256),
+    "bwd256eqbig": lambda: case_backward("backward hd256 GQA4/2 nq=nk=37", 37, 37, 4, 2, 256),
+    "bwd_g4_tiles": lambda: case_backward("backward hd33 GQA8/2 nq20 nk70 (dkv total up to 80: 2 tiles)", 20, 70, 8, 2, 33),
+    "bwd0": lambda: case_backward("backward hd40 nq0 nk3", 0, 3, 2, 1, 40),
+}
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(CASES)
+    for n in names:
+        CASES[n]()
+        print(T.report(), flush=True)
+        T.issues.clear()
