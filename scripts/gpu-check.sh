@@ -132,16 +132,17 @@ for preset in ${DECODE_PRESETS:-qwen3.5-0.8b}; do
 done
 set -e
 cat "$log/tests.txt" >&2
-grep -v '^bytes ' "$log/bench.err" >&2 || true
+grep -v '^bytes \|^flops ' "$log/bench.err" >&2 || true
 
 passed=$(grep -c '^test .* ok$' "$log/tests.txt" || true)
 failed=$(grep -c '^test .* FAILED$' "$log/tests.txt" || true)
 failures=$(grep '^test .* FAILED$' "$log/tests.txt" | awk '{printf "%s\"%s\"", (n++ ? "," : ""), $2}')
 benches=$(awk -v hbm="${HBM_TBS:-4.8}" '
-  FNR == NR { if ($1 == "bytes") bytes[$2] = $3; next }
+  FNR == NR { if ($1 == "bytes") bytes[$2] = $3; if ($1 == "flops") flops[$2] = $3; next }
   $1 == "test" && $4 == "bench:" {
     ns = $5; b = bytes[$2]; tbs = (ns > 0 && b > 0) ? b / ns / 1000 : 0
-    printf "%s{\"name\":\"%s\",\"ns\":%s,\"bytes\":%s,\"tb_s\":%.4f,\"hbm_fraction\":%.4f}", (n++ ? "," : ""), $2, ns, (b ? b : 0), tbs, tbs / hbm
+    f = ($2 in flops && ns > 0) ? sprintf(",\"tflop_s\":%.2f", flops[$2] / ns / 1000) : ""
+    printf "%s{\"name\":\"%s\",\"ns\":%s,\"bytes\":%s,\"tb_s\":%.4f,\"hbm_fraction\":%.4f%s}", (n++ ? "," : ""), $2, ns, (b ? b : 0), tbs, tbs / hbm, f
   }' "$log/bench.err" "$log/bench.txt")
 # arcticd sft on CUDA against PyTorch's AdamW on the committed fixture
 # (tests/fixtures/grads/sft_adamw, the CPU's CLI test): the largest

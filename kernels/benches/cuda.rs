@@ -6,7 +6,11 @@
 //! prints `bytes GROUP/NAME/ID N` on stderr, which `scripts/gpu-check.sh`
 //! joins with criterion's times into one JSON against the H200's 4.8 TB/s.
 //! The cuBLAS products are timed at decode shapes (batch 1 and 32), where
-//! reading the bf16 weight is the floor.
+//! reading the bf16 weight is the floor. Full attention (8 heads over 2 KV
+//! heads of 256) is bound by arithmetic, not memory, at 8,192 tokens: its
+//! benchmarks also print `flops GROUP/NAME/ID N` (the causal half of the
+//! score and value products, and for the backward the 2.5x of it that
+//! FlashAttention counts), which the script turns into TFLOP/s.
 //!
 //! Needs the `cuda` feature and a GPU; without one it says so and exits.
 //!
@@ -318,6 +322,109 @@ fn linear_attention(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
     g.finish();
 }
 
+/// Causal GQA attention at the 0.8B shape: fresh prefill of one 8,192-token
+/// sequence; 512 new tokens after a cached past of 7,680 (the paged
+/// prefill); a decode step of 32 sequences over 8,192 keys each; the
+/// backward of the 8,192-token prefill.
+fn full_attention(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
+    const G: &str = "cuda_attention";
+    let mut g = c.benchmark_group(G);
+    let (nh, nkv, hd) = (8, 2, 256);
+    let scale = (hd as f32).powf(-0.5);
+    let (qrow, kvrow) = (nh * hd, nkv * hd);
+    let (q, k, v) = (
+        buf(d, rng, T * qrow, 1.0),
+        buf(d, rng, T * kvrow, 1.0),
+        buf(d, rng, T * kvrow, 1.0),
+    );
+    let mut out = d.zeros(T * qrow).unwrap();
+    // Score and value products over the causal half: 2 * 2 * T^2 / 2 * hd
+    // per head.
+    let causal = |nq: usize, nk: usize| 2 * nh * hd * (nq * nk - nq * nq.saturating_sub(1) / 2);
+    let io = |rows: usize| rows * (2 * qrow + 2 * kvrow) * 4;
+    let id = format!("{T}x{nh}/{nkv}x{hd}");
+    eprintln!("flops {G}/varlen_prefill/{id} {}", 2 * causal(T, T));
+    bench(&mut g, d, (G, "varlen_prefill", &id), io(T), || {
+        d.varlen_attention_prefill(&mut out, &q, &k, &v, &[0, T as u32], (nh, nkv, hd), scale)
+            .unwrap()
+    });
+    // The same keys in a pool of blocks of 16, the table in order.
+    let bs = 16;
+    let table: Vec<u32> = (0..(T / bs) as u32).collect();
+    let (new, past) = (512, T - 512);
+    let qn = buf(d, rng, new * qrow, 1.0);
+    let mut on = d.zeros(new * qrow).unwrap();
+    let pid = format!("{new}after{past}x{nh}/{nkv}x{hd}");
+    eprintln!("flops {G}/paged_prefill/{pid} {}", 2 * causal(new, T));
+    bench(
+        &mut g,
+        d,
+        (G, "paged_prefill", &pid),
+        io(new) + T * kvrow * 8,
+        || {
+            d.paged_attention_prefill(
+                &mut on,
+                &qn,
+                &k,
+                &v,
+                std::slice::from_ref(&table),
+                &[past as u32],
+                &[0, new as u32],
+                (nh, nkv, hd),
+                bs,
+                scale,
+            )
+            .unwrap()
+        },
+    );
+    // Decode: 32 sequences share the pool's 8,192 keys (the bytes count
+    // each sequence's own read).
+    let seqs = 32;
+    let qd = buf(d, rng, seqs * qrow, 1.0);
+    let mut od = d.zeros(seqs * qrow).unwrap();
+    let did = format!("{seqs}x{T}x{nh}/{nkv}x{hd}");
+    eprintln!("flops {G}/paged_decode/{did} {}", 2 * seqs * causal(1, T));
+    bench(
+        &mut g,
+        d,
+        (G, "paged_decode", &did),
+        seqs * T * kvrow * 8,
+        || {
+            d.paged_attention_decode(
+                &mut od,
+                &qd,
+                &k,
+                &v,
+                &vec![table.clone(); seqs],
+                &vec![T as u32; seqs],
+                (nh, nkv, hd),
+                bs,
+                scale,
+            )
+            .unwrap()
+        },
+    );
+    let dout = buf(d, rng, T * qrow, 1.0);
+    let (mut dq, mut dk, mut dv) = (
+        d.zeros(T * qrow).unwrap(),
+        d.zeros(T * kvrow).unwrap(),
+        d.zeros(T * kvrow).unwrap(),
+    );
+    let dims = arcticd_kernels::cpu::attention::AttnDims {
+        nq: T,
+        nk: T,
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+    };
+    eprintln!("flops {G}/backward/{id} {}", 5 * causal(T, T));
+    bench(&mut g, d, (G, "backward", &id), 2 * io(T), || {
+        d.attention_backward(&mut dq, &mut dk, &mut dv, &dout, &q, &k, &v, dims, scale)
+            .unwrap()
+    });
+    g.finish();
+}
+
 fn vocabulary(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
     const G: &str = "cuda_vocabulary";
     let mut g = c.benchmark_group(G);
@@ -449,6 +556,7 @@ fn main() {
     norms(&mut c, &d, &mut rng);
     elementwise(&mut c, &d, &mut rng);
     linear_attention(&mut c, &d, &mut rng);
+    full_attention(&mut c, &d, &mut rng);
     vocabulary(&mut c, &d, &mut rng);
     optimizer(&mut c, &d, &mut rng);
     products(&mut c, &d, &mut rng);

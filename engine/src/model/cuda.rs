@@ -1020,20 +1020,42 @@ impl LayerOps for CudaOps<'_> {
             )?;
             return Ok(out);
         }
-        // After a past: each new query over its sequence's blocks up to its
-        // own position, as a decode step of its own.
-        let (tables, lens) = self.batch.row_contexts(self.seqs);
-        self.dev.paged_attention_decode(
-            &mut out,
-            q,
-            k_pool,
-            v_pool,
-            &tables,
-            &lens,
-            (nh, nkv, hd),
-            bs,
-            scale,
-        )?;
+        // After a past, over the pools: a step of single tokens as decode,
+        // else the prefill over the blocks (each query's bits are the same).
+        if self.seqs.iter().all(|s| s.tokens.len() == 1) {
+            let (tables, lens) = self.batch.row_contexts(self.seqs);
+            self.dev.paged_attention_decode(
+                &mut out,
+                q,
+                k_pool,
+                v_pool,
+                &tables,
+                &lens,
+                (nh, nkv, hd),
+                bs,
+                scale,
+            )?;
+        } else {
+            let tables: Vec<Vec<u32>> = self.seqs.iter().map(|s| s.blocks.to_vec()).collect();
+            let pasts = self
+                .seqs
+                .iter()
+                .map(|s| u32::try_from(s.past))
+                .collect::<std::result::Result<Vec<u32>, _>>()
+                .map_err(|_| Error::Invariant("a past beyond u32 positions".into()))?;
+            self.dev.paged_attention_prefill(
+                &mut out,
+                q,
+                k_pool,
+                v_pool,
+                &tables,
+                &pasts,
+                &self.batch.cu_seqlens,
+                (nh, nkv, hd),
+                bs,
+                scale,
+            )?;
+        }
         Ok(out)
     }
 }

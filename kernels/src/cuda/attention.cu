@@ -1,39 +1,61 @@
 // Causal grouped-query attention, softmax in fp32, for decode over a paged
-// K/V cache and for variable-length prefill over contiguous K/V. Query head
-// h reads K/V head h / (n_heads / n_kv_heads); head_dim at most 256. The
-// sigmoid output gate is applied by the caller (sigmoid_gate_forward), as
-// on the CPU (kernels/src/cpu/attention.rs, the reference).
+// K/V cache and for prefill, fresh over contiguous K/V or after a past over
+// the paged cache. Query head h reads K/V head h / (n_heads / n_kv_heads);
+// head_dim at most 256. The sigmoid output gate is applied by the caller
+// (sigmoid_gate_forward), as on the CPU (kernels/src/cpu/attention.rs, the
+// reference).
 //
-// One block per (query token, head), a few warps; warp w takes keys w,
-// w + warps, ... with an online softmax (running max m, sum l, and the
-// weighted value sum in registers: lane i holds dims i, i + 32, ...), and
-// the warps' partial results are merged through shared memory at the end.
+// Every query runs the same arithmetic in the same order, whichever kernel
+// computes it: ATTN_WARPS "slots", slot w folding keys w, w + ATTN_WARPS,
+// ... of its sequence in increasing order into an online softmax (running
+// max m, sum l, and the weighted value sum: lane i holds dims i, i + 32,
+// ...), then the slots merged in order. So a token's output has the same
+// bits prefilled fresh, prefilled after a cached past or decoded, which is
+// what makes a prefix hit equal a cold run. Fused multiply-adds are written
+// out (fmaf) where a product meets a sum, so that equality does not rest on
+// the compiler contracting two kernels alike.
+//
+// Decode: one block per (sequence, head), a warp per slot. Prefill: a block
+// per tile of ATTN_PAIRS (query, head) pairs of one sequence and KV head,
+// the keys staged through shared memory once for all of them.
 
 #define ATTN_MAX_DIM_PER_LANE 8  // head_dim <= 256
+#define ATTN_WARPS 4             // slots; a multiple of it divides ATTN_KEY_TILE
+#define ATTN_PAIR_WARPS 4        // prefill: warps per slot
+#define ATTN_PAIRS_PER_WARP 4    // prefill: (query, head) pairs a warp holds
+#define ATTN_PAIRS (ATTN_PAIR_WARPS * ATTN_PAIRS_PER_WARP)
+#define ATTN_TILE_THREADS (ATTN_WARPS * ATTN_PAIR_WARPS * 32)
+#define ATTN_KEY_TILE 16         // prefill: keys per shared-memory tile
 
-// Merges the warps' (m, l, acc) and writes out[0..hd). `shared` holds
-// warps * (hd + 2) floats (dynamic shared memory).
-__device__ void attn_merge_and_store(float* out, float m, float l, const float* acc, int hd,
-                                     float* shared) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    float* sm = shared;
-    float* sl = shared + warps;
-    float* sacc = shared + 2 * warps;
-    if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+// Merges one query's ATTN_WARPS slot states (sm, sl: [ATTN_WARPS], sacc:
+// [ATTN_WARPS, hd]) into out[0..hd); threads t, t + nt, ... take the dims.
+__device__ void attn_merge_row(float* out, const float* sm, const float* sl, const float* sacc,
+                               int hd, int t, int nt) {
+    float big = NEG_INF;
+    for (int w = 0; w < ATTN_WARPS; w++) big = fmaxf(big, sm[w]);
+    float total = 0.0f;
+    for (int w = 0; w < ATTN_WARPS; w++)
+        if (sm[w] != NEG_INF) total = fmaf(sl[w], expf(sm[w] - big), total);
+    for (int d = t; d < hd; d += nt) {
+        float o = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; w++)
+            if (sm[w] != NEG_INF) o = fmaf(sacc[w * hd + d], expf(sm[w] - big), o);
+        out[d] = total > 0.0f ? o / total : 0.0f;
+    }
+}
+
+// Stores a warp's state at its place `warp` of the merge buffer: sm
+// [warps], sl [warps], sacc [warps, hd] from `shared`.
+__device__ __forceinline__ void attn_stash(float* shared, int warp, int warps, float m, float l,
+                                           const float* acc, int hd) {
+    int lane = threadIdx.x & 31;
+    if (lane == 0) {
+        shared[warp] = m;
+        shared[warps + warp] = l;
+    }
     for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) {
         int d = lane + 32 * i;
-        if (d < hd) sacc[warp * hd + d] = acc[i];
-    }
-    __syncthreads();
-    float big = NEG_INF;
-    for (int w = 0; w < warps; w++) big = fmaxf(big, sm[w]);
-    float total = 0.0f;
-    for (int w = 0; w < warps; w++) total += sm[w] == NEG_INF ? 0.0f : sl[w] * expf(sm[w] - big);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o = 0.0f;
-        for (int w = 0; w < warps; w++)
-            if (sm[w] != NEG_INF) o += sacc[w * hd + d] * expf(sm[w] - big);
-        out[d] = total > 0.0f ? o / total : 0.0f;
+        if (d < hd) shared[2 * warps + warp * hd + d] = acc[i];
     }
 }
 
@@ -48,24 +70,30 @@ __device__ __forceinline__ void attn_load_q(float* qr, float* acc, const float* 
     }
 }
 
-// One key: score it against the lane's share of q, fold it into (m, l, acc).
-__device__ __forceinline__ void attn_step(const float* krow, const float* vrow, const float* qr,
+// The lane's share of a K or V row.
+__device__ __forceinline__ void attn_load_row(float* r, const float* row, int hd) {
+    int lane = threadIdx.x & 31;
+    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) {
+        int d = lane + 32 * i;
+        r[i] = d < hd ? row[d] : 0.0f;
+    }
+}
+
+// One key (the lane's share kr, vr): score it against the lane's share of
+// q, fold it into (m, l, acc). Every lane of the warp takes part.
+__device__ __forceinline__ void attn_step(const float* kr, const float* vr, const float* qr,
                                           float* acc, float& m, float& l, int hd) {
     int lane = threadIdx.x & 31;
     float dot = 0.0f;
-    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) {
-        int d = lane + 32 * i;
-        if (d < hd) dot += qr[i] * krow[d];
-    }
+    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++)
+        if (lane + 32 * i < hd) dot = fmaf(qr[i], kr[i], dot);
     dot = warp_sum(dot);
     float m_new = fmaxf(m, dot);
     float corr = m == NEG_INF ? 0.0f : expf(m - m_new);
     float p = expf(dot - m_new);
-    l = l * corr + p;
-    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) {
-        int d = lane + 32 * i;
-        if (d < hd) acc[i] = acc[i] * corr + p * vrow[d];
-    }
+    l = fmaf(l, corr, p);
+    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++)
+        if (lane + 32 * i < hd) acc[i] = fmaf(p, vr[i], acc[i] * corr);
     m = m_new;
 }
 
@@ -87,7 +115,8 @@ extern "C" __global__ void paged_kv_write(float* k_pool, float* v_pool, const fl
 
 // Decode: one query token per sequence s, attending its context_lens[s] keys
 // (the current token's K/V already written) found through
-// block_tables[s, max_blocks]. q, out: [seqs, n_heads, hd].
+// block_tables[s, max_blocks]. q, out: [seqs, n_heads, hd]. ATTN_WARPS
+// warps; shared: ATTN_WARPS * (hd + 2) floats.
 extern "C" __global__ void paged_attention_decode(float* out, const float* q, const float* k_pool,
                                                   const float* v_pool, const u32* block_tables,
                                                   const u32* context_lens, int seqs, int n_heads,
@@ -97,178 +126,396 @@ extern "C" __global__ void paged_attention_decode(float* out, const float* q, co
     int s = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
     if (s >= seqs) return;
     int kvh = h / (n_heads / n_kv_heads);
-    int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int warp = threadIdx.x >> 5;
     float qr[ATTN_MAX_DIM_PER_LANE], acc[ATTN_MAX_DIM_PER_LANE];
+    float kr[ATTN_MAX_DIM_PER_LANE], vr[ATTN_MAX_DIM_PER_LANE];
     attn_load_q(qr, acc, q + ((size_t)s * n_heads + h) * hd, hd, scale);
     float m = NEG_INF, l = 0.0f;
     int n = (int)context_lens[s];
     int row = n_kv_heads * hd;
-    for (int j = warp; j < n; j += warps) {
+    for (int j = warp; j < n; j += ATTN_WARPS) {
         u32 blk = block_tables[(size_t)s * max_blocks + j / block_size];
         size_t base = ((size_t)blk * block_size + j % block_size) * row + (size_t)kvh * hd;
-        attn_step(k_pool + base, v_pool + base, qr, acc, m, l, hd);
+        attn_load_row(kr, k_pool + base, hd);
+        attn_load_row(vr, v_pool + base, hd);
+        attn_step(kr, vr, qr, acc, m, l, hd);
     }
-    attn_merge_and_store(out + ((size_t)s * n_heads + h) * hd, m, l, acc, hd, shared);
+    attn_stash(shared, warp, ATTN_WARPS, m, l, acc, hd);
+    __syncthreads();
+    attn_merge_row(out + ((size_t)s * n_heads + h) * hd, shared, shared + ATTN_WARPS,
+                   shared + 2 * ATTN_WARPS, hd, threadIdx.x, blockDim.x);
 }
 
-// Variable-length causal prefill over packed sequences: sequence s owns
-// tokens cu_seqlens[s] .. cu_seqlens[s + 1] of q [T, n_heads, hd] and of k,
-// v [T, n_kv_heads, hd]; token i of a sequence attends its tokens 0..=i.
-// token_seq[t] names the sequence of packed token t.
-extern "C" __global__ void varlen_attention_prefill(float* out, const float* q, const float* k,
-                                                    const float* v, const u32* cu_seqlens,
-                                                    const u32* token_seq, int tokens, int n_heads,
-                                                    int n_kv_heads, int hd, float scale) {
-    extern __shared__ float shared[];
-    int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
-    if (t >= tokens) return;
-    int kvh = h / (n_heads / n_kv_heads);
-    int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    int start = (int)cu_seqlens[token_seq[t]];
-    float qr[ATTN_MAX_DIM_PER_LANE], acc[ATTN_MAX_DIM_PER_LANE];
-    attn_load_q(qr, acc, q + ((size_t)t * n_heads + h) * hd, hd, scale);
-    float m = NEG_INF, l = 0.0f;
-    int row = n_kv_heads * hd;
-    for (int j = start + warp; j <= t; j += warps) {
-        size_t base = (size_t)j * row + (size_t)kvh * hd;
-        attn_step(k + base, v + base, qr, acc, m, l, hd);
+// Where key j (0-based in its sequence) of KV head 0 starts: contiguous
+// rows from the sequence's first packed token, or paged through the
+// sequence's block table.
+struct AttnPackedRows {
+    size_t first;
+    int row;
+    __device__ size_t at(int j) const { return (first + (size_t)j) * row; }
+};
+struct AttnPagedRows {
+    const u32* table;
+    int block_size, row;
+    __device__ size_t at(int j) const {
+        return ((size_t)table[j / block_size] * block_size + j % block_size) * row;
     }
-    attn_merge_and_store(out + ((size_t)t * n_heads + h) * hd, m, l, acc, hd, shared);
+};
+
+// One prefill tile: pairs pair0 .. pair0 + ATTN_PAIRS of a sequence's new
+// tokens (pair x: new token x / group, head g * group + x % group) over KV
+// head g, the sequence's new tokens q/out rows q_first.., after `past`
+// earlier keys (new token i attends keys 0 ..= past + i). Warp w is slot w
+// % ATTN_WARPS of pairs pair0 + (w / ATTN_WARPS) * ATTN_PAIRS_PER_WARP + r.
+// shared: max(2 * ATTN_KEY_TILE * hd, ATTN_WARPS * ATTN_PAIR_WARPS * (hd + 2))
+// floats.
+template <typename Rows>
+__device__ void attn_prefill_tile(float* out, const float* q, const float* k, const float* v,
+                                  Rows rows, size_t q_first, int past, int n_new, int pair0, int g,
+                                  int n_heads, int n_kv_heads, int hd, float scale,
+                                  float* shared) {
+    int warp = threadIdx.x >> 5;
+    int slot = warp % ATTN_WARPS, pw = warp / ATTN_WARPS;
+    int group = n_heads / n_kv_heads;
+    int pairs = n_new * group;
+    float qr[ATTN_PAIRS_PER_WARP][ATTN_MAX_DIM_PER_LANE];
+    float acc[ATTN_PAIRS_PER_WARP][ATTN_MAX_DIM_PER_LANE];
+    float m[ATTN_PAIRS_PER_WARP], l[ATTN_PAIRS_PER_WARP];
+    int last[ATTN_PAIRS_PER_WARP];  // the pair's last key, -1 for no pair
+#pragma unroll
+    for (int r = 0; r < ATTN_PAIRS_PER_WARP; r++) {
+        int x = pair0 + pw * ATTN_PAIRS_PER_WARP + r;
+        int i = x / group, h = g * group + x % group;
+        last[r] = x < pairs ? past + i : -1;
+        attn_load_q(qr[r], acc[r], q + ((q_first + (x < pairs ? i : 0)) * n_heads + h) * hd, hd,
+                    scale);
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
+    }
+    int x_end = pair0 + ATTN_PAIRS < pairs ? pair0 + ATTN_PAIRS : pairs;
+    int n_keys = past + (x_end - 1) / group + 1;
+    float* sk = shared;
+    float* sv = shared + ATTN_KEY_TILE * hd;
+    float kr[ATTN_MAX_DIM_PER_LANE], vr[ATTN_MAX_DIM_PER_LANE];
+    for (int j0 = 0; j0 < n_keys; j0 += ATTN_KEY_TILE) {
+        int nt = n_keys - j0 < ATTN_KEY_TILE ? n_keys - j0 : ATTN_KEY_TILE;
+        __syncthreads();  // the last tile is consumed
+        for (int e = threadIdx.x; e < nt * hd; e += blockDim.x) {
+            size_t at = rows.at(j0 + e / hd) + (size_t)g * hd + e % hd;
+            sk[e] = k[at];
+            sv[e] = v[at];
+        }
+        __syncthreads();
+        for (int jj = slot; jj < nt; jj += ATTN_WARPS) {
+            attn_load_row(kr, sk + jj * hd, hd);
+            attn_load_row(vr, sv + jj * hd, hd);
+#pragma unroll
+            for (int r = 0; r < ATTN_PAIRS_PER_WARP; r++)
+                if (j0 + jj <= last[r]) attn_step(kr, vr, qr[r], acc[r], m[r], l[r], hd);
+        }
+    }
+    // Merge, one pair per warp at a time, in the key tiles' memory.
+    const int warps = ATTN_WARPS * ATTN_PAIR_WARPS;
+    int t = threadIdx.x - pw * ATTN_WARPS * 32;
+#pragma unroll
+    for (int r = 0; r < ATTN_PAIRS_PER_WARP; r++) {
+        __syncthreads();
+        attn_stash(shared, warp, warps, m[r], l[r], acc[r], hd);
+        __syncthreads();
+        int x = pair0 + pw * ATTN_PAIRS_PER_WARP + r;
+        if (x < pairs) {
+            int i = x / group, h = g * group + x % group;
+            int w0 = pw * ATTN_WARPS;
+            attn_merge_row(out + ((q_first + i) * n_heads + h) * hd, shared + w0,
+                           shared + warps + w0, shared + 2 * warps + (size_t)w0 * hd, hd, t,
+                           ATTN_WARPS * 32);
+        }
+    }
+}
+
+// Fresh prefill over packed sequences: sequence s owns tokens cu_seqlens[s]
+// .. cu_seqlens[s + 1] of q [T, n_heads, hd] and of k, v [T, n_kv_heads,
+// hd]; token i of a sequence attends its tokens 0..=i. Block b is tile
+// b / n_kv_heads (tiles[2 * tile] = its sequence, tiles[2 * tile + 1] its
+// first pair) over KV head b % n_kv_heads.
+extern "C" __global__ void __launch_bounds__(ATTN_TILE_THREADS)
+    varlen_attention_prefill(float* out, const float* q, const float* k, const float* v,
+                             const u32* cu_seqlens, const u32* tiles, int n_heads, int n_kv_heads,
+                             int hd, float scale) {
+    extern __shared__ float shared[];
+    int tile = blockIdx.x / n_kv_heads, g = blockIdx.x % n_kv_heads;
+    int s = (int)tiles[2 * tile], pair0 = (int)tiles[2 * tile + 1];
+    size_t first = cu_seqlens[s];
+    int n_new = (int)(cu_seqlens[s + 1] - cu_seqlens[s]);
+    AttnPackedRows rows = {first, n_kv_heads * hd};
+    attn_prefill_tile(out, q, k, v, rows, first, 0, n_new, pair0, g, n_heads, n_kv_heads, hd,
+                      scale, shared);
+}
+
+// Prefill after a past, over the paged pools (the new tokens' K/V already
+// written): sequence s's new tokens are rows cu_seqlens[s] .. cu_seqlens[s
+// + 1] of q and out [T, n_heads, hd], after pasts[s] cached keys, its keys
+// found through block_tables[s, max_blocks]. Tiles as in
+// varlen_attention_prefill.
+extern "C" __global__ void __launch_bounds__(ATTN_TILE_THREADS)
+    paged_attention_prefill(float* out, const float* q, const float* k_pool, const float* v_pool,
+                            const u32* block_tables, const u32* pasts, const u32* cu_seqlens,
+                            const u32* tiles, int n_heads, int n_kv_heads, int hd,
+                            int block_size, int max_blocks, float scale) {
+    extern __shared__ float shared[];
+    int tile = blockIdx.x / n_kv_heads, g = blockIdx.x % n_kv_heads;
+    int s = (int)tiles[2 * tile], pair0 = (int)tiles[2 * tile + 1];
+    int n_new = (int)(cu_seqlens[s + 1] - cu_seqlens[s]);
+    AttnPagedRows rows = {block_tables + (size_t)s * max_blocks, block_size, n_kv_heads * hd};
+    attn_prefill_tile(out, q, k_pool, v_pool, rows, cu_seqlens[s], (int)pasts[s], n_new, pair0,
+                      g, n_heads, n_kv_heads, hd, scale, shared);
 }
 
 // ---- backward -----------------------------------------------------------
 // Causal GQA attention backward for one sequence (nq queries, the last nq
-// of nk positions), the probabilities recomputed from q and k as
-// FlashAttention's backward does (CPU reference: attention_backward in
-// kernels/src/cpu/attention.rs). With s_j = scale q . k_j, p = softmax(s),
-// D = do . o = sum_j p_j (do . v_j):
+// of nk positions), FlashAttention's way (CPU reference: attention_backward
+// in kernels/src/cpu/attention.rs): the probabilities recomputed from q and
+// k and the row's log-sum-exp, which attention_backward_dq finds in a first
+// pass over the keys, with D = do . o = sum_j p_j (do . v_j), and saves for
+// attention_backward_dkv. With s_j = scale q . k_j, p = softmax(s):
 //   ds_j = p_j (do . v_j - D);  dq = scale sum_j ds_j k_j;
 //   dk_j = scale sum_i ds_ij q_i;  dv_j = sum_i p_ij do_i.
-// attention_backward_dq: one block per (query, head), 256 threads (thread
-// d owns dim d of dq), keys in tiles of ATTN_BWD_TILE; it also writes the
-// row's log-sum-exp and D for attention_backward_dkv: one block per (key,
-// KV head), the (query, head) pairs that see the key in tiles. Every sum
-// runs in a fixed order (no atomics).
-#define ATTN_BWD_TILE 64
+// Both kernels tile as the prefill does: ATTN_WARPS slots, ATTN_PAIR_WARPS
+// warps per slot each holding ATTN_BWD_ROWS rows in registers ((query,
+// head) pairs for dq, keys for dk/dv), the other side staged through shared
+// memory in tiles of ATTN_KEY_TILE, slot w taking every ATTN_WARPS-th of
+// them; the slots' partial sums are added in slot order. Every sum runs in
+// a fixed order (no atomics).
+#define ATTN_BWD_ROWS 2
+#define ATTN_BWD_BLOCK_ROWS (ATTN_PAIR_WARPS * ATTN_BWD_ROWS)
 
-__device__ __forceinline__ float dot_hd(const float* a, const float* b, int hd) {
+// a . b over the lanes' shares, every lane of the warp taking part.
+__device__ __forceinline__ float attn_dot(const float* a, const float* b, int hd) {
+    int lane = threadIdx.x & 31;
     float s = 0.0f;
-    for (int d = 0; d < hd; d++) s += a[d] * b[d];
-    return s;
+    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++)
+        if (lane + 32 * i < hd) s = fmaf(a[i], b[i], s);
+    return warp_sum(s);
 }
 
-extern "C" __global__ void attention_backward_dq(float* dq, float* lse_out, float* dd_out,
-                                                 const float* dout, const float* q,
-                                                 const float* k, const float* v, int nq, int nk,
-                                                 int heads, int kv_heads, int hd, float scale) {
-    extern __shared__ float sh[];
-    float* sq = sh;
-    float* sdo = sq + hd;
-    float* sds = sdo + hd;
-    __shared__ float scratch[32];
-    int i = blockIdx.x / heads, h = blockIdx.x % heads;
-    if (i >= nq) return;
-    int g = h / (heads / kv_heads);
-    size_t row = ((size_t)i * heads + h) * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        sq[d] = q[row + d];
-        sdo[d] = dout[row + d];
+// Adds the slots' rows (stashed at `shared`, [warps, hd]) of warp group pw
+// in slot order, times `mul`, into out[0..hd).
+__device__ __forceinline__ void attn_sum_slots(float* out, const float* shared, int pw, int hd,
+                                               float mul) {
+    int t = threadIdx.x - pw * ATTN_WARPS * 32;
+    for (int d = t; d < hd; d += ATTN_WARPS * 32) {
+        float o = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; w++) o += shared[(pw * ATTN_WARPS + w) * hd + d];
+        out[d] = mul * o;
+    }
+}
+
+// Stages rows [j0, j0 + nt) of K and V (kv head g, row stride kstride) in
+// shared memory, after the last tile is consumed.
+__device__ __forceinline__ void attn_stage_kv(float* sk, float* sv, const float* k,
+                                              const float* v, int j0, int nt, size_t kstride,
+                                              int g, int hd) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < nt * hd; e += blockDim.x) {
+        size_t at = (size_t)(j0 + e / hd) * kstride + (size_t)g * hd + e % hd;
+        sk[e] = k[at];
+        sv[e] = v[at];
     }
     __syncthreads();
-    int live = nk - nq + i + 1;
+}
+
+// Block b: pairs (b / kv_heads) * ATTN_BWD_BLOCK_ROWS.. over KV head b %
+// kv_heads (pair x: query x / group, head g * group + x % group). Shared:
+// max(2 * ATTN_KEY_TILE * hd, warps * hd, 3 * warps * ATTN_BWD_ROWS) floats.
+extern "C" __global__ void __launch_bounds__(ATTN_TILE_THREADS)
+    attention_backward_dq(float* dq, float* lse_out, float* dd_out, const float* dout,
+                          const float* q, const float* k, const float* v, int nq, int nk,
+                          int heads, int kv_heads, int hd, float scale) {
+    extern __shared__ float shared[];
+    const int R = ATTN_BWD_ROWS, warps = ATTN_WARPS * ATTN_PAIR_WARPS;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int slot = warp % ATTN_WARPS, pw = warp / ATTN_WARPS;
+    int g = blockIdx.x % kv_heads, pair0 = blockIdx.x / kv_heads * ATTN_BWD_BLOCK_ROWS;
+    int group = heads / kv_heads, pairs = nq * group, past = nk - nq;
+    float qr[R][ATTN_MAX_DIM_PER_LANE], dor[R][ATTN_MAX_DIM_PER_LANE];
+    float acc[R][ATTN_MAX_DIM_PER_LANE];
+    float m[R], l[R], dsum[R], lse[R], D[R];
+    int last[R];  // the pair's last key, -1 for no pair
+    size_t row[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int x = pair0 + pw * R + r;
+        int i = x < pairs ? x / group : 0, h = g * group + x % group;
+        last[r] = x < pairs ? past + i : -1;
+        row[r] = ((size_t)i * heads + h) * hd;
+        attn_load_q(qr[r], acc[r], q + row[r], hd, scale);
+        attn_load_row(dor[r], dout + row[r], hd);
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
+        dsum[r] = 0.0f;
+    }
+    int x_end = pair0 + ATTN_BWD_BLOCK_ROWS < pairs ? pair0 + ATTN_BWD_BLOCK_ROWS : pairs;
+    int n_keys = past + (x_end - 1) / group + 1;
     const size_t kstride = (size_t)kv_heads * hd;
-    const float* kg = k + (size_t)g * hd;
-    const float* vg = v + (size_t)g * hd;
-    float m = NEG_INF;
-    for (int j = threadIdx.x; j < live; j += blockDim.x)
-        m = fmaxf(m, scale * dot_hd(sq, kg + j * kstride, hd));
-    m = block_max(m, scratch);
-    float l = 0.0f;
-    for (int j = threadIdx.x; j < live; j += blockDim.x)
-        l += expf(scale * dot_hd(sq, kg + j * kstride, hd) - m);
-    l = block_sum(l, scratch);
-    float lse = m + logf(l);
-    float dpart = 0.0f;
-    for (int j = threadIdx.x; j < live; j += blockDim.x) {
-        float p = expf(scale * dot_hd(sq, kg + j * kstride, hd) - lse);
-        dpart += p * dot_hd(sdo, vg + j * kstride, hd);
-    }
-    float D = block_sum(dpart, scratch);
-    float acc = 0.0f;
-    for (int j0 = 0; j0 < live; j0 += ATTN_BWD_TILE) {
-        int n = live - j0 < ATTN_BWD_TILE ? live - j0 : ATTN_BWD_TILE;
-        if (threadIdx.x < ATTN_BWD_TILE) {
-            float ds = 0.0f;
-            if ((int)threadIdx.x < n) {
-                int j = j0 + threadIdx.x;
-                float p = expf(scale * dot_hd(sq, kg + j * kstride, hd) - lse);
-                ds = p * (dot_hd(sdo, vg + j * kstride, hd) - D);
-            }
-            sds[threadIdx.x] = ds;
+    float* sk = shared;
+    float* sv = shared + ATTN_KEY_TILE * hd;
+    float kr[ATTN_MAX_DIM_PER_LANE], vr[ATTN_MAX_DIM_PER_LANE];
+    // Pass 1: the online softmax's (m, l) and sum_j e^(s_j - m) (do . v_j).
+    for (int j0 = 0; j0 < n_keys; j0 += ATTN_KEY_TILE) {
+        int nt = n_keys - j0 < ATTN_KEY_TILE ? n_keys - j0 : ATTN_KEY_TILE;
+        attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd);
+        for (int jj = slot; jj < nt; jj += ATTN_WARPS) {
+            attn_load_row(kr, sk + jj * hd, hd);
+            attn_load_row(vr, sv + jj * hd, hd);
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                if (j0 + jj <= last[r]) {
+                    float s = attn_dot(qr[r], kr, hd), dov = attn_dot(dor[r], vr, hd);
+                    float m_new = fmaxf(m[r], s);
+                    float corr = m[r] == NEG_INF ? 0.0f : expf(m[r] - m_new);
+                    float p = expf(s - m_new);
+                    l[r] = fmaf(l[r], corr, p);
+                    dsum[r] = fmaf(p, dov, dsum[r] * corr);
+                    m[r] = m_new;
+                }
         }
-        __syncthreads();
-        if ((int)threadIdx.x < hd)
-            for (int u = 0; u < n; u++) acc += sds[u] * kg[(j0 + u) * kstride + threadIdx.x];
-        __syncthreads();
     }
-    if ((int)threadIdx.x < hd) dq[row + threadIdx.x] = scale * acc;
-    if (threadIdx.x == 0) {
-        lse_out[(size_t)i * heads + h] = lse;
-        dd_out[(size_t)i * heads + h] = D;
+    // The slots merged: lse and D of each pair.
+    __syncthreads();
+    if (lane == 0)
+        for (int r = 0; r < R; r++) {
+            shared[warp * R + r] = m[r];
+            shared[(warps + warp) * R + r] = l[r];
+            shared[(2 * warps + warp) * R + r] = dsum[r];
+        }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float big = NEG_INF, tl = 0.0f, ts = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; w++)
+            big = fmaxf(big, shared[(pw * ATTN_WARPS + w) * R + r]);
+        for (int w = 0; w < ATTN_WARPS; w++) {
+            int at = (pw * ATTN_WARPS + w) * R + r;
+            if (shared[at] == NEG_INF) continue;
+            float e = expf(shared[at] - big);
+            tl = fmaf(shared[warps * R + at], e, tl);
+            ts = fmaf(shared[2 * warps * R + at], e, ts);
+        }
+        lse[r] = last[r] < 0 ? 0.0f : big + logf(tl);
+        D[r] = last[r] < 0 ? 0.0f : ts / tl;
+    }
+    // Pass 2: dq = scale sum_j ds_j k_j.
+    for (int j0 = 0; j0 < n_keys; j0 += ATTN_KEY_TILE) {
+        int nt = n_keys - j0 < ATTN_KEY_TILE ? n_keys - j0 : ATTN_KEY_TILE;
+        attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd);
+        for (int jj = slot; jj < nt; jj += ATTN_WARPS) {
+            attn_load_row(kr, sk + jj * hd, hd);
+            attn_load_row(vr, sv + jj * hd, hd);
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                if (j0 + jj <= last[r]) {
+                    float p = expf(attn_dot(qr[r], kr, hd) - lse[r]);
+                    float ds = p * (attn_dot(dor[r], vr, hd) - D[r]);
+                    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++)
+                        if (lane + 32 * i < hd) acc[r][i] = fmaf(ds, kr[i], acc[r][i]);
+                }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        __syncthreads();
+        for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++)
+            if (lane + 32 * i < hd) shared[warp * hd + lane + 32 * i] = acc[r][i];
+        __syncthreads();
+        if (last[r] >= 0) {
+            attn_sum_slots(dq + row[r], shared, pw, hd, scale);
+            if (slot == 0 && lane == 0) {
+                lse_out[row[r] / hd] = lse[r];
+                dd_out[row[r] / hd] = D[r];
+            }
+        }
     }
 }
 
-extern "C" __global__ void attention_backward_dkv(float* dk, float* dv, const float* dout,
-                                                  const float* q, const float* k, const float* v,
-                                                  const float* lse, const float* dd, int nq,
-                                                  int nk, int heads, int kv_heads, int hd,
-                                                  float scale) {
-    extern __shared__ float sh[];
-    float* sk = sh;
-    float* sv = sk + hd;
-    float* sp = sv + hd;
-    float* sds = sp + ATTN_BWD_TILE;
-    int j = blockIdx.x / kv_heads, g = blockIdx.x % kv_heads;
-    if (j >= nk) return;
-    int group = heads / kv_heads;
-    size_t krow = ((size_t)j * kv_heads + g) * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        sk[d] = k[krow + d];
-        sv[d] = v[krow + d];
+// Block b: keys (b / kv_heads) * ATTN_BWD_BLOCK_ROWS.. of KV head b %
+// kv_heads; the (query, head) pairs that see them staged (q scaled, do,
+// lse, D). Shared: max(2 * ATTN_KEY_TILE * (hd + 1), 2 * warps * hd) floats.
+extern "C" __global__ void __launch_bounds__(ATTN_TILE_THREADS)
+    attention_backward_dkv(float* dk, float* dv, const float* dout, const float* q,
+                           const float* k, const float* v, const float* lse, const float* dd,
+                           int nq, int nk, int heads, int kv_heads, int hd, float scale) {
+    extern __shared__ float shared[];
+    const int R = ATTN_BWD_ROWS, warps = ATTN_WARPS * ATTN_PAIR_WARPS;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int slot = warp % ATTN_WARPS, pw = warp / ATTN_WARPS;
+    int g = blockIdx.x % kv_heads, key0 = blockIdx.x / kv_heads * ATTN_BWD_BLOCK_ROWS;
+    int group = heads / kv_heads, pairs = nq * group, past = nk - nq;
+    float kr[R][ATTN_MAX_DIM_PER_LANE], vr[R][ATTN_MAX_DIM_PER_LANE];
+    float adk[R][ATTN_MAX_DIM_PER_LANE], adv[R][ATTN_MAX_DIM_PER_LANE];
+    int key[R];  // the key's index, nk for no key
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int j = key0 + pw * R + r;
+        key[r] = j < nk ? j : nk;
+        size_t at = ((size_t)(j < nk ? j : 0) * kv_heads + g) * hd;
+        attn_load_row(kr[r], k + at, hd);
+        attn_load_row(vr[r], v + at, hd);
+        for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) adk[r][i] = adv[r][i] = 0.0f;
     }
-    __syncthreads();
-    // Query i sees key j when j <= nk - nq + i.
-    int i0 = j - (nk - nq);
-    if (i0 < 0) i0 = 0;
-    int total = (nq - i0) * group;
-    float adk = 0.0f, adv = 0.0f;
-    for (int x0 = 0; x0 < total; x0 += ATTN_BWD_TILE) {
-        int n = total - x0 < ATTN_BWD_TILE ? total - x0 : ATTN_BWD_TILE;
-        if (threadIdx.x < ATTN_BWD_TILE) {
-            float p = 0.0f, ds = 0.0f;
-            if ((int)threadIdx.x < n) {
-                int x = x0 + threadIdx.x;
-                int i = i0 + x / group, h = g * group + x % group;
-                size_t row = ((size_t)i * heads + h) * hd;
-                p = expf(scale * dot_hd(q + row, sk, hd) - lse[(size_t)i * heads + h]);
-                ds = p * (dot_hd(dout + row, sv, hd) - dd[(size_t)i * heads + h]);
-            }
-            sp[threadIdx.x] = p;
-            sds[threadIdx.x] = ds;
+    // Query i sees key j when j <= past + i: the block's first key is seen
+    // from query key0 - past on.
+    int x_begin = (key0 - past > 0 ? key0 - past : 0) * group;
+    float* sq = shared;
+    float* sdo = sq + ATTN_KEY_TILE * hd;
+    float* slse = sdo + ATTN_KEY_TILE * hd;
+    float* sdd = slse + ATTN_KEY_TILE;
+    float qr[ATTN_MAX_DIM_PER_LANE], dor[ATTN_MAX_DIM_PER_LANE];
+    for (int x0 = x_begin; x0 < pairs; x0 += ATTN_KEY_TILE) {
+        int nt = pairs - x0 < ATTN_KEY_TILE ? pairs - x0 : ATTN_KEY_TILE;
+        __syncthreads();  // the last tile is consumed
+        for (int e = threadIdx.x; e < nt * hd; e += blockDim.x) {
+            int x = x0 + e / hd;
+            size_t at = ((size_t)(x / group) * heads + g * group + x % group) * hd + e % hd;
+            sq[e] = q[at] * scale;
+            sdo[e] = dout[at];
+        }
+        for (int e = threadIdx.x; e < nt; e += blockDim.x) {
+            int x = x0 + e;
+            size_t at = (size_t)(x / group) * heads + g * group + x % group;
+            slse[e] = lse[at];
+            sdd[e] = dd[at];
         }
         __syncthreads();
-        if ((int)threadIdx.x < hd)
-            for (int u = 0; u < n; u++) {
-                int x = x0 + u;
-                int i = i0 + x / group, h = g * group + x % group;
-                size_t row = ((size_t)i * heads + h) * hd;
-                adv += sp[u] * dout[row + threadIdx.x];
-                adk += sds[u] * q[row + threadIdx.x];
+        for (int xx = slot; xx < nt; xx += ATTN_WARPS) {
+            int pos = past + (x0 + xx) / group;
+            attn_load_row(qr, sq + xx * hd, hd);
+            attn_load_row(dor, sdo + xx * hd, hd);
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                if (key[r] <= pos) {
+                    float p = expf(attn_dot(qr, kr[r], hd) - slse[xx]);
+                    float ds = p * (attn_dot(dor, vr[r], hd) - sdd[xx]);
+                    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++)
+                        if (lane + 32 * i < hd) {
+                            adk[r][i] = fmaf(ds, qr[i], adk[r][i]);
+                            adv[r][i] = fmaf(p, dor[i], adv[r][i]);
+                        }
+                }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        __syncthreads();
+        for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++)
+            if (lane + 32 * i < hd) {
+                shared[warp * hd + lane + 32 * i] = adk[r][i];
+                shared[(warps + warp) * hd + lane + 32 * i] = adv[r][i];
             }
         __syncthreads();
-    }
-    if ((int)threadIdx.x < hd) {
-        dk[krow + threadIdx.x] = scale * adk;
-        dv[krow + threadIdx.x] = adv;
+        if (key[r] < nk) {
+            size_t at = ((size_t)key[r] * kv_heads + g) * hd;
+            attn_sum_slots(dk + at, shared, pw, hd, 1.0f);
+            attn_sum_slots(dv + at, shared + warps * hd, pw, hd, 1.0f);
+        }
     }
 }

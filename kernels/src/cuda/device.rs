@@ -87,6 +87,40 @@ fn attention_launch(blocks: usize, hd: usize) -> LaunchConfig {
     }
 }
 
+/// Prefill attention (attention.cu): warps per slot, (query, head) pairs per
+/// warp, keys per shared-memory tile.
+const ATTN_PAIR_WARPS: usize = 4;
+const ATTN_PAIRS_PER_WARP: usize = 4;
+const ATTN_KEY_TILE: usize = 16;
+/// Attention backward: rows (pairs for dq, keys for dk/dv) per warp.
+const ATTN_BWD_ROWS: usize = 2;
+/// (query, head) pairs per prefill block.
+const ATTN_PAIRS: usize = ATTN_PAIR_WARPS * ATTN_PAIRS_PER_WARP;
+
+/// The prefill blocks' tiles: `(sequence, first pair)` for every run of
+/// `ATTN_PAIRS` (query, head) pairs of a sequence's `new[s]` tokens over one
+/// KV head (`group` heads per KV head), flattened; a sequence with no new
+/// token has none.
+fn prefill_tiles(new: impl Iterator<Item = usize>, group: usize) -> Vec<u32> {
+    let mut tiles = Vec::new();
+    for (s, n) in new.enumerate() {
+        for pair0 in (0..n * group).step_by(ATTN_PAIRS) {
+            tiles.extend([s as u32, pair0 as u32]);
+        }
+    }
+    tiles
+}
+
+fn attention_prefill_launch(blocks: usize, hd: usize) -> LaunchConfig {
+    let warps = ATTN_WARPS * ATTN_PAIR_WARPS;
+    let floats = (2 * ATTN_KEY_TILE * hd).max(warps * (hd + 2));
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: ((warps * 32) as u32, 1, 1),
+        shared_mem_bytes: (floats * 4) as u32,
+    }
+}
+
 /// Launches `kernel` on the device's stream with `args`, in the kernel's
 /// parameter order.
 macro_rules! launch {
@@ -993,15 +1027,92 @@ impl CudaDevice {
         if t == 0 {
             return Ok(());
         }
-        let (cu, ts) = (
-            self.upload(cu_seqlens)?,
-            self.upload(&token_seq(cu_seqlens))?,
+        let tiles = prefill_tiles(
+            cu_seqlens.windows(2).map(|w| (w[1] - w[0]) as usize),
+            n_heads / n_kv_heads,
         );
-        let ints = [t, n_heads, n_kv_heads, hd]
+        let blocks = tiles.len() / 2 * n_kv_heads;
+        let (cu, tiles) = (self.upload(cu_seqlens)?, self.upload(&tiles)?);
+        let ints = [n_heads, n_kv_heads, hd]
             .iter()
             .map(|&x| int(op, "size", x))
             .collect::<Result<Vec<i32>>>()?;
-        launch!(self, op, attention_launch(t * n_heads, hd); out, q, k, v, &cu, &ts, &ints[0], &ints[1], &ints[2], &ints[3], &scale);
+        launch!(self, op, attention_prefill_launch(blocks, hd); out, q, k, v, &cu, &tiles, &ints[0], &ints[1], &ints[2], &scale);
+        Ok(())
+    }
+
+    /// Causal GQA prefill after a past, over the paged pools (the new
+    /// tokens' K/V already written there): sequence s's new tokens are rows
+    /// `cu_seqlens[s]..cu_seqlens[s + 1]` of `out, q [T, n_heads, hd]`,
+    /// after `pasts[s]` cached keys, all found through `block_tables[s]`.
+    /// Each token's output has the bits of `paged_attention_decode` over its
+    /// context, and of `varlen_attention_prefill` where the past is empty.
+    #[allow(clippy::too_many_arguments)]
+    pub fn paged_attention_prefill(
+        &self,
+        out: &mut CudaSlice<f32>,
+        q: &CudaSlice<f32>,
+        k_pool: &CudaSlice<f32>,
+        v_pool: &CudaSlice<f32>,
+        block_tables: &[Vec<u32>],
+        pasts: &[u32],
+        cu_seqlens: &[u32],
+        heads: (usize, usize, usize),
+        block_size: usize,
+        scale: f32,
+    ) -> Result<()> {
+        let op = "paged_attention_prefill";
+        let (n_heads, n_kv_heads, hd) = heads;
+        check_heads(op, n_heads, n_kv_heads, hd)?;
+        let seqs = pasts.len();
+        if cu_seqlens.len() != seqs + 1
+            || cu_seqlens[0] != 0
+            || cu_seqlens.windows(2).any(|w| w[0] > w[1])
+        {
+            return Err(Error::Shape(format!(
+                "{op}: cu_seqlens must rise from 0 over {seqs} sequences, got {cu_seqlens:?}"
+            )));
+        }
+        let t = cu_seqlens[seqs] as usize;
+        shape(
+            op,
+            &[
+                ("out", out.len(), t * n_heads * hd),
+                ("q", q.len(), t * n_heads * hd),
+                ("block_tables", block_tables.len(), seqs),
+            ],
+        )?;
+        let contexts: Vec<u32> = (0..seqs)
+            .map(|s| pasts[s].saturating_add(cu_seqlens[s + 1] - cu_seqlens[s]))
+            .collect();
+        let flat = flat_block_tables(
+            op,
+            block_tables,
+            &contexts,
+            k_pool.len().min(v_pool.len()),
+            n_kv_heads * hd,
+            block_size,
+        )?;
+        if t == 0 {
+            return Ok(());
+        }
+        let tiles = prefill_tiles(
+            cu_seqlens.windows(2).map(|w| (w[1] - w[0]) as usize),
+            n_heads / n_kv_heads,
+        );
+        let blocks = tiles.len() / 2 * n_kv_heads;
+        let max_blocks = flat.len() / seqs;
+        let (tables, pasts, cu, tiles) = (
+            self.upload(&flat)?,
+            self.upload(pasts)?,
+            self.upload(cu_seqlens)?,
+            self.upload(&tiles)?,
+        );
+        let ints = [n_heads, n_kv_heads, hd, block_size, max_blocks]
+            .iter()
+            .map(|&x| int(op, "size", x))
+            .collect::<Result<Vec<i32>>>()?;
+        launch!(self, op, attention_prefill_launch(blocks, hd); out, q, k_pool, v_pool, &tables, &pasts, &cu, &tiles, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &scale);
         Ok(())
     }
 
@@ -1064,30 +1175,18 @@ impl CudaDevice {
                 ("block_tables", block_tables.len(), seqs),
             ],
         )?;
-        let row = n_kv_heads * hd;
-        let pool_blocks = k_pool.len().min(v_pool.len()) / (block_size * row).max(1);
-        for (s, (table, &n)) in block_tables.iter().zip(context_lens).enumerate() {
-            let need = (n as usize).div_ceil(block_size.max(1));
-            if block_size == 0 || table.len() < need {
-                return Err(Error::Shape(format!(
-                    "{op}: sequence {s} has {n} keys but {} blocks of {block_size}",
-                    table.len()
-                )));
-            }
-            if let Some(b) = table[..need].iter().find(|&&b| b as usize >= pool_blocks) {
-                return Err(Error::Index(format!(
-                    "{op}: block {b} outside a pool of {pool_blocks} blocks"
-                )));
-            }
-        }
+        let flat = flat_block_tables(
+            op,
+            block_tables,
+            context_lens,
+            k_pool.len().min(v_pool.len()),
+            n_kv_heads * hd,
+            block_size,
+        )?;
         if seqs == 0 {
             return Ok(());
         }
-        let max_blocks = block_tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
-        let mut flat = vec![0u32; seqs * max_blocks];
-        for (s, t) in block_tables.iter().enumerate() {
-            flat[s * max_blocks..s * max_blocks + t.len()].copy_from_slice(t);
-        }
+        let max_blocks = flat.len() / seqs;
         let (tables, lens) = (self.upload(&flat)?, self.upload(context_lens)?);
         let ints = [seqs, n_heads, n_kv_heads, hd, block_size, max_blocks]
             .iter()
@@ -1307,6 +1406,40 @@ pub(super) fn check_cu_seqlens(op: &str, cu_seqlens: &[u32], seqs: usize) -> Res
         )));
     }
     Ok(())
+}
+
+/// Checks that every sequence's table covers its `contexts[s]` keys with
+/// blocks inside the pools, and flattens the tables (each row padded to
+/// the longest, at least one). `pool_len`: the floats of the smaller pool.
+fn flat_block_tables(
+    op: &str,
+    block_tables: &[Vec<u32>],
+    contexts: &[u32],
+    pool_len: usize,
+    row: usize,
+    block_size: usize,
+) -> Result<Vec<u32>> {
+    let pool_blocks = pool_len / (block_size * row).max(1);
+    for (s, (table, &n)) in block_tables.iter().zip(contexts).enumerate() {
+        let need = (n as usize).div_ceil(block_size.max(1));
+        if block_size == 0 || table.len() < need {
+            return Err(Error::Shape(format!(
+                "{op}: sequence {s} has {n} keys but {} blocks of {block_size}",
+                table.len()
+            )));
+        }
+        if let Some(b) = table[..need].iter().find(|&&b| b as usize >= pool_blocks) {
+            return Err(Error::Index(format!(
+                "{op}: block {b} outside a pool of {pool_blocks} blocks"
+            )));
+        }
+    }
+    let max_blocks = block_tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let mut flat = vec![0u32; block_tables.len() * max_blocks];
+    for (s, t) in block_tables.iter().enumerate() {
+        flat[s * max_blocks..s * max_blocks + t.len()].copy_from_slice(t);
+    }
+    Ok(flat)
 }
 
 /// The sequence of every packed row: `cu_seqlens` expanded.
@@ -1957,6 +2090,25 @@ mod tests {
         );
     }
 
+    /// Tiles of `ATTN_PAIRS` (query, head) pairs per sequence, none for an
+    /// empty one, the last one partial.
+    #[test]
+    fn prefill_tiles_cover_every_pair_once() {
+        assert_eq!(ATTN_PAIRS, 16);
+        // group 3: 6 tokens = 18 pairs (two tiles), 0, 1 token = 3 pairs.
+        assert_eq!(
+            prefill_tiles([6usize, 0, 1].into_iter(), 3),
+            vec![0, 0, 0, 16, 2, 0]
+        );
+        assert!(prefill_tiles([0usize].into_iter(), 4).is_empty());
+        // group 32 (more heads than a tile): two tiles per token.
+        assert_eq!(
+            prefill_tiles([2usize].into_iter(), 32),
+            vec![0, 0, 0, 16, 0, 32, 0, 48]
+        );
+        assert_eq!(ATTN_KEY_TILE % ATTN_WARPS, 0);
+    }
+
     #[test]
     fn attention_prefill_and_paged_decode_match_cpu() {
         let Some(d) = gpu() else { return };
@@ -2031,7 +2183,7 @@ mod tests {
             &qlast,
             &kp,
             &vp,
-            &[table],
+            std::slice::from_ref(&table),
             &[n as u32],
             (nh, nkv, hd),
             bs,
@@ -2044,6 +2196,64 @@ mod tests {
             &want[(n - 1) * nh * hd..n * nh * hd],
             1e-4,
         );
+
+        // Every token of the first sequence decoded over its own context
+        // has the fresh prefill's bits.
+        let fresh = d.download(&dout).unwrap();
+        let q0 = d.upload(&q[..n * nh * hd]).unwrap();
+        let mut o = d.zeros(n * nh * hd).unwrap();
+        let lens: Vec<u32> = (1..=n as u32).collect();
+        d.paged_attention_decode(
+            &mut o,
+            &q0,
+            &kp,
+            &vp,
+            &vec![table.clone(); n],
+            &lens,
+            (nh, nkv, hd),
+            bs,
+            scale,
+        )
+        .unwrap();
+        assert_eq!(
+            d.download(&o).unwrap(),
+            fresh[..n * nh * hd],
+            "decode == prefill"
+        );
+
+        // The same sequence prefilled after a cached past of 20 (two key
+        // tiles and a part), beside a one-token and an empty sequence: the
+        // fresh prefill's bits.
+        let past = 20;
+        let (t2, k2) = ([table.clone(), vec![], table.clone()], [past as u32, 0, 3]);
+        let cu2 = [
+            0u32,
+            (n - past) as u32,
+            (n - past) as u32,
+            (n - past + 1) as u32,
+        ];
+        let mut q2 = q[past * nh * hd..n * nh * hd].to_vec();
+        q2.extend_from_slice(&q[3 * nh * hd..4 * nh * hd]);
+        let mut o = d.zeros(q2.len()).unwrap();
+        d.paged_attention_prefill(
+            &mut o,
+            &d.upload(&q2).unwrap(),
+            &kp,
+            &vp,
+            &t2,
+            &k2,
+            &cu2,
+            (nh, nkv, hd),
+            bs,
+            scale,
+        )
+        .unwrap();
+        let got = d.download(&o).unwrap();
+        assert_eq!(
+            got[..(n - past) * nh * hd],
+            fresh[past * nh * hd..n * nh * hd]
+        );
+        assert_eq!(got[(n - past) * nh * hd..], fresh[3 * nh * hd..4 * nh * hd]);
     }
 
     #[test]

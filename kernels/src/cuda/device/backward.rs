@@ -10,7 +10,8 @@
 //! odd shapes, like the forwards'.
 
 use super::{
-    elems, int, rows, shape, ChunkPlan, CudaDevice, GD_CHUNK, GD_CHUNK_THREADS, GD_COLS, NULL,
+    elems, int, rows, shape, ChunkPlan, CudaDevice, ATTN_BWD_ROWS, ATTN_KEY_TILE, ATTN_PAIR_WARPS,
+    ATTN_WARPS, GD_CHUNK, GD_CHUNK_THREADS, GD_COLS, NULL,
 };
 use crate::cpu::adamw::AdamWStep;
 use crate::{Error, Result};
@@ -802,18 +803,25 @@ impl CudaDevice {
             .iter()
             .map(|&x| int(op, "size", x))
             .collect::<Result<Vec<i32>>>()?;
-        const TILE: usize = 64;
+        // Rows (pairs, or keys) a block holds; its warps (attention.cu).
+        let rows = ATTN_PAIR_WARPS * ATTN_BWD_ROWS;
+        let warps = ATTN_WARPS * ATTN_PAIR_WARPS;
         let cfg = |blocks: usize, floats: usize| LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
-            block_dim: (256, 1, 1),
+            block_dim: ((warps * 32) as u32, 1, 1),
             shared_mem_bytes: (floats * 4) as u32,
         };
         if nq > 0 {
-            launch!(self, "attention_backward_dq", cfg(nq * n_heads, 2 * hd + TILE);
+            let floats = (2 * ATTN_KEY_TILE * hd)
+                .max(warps * hd)
+                .max(3 * warps * ATTN_BWD_ROWS);
+            let blocks = (nq * (n_heads / n_kv_heads)).div_ceil(rows) * n_kv_heads;
+            launch!(self, "attention_backward_dq", cfg(blocks, floats);
                 dq, &mut lse, &mut dd, dout, q, k, v,
                 &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &scale);
         }
-        launch!(self, "attention_backward_dkv", cfg(nk * n_kv_heads, 2 * hd + 2 * TILE);
+        let floats = (2 * ATTN_KEY_TILE * (hd + 1)).max(2 * warps * hd);
+        launch!(self, "attention_backward_dkv", cfg(nk.div_ceil(rows) * n_kv_heads, floats);
             dk, dv, dout, q, k, v, &lse, &dd,
             &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &scale);
         Ok(())
@@ -1433,7 +1441,12 @@ mod tests {
         let up = |x: &[f32]| d.upload(x).unwrap();
         // Prefill (nq = nk) past a tile, a suffix of queries, GQA, head
         // dims up to 256.
-        for (nq, nk, nh, nkv, hd) in [(1, 1, 1, 1, 8), (70, 70, 4, 2, 40), (5, 131, 8, 2, 256)] {
+        for (nq, nk, nh, nkv, hd) in [
+            (1, 1, 1, 1, 8),
+            (70, 70, 4, 2, 40),
+            (5, 131, 8, 2, 256),
+            (20, 37, 6, 3, 33),
+        ] {
             let dims = cpu::attention::AttnDims {
                 nq,
                 nk,
