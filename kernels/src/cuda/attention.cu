@@ -79,22 +79,34 @@ __device__ __forceinline__ void attn_load_row(float* r, const float* row, int hd
     }
 }
 
+// a . b over the lanes' shares, every lane of the warp taking part.
+__device__ __forceinline__ float attn_dot(const float* a, const float* b, int hd) {
+    int lane = threadIdx.x & 31;
+    float s = 0.0f;
+    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++)
+        if (lane + 32 * i < hd) s = fmaf(a[i], b[i], s);
+    return warp_sum(s);
+}
+
+// Folds score s into the online softmax's running max m and sum l:
+// returns e^(s - m_new), with corr = e^(m - m_new) the earlier terms' rescale.
+__device__ __forceinline__ float attn_online(float s, float& m, float& l, float& corr) {
+    float m_new = fmaxf(m, s);
+    corr = m == NEG_INF ? 0.0f : expf(m - m_new);
+    float p = expf(s - m_new);
+    l = fmaf(l, corr, p);
+    m = m_new;
+    return p;
+}
+
 // One key (the lane's share kr, vr): score it against the lane's share of
 // q, fold it into (m, l, acc). Every lane of the warp takes part.
 __device__ __forceinline__ void attn_step(const float* kr, const float* vr, const float* qr,
                                           float* acc, float& m, float& l, int hd) {
     int lane = threadIdx.x & 31;
-    float dot = 0.0f;
-    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++)
-        if (lane + 32 * i < hd) dot = fmaf(qr[i], kr[i], dot);
-    dot = warp_sum(dot);
-    float m_new = fmaxf(m, dot);
-    float corr = m == NEG_INF ? 0.0f : expf(m - m_new);
-    float p = expf(dot - m_new);
-    l = fmaf(l, corr, p);
+    float corr, p = attn_online(attn_dot(qr, kr, hd), m, l, corr);
     for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++)
         if (lane + 32 * i < hd) acc[i] = fmaf(p, vr[i], acc[i] * corr);
-    m = m_new;
 }
 
 // Writes the new tokens' K/V rows into the paged pools: token t goes to
@@ -289,15 +301,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_TILE_THREADS)
 #define ATTN_BWD_ROWS 2
 #define ATTN_BWD_BLOCK_ROWS (ATTN_PAIR_WARPS * ATTN_BWD_ROWS)
 
-// a . b over the lanes' shares, every lane of the warp taking part.
-__device__ __forceinline__ float attn_dot(const float* a, const float* b, int hd) {
-    int lane = threadIdx.x & 31;
-    float s = 0.0f;
-    for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++)
-        if (lane + 32 * i < hd) s = fmaf(a[i], b[i], s);
-    return warp_sum(s);
-}
-
 // Adds the slots' rows (stashed at `shared`, [warps, hd]) of warp group pw
 // in slot order, times `mul`, into out[0..hd).
 __device__ __forceinline__ void attn_sum_slots(float* out, const float* shared, int pw, int hd,
@@ -371,12 +374,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_TILE_THREADS)
             for (int r = 0; r < R; r++)
                 if (j0 + jj <= last[r]) {
                     float s = attn_dot(qr[r], kr, hd), dov = attn_dot(dor[r], vr, hd);
-                    float m_new = fmaxf(m[r], s);
-                    float corr = m[r] == NEG_INF ? 0.0f : expf(m[r] - m_new);
-                    float p = expf(s - m_new);
-                    l[r] = fmaf(l[r], corr, p);
+                    float corr, p = attn_online(s, m[r], l[r], corr);
                     dsum[r] = fmaf(p, dov, dsum[r] * corr);
-                    m[r] = m_new;
                 }
         }
     }

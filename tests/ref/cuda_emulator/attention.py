@@ -30,6 +30,29 @@ def attention_launch_shared(hd):
     floats = ATTN_WARPS * (hd + 2)  # shared_mem_bytes / 4
     return lambda: shared("attn.dyn", floats, np.float32)
 
+# device.rs: prefill_tiles, attention_prefill_launch (512 threads)
+TILE_THREADS = K.ATTN_WARPS * K.ATTN_PAIR_WARPS * 32
+
+def prefill_tiles(new, group):
+    tiles = []
+    for s, n in enumerate(new):
+        for pair0 in range(0, n * group, K.ATTN_PAIRS):
+            tiles += [s, pair0]
+    return tiles
+
+def attention_prefill_shared(hd):
+    floats = max(2 * K.ATTN_KEY_TILE * hd, K.ATTN_WARPS * K.ATTN_PAIR_WARPS * (hd + 2))
+    return lambda: shared("prefill.dyn", floats, np.float32)
+
+def run_prefill(q, k, v, cu, nh, nkv, hd, scale):
+    t = cu[-1]
+    out = out_buf("out", t * nh * hd)
+    tiles = prefill_tiles([cu[s + 1] - cu[s] for s in range(len(cu) - 1)], nh // nkv)
+    launch("varlen_attention_prefill", len(tiles) // 2 * nkv, TILE_THREADS, K.varlen_attention_prefill,
+           attention_prefill_shared(hd), out, buf("q", q), buf("k", k), buf("v", v),
+           buf("cu_seqlens", cu, np.uint32), buf("tiles", tiles, np.uint32), nh, nkv, hd, scale)
+    return out.a.copy()
+
 def ref_attn(qs, ks, vs, nh, nkv, scale):
     # qs [n, nh, hd], ks/vs [nk, nkv, hd]; query i at position nk - n + i
     n, nk = qs.shape[0], ks.shape[0]
@@ -58,18 +81,14 @@ def case_prefill(name, lens, nh, nkv, hd, seed=0):
     k = rng.standard_normal((t, nkv, hd)).astype(np.float32)
     v = rng.standard_normal((t, nkv, hd)).astype(np.float32)
     scale = F(1.0 / np.sqrt(hd))
-    out = out_buf("out", t * nh * hd)
     t0 = time.time()
-    launch("varlen_attention_prefill", t * nh, ATTN_WARPS * 32, K.varlen_attention_prefill,
-           attention_launch_shared(hd), out, buf("q", q), buf("k", k), buf("v", v),
-           buf("cu_seqlens", cu, np.uint32), buf("token_seq", token_seq(cu), np.uint32),
-           t, nh, nkv, hd, scale)
+    out = run_prefill(q, k, v, cu, nh, nkv, hd, scale)
     ref = np.zeros((t, nh, hd))
     for s in range(len(lens)):
         a, b = cu[s], cu[s + 1]
         if b > a:
             ref[a:b] = ref_attn(q[a:b].astype(D), k[a:b].astype(D), v[a:b].astype(D), nh, nkv, float(scale))
-    cmp(name, "out", out.a, ref)
+    cmp(name, "out", out, ref)
     print(f"  ({time.time()-t0:.1f}s)")
 
 def case_decode(name, ctx, nh, nkv, hd, bs=16, seed=1):
@@ -119,6 +138,81 @@ def case_decode(name, ctx, nh, nkv, hd, bs=16, seed=1):
     cmp(name, "out", out.a, ref)
     print(f"  ({time.time()-t0:.1f}s)")
 
+def bits(case, name, got, want):
+    same = np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    nd = int(np.sum(np.asarray(got, np.float32) != np.asarray(want, np.float32)))
+    line = f"{case}: {name}: {'bit-identical' if same else f'{nd} elements differ BUG'}"
+    print(line, flush=True); RES.append(line)
+
+def case_paged_prefill(name, spec, nh, nkv, hd, bs=8, seed=3):
+    """spec: (past, new) per sequence. The new tokens through
+    paged_attention_prefill over a shuffled pool, against the float64
+    reference, and bit for bit against the fresh prefill of whole
+    sequences and against decode of each new token over its context."""
+    rng = np.random.default_rng(seed)
+    lens = [p + n for p, n in spec]
+    cu_full = [0]
+    for n in lens: cu_full.append(cu_full[-1] + n)
+    t_full = cu_full[-1]
+    q = rng.standard_normal((t_full, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((t_full, nkv, hd)).astype(np.float32)
+    v = rng.standard_normal((t_full, nkv, hd)).astype(np.float32)
+    scale = F(1.0 / np.sqrt(hd))
+    row = nkv * hd
+    need = [(n + bs - 1) // bs for n in lens]
+    pool_blocks = sum(need) + 2
+    perm = [int(x) for x in rng.permutation(pool_blocks)]
+    tables = [[perm.pop() for _ in range(need[s])] for s in range(len(spec))]
+    kp = rng.standard_normal(pool_blocks * bs * row).astype(np.float32)
+    vp = rng.standard_normal(pool_blocks * bs * row).astype(np.float32)
+    for s, n in enumerate(lens):
+        for j in range(n):
+            slot = tables[s][j // bs] * bs + j % bs
+            kp[slot * row:(slot + 1) * row] = k[cu_full[s] + j].reshape(-1)
+            vp[slot * row:(slot + 1) * row] = v[cu_full[s] + j].reshape(-1)
+    max_blocks = max(1, max(len(t) for t in tables))
+    flat = np.zeros(len(spec) * max_blocks, dtype=np.uint32)
+    for s, tb in enumerate(tables): flat[s * max_blocks:s * max_blocks + len(tb)] = tb
+    cu_new, new_rows = [0], []
+    for s, (past, n) in enumerate(spec):
+        cu_new.append(cu_new[-1] + n)
+        new_rows += list(range(cu_full[s] + past, cu_full[s] + past + n))
+    qn = q[new_rows] if new_rows else np.zeros((0, nh, hd), np.float32)
+    t_new = cu_new[-1]
+    tiles = prefill_tiles([n for _, n in spec], nh // nkv)
+    out = out_buf("out", t_new * nh * hd)
+    kpb, vpb = buf("k_pool", kp), buf("v_pool", vp)
+    t0 = time.time()
+    launch("paged_attention_prefill", len(tiles) // 2 * nkv, TILE_THREADS, K.paged_attention_prefill,
+           attention_prefill_shared(hd), out, buf("q", qn), kpb, vpb, buf("block_tables", flat, np.uint32),
+           buf("pasts", [p for p, _ in spec], np.uint32), buf("cu_seqlens", cu_new, np.uint32),
+           buf("tiles", tiles, np.uint32), nh, nkv, hd, bs, max_blocks, scale)
+    ref = np.zeros((t_new, nh, hd))
+    for s, (past, n) in enumerate(spec):
+        a = cu_full[s]
+        if n:
+            full = ref_attn(q[a:a + past + n].astype(D), k[a:a + past + n].astype(D), v[a:a + past + n].astype(D), nh, nkv, float(scale))
+            ref[cu_new[s]:cu_new[s + 1]] = full[past:]
+    cmp(name, "paged prefill out", out.a, ref)
+    # The fresh prefill of the whole sequences: the new rows' bits.
+    fresh = run_prefill(q, k, v, cu_full, nh, nkv, hd, scale).reshape(t_full, nh, hd)
+    bits(name, "paged prefill == fresh prefill", out.a.reshape(t_new, nh, hd), fresh[new_rows])
+    # Decode of each new token over its own context: the same bits.
+    ctx, dtables = [], []
+    for s, (past, n) in enumerate(spec):
+        for i in range(n):
+            ctx.append(past + i + 1); dtables.append(tables[s])
+    if ctx:
+        mb = max(1, max(len(t) for t in dtables))
+        dflat = np.zeros(len(ctx) * mb, dtype=np.uint32)
+        for r, tb in enumerate(dtables): dflat[r * mb:r * mb + len(tb)] = tb
+        dout = out_buf("out", len(ctx) * nh * hd)
+        launch("paged_attention_decode", len(ctx) * nh, ATTN_WARPS * 32, K.paged_attention_decode,
+               attention_launch_shared(hd), dout, buf("q", qn), kpb, vpb, buf("block_tables", dflat, np.uint32),
+               buf("context_lens", ctx, np.uint32), len(ctx), nh, nkv, hd, bs, mb, scale)
+        bits(name, "decode == paged prefill", dout.a, out.a)
+    print(f"  ({time.time()-t0:.1f}s)")
+
 def ref_backward(q, k, v, do, nh, nkv, scale):
     nq, nk = q.shape[0], k.shape[0]
     grp = nh // nkv
@@ -144,17 +238,20 @@ def case_backward(name, nq, nk, nh, nkv, hd, seed=2):
     v = rng.standard_normal((nk, nkv, hd)).astype(np.float32)
     do = rng.standard_normal((nq, nh, hd)).astype(np.float32)
     scale = F(1.0 / np.sqrt(hd))
-    TILE = 64
+    # device/backward.rs: attention_backward's launches
+    KT, warps, rows = K.ATTN_KEY_TILE, K.ATTN_WARPS * K.ATTN_PAIR_WARPS, K.ATTN_BWD_BLOCK_ROWS
     dq, dk, dv = out_buf("dq", nq * nh * hd), out_buf("dk", nk * nkv * hd), out_buf("dv", nk * nkv * hd)
-    lse, dd = buf("lse", np.zeros(nq * nh)), buf("dd", np.zeros(nq * nh))
+    lse, dd = out_buf("lse", nq * nh), out_buf("dd", nq * nh)
     bq, bk, bv, bdo = buf("q", q), buf("k", k), buf("v", v), buf("dout", do)
     t0 = time.time()
     if nq > 0:
-        launch("attention_backward_dq", nq * nh, 256, K.attention_backward_dq,
-               lambda: (shared("dq.dyn", 2 * hd + TILE, np.float32), shared("dq.scratch", 32, np.float32)),
+        floats = max(2 * KT * hd, warps * hd, 3 * warps * K.ATTN_BWD_ROWS)
+        launch("attention_backward_dq", -(-nq * (nh // nkv) // rows) * nkv, TILE_THREADS,
+               K.attention_backward_dq, lambda: shared("dq.dyn", floats, np.float32),
                dq, lse, dd, bdo, bq, bk, bv, nq, nk, nh, nkv, hd, scale)
-    launch("attention_backward_dkv", nk * nkv, 256, K.attention_backward_dkv,
-           lambda: shared("dkv.dyn", 2 * hd + 2 * TILE, np.float32),
+    floats = max(2 * KT * (hd + 1), 2 * warps * hd)
+    launch("attention_backward_dkv", -(-nk // rows) * nkv, TILE_THREADS, K.attention_backward_dkv,
+           lambda: shared("dkv.dyn", floats, np.float32),
            dk, dv, bdo, bq, bk, bv, lse, dd, nq, nk, nh, nkv, hd, scale)
     rq, rk, rv = ref_backward(q.astype(D), k.astype(D), v.astype(D), do.astype(D), nh, nkv, float(scale))
     if nq > 0: cmp(name, "dq", dq.a, rq)
@@ -196,6 +293,15 @@ CASES = {
     "bwd256eqbig": lambda: case_backward("backward hd256 GQA4/2 nq=nk=37", 37, 37, 4, 2, 256),
     "bwd_g4_tiles": lambda: case_backward("backward hd33 GQA8/2 nq20 nk70 (dkv total up to 80: 2 tiles)", 20, 70, 8, 2, 33),
     "bwd0": lambda: case_backward("backward hd40 nq0 nk3", 0, 3, 2, 1, 40),
+    "paged40": lambda: case_paged_prefill("paged prefill hd40 GQA4/2 (past,new)[(0,5),(20,17),(3,1),(0,0)] bs8",
+                                          [(0, 5), (20, 17), (3, 1), (0, 0)], 4, 2, 40),
+    "paged33_g4": lambda: case_paged_prefill("paged prefill hd33 GQA8/2 (past,new)[(18,6),(0,3)] bs5",
+                                             [(18, 6), (0, 3)], 8, 2, 33, bs=5),
+    "paged256": lambda: case_paged_prefill("paged prefill hd256 GQA4/2 (past,new)[(17,3),(2,2)] bs8",
+                                           [(17, 3), (2, 2)], 4, 2, 256),
+    "paged_mha": lambda: case_paged_prefill("paged prefill hd40 MHA2/2 (past,new)[(33,2)] bs8", [(33, 2)], 2, 2, 40),
+    "prefill_g32": lambda: case_prefill("prefill hd8 GQA32/1 lens[3] (a tile per 16 heads)", [3], 32, 1, 8),
+    "paged_g32": lambda: case_paged_prefill("paged prefill hd8 GQA32/1 (past,new)[(4,2)] bs8", [(4, 2)], 32, 1, 8),
 }
 
 if __name__ == "__main__":

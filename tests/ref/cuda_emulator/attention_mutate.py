@@ -2,12 +2,14 @@
 usage: python attention_mutate.py NAME"""
 import os, shutil, subprocess, sys
 M = {
- "nobarrier_merge": ('    yield "cu27"\n', '    if False: yield\n', "prefill40mha"),
- "shfl_divergent": ('    dot = yield from warp_sum(dot)  # cu:60\n', '    if lane < 16: dot = yield from warp_sum(dot)  # cu:60\n', "decode40"),
- "gqa_index": ('    kvh = h // (n_heads // n_kv_heads)\n    warp, warps = tid >> 5, bdim >> 5\n    start', '    kvh = h % n_kv_heads\n    warp, warps = tid >> 5, bdim >> 5\n    start', "prefill40"),
- "dkv_i0": ('    i0 = j - (nk - nq)\n', '    i0 = j - (nk - nq) + 1\n', "bwd40s"),
- "dq_nobarrier2": ('        yield "cu211"\n', '', "bwd40big"),
- "causal_lt": ('    while j <= t:  # cu:131\n', '    while j < t:  # cu:131\n', "prefill40mha"),
+ "nobarrier_merge": ('    yield "cu156"\n', '    if False: yield\n', "decode40"),
+ "nobarrier_tile": ('        yield "cu220"\n', '', "prefill40"),
+ "shfl_divergent": ('    return (yield from warp_sum(s))  # cu:88\n', '    return (yield from warp_sum(s)) if lane < 16 else s  # cu:88\n', "decode40"),
+ "kv_head": ('            a = at(j0 + e // hd) + g * hd + e % hd  # cu:216\n', '            a = at(j0 + e // hd) + ((g + 1) % n_kv_heads) * hd + e % hd  # cu:216\n', "prefill40"),
+ "dkv_first_query": ('    x_begin = (key0 - past if key0 - past > 0 else 0) * group  # cu:466\n', '    x_begin = (key0 - past + 1 if key0 - past + 1 > 0 else 0) * group  # cu:466\n', "bwd40s"),
+ "dq_nobarrier": ('        yield "cu428"\n', '', "bwd40big"),
+ "causal_lt": ('                if j0 + jj <= last[r]:  # cu:226\n', '                if j0 + jj < last[r]:  # cu:226\n', "prefill40mha"),
+ "key_order": ('        for jj in range(slot, nt, ATTN_WARPS):  # cu:221\n', '        for jj in reversed(range(slot, nt, ATTN_WARPS)):  # cu:221\n', "paged40"),
 }
 name = sys.argv[1]
 old, new, case = M[name]
