@@ -28,6 +28,11 @@ pub struct ScoreArgs {
     /// (fp32 products, the CPU's numbers to rounding).
     #[arg(long, default_value = "bf16")]
     pub weights: WeightDType,
+    /// On CUDA, the deterministic mode: the forward products on an
+    /// in-order kernel instead of cuBLAS, so a token's numbers do not
+    /// depend on the batch (slower prefill). The CPU is always so.
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
 
 #[derive(Deserialize)]
@@ -68,7 +73,7 @@ fn score_on_cuda(
     ordinal: usize,
     sequences: &[Vec<u32>],
 ) -> Result<Vec<Vec<Option<f32>>>> {
-    Ok(on_cuda(&args.model, args.weights, ordinal)?.score(sequences)?)
+    Ok(on_cuda(&args.model, args.weights, ordinal, args.batch_invariant)?.score(sequences)?)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -104,6 +109,11 @@ pub struct GenerateArgs {
     /// On CUDA, the matrices' type: `bf16` or `f32`.
     #[arg(long, default_value = "bf16")]
     pub weights: WeightDType,
+    /// On CUDA, the deterministic mode: the forward products on an
+    /// in-order kernel instead of cuBLAS, so a token's numbers do not
+    /// depend on the batch (slower prefill). The CPU is always so.
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
 
 /// One greedy step: the next token after `tokens`, which follow what the
@@ -178,10 +188,13 @@ fn on_cuda(
     model_dir: &std::path::Path,
     weights: WeightDType,
     ordinal: usize,
+    batch_invariant: bool,
 ) -> Result<arcticd_engine::model::cuda::CudaModel> {
     use arcticd_engine::model::cuda::CudaModel;
     use arcticd_kernels::cuda::device::CudaDevice;
-    let dev = std::sync::Arc::new(CudaDevice::new(ordinal)?);
+    let dev = CudaDevice::new(ordinal)?;
+    dev.set_batch_invariant(batch_invariant);
+    let dev = std::sync::Arc::new(dev);
     let model = Qwen3_5::load(model_dir)
         .with_context(|| format!("loading model from {}", model_dir.display()))?;
     Ok(CudaModel::upload(&model, dev, weights)?)
@@ -191,7 +204,7 @@ fn on_cuda(
 /// positions.
 #[cfg(feature = "cuda")]
 fn cuda_greedy(args: &GenerateArgs, ordinal: usize, capacity: usize) -> Result<GreedyStep> {
-    let model = on_cuda(&args.model, args.weights, ordinal)?;
+    let model = on_cuda(&args.model, args.weights, ordinal, args.batch_invariant)?;
     let mut cache = model.new_cache(capacity)?;
     Ok(Box::new(move |tokens: &[u32]| {
         Ok(model.greedy_step(&mut cache, tokens)?)

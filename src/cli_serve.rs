@@ -72,6 +72,11 @@ pub struct ServeArgs {
     /// prefill on a GPU, the same function to rounding; slower on the CPU).
     #[arg(long, default_value = "recurrent")]
     pub prefill: PrefillForm,
+    /// On CUDA, the deterministic mode: the forward products on an
+    /// in-order kernel instead of cuBLAS, so a request's numbers do not
+    /// depend on the requests batched with it (slower prefill).
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
@@ -163,6 +168,7 @@ fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) 
         device: args.device,
         weights: args.weights,
         prefill: args.prefill,
+        batch_invariant: args.batch_invariant,
         ..Default::default()
     };
     let router = Router::start(

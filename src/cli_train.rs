@@ -399,7 +399,8 @@ pub fn bench_train(args: BenchTrainArgs) -> Result<()> {
         ..TrainConfig::default()
     };
     let store = ParamStore::new(model);
-    let dev = arcticd_trainer::device::step_device(args.device, store, config.optimizer, None)?;
+    let dev =
+        arcticd_trainer::device::step_device(args.device, store, config.optimizer, None, false)?;
     let mut trainer = Trainer::on(dev, config);
     trainer.sft_step(&batch)?;
     let (mut times, mut updates) = (Vec::new(), Vec::new());

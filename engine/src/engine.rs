@@ -91,6 +91,12 @@ pub struct EngineConfig {
     /// How a prefill runs the gated-delta recurrence: `recurrent` (the
     /// default: the trainer's bits) or `chunked` (see [`PrefillForm`]).
     pub prefill: PrefillForm,
+    /// On a GPU, the deterministic mode: the forward products run on an
+    /// in-order kernel instead of cuBLAS, so a row's bits do not depend on
+    /// the rows beside it (a prefix hit equals a cold run, a decode step the
+    /// full forward), as on the CPU; slower prefill. Default false. The CPU
+    /// is always so.
+    pub batch_invariant: bool,
 }
 
 /// A [`Device`] in a config file: its name (`cpu`, `cuda:0`).
@@ -137,6 +143,7 @@ impl Default for EngineConfig {
             device: Device::Cpu,
             weights: WeightDType::Bf16,
             prefill: PrefillForm::Recurrent,
+            batch_invariant: false,
         }
     }
 }
@@ -538,7 +545,9 @@ pub fn start(
         Device::Cpu => Placement::Host,
         #[cfg(feature = "cuda")]
         Device::Cuda(i) => {
-            Placement::Device(Arc::new(arcticd_kernels::cuda::device::CudaDevice::new(i)?))
+            let dev = arcticd_kernels::cuda::device::CudaDevice::new(i)?;
+            dev.set_batch_invariant(config.batch_invariant);
+            Placement::Device(Arc::new(dev))
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => {

@@ -368,12 +368,15 @@ fn cuda_step(
 /// with the model in `stores[r]` and `reference()` as its KL policy. When
 /// every rank is a GPU and there are several, their gradients are summed
 /// over NCCL, on the devices; where the NCCL library does not load, through
-/// the host communicator (said in the log).
+/// the host communicator (said in the log). `batch_invariant`: a GPU's
+/// forward products on the in-order kernel (the engines' deterministic
+/// mode; the CPU is always so).
 pub fn step_devices(
     devices: &[arcticd_kernels::Device],
     stores: &[Arc<ParamStore>],
     config: AdamWConfig,
     reference: impl Fn() -> Result<Option<Qwen3_5>>,
+    batch_invariant: bool,
 ) -> Result<Vec<Box<dyn StepDevice>>> {
     if devices.len() != stores.len() {
         return Err(Error::Input(format!(
@@ -394,7 +397,7 @@ pub fn step_devices(
         if let Some(ordinals) = ordinals.filter(|o| o.len() > 1) {
             let devs = ordinals
                 .iter()
-                .map(|&i| Ok(Arc::new(arcticd_kernels::cuda::device::CudaDevice::new(i)?)))
+                .map(|&i| gpu(i, batch_invariant))
                 .collect::<Result<Vec<_>>>()?;
             let mut ranks: Vec<Option<crate::cuda::NcclRank>> = match crate::cuda::nccl_world(&devs)
             {
@@ -417,18 +420,31 @@ pub fn step_devices(
     devices
         .iter()
         .zip(stores)
-        .map(|(&d, store)| step_device(d, store.clone(), config, reference()?))
+        .map(|(&d, store)| step_device(d, store.clone(), config, reference()?, batch_invariant))
         .collect()
+}
+
+/// `cuda:ORDINAL`, its forward products batch-invariant or not.
+#[cfg(feature = "cuda")]
+fn gpu(
+    ordinal: usize,
+    batch_invariant: bool,
+) -> Result<Arc<arcticd_kernels::cuda::device::CudaDevice>> {
+    let dev = arcticd_kernels::cuda::device::CudaDevice::new(ordinal)?;
+    dev.set_batch_invariant(batch_invariant);
+    Ok(Arc::new(dev))
 }
 
 /// The step device for `device`: the CPU, or a GPU by ordinal (builds
 /// with the `cuda` feature), for the model in `store`, with `reference`
-/// as the KL term's fixed policy when given.
+/// as the KL term's fixed policy when given, batch-invariant as
+/// [`step_devices`] says.
 pub fn step_device(
     device: arcticd_kernels::Device,
     store: Arc<ParamStore>,
     config: AdamWConfig,
     reference: Option<Qwen3_5>,
+    batch_invariant: bool,
 ) -> Result<Box<dyn StepDevice>> {
     match device {
         arcticd_kernels::Device::Cpu => {
@@ -440,11 +456,11 @@ pub fn step_device(
         }
         #[cfg(feature = "cuda")]
         arcticd_kernels::Device::Cuda(i) => {
-            let dev = Arc::new(arcticd_kernels::cuda::device::CudaDevice::new(i)?);
-            cuda_step(dev, store, config, reference, None)
+            cuda_step(gpu(i, batch_invariant)?, store, config, reference, None)
         }
         #[cfg(not(feature = "cuda"))]
         arcticd_kernels::Device::Cuda(_) => {
+            let _ = batch_invariant;
             // The stand-in's error: this build has no CUDA backend.
             device.check_available()?;
             Err(Error::Input(format!("{device}: no CUDA backend")))

@@ -1393,4 +1393,86 @@ mod tests {
         }
         std::fs::remove_dir_all(&dir).ok();
     }
+
+    /// Deterministic mode on one GPU (`batch_invariant`, bf16 matrices):
+    /// the same greedy requests run together cold, again as prefix hits
+    /// (prefills after a past on the paged kernel), and each one alone give
+    /// the same tokens and log-prob bits; after a weight update, the bits
+    /// of an engine started fresh on the updated store.
+    #[test]
+    fn batch_invariant_engine_keeps_its_bits() {
+        use crate::engine::{self, EngineConfig, EngineHandle, Request};
+        use crate::sampler::SamplingParams;
+        use crate::ParamStore;
+        use arcticd_kernels::Device;
+        use std::sync::atomic::Ordering;
+        if gpu().is_none() {
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("arcticd-cuda-bits-{}", std::process::id()));
+        crate::init::init_model(crate::init::TINY, &dir, 6).unwrap();
+        let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+        let config = EngineConfig {
+            cache_memory: 16 << 20,
+            max_num_seqs: 8,
+            max_batched_tokens: 256,
+            max_model_len: 2048,
+            device: Device::Cuda(0),
+            batch_invariant: true,
+            ..Default::default()
+        };
+        let greedy = |len: usize, salt: u32| Request {
+            prompt: (0..len as u32)
+                .map(|i| (i * 2_654_435 + salt * 97) % 900 + 10)
+                .collect(),
+            params: SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(16)
+            },
+        };
+        let lens = [(5usize, 1u32), (64, 2), (150, 3), (300, 4)];
+        type Out = Vec<(Vec<u32>, Vec<u32>)>;
+        let together = |eng: &EngineHandle| -> Out {
+            let subs: Vec<_> = lens
+                .iter()
+                .map(|&(n, salt)| eng.submit_collected(greedy(n, salt)).unwrap())
+                .collect();
+            subs.into_iter()
+                .map(|sub| {
+                    let got = engine::collect_blocking(sub, 1).unwrap();
+                    let bits = got[0].logprobs.iter().map(|x| x.to_bits()).collect();
+                    (got[0].tokens.clone(), bits)
+                })
+                .collect()
+        };
+        let eng = engine::start(store.clone(), None, config.clone()).unwrap();
+        let cold = together(&eng);
+        assert_eq!(together(&eng), cold, "prefix hits");
+        assert!(eng.metrics().prefix_hit_tokens.load(Ordering::Relaxed) > 0);
+        for (&(n, salt), want) in lens.iter().zip(&cold) {
+            let got = eng.generate_blocking(greedy(n, salt)).unwrap();
+            let bits: Vec<u32> = got[0].logprobs.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(
+                (&got[0].tokens, &bits),
+                (&want.0, &want.1),
+                "alone, prompt of {n}"
+            );
+        }
+        eng.pause().unwrap();
+        store.update(|m| {
+            for (i, (_, t)) in m.named_params_mut().into_iter().enumerate() {
+                if let Ok(w) = t.as_f32_mut() {
+                    for (j, x) in w.iter_mut().enumerate() {
+                        *x += 0.01 * (((i * 31 + j * 7) % 13) as f32 - 6.0) / 6.0;
+                    }
+                }
+            }
+        });
+        eng.resume();
+        let after = together(&eng);
+        let fresh = engine::start(store.clone(), None, config).unwrap();
+        assert_eq!(after, together(&fresh), "updated == fresh");
+        assert_ne!(after, cold, "the update changed the model");
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

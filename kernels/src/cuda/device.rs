@@ -143,6 +143,8 @@ pub struct CudaDevice {
     functions: HashMap<&'static str, CudaFunction>,
     /// The cuBLAS handle, created by the first product (`gemm`).
     blas: std::sync::OnceLock<cudarc::cublas::CudaBlas>,
+    /// Forward products on `matmul_invariant` instead of cuBLAS.
+    batch_invariant: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -184,7 +186,22 @@ impl CudaDevice {
             stream,
             functions,
             blas: std::sync::OnceLock::new(),
+            batch_invariant: false.into(),
         })
+    }
+
+    /// Batch-invariant mode: this handle's forward products
+    /// (`matmul_forward`, `matmul_forward_add`) run on the in-order kernel
+    /// (`matmul.cu`), so a row's result does not depend on the rows beside
+    /// it; off (the default), they run on cuBLAS.
+    pub fn set_batch_invariant(&self, on: bool) {
+        self.batch_invariant
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn is_batch_invariant(&self) -> bool {
+        self.batch_invariant
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The device's ordinal (`cuda:N`).

@@ -139,6 +139,11 @@ pub const MODULES: &[Module] = &[
         ],
     },
     Module {
+        name: "matmul",
+        source: include_str!("matmul.cu"),
+        kernels: &["matmul_invariant"],
+    },
+    Module {
         name: "logsoftmax",
         source: include_str!("logsoftmax.cu"),
         kernels: &[

@@ -646,7 +646,13 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     let devices: Vec<_> = (0..stores.len())
         .map(|rank| rank_device(recipe.device, rank))
         .collect();
-    let step_devs = step_devices(&devices, &stores, config.optimizer, reference)?;
+    let step_devs = step_devices(
+        &devices,
+        &stores,
+        config.optimizer,
+        reference,
+        recipe.batch_invariant,
+    )?;
     let engine_cfg = recipe.engine_config();
     let router = Router::new(
         (0..recipe.replicas)

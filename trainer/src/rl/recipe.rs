@@ -245,6 +245,11 @@ pub struct Recipe {
     /// Ablation when false: in-flight sequences keep the caches the old
     /// weights computed across an update. Default true.
     pub rebuild_caches: bool,
+    /// On GPUs, the deterministic mode for engines and trainer ranks alike:
+    /// forward products on an in-order kernel instead of cuBLAS, so a
+    /// token's log-prob does not depend on what it was batched with (the
+    /// CPU's same-version identity; slower forwards). Default false.
+    pub batch_invariant: bool,
     /// How rollouts reach replicas: "least_loaded" (each request to the
     /// replica with the least outstanding work) or "pinned" (every turn of
     /// a rollout on the replica its id picks, for cache reuse; an
@@ -313,6 +318,7 @@ impl Default for Recipe {
             engine_cache_mib: 256,
             state_dtype: StateDtype::F32,
             rebuild_caches: true,
+            batch_invariant: false,
             routing: Routing::LeastLoaded,
             rollout: RolloutConfig::default(),
         }
@@ -513,6 +519,7 @@ impl Recipe {
                 .max(1024),
             state_dtype: self.state_dtype,
             rebuild_caches: self.rebuild_caches,
+            batch_invariant: self.batch_invariant,
             ..EngineConfig::default()
         }
     }

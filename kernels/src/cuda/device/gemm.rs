@@ -12,14 +12,18 @@
 //! f32's 24-bit mantissa.
 //!
 //! Unlike the CPU product, cuBLAS picks its kernel by shape, so a row's
-//! bits may depend on how many rows run with it: the engine's
-//! batch-invariance guarantees are the CPU's, and on the device are
-//! checked with tolerances.
+//! bits may depend on how many rows run with it. A device in batch-
+//! invariant mode ([`CudaDevice::set_batch_invariant`]) runs the forward
+//! products (`matmul_forward`, `matmul_forward_add`) on its own kernel
+//! instead (`matmul.cu`: every output summed over k in order), which gives
+//! a row the same bits at any batch size, as the CPU's product does, on
+//! the CUDA cores: the engine's deterministic mode.
 
 use super::{int, shape, CudaDevice};
 use crate::{Error, Result};
 use cudarc::cublas::{result as blas, sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::ffi::c_void;
 
 /// A product's input, by element type.
@@ -252,6 +256,9 @@ impl CudaDevice {
         oc: usize,
         add: bool,
     ) -> Result<()> {
+        if self.is_batch_invariant() {
+            return self.matmul_invariant(out, inp, weight, (n, c, oc), add);
+        }
         let g = Gemm {
             m: n,
             n: oc,
@@ -309,6 +316,75 @@ impl CudaDevice {
             Mat::F32(inp),
         )
     }
+
+    /// `out[n, oc] (+)= inp[n, c] @ weight[oc, c]^T` on `matmul_invariant`:
+    /// each output summed over k in order, the same bits for a row at any
+    /// `n`. Inputs f32 or bf16 (they may differ), output f32 or bf16; `add`
+    /// only into f32.
+    pub fn matmul_invariant(
+        &self,
+        out: MatMut<'_>,
+        inp: Mat<'_>,
+        weight: Mat<'_>,
+        (n, c, oc): (usize, usize, usize),
+        add: bool,
+    ) -> Result<()> {
+        let op = "matmul_invariant";
+        shape(
+            op,
+            &[
+                ("inp", inp.len(), n * c),
+                ("weight", weight.len(), oc * c),
+                ("out", out.len(), n * oc),
+            ],
+        )?;
+        let out_bf16 = matches!(out, MatMut::Bf16(_));
+        if add && out_bf16 {
+            return Err(Error::Shape(format!("{op}: an added output must be f32")));
+        }
+        if n == 0 || oc == 0 {
+            return Ok(());
+        }
+        const TILE: usize = 64;
+        let grid_y = n.div_ceil(TILE);
+        if grid_y > 65_535 {
+            return Err(Error::Shape(format!("{op}: {n} rows exceed one launch")));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (oc.div_ceil(TILE) as u32, grid_y as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let ints = [n, c, oc]
+            .iter()
+            .map(|&x| int(op, "size", x))
+            .collect::<Result<Vec<i32>>>()?;
+        let flags = [
+            matches!(inp, Mat::Bf16(_)) as i32,
+            matches!(weight, Mat::Bf16(_)) as i32,
+            out_bf16 as i32,
+            add as i32,
+        ];
+        let stream = &self.stream;
+        let (ip, _ri) = inp.device_ptr(stream);
+        let (wp, _rw) = weight.device_ptr(stream);
+        let (opt, _ro) = match out {
+            MatMut::F32(s) => s.device_ptr_mut(stream),
+            MatMut::Bf16(s) => s.device_ptr_mut(stream),
+        };
+        let mut b = stream.launch_builder(self.func(op)?);
+        b.arg(&opt).arg(&ip).arg(&wp);
+        for x in &ints {
+            b.arg(x);
+        }
+        for f in &flags {
+            b.arg(f);
+        }
+        // SAFETY: the three buffers hold n*c, oc*c and n*oc elements of
+        // the types the flags name (checked above), in the kernel's order.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -356,11 +432,15 @@ mod tests {
     /// f32 and bf16 products at odd shapes against the CPU product (of the
     /// same bf16-rounded values): an fp32 sum in another order, so within
     /// 1e-5 of each output's sum of |terms| (TF32 would miss it by ~100x).
+    /// Both ways: cuBLAS, and the batch-invariant kernel.
     #[test]
     fn matmul_forward_matches_cpu_f32_and_bf16() {
         let Some(d) = gpu() else { return };
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        for (n, c, oc) in [(1, 7, 5), (3, 129, 33), (67, 1000, 250), (2, 4096, 17)] {
+        for (invariant, (n, c, oc)) in [false, true].into_iter().flat_map(|inv| {
+            [(1, 7, 5), (3, 129, 33), (67, 1000, 250), (2, 4096, 17)].map(|s| (inv, s))
+        }) {
+            d.set_batch_invariant(invariant);
             let inp = rand_vec(&mut rng, n * c, 1.0);
             let w = rand_vec(&mut rng, oc * c, 0.1);
             let mut want = vec![0.0; n * oc];
@@ -416,6 +496,58 @@ mod tests {
                 assert!(
                     (g - w).abs() <= 2f32.powi(-8) * w.abs() + 1e-5 * scale[i],
                     "bf16 out[{i}]: {g} vs {w}"
+                );
+            }
+        }
+    }
+
+    /// In batch-invariant mode a row's product has the same bits alone,
+    /// in a batch, at any place in its tile, with bf16 or f32 operands.
+    #[test]
+    fn batch_invariant_rows_keep_their_bits() {
+        let Some(d) = gpu() else { return };
+        d.set_batch_invariant(true);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+        let (big, c, oc) = (150, 1000, 333);
+        let inp = rand_vec(&mut rng, big * c, 1.0);
+        let w = rand_vec(&mut rng, oc * c, 0.1);
+        let (ib, wb) = (
+            d.upload(&bf16_bits(&inp)).unwrap(),
+            d.upload(&bf16_bits(&w)).unwrap(),
+        );
+        let (inf, wf) = (d.upload(&inp).unwrap(), d.upload(&w).unwrap());
+        for (name, i_all, wt) in [
+            ("bf16", Mat::Bf16(&ib), Mat::Bf16(&wb)),
+            ("f32", Mat::F32(&inf), Mat::F32(&wf)),
+        ] {
+            let mut all = d.zeros::<f32>(big * oc).unwrap();
+            d.matmul_forward(MatMut::F32(&mut all), i_all, wt, big, c, oc)
+                .unwrap();
+            let all = d.download(&all).unwrap();
+            // Rows first..first + n run on their own.
+            for (first, n) in [(0, 1), (0, 5), (13, 1), (63, 2), (70, 64), (149, 1)] {
+                let part = match i_all {
+                    Mat::Bf16(_) => {
+                        let b = bf16_bits(&inp[first * c..(first + n) * c]);
+                        let x = d.upload(&b).unwrap();
+                        let mut o = d.zeros::<f32>(n * oc).unwrap();
+                        d.matmul_forward(MatMut::F32(&mut o), Mat::Bf16(&x), wt, n, c, oc)
+                            .unwrap();
+                        d.download(&o).unwrap()
+                    }
+                    Mat::F32(_) => {
+                        let x = d.upload(&inp[first * c..(first + n) * c]).unwrap();
+                        let mut o = d.zeros::<f32>(n * oc).unwrap();
+                        d.matmul_forward(MatMut::F32(&mut o), Mat::F32(&x), wt, n, c, oc)
+                            .unwrap();
+                        d.download(&o).unwrap()
+                    }
+                };
+                assert_eq!(
+                    part[..],
+                    all[first * oc..(first + n) * oc],
+                    "{name}: rows {first}..{}",
+                    first + n
                 );
             }
         }
