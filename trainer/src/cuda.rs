@@ -1149,13 +1149,30 @@ mod tests {
     /// masters).
     #[test]
     fn the_engine_reads_the_trainers_weights_in_place() {
+        engine_follows_the_trainer(false);
+    }
+
+    /// The same in the deterministic mode (trainer and engine products
+    /// batch-invariant): the trainer's log-probs of the engine's tokens are
+    /// the engine's, bit for bit, as on the CPU.
+    #[test]
+    fn batch_invariant_trainer_scores_the_engines_bits() {
+        engine_follows_the_trainer(true);
+    }
+
+    fn engine_follows_the_trainer(batch_invariant: bool) {
         use crate::step::{SftExample, TrainConfig, Trainer};
         use arcticd_engine::engine::{self, EngineConfig, Request};
         use arcticd_engine::sampler::SamplingParams;
-        let Some(dev) = test_device().map(Arc::new) else {
+        let Some(dev) = test_device() else {
             return;
         };
-        let dir = std::env::temp_dir().join(format!("arcticd-cuda-shared-{}", std::process::id()));
+        dev.set_batch_invariant(batch_invariant);
+        let dev = Arc::new(dev);
+        let dir = std::env::temp_dir().join(format!(
+            "arcticd-cuda-shared-{}-{batch_invariant}",
+            std::process::id()
+        ));
         arcticd_engine::init::init_model(arcticd_engine::init::TINY, &dir, 11).unwrap();
         let model = Qwen3_5::load(&dir).unwrap();
         let vocab = model.config.vocab_size as u32;
@@ -1176,6 +1193,7 @@ mod tests {
             max_batched_tokens: 256,
             max_model_len: 1024,
             device: arcticd_kernels::Device::Cuda(dev.ordinal()),
+            batch_invariant,
             ..Default::default()
         };
         let follower = engine::start(store.clone(), None, engine_config.clone()).unwrap();
@@ -1223,9 +1241,13 @@ mod tests {
             .zip(&after[0].logprobs)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
-        eprintln!("trainer (bf16 copy) vs engine log-probs: max |diff| {worst:e}");
+        eprintln!(
+            "trainer (bf16 copy) vs engine log-probs (batch-invariant {batch_invariant}): \
+             max |diff| {worst:e}"
+        );
+        let bound = if batch_invariant { 0.0 } else { 1e-4 };
         assert!(
-            worst <= 1e-4,
+            worst <= bound,
             "trainer vs engine log-probs differ by {worst}"
         );
         // The host's tensors are behind until synced; a fresh store of
