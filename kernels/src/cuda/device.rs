@@ -731,6 +731,7 @@ impl CudaDevice {
         };
         let (seqs, nv, dk, dv) = (slots.len(), dims.1, dims.2, dims.3);
         if !chunked {
+            check_register_columns(op, dk, dv)?;
             let cu = self.upload(cu_seqlens)?;
             let cfg = LaunchConfig {
                 grid_dim: ((seqs * nv) as u32, 1, 1),
@@ -993,6 +994,7 @@ impl CudaDevice {
                 state.len()
             )));
         }
+        check_register_columns(op, dk, dv)?;
         if seqs == 0 {
             return Ok(());
         }
@@ -1457,6 +1459,22 @@ fn flat_block_tables(
         flat[s * max_blocks..s * max_blocks + t.len()].copy_from_slice(t);
     }
     Ok(flat)
+}
+
+/// Decode and the recurrent prefill hold a thread's column of the state in
+/// registers (gated_delta.cu): at most `GD_MAX_DK` rows, `GD_MAX_DV`
+/// columns (Qwen3.5's heads are 128 by 128).
+const GD_MAX_DK: usize = 128;
+const GD_MAX_DV: usize = 256;
+
+fn check_register_columns(op: &str, dk: usize, dv: usize) -> Result<()> {
+    if dk > GD_MAX_DK || dv > GD_MAX_DV {
+        return Err(Error::Shape(format!(
+            "{op}: linear heads of {dk} x {dv}; the CUDA recurrence holds at most \
+             {GD_MAX_DK} x {GD_MAX_DV}"
+        )));
+    }
+    Ok(())
 }
 
 /// The sequence of every packed row: `cu_seqlens` expanded.
@@ -1987,6 +2005,76 @@ mod tests {
             &states.concat(),
             1e-5,
         );
+    }
+
+    /// Decode token by token and the recurrent prefill in one call give
+    /// the same outputs and state bit for bit (the engine's decode ==
+    /// prefill), at Qwen3.5's 128 x 128 heads (the registers' limit), and a
+    /// wider head is refused.
+    #[test]
+    fn gated_delta_decode_steps_equal_the_prefill() {
+        let Some(d) = gpu() else { return };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(31);
+        let (nk, nv, dk, dv, t) = (2, 4, 128, 128, 5);
+        let q = rand_vec(&mut rng, t * nk * dk, 0.1);
+        let k = rand_vec(&mut rng, t * nk * dk, 0.1);
+        let v = rand_vec(&mut rng, t * nv * dv, 1.0);
+        let g: Vec<f32> = (0..t * nv).map(|_| -rng.gen_range(0.0..2.0f32)).collect();
+        let beta: Vec<f32> = (0..t * nv).map(|_| rng.gen_range(0.0..1.0f32)).collect();
+        let state0 = rand_vec(&mut rng, nv * dk * dv, 0.3);
+        let up = |x: &[f32]| d.upload(x).unwrap();
+        let slots = d.upload(&[0u32]).unwrap();
+        let mut sp = up(&state0);
+        let mut op = d.zeros(t * nv * dv).unwrap();
+        d.gated_delta_prefill(
+            &mut op,
+            &mut sp,
+            &up(&q),
+            &up(&k),
+            &up(&v),
+            &up(&g),
+            &up(&beta),
+            &slots,
+            &[0, t as u32],
+            (nk, nv, dk, dv),
+            false,
+        )
+        .unwrap();
+        let mut sd = up(&state0);
+        let mut decoded = Vec::new();
+        for i in 0..t {
+            let mut o = d.zeros(nv * dv).unwrap();
+            d.gated_delta_decode(
+                &mut o,
+                &mut sd,
+                &up(&q[i * nk * dk..(i + 1) * nk * dk]),
+                &up(&k[i * nk * dk..(i + 1) * nk * dk]),
+                &up(&v[i * nv * dv..(i + 1) * nv * dv]),
+                &up(&g[i * nv..(i + 1) * nv]),
+                &up(&beta[i * nv..(i + 1) * nv]),
+                &slots,
+                (nk, nv, dk, dv),
+            )
+            .unwrap();
+            decoded.extend(d.download(&o).unwrap());
+        }
+        assert_eq!(decoded, d.download(&op).unwrap(), "outputs");
+        assert_eq!(d.download(&sd).unwrap(), d.download(&sp).unwrap(), "state");
+        let mut o = d.zeros(nv * 129).unwrap();
+        let err = d
+            .gated_delta_decode(
+                &mut o,
+                &mut up(&vec![0.0; nv * 129 * 129]),
+                &up(&q[..nk * 129]),
+                &up(&k[..nk * 129]),
+                &up(&vec![0.0; nv * 129]),
+                &up(&g[..nv]),
+                &up(&beta[..nv]),
+                &slots,
+                (nk, nv, 129, 129),
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("at most 128"), "{err}");
     }
 
     #[test]

@@ -28,47 +28,61 @@ __device__ __forceinline__ float gd_column_step(float* S, const float* qk, float
     return o;
 }
 
-extern "C" __global__ void gated_delta_decode(float* out, float* state, const float* q,
-                                              const float* k, const float* v, const float* g,
-                                              const float* beta, const u32* slots, int seqs,
-                                              int nk, int nv, int dk, int dv) {
-    extern __shared__ float qk[];
-    int s = blockIdx.x / nv, h = blockIdx.x % nv;
-    if (s >= seqs) return;
-    int kh = h / (nv / nk);
-    const float* qs = q + ((size_t)s * nk + kh) * dk;
-    const float* ks = k + ((size_t)s * nk + kh) * dk;
-    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-        qk[i] = qs[i];
-        qk[dk + i] = ks[i];
-    }
-    __syncthreads();
-    float decay = expf(g[s * nv + h]);
-    float b = beta[s * nv + h];
-    float* S = state + ((size_t)slots[s] * nv + h) * dk * dv;
-    for (int j = threadIdx.x; j < dv; j += blockDim.x) {
-        size_t at = ((size_t)s * nv + h) * dv + j;
-        out[at] = gd_column_step(S, qk, decay, b, v[at], j, dk, dv);
-    }
+// Decode and the recurrent prefill hold thread j's column of S in
+// registers (at most GD_MAX_DK rows): read once, every token stepped, then
+// written back once, where gd_column_step reads and writes global memory
+// twice per token. gd_column_step_reg is gd_column_step's arithmetic
+// statement for statement (so the chunked scan's one-token chunks, on
+// gd_column_step, keep decode's bits); only where S lives differs.
+#define GD_MAX_DK 128
+#define GD_MAX_DV 256  // blockDim.x at most this (launch bounds)
+
+__device__ __forceinline__ float gd_column_step_reg(float* s, const float* qk, float decay,
+                                                    float b, float v_j, int dk) {
+    float kv = 0.0f;
+#pragma unroll
+    for (int i = 0; i < GD_MAX_DK; i++)
+        if (i < dk) {
+            float x = s[i] * decay;
+            s[i] = x;
+            kv += x * qk[dk + i];
+        }
+    float delta = b * (v_j - kv);
+    float o = 0.0f;
+#pragma unroll
+    for (int i = 0; i < GD_MAX_DK; i++)
+        if (i < dk) {
+            float x = s[i] + qk[dk + i] * delta;
+            s[i] = x;
+            o += x * qk[i];
+        }
+    return o;
 }
 
-// Prefill, token by token over packed sequences (the recurrent form; the
-// chunked WY form is below): sequence s owns tokens
-// cu_seqlens[s] .. cu_seqlens[s + 1] and the state at slots[s]. One block
-// per (sequence, value head), thread j owns column j of S, as in decode.
-// Layouts as in decode with a token axis: q, k [T, nk, dk], v, out
-// [T, nv, dv], g, beta [T, nv].
-extern "C" __global__ void gated_delta_prefill(float* out, float* state, const float* q,
-                                               const float* k, const float* v, const float* g,
-                                               const float* beta, const u32* slots,
-                                               const u32* cu_seqlens, int seqs, int nk, int nv,
-                                               int dk, int dv) {
-    extern __shared__ float qk[];
-    int s = blockIdx.x / nv, h = blockIdx.x % nv;
-    if (s >= seqs) return;
-    int kh = h / (nv / nk);
-    float* S = state + ((size_t)slots[s] * nv + h) * dk * dv;
-    for (int t = (int)cu_seqlens[s]; t < (int)cu_seqlens[s + 1]; t++) {
+// Column j of S (dk x dv, row stride dv) to registers and back.
+__device__ __forceinline__ void gd_column_load(float* s, const float* S, int j, int dk, int dv) {
+#pragma unroll
+    for (int i = 0; i < GD_MAX_DK; i++)
+        if (i < dk) s[i] = S[(size_t)i * dv + j];
+}
+__device__ __forceinline__ void gd_column_store(float* S, const float* s, int j, int dk, int dv) {
+#pragma unroll
+    for (int i = 0; i < GD_MAX_DK; i++)
+        if (i < dk) S[(size_t)i * dv + j] = s[i];
+}
+
+// Tokens t0 .. t1 of one sequence through the recurrence of value head h
+// (key head kh) on the state S, thread j owning column j (blockDim.x >=
+// dv). q, k [T, nk, dk], v, out [T, nv, dv], g, beta [T, nv]; qk: 2 * dk
+// floats of shared memory.
+__device__ void gd_recurrent(float* out, float* S, const float* q, const float* k,
+                             const float* v, const float* g, const float* beta, int t0, int t1,
+                             int nk, int nv, int kh, int h, int dk, int dv, float* qk) {
+    int j = threadIdx.x;
+    bool live = j < dv;
+    float col[GD_MAX_DK];
+    if (live) gd_column_load(col, S, j, dk, dv);
+    for (int t = t0; t < t1; t++) {
         const float* qs = q + ((size_t)t * nk + kh) * dk;
         const float* ks = k + ((size_t)t * nk + kh) * dk;
         __syncthreads();
@@ -77,13 +91,41 @@ extern "C" __global__ void gated_delta_prefill(float* out, float* state, const f
             qk[dk + i] = ks[i];
         }
         __syncthreads();
-        float decay = expf(g[(size_t)t * nv + h]);
-        float b = beta[(size_t)t * nv + h];
-        for (int j = threadIdx.x; j < dv; j += blockDim.x) {
+        if (live) {
             size_t at = ((size_t)t * nv + h) * dv + j;
-            out[at] = gd_column_step(S, qk, decay, b, v[at], j, dk, dv);
+            out[at] = gd_column_step_reg(col, qk, expf(g[(size_t)t * nv + h]),
+                                         beta[(size_t)t * nv + h], v[at], dk);
         }
     }
+    if (live) gd_column_store(S, col, j, dk, dv);
+}
+
+// Decode: token s of each array is sequence s's one new token.
+extern "C" __global__ void __launch_bounds__(GD_MAX_DV)
+    gated_delta_decode(float* out, float* state, const float* q, const float* k, const float* v,
+                       const float* g, const float* beta, const u32* slots, int seqs, int nk,
+                       int nv, int dk, int dv) {
+    extern __shared__ float qk[];
+    int s = blockIdx.x / nv, h = blockIdx.x % nv;
+    if (s >= seqs) return;
+    float* S = state + ((size_t)slots[s] * nv + h) * dk * dv;
+    gd_recurrent(out, S, q, k, v, g, beta, s, s + 1, nk, nv, h / (nv / nk), h, dk, dv, qk);
+}
+
+// Prefill, token by token over packed sequences (the recurrent form; the
+// chunked WY form is below): sequence s owns tokens
+// cu_seqlens[s] .. cu_seqlens[s + 1] and the state at slots[s]. One block
+// per (sequence, value head), as in decode, with a token axis.
+extern "C" __global__ void __launch_bounds__(GD_MAX_DV)
+    gated_delta_prefill(float* out, float* state, const float* q, const float* k, const float* v,
+                        const float* g, const float* beta, const u32* slots,
+                        const u32* cu_seqlens, int seqs, int nk, int nv, int dk, int dv) {
+    extern __shared__ float qk[];
+    int s = blockIdx.x / nv, h = blockIdx.x % nv;
+    if (s >= seqs) return;
+    float* S = state + ((size_t)slots[s] * nv + h) * dk * dv;
+    gd_recurrent(out, S, q, k, v, g, beta, (int)cu_seqlens[s], (int)cu_seqlens[s + 1], nk, nv,
+                 h / (nv / nk), h, dk, dv, qk);
 }
 
 // ---- chunked prefill (the WY form) -----------------------------------------
