@@ -1307,6 +1307,33 @@ mod tests {
         }
     }
 
+    /// A greedy request of 16 tokens after a prompt of `len` ids picked by
+    /// `salt`.
+    fn greedy(len: usize, salt: u32) -> crate::engine::Request {
+        crate::engine::Request {
+            prompt: (0..len as u32)
+                .map(|i| (i * 2_654_435 + salt * 97) % 900 + 10)
+                .collect(),
+            params: crate::sampler::SamplingParams {
+                ignore_eos: true,
+                ..crate::sampler::SamplingParams::greedy(16)
+            },
+        }
+    }
+
+    /// A weight update: every f32 parameter moved by up to 0.01.
+    fn nudge(store: &crate::ParamStore) {
+        store.update(|m| {
+            for (i, (_, t)) in m.named_params_mut().into_iter().enumerate() {
+                if let Ok(w) = t.as_f32_mut() {
+                    for (j, x) in w.iter_mut().enumerate() {
+                        *x += 0.01 * (((i * 31 + j * 7) % 13) as f32 - 6.0) / 6.0;
+                    }
+                }
+            }
+        });
+    }
+
     /// The engine on a GPU against the engine on the CPU, same store, f32
     /// matrices: prompts shorter than, equal to and longer than one prefill
     /// unit and one step's token budget (so prefills after a past run the
@@ -1315,8 +1342,7 @@ mod tests {
     /// within 2e-3 (printed).
     #[test]
     fn engine_on_cuda_matches_the_cpu_engine() {
-        use crate::engine::{self, EngineConfig, Request};
-        use crate::sampler::SamplingParams;
+        use crate::engine::{self, EngineConfig};
         use crate::ParamStore;
         use arcticd_kernels::Device;
         use std::sync::atomic::Ordering;
@@ -1343,15 +1369,6 @@ mod tests {
                 ..config
             };
             let on_gpu = engine::start(store.clone(), None, gpu_config).unwrap();
-            let greedy = |len: usize, salt: u32| Request {
-                prompt: (0..len as u32)
-                    .map(|i| (i * 2_654_435 + salt * 97) % 900 + 10)
-                    .collect(),
-                params: SamplingParams {
-                    ignore_eos: true,
-                    ..SamplingParams::greedy(16)
-                },
-            };
             let lens = [(5usize, 1u32), (64, 2), (150, 3), (300, 4)];
             let mut worst = 0.0f32;
             let mut compare = |round: &str| {
@@ -1376,15 +1393,7 @@ mod tests {
             assert!(on_gpu.metrics().prefix_hit_tokens.load(Ordering::Relaxed) > 0);
             on_gpu.pause().unwrap();
             cpu.pause().unwrap();
-            store.update(|m| {
-                for (i, (_, t)) in m.named_params_mut().into_iter().enumerate() {
-                    if let Ok(w) = t.as_f32_mut() {
-                        for (j, x) in w.iter_mut().enumerate() {
-                            *x += 0.01 * (((i * 31 + j * 7) % 13) as f32 - 6.0) / 6.0;
-                        }
-                    }
-                }
-            });
+            nudge(&store);
             on_gpu.resume();
             cpu.resume();
             compare("after an update");
@@ -1401,8 +1410,7 @@ mod tests {
     /// of an engine started fresh on the updated store.
     #[test]
     fn batch_invariant_engine_keeps_its_bits() {
-        use crate::engine::{self, EngineConfig, EngineHandle, Request};
-        use crate::sampler::SamplingParams;
+        use crate::engine::{self, EngineConfig, EngineHandle};
         use crate::ParamStore;
         use arcticd_kernels::Device;
         use std::sync::atomic::Ordering;
@@ -1420,15 +1428,6 @@ mod tests {
             device: Device::Cuda(0),
             batch_invariant: true,
             ..Default::default()
-        };
-        let greedy = |len: usize, salt: u32| Request {
-            prompt: (0..len as u32)
-                .map(|i| (i * 2_654_435 + salt * 97) % 900 + 10)
-                .collect(),
-            params: SamplingParams {
-                ignore_eos: true,
-                ..SamplingParams::greedy(16)
-            },
         };
         let lens = [(5usize, 1u32), (64, 2), (150, 3), (300, 4)];
         type Out = Vec<(Vec<u32>, Vec<u32>)>;
@@ -1459,15 +1458,7 @@ mod tests {
             );
         }
         eng.pause().unwrap();
-        store.update(|m| {
-            for (i, (_, t)) in m.named_params_mut().into_iter().enumerate() {
-                if let Ok(w) = t.as_f32_mut() {
-                    for (j, x) in w.iter_mut().enumerate() {
-                        *x += 0.01 * (((i * 31 + j * 7) % 13) as f32 - 6.0) / 6.0;
-                    }
-                }
-            }
-        });
+        nudge(&store);
         eng.resume();
         let after = together(&eng);
         let fresh = engine::start(store.clone(), None, config).unwrap();

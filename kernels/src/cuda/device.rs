@@ -98,17 +98,20 @@ const ATTN_BWD_ROWS: usize = 2;
 const ATTN_PAIRS: usize = ATTN_PAIR_WARPS * ATTN_PAIRS_PER_WARP;
 
 /// The prefill blocks' tiles: `(sequence, first pair)` for every run of
-/// `ATTN_PAIRS` (query, head) pairs of a sequence's `new[s]` tokens over one
-/// KV head (`group` heads per KV head), flattened; a sequence with no new
-/// token has none.
-fn prefill_tiles(new: impl Iterator<Item = usize>, group: usize) -> Vec<u32> {
+/// `ATTN_PAIRS` (query, head) pairs of a sequence's new tokens (rows
+/// `cu_seqlens[s]..cu_seqlens[s + 1]`) over one KV head, flattened (a
+/// sequence with no new token has none), and the blocks: every tile over
+/// every KV head.
+fn prefill_tiles(cu_seqlens: &[u32], n_heads: usize, n_kv_heads: usize) -> (Vec<u32>, usize) {
+    let group = n_heads / n_kv_heads;
     let mut tiles = Vec::new();
-    for (s, n) in new.enumerate() {
-        for pair0 in (0..n * group).step_by(ATTN_PAIRS) {
+    for (s, w) in cu_seqlens.windows(2).enumerate() {
+        for pair0 in (0..(w[1] - w[0]) as usize * group).step_by(ATTN_PAIRS) {
             tiles.extend([s as u32, pair0 as u32]);
         }
     }
-    tiles
+    let blocks = tiles.len() / 2 * n_kv_heads;
+    (tiles, blocks)
 }
 
 fn attention_prefill_launch(blocks: usize, hd: usize) -> LaunchConfig {
@@ -1028,12 +1031,8 @@ impl CudaDevice {
         let op = "varlen_attention_prefill";
         let (n_heads, n_kv_heads, hd) = heads;
         check_heads(op, n_heads, n_kv_heads, hd)?;
+        check_cu_seqlens(op, cu_seqlens, cu_seqlens.len().saturating_sub(1))?;
         let t = cu_seqlens.last().copied().unwrap_or(0) as usize;
-        if cu_seqlens.first() != Some(&0) || cu_seqlens.windows(2).any(|w| w[0] > w[1]) {
-            return Err(Error::Shape(format!(
-                "{op}: cu_seqlens must rise from 0, got {cu_seqlens:?}"
-            )));
-        }
         shape(
             op,
             &[
@@ -1046,11 +1045,7 @@ impl CudaDevice {
         if t == 0 {
             return Ok(());
         }
-        let tiles = prefill_tiles(
-            cu_seqlens.windows(2).map(|w| (w[1] - w[0]) as usize),
-            n_heads / n_kv_heads,
-        );
-        let blocks = tiles.len() / 2 * n_kv_heads;
+        let (tiles, blocks) = prefill_tiles(cu_seqlens, n_heads, n_kv_heads);
         let (cu, tiles) = (self.upload(cu_seqlens)?, self.upload(&tiles)?);
         let ints = [n_heads, n_kv_heads, hd]
             .iter()
@@ -1084,14 +1079,7 @@ impl CudaDevice {
         let (n_heads, n_kv_heads, hd) = heads;
         check_heads(op, n_heads, n_kv_heads, hd)?;
         let seqs = pasts.len();
-        if cu_seqlens.len() != seqs + 1
-            || cu_seqlens[0] != 0
-            || cu_seqlens.windows(2).any(|w| w[0] > w[1])
-        {
-            return Err(Error::Shape(format!(
-                "{op}: cu_seqlens must rise from 0 over {seqs} sequences, got {cu_seqlens:?}"
-            )));
-        }
+        check_cu_seqlens(op, cu_seqlens, seqs)?;
         let t = cu_seqlens[seqs] as usize;
         shape(
             op,
@@ -1115,11 +1103,7 @@ impl CudaDevice {
         if t == 0 {
             return Ok(());
         }
-        let tiles = prefill_tiles(
-            cu_seqlens.windows(2).map(|w| (w[1] - w[0]) as usize),
-            n_heads / n_kv_heads,
-        );
-        let blocks = tiles.len() / 2 * n_kv_heads;
+        let (tiles, blocks) = prefill_tiles(cu_seqlens, n_heads, n_kv_heads);
         let max_blocks = flat.len() / seqs;
         let (tables, pasts, cu, tiles) = (
             self.upload(&flat)?,
@@ -2200,17 +2184,19 @@ mod tests {
     #[test]
     fn prefill_tiles_cover_every_pair_once() {
         assert_eq!(ATTN_PAIRS, 16);
-        // group 3: 6 tokens = 18 pairs (two tiles), 0, 1 token = 3 pairs.
+        // group 3: 6 tokens = 18 pairs (two tiles), 0, 1 token = 3 pairs;
+        // each tile over 2 KV heads.
         assert_eq!(
-            prefill_tiles([6usize, 0, 1].into_iter(), 3),
-            vec![0, 0, 0, 16, 2, 0]
+            prefill_tiles(&[0, 6, 6, 7], 6, 2),
+            (vec![0, 0, 0, 16, 2, 0], 6)
         );
-        assert!(prefill_tiles([0usize].into_iter(), 4).is_empty());
+        assert_eq!(prefill_tiles(&[0, 0], 4, 1), (vec![], 0));
         // group 32 (more heads than a tile): two tiles per token.
         assert_eq!(
-            prefill_tiles([2usize].into_iter(), 32),
-            vec![0, 0, 0, 16, 0, 32, 0, 48]
+            prefill_tiles(&[0, 2], 32, 1),
+            (vec![0, 0, 0, 16, 0, 32, 0, 48], 4)
         );
+
         assert_eq!(ATTN_KEY_TILE % ATTN_WARPS, 0);
     }
 
