@@ -734,13 +734,9 @@ impl CudaDevice {
         };
         let (seqs, nv, dk, dv) = (slots.len(), dims.1, dims.2, dims.3);
         if !chunked {
-            check_register_columns(op, dk, dv)?;
+            check_register_columns(op, dk)?;
             let cu = self.upload(cu_seqlens)?;
-            let cfg = LaunchConfig {
-                grid_dim: ((seqs * nv) as u32, 1, 1),
-                block_dim: (dv.next_multiple_of(32).min(1024) as u32, 1, 1),
-                shared_mem_bytes: (2 * dk * 4) as u32,
-            };
+            let cfg = recurrent_launch(seqs * nv, dk, dv);
             launch!(self, op, cfg; out, state, q, k, v, g, beta, slots, &cu, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
             return Ok(());
         }
@@ -997,7 +993,7 @@ impl CudaDevice {
                 state.len()
             )));
         }
-        check_register_columns(op, dk, dv)?;
+        check_register_columns(op, dk)?;
         if seqs == 0 {
             return Ok(());
         }
@@ -1005,11 +1001,7 @@ impl CudaDevice {
             .iter()
             .map(|&x| int(op, "size", x))
             .collect::<Result<Vec<i32>>>()?;
-        let cfg = LaunchConfig {
-            grid_dim: ((seqs * nv) as u32, 1, 1),
-            block_dim: (dv.next_multiple_of(32).min(1024) as u32, 1, 1),
-            shared_mem_bytes: (2 * dk * 4) as u32,
-        };
+        let cfg = recurrent_launch(seqs * nv, dk, dv);
         launch!(self, "gated_delta_decode", cfg; out, state, q, k, v, g, beta, slots, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
         Ok(())
     }
@@ -1446,19 +1438,28 @@ fn flat_block_tables(
 }
 
 /// Decode and the recurrent prefill hold a thread's column of the state in
-/// registers (gated_delta.cu): at most `GD_MAX_DK` rows, `GD_MAX_DV`
-/// columns (Qwen3.5's heads are 128 by 128).
+/// registers (gated_delta.cu): at most `GD_MAX_DK` rows (Qwen3.5's heads
+/// are 128 by 128), `GD_REC_COLS` columns per block.
 const GD_MAX_DK: usize = 128;
-const GD_MAX_DV: usize = 256;
+const GD_REC_COLS: usize = 32;
 
-fn check_register_columns(op: &str, dk: usize, dv: usize) -> Result<()> {
-    if dk > GD_MAX_DK || dv > GD_MAX_DV {
+fn check_register_columns(op: &str, dk: usize) -> Result<()> {
+    if dk > GD_MAX_DK {
         return Err(Error::Shape(format!(
-            "{op}: linear heads of {dk} x {dv}; the CUDA recurrence holds at most \
-             {GD_MAX_DK} x {GD_MAX_DV}"
+            "{op}: key heads of {dk}; the CUDA recurrence holds at most {GD_MAX_DK}"
         )));
     }
     Ok(())
+}
+
+/// Decode and the recurrent prefill: a block per column tile of each of
+/// `heads` (sequence, value head) pairs, q and k staged in shared memory.
+fn recurrent_launch(heads: usize, dk: usize, dv: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((heads * dv.div_ceil(GD_REC_COLS)) as u32, 1, 1),
+        block_dim: (GD_REC_COLS as u32, 1, 1),
+        shared_mem_bytes: (2 * dk * 4) as u32,
+    }
 }
 
 /// The sequence of every packed row: `cu_seqlens` expanded.
@@ -1993,8 +1994,8 @@ mod tests {
 
     /// Decode token by token and the recurrent prefill in one call give
     /// the same outputs and state bit for bit (the engine's decode ==
-    /// prefill), at Qwen3.5's 128 x 128 heads (the registers' limit), and a
-    /// wider head is refused.
+    /// prefill), at Qwen3.5's 128 x 128 heads (the registers' limit; four
+    /// column tiles), and a wider key head is refused.
     #[test]
     fn gated_delta_decode_steps_equal_the_prefill() {
         let Some(d) = gpu() else { return };

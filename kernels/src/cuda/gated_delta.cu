@@ -1,7 +1,7 @@
 // The gated delta rule for decode: one token per sequence, fp32 state
 // addressed by slot (state[slot, nv, dk, dv]). One block per (sequence,
-// value head); thread j owns column j of S (dk x dv), so every access
-// S[i, j] is coalesced across the warp. Per the recurrence
+// value head, tile of GD_REC_COLS columns); a thread owns a column of S (dk
+// x dv), so every access S[i, j] is coalesced across the warp. Per the recurrence
 // (kernels/src/cpu/gated_delta.rs, the reference):
 //   S = exp(g) S;  delta = beta (v - S^T k);  S = S + k delta^T;  o = S^T q.
 // q, k: [seqs, nk, dk] (q already L2-normalized and scaled); v, out:
@@ -35,7 +35,7 @@ __device__ __forceinline__ float gd_column_step(float* S, const float* qk, float
 // statement for statement (so the chunked scan's one-token chunks, on
 // gd_column_step, keep decode's bits); only where S lives differs.
 #define GD_MAX_DK 128
-#define GD_MAX_DV 256  // blockDim.x at most this (launch bounds)
+#define GD_REC_COLS 32  // columns (threads) per block of decode and the recurrent prefill
 
 __device__ __forceinline__ float gd_column_step_reg(float* s, const float* qk, float decay,
                                                     float b, float v_j, int dk) {
@@ -72,13 +72,14 @@ __device__ __forceinline__ void gd_column_store(float* S, const float* s, int j,
 }
 
 // Tokens t0 .. t1 of one sequence through the recurrence of value head h
-// (key head kh) on the state S, thread j owning column j (blockDim.x >=
-// dv). q, k [T, nk, dk], v, out [T, nv, dv], g, beta [T, nv]; qk: 2 * dk
-// floats of shared memory.
+// (key head kh) on the state S, thread i owning column j0 + i (a block takes
+// GD_REC_COLS columns: the columns never mix, so a head's columns run in
+// parallel blocks). q, k [T, nk, dk], v, out [T, nv, dv], g, beta [T, nv];
+// qk: 2 * dk floats of shared memory.
 __device__ void gd_recurrent(float* out, float* S, const float* q, const float* k,
                              const float* v, const float* g, const float* beta, int t0, int t1,
-                             int nk, int nv, int kh, int h, int dk, int dv, float* qk) {
-    int j = threadIdx.x;
+                             int nk, int nv, int kh, int h, int j0, int dk, int dv, float* qk) {
+    int j = j0 + threadIdx.x;
     bool live = j < dv;
     float col[GD_MAX_DK];
     if (live) gd_column_load(col, S, j, dk, dv);
@@ -100,32 +101,36 @@ __device__ void gd_recurrent(float* out, float* S, const float* q, const float* 
     if (live) gd_column_store(S, col, j, dk, dv);
 }
 
-// Decode: token s of each array is sequence s's one new token.
-extern "C" __global__ void __launch_bounds__(GD_MAX_DV)
+// Decode: token s of each array is sequence s's one new token. Block b:
+// column tile b % tiles of head (b / tiles) % nv of sequence b / tiles / nv.
+extern "C" __global__ void __launch_bounds__(GD_REC_COLS)
     gated_delta_decode(float* out, float* state, const float* q, const float* k, const float* v,
                        const float* g, const float* beta, const u32* slots, int seqs, int nk,
                        int nv, int dk, int dv) {
     extern __shared__ float qk[];
-    int s = blockIdx.x / nv, h = blockIdx.x % nv;
+    int tiles = (dv + GD_REC_COLS - 1) / GD_REC_COLS;
+    int tile = blockIdx.x % tiles, h = (blockIdx.x / tiles) % nv, s = blockIdx.x / tiles / nv;
     if (s >= seqs) return;
     float* S = state + ((size_t)slots[s] * nv + h) * dk * dv;
-    gd_recurrent(out, S, q, k, v, g, beta, s, s + 1, nk, nv, h / (nv / nk), h, dk, dv, qk);
+    gd_recurrent(out, S, q, k, v, g, beta, s, s + 1, nk, nv, h / (nv / nk), h,
+                 tile * GD_REC_COLS, dk, dv, qk);
 }
 
 // Prefill, token by token over packed sequences (the recurrent form; the
 // chunked WY form is below): sequence s owns tokens
 // cu_seqlens[s] .. cu_seqlens[s + 1] and the state at slots[s]. One block
-// per (sequence, value head), as in decode, with a token axis.
-extern "C" __global__ void __launch_bounds__(GD_MAX_DV)
+// per (sequence, value head, column tile), as in decode, with a token axis.
+extern "C" __global__ void __launch_bounds__(GD_REC_COLS)
     gated_delta_prefill(float* out, float* state, const float* q, const float* k, const float* v,
                         const float* g, const float* beta, const u32* slots,
                         const u32* cu_seqlens, int seqs, int nk, int nv, int dk, int dv) {
     extern __shared__ float qk[];
-    int s = blockIdx.x / nv, h = blockIdx.x % nv;
+    int tiles = (dv + GD_REC_COLS - 1) / GD_REC_COLS;
+    int tile = blockIdx.x % tiles, h = (blockIdx.x / tiles) % nv, s = blockIdx.x / tiles / nv;
     if (s >= seqs) return;
     float* S = state + ((size_t)slots[s] * nv + h) * dk * dv;
     gd_recurrent(out, S, q, k, v, g, beta, (int)cu_seqlens[s], (int)cu_seqlens[s + 1], nk, nv,
-                 h / (nv / nk), h, dk, dv, qk);
+                 h / (nv / nk), h, tile * GD_REC_COLS, dk, dv, qk);
 }
 
 // ---- chunked prefill (the WY form) -----------------------------------------

@@ -38,19 +38,19 @@ def gd_column_step(S, qk, decay, b, v_j, j, dk, dv):
     return o
 
 
-# cu:162
+# cu:167
 def gd_decay(cum, i, j):
-    return expf(F(cum[i] - cum[j]))  # cu:163
+    return expf(F(cum[i] - cum[j]))  # cu:168
 
 
-# ---------------------------------------------------------------- prep (cu:170)
+# ---------------------------------------------------------------- prep (cu:175)
 def prep_shared():
     return (
-        shared("prep.cum", GD_CHUNK, np.float64),  # cu:174
-        shared("prep.bet", GD_CHUNK, np.float32),  # cu:175
-        shared("prep.att", GD_CHUNK * GD_CHUNK, np.float32),  # cu:176
+        shared("prep.cum", GD_CHUNK, np.float64),  # cu:179
+        shared("prep.bet", GD_CHUNK, np.float32),  # cu:180
+        shared("prep.att", GD_CHUNK * GD_CHUNK, np.float32),  # cu:181
         shared("prep.low", GD_CHUNK * GD_CHUNK, np.float32),
-        shared("prep.tq", GD_CHUNK * (GD_TILE + 1), np.float32),  # cu:177
+        shared("prep.tq", GD_CHUNK * (GD_TILE + 1), np.float32),  # cu:182
         shared("prep.tk", GD_CHUNK * (GD_TILE + 1), np.float32),
     )
 
@@ -58,85 +58,85 @@ def prep_shared():
 def gated_delta_chunk_prep(bx, tid, bdim, gdim, sh, A, U, W, G, KKE, q, k, v, g, beta,
                            chunk_tok0, chunk_len, chunks, nk, nv, dk, dv):
     cum, bet, att, low, tq, tk = sh
-    n, h = bx // nv, bx % nv  # cu:178
-    if n >= chunks:  # cu:179
+    n, h = bx // nv, bx % nv  # cu:183
+    if n >= chunks:  # cu:184
         return
-    kh = h // (nv // nk)  # cu:180
-    t0, c = u(chunk_tok0[n]), u(chunk_len[n])  # cu:181
+    kh = h // (nv // nk)  # cu:185
+    t0, c = u(chunk_tok0[n]), u(chunk_len[n])  # cu:186
     if tid < c:
-        bet[tid] = beta[(t0 + tid) * nv + h]  # cu:182
-    if tid == 0:  # cu:183
+        bet[tid] = beta[(t0 + tid) * nv + h]  # cu:187
+    if tid == 0:  # cu:188
         acc = D(0.0)
         for i in range(c):
-            acc += D(g[(t0 + i) * nv + h])  # cu:186
-            cum[i] = acc  # cu:187
-    for e in range(tid, c * c, bdim):  # cu:190
-        att[e] = F(0.0)  # cu:191
-        low[e] = F(0.0)  # cu:192
-    yield "cu194"
+            acc += D(g[(t0 + i) * nv + h])  # cu:191
+            cum[i] = acc  # cu:192
+    for e in range(tid, c * c, bdim):  # cu:195
+        att[e] = F(0.0)  # cu:196
+        low[e] = F(0.0)  # cu:197
+    yield "cu199"
     if tid < c:
-        G[(t0 + tid) * nv + h] = cum[tid]  # cu:195
+        G[(t0 + tid) * nv + h] = cum[tid]  # cu:200
 
     d0 = 0
-    while d0 < dk:  # cu:198
-        w = min(GD_TILE, dk - d0)  # cu:199
-        for e in range(tid, c * GD_TILE, bdim):  # cu:200
-            i, d = e // GD_TILE, e % GD_TILE  # cu:201
-            at = ((t0 + i) * nk + kh) * dk + d0 + d  # cu:202
-            tq[i * (GD_TILE + 1) + d] = q[at] if d < w else F(0.0)  # cu:203
-            tk[i * (GD_TILE + 1) + d] = k[at] if d < w else F(0.0)  # cu:204
-        yield "cu206"
-        for e in range(tid, c * c, bdim):  # cu:207
-            i, j = e // c, e % c  # cu:208
-            if j > i:  # cu:209
+    while d0 < dk:  # cu:203
+        w = min(GD_TILE, dk - d0)  # cu:204
+        for e in range(tid, c * GD_TILE, bdim):  # cu:205
+            i, d = e // GD_TILE, e % GD_TILE  # cu:206
+            at = ((t0 + i) * nk + kh) * dk + d0 + d  # cu:207
+            tq[i * (GD_TILE + 1) + d] = q[at] if d < w else F(0.0)  # cu:208
+            tk[i * (GD_TILE + 1) + d] = k[at] if d < w else F(0.0)  # cu:209
+        yield "cu211"
+        for e in range(tid, c * c, bdim):  # cu:212
+            i, j = e // c, e % c  # cu:213
+            if j > i:  # cu:214
                 continue
-            a, l = F(0.0), F(0.0)  # cu:210
-            for d in range(w):  # cu:211
-                kj = tk[j * (GD_TILE + 1) + d]  # cu:212
-                a += tq[i * (GD_TILE + 1) + d] * kj  # cu:213
-                l += tk[i * (GD_TILE + 1) + d] * kj  # cu:214
-            att[e] += a  # cu:216
-            low[e] += l  # cu:217
-        yield "cu219"
+            a, l = F(0.0), F(0.0)  # cu:215
+            for d in range(w):  # cu:216
+                kj = tk[j * (GD_TILE + 1) + d]  # cu:217
+                a += tq[i * (GD_TILE + 1) + d] * kj  # cu:218
+                l += tk[i * (GD_TILE + 1) + d] * kj  # cu:219
+            att[e] += a  # cu:221
+            low[e] += l  # cu:222
+        yield "cu224"
         d0 += GD_TILE
 
-    An = A + (n * nv + h) * GD_CHUNK * GD_CHUNK  # cu:224
-    for e in range(tid, c * c, bdim):  # cu:225
-        i, j = e // c, e % c  # cu:226
-        decay = gd_decay(cum, i, j) if j <= i else F(0.0)  # cu:227
-        a = att[e] * decay if j <= i else F(0.0)  # cu:228
-        kke = low[e] * decay if j < i else F(0.0)  # cu:229
-        low[e] = bet[i] * kke  # cu:230
-        An[i * GD_CHUNK + j] = a  # cu:231
+    An = A + (n * nv + h) * GD_CHUNK * GD_CHUNK  # cu:229
+    for e in range(tid, c * c, bdim):  # cu:230
+        i, j = e // c, e % c  # cu:231
+        decay = gd_decay(cum, i, j) if j <= i else F(0.0)  # cu:232
+        a = att[e] * decay if j <= i else F(0.0)  # cu:233
+        kke = low[e] * decay if j < i else F(0.0)  # cu:234
+        low[e] = bet[i] * kke  # cu:235
+        An[i * GD_CHUNK + j] = a  # cu:236
         if KKE is not None:
-            KKE[(n * nv + h) * GD_CHUNK * GD_CHUNK + i * GD_CHUNK + j] = kke  # cu:232
-    yield "cu234"
+            KKE[(n * nv + h) * GD_CHUNK * GD_CHUNK + i * GD_CHUNK + j] = kke  # cu:237
+    yield "cu239"
 
-    for col in range(tid, dv + dk, bdim):  # cu:238
-        x = [None] * GD_CHUNK  # cu:239 (local array; None = uninitialised)
-        for i in range(c):  # cu:240
-            row = t0 + i  # cu:241
-            if col < dv:  # cu:242
-                r = bet[i] * v[(row * nv + h) * dv + col]  # cu:242
+    for col in range(tid, dv + dk, bdim):  # cu:243
+        x = [None] * GD_CHUNK  # cu:244 (local array; None = uninitialised)
+        for i in range(c):  # cu:245
+            row = t0 + i  # cu:246
+            if col < dv:  # cu:247
+                r = bet[i] * v[(row * nv + h) * dv + col]  # cu:247
             else:
-                r = bet[i] * expf(F(cum[i])) * k[(row * nk + kh) * dk + (col - dv)]  # cu:243
-            for l in range(i):  # cu:244
-                r -= low[i * c + l] * x[l]  # cu:244
-            x[i] = r  # cu:245
+                r = bet[i] * expf(F(cum[i])) * k[(row * nk + kh) * dk + (col - dv)]  # cu:248
+            for l in range(i):  # cu:249
+                r -= low[i * c + l] * x[l]  # cu:249
+            x[i] = r  # cu:250
             if col < dv:
-                U[(row * nv + h) * dv + col] = r  # cu:247
+                U[(row * nv + h) * dv + col] = r  # cu:252
             else:
-                W[(row * nv + h) * dk + (col - dv)] = r  # cu:249
+                W[(row * nv + h) * dk + (col - dv)] = r  # cu:254
 
 
-# ---------------------------------------------------------------- scan (cu:256)
+# ---------------------------------------------------------------- scan (cu:261)
 def scan_shared_factory(dk):
     def f():
         return (
-            shared("scan.delta", GD_CHUNK * GD_COLS, np.float32),  # cu:261
-            shared("scan.cum", GD_CHUNK, np.float64),  # cu:262
-            shared("scan.dec", GD_CHUNK, np.float32),  # cu:263
-            shared("scan.qk", 2 * dk, np.float32),  # cu:264 dynamic, shared_mem_bytes 2*dk*4
+            shared("scan.delta", GD_CHUNK * GD_COLS, np.float32),  # cu:266
+            shared("scan.cum", GD_CHUNK, np.float64),  # cu:267
+            shared("scan.dec", GD_CHUNK, np.float32),  # cu:268
+            shared("scan.qk", 2 * dk, np.float32),  # cu:269 dynamic, shared_mem_bytes 2*dk*4
         )
     return f
 
@@ -144,83 +144,83 @@ def scan_shared_factory(dk):
 def gated_delta_chunk_scan(bx, tid, bdim, gdim, sh, out, state, starts, U, A, W, G, q, k, v, g,
                            beta, slots, seq_chunk0, chunk_tok0, chunk_len, seqs, nk, nv, dk, dv):
     delta, cum, dec, qk = sh
-    tiles = (dv + GD_COLS - 1) // GD_COLS  # cu:265
-    tile, h, s = bx % tiles, (bx // tiles) % nv, bx // tiles // nv  # cu:266
-    if s >= seqs:  # cu:267
+    tiles = (dv + GD_COLS - 1) // GD_COLS  # cu:270
+    tile, h, s = bx % tiles, (bx // tiles) % nv, bx // tiles // nv  # cu:271
+    if s >= seqs:  # cu:272
         return
-    kh = h // (nv // nk)  # cu:268
-    tx, ty = tid % GD_COLS, tid // GD_COLS  # cu:269
-    j = tile * GD_COLS + tx  # cu:270
-    live = j < dv  # cu:271
-    S = state + (u(slots[s]) * nv + h) * dk * dv  # cu:272
+    kh = h // (nv // nk)  # cu:273
+    tx, ty = tid % GD_COLS, tid // GD_COLS  # cu:274
+    j = tile * GD_COLS + tx  # cu:275
+    live = j < dv  # cu:276
+    S = state + (u(slots[s]) * nv + h) * dk * dv  # cu:277
     n = u(seq_chunk0[s])
-    while n < u(seq_chunk0[s + 1]):  # cu:273
+    while n < u(seq_chunk0[s + 1]):  # cu:278
         new_epoch(tid, sh)
-        t0, c = u(chunk_tok0[n]), u(chunk_len[n])  # cu:274
-        if starts is not None:  # cu:275
-            s0 = starts + (n * nv + h) * dk * dv  # cu:276
+        t0, c = u(chunk_tok0[n]), u(chunk_len[n])  # cu:279
+        if starts is not None:  # cu:280
+            s0 = starts + (n * nv + h) * dk * dv  # cu:281
             d = ty
-            while d < dk and live:  # cu:277
-                s0[d * dv + j] = S[d * dv + j]  # cu:277
+            while d < dk and live:  # cu:282
+                s0[d * dv + j] = S[d * dv + j]  # cu:282
                 d += GD_ROWS
-            yield "cu278"
-        if c == 1:  # cu:280
-            for i in range(tid, dk, bdim):  # cu:282
-                qk[i] = q[(t0 * nk + kh) * dk + i]  # cu:283
-                qk[dk + i] = k[(t0 * nk + kh) * dk + i]  # cu:284
-            yield "cu286"
-            if ty == 0 and live:  # cu:287
-                at = (t0 * nv + h) * dv + j  # cu:288
-                out[at] = gd_column_step(S, qk, expf(g[t0 * nv + h]),  # cu:289
+            yield "cu283"
+        if c == 1:  # cu:285
+            for i in range(tid, dk, bdim):  # cu:287
+                qk[i] = q[(t0 * nk + kh) * dk + i]  # cu:288
+                qk[dk + i] = k[(t0 * nk + kh) * dk + i]  # cu:289
+            yield "cu291"
+            if ty == 0 and live:  # cu:292
+                at = (t0 * nv + h) * dv + j  # cu:293
+                out[at] = gd_column_step(S, qk, expf(g[t0 * nv + h]),  # cu:294
                                          beta[t0 * nv + h], v[at], j, dk, dv)
-            yield "cu292"
+            yield "cu297"
             n += 1
             continue
         if tid < c:
-            cum[tid] = G[(t0 + tid) * nv + h]  # cu:295
-        yield "cu296"
+            cum[tid] = G[(t0 + tid) * nv + h]  # cu:300
+        yield "cu301"
         if tid < c:
-            dec[tid] = gd_decay(cum, c - 1, tid)  # cu:297
+            dec[tid] = gd_decay(cum, c - 1, tid)  # cu:302
         i = ty
-        while i < c and live:  # cu:299
-            row = t0 + i  # cu:300
-            wi = W + (row * nv + h) * dk  # cu:301
-            qi = q + (row * nk + kh) * dk  # cu:302
-            ws, qs = F(0.0), F(0.0)  # cu:303
-            for d in range(dk):  # cu:304
-                sv = S[d * dv + j]  # cu:305
-                ws += wi[d] * sv  # cu:306
-                qs += qi[d] * sv  # cu:307
-            delta[i * GD_COLS + tx] = U[(row * nv + h) * dv + j] - ws  # cu:309
-            out[(row * nv + h) * dv + j] = expf(F(cum[i])) * qs  # cu:310
+        while i < c and live:  # cu:304
+            row = t0 + i  # cu:305
+            wi = W + (row * nv + h) * dk  # cu:306
+            qi = q + (row * nk + kh) * dk  # cu:307
+            ws, qs = F(0.0), F(0.0)  # cu:308
+            for d in range(dk):  # cu:309
+                sv = S[d * dv + j]  # cu:310
+                ws += wi[d] * sv  # cu:311
+                qs += qi[d] * sv  # cu:312
+            delta[i * GD_COLS + tx] = U[(row * nv + h) * dv + j] - ws  # cu:314
+            out[(row * nv + h) * dv + j] = expf(F(cum[i])) * qs  # cu:315
             i += GD_ROWS
-        yield "cu312"
-        An = A + (n * nv + h) * GD_CHUNK * GD_CHUNK  # cu:314
+        yield "cu317"
+        An = A + (n * nv + h) * GD_CHUNK * GD_CHUNK  # cu:319
         i = ty
-        while i < c and live:  # cu:315
-            o = F(0.0)  # cu:316
-            for l in range(i + 1):  # cu:317
-                o += An[i * GD_CHUNK + l] * delta[l * GD_COLS + tx]  # cu:317
-            out[((t0 + i) * nv + h) * dv + j] += o  # cu:318
+        while i < c and live:  # cu:320
+            o = F(0.0)  # cu:321
+            for l in range(i + 1):  # cu:322
+                o += An[i * GD_CHUNK + l] * delta[l * GD_COLS + tx]  # cu:322
+            out[((t0 + i) * nv + h) * dv + j] += o  # cu:323
             i += GD_ROWS
-        last = expf(F(cum[c - 1]))  # cu:322
+        last = expf(F(cum[c - 1]))  # cu:327
         d = ty
-        while d < dk and live:  # cu:323
-            acc = F(0.0)  # cu:324
-            for i in range(c):  # cu:325
-                acc += dec[i] * k[((t0 + i) * nk + kh) * dk + d] * delta[i * GD_COLS + tx]  # cu:326
-            S[d * dv + j] = last * S[d * dv + j] + acc  # cu:327
+        while d < dk and live:  # cu:328
+            acc = F(0.0)  # cu:329
+            for i in range(c):  # cu:330
+                acc += dec[i] * k[((t0 + i) * nk + kh) * dk + d] * delta[i * GD_COLS + tx]  # cu:331
+            S[d * dv + j] = last * S[d * dv + j] + acc  # cu:332
             d += GD_ROWS
-        yield "cu329"
+        yield "cu334"
         n += 1
 
 
-# ---------------------------------------------------------------- dscan (cu:362)
+# ---------------------------------------------------------------- dscan (cu:367)
 def dscan_shared():
     return (
-        shared("dscan.dd", GD_CHUNK * GD_COLS, np.float32),  # cu:366
-        shared("dscan.cum", GD_CHUNK, np.float64),  # cu:367
-        shared("dscan.eg", GD_CHUNK, np.float32),  # cu:368
+        shared("dscan.dd", GD_CHUNK * GD_COLS, np.float32),  # cu:371
+        shared("dscan.cum", GD_CHUNK, np.float64),  # cu:372
+        shared("dscan.eg", GD_CHUNK, np.float32),  # cu:373
         shared("dscan.dec", GD_CHUNK, np.float32),
     )
 
@@ -228,89 +228,89 @@ def dscan_shared():
 def gated_delta_chunk_dscan(bx, tid, bdim, gdim, sh, ddelta, ds1, dS_all, A, W, G, q, k, dout,
                             seq_chunk0, chunk_tok0, chunk_len, seqs, nk, nv, dk, dv):
     dd, cum, eg, dec = sh
-    tiles = (dv + GD_COLS - 1) // GD_COLS  # cu:369
-    tile, h, s = bx % tiles, (bx // tiles) % nv, bx // tiles // nv  # cu:370
-    if s >= seqs:  # cu:371
+    tiles = (dv + GD_COLS - 1) // GD_COLS  # cu:374
+    tile, h, s = bx % tiles, (bx // tiles) % nv, bx // tiles // nv  # cu:375
+    if s >= seqs:  # cu:376
         return
-    kh = h // (nv // nk)  # cu:372
-    tx, ty = tid % GD_COLS, tid // GD_COLS  # cu:373
-    j = tile * GD_COLS + tx  # cu:374
-    live = j < dv  # cu:375
-    sn = dk * dv  # cu:376
-    dS = dS_all + (s * nv + h) * sn  # cu:377
+    kh = h // (nv // nk)  # cu:377
+    tx, ty = tid % GD_COLS, tid // GD_COLS  # cu:378
+    j = tile * GD_COLS + tx  # cu:379
+    live = j < dv  # cu:380
+    sn = dk * dv  # cu:381
+    dS = dS_all + (s * nv + h) * sn  # cu:382
     n = u(seq_chunk0[s + 1]) - 1
-    while n >= u(seq_chunk0[s]):  # cu:378
+    while n >= u(seq_chunk0[s]):  # cu:383
         new_epoch(tid, sh)
-        t0, c = u(chunk_tok0[n]), u(chunk_len[n])  # cu:379
+        t0, c = u(chunk_tok0[n]), u(chunk_len[n])  # cu:384
         if tid < c:
-            cum[tid] = G[(t0 + tid) * nv + h]  # cu:380
-        yield "cu381"
-        if tid < c:  # cu:382
-            eg[tid] = expf(F(cum[tid]))  # cu:383
-            dec[tid] = gd_decay(cum, c - 1, tid)  # cu:384
-        d1 = ds1 + (n * nv + h) * sn  # cu:386
+            cum[tid] = G[(t0 + tid) * nv + h]  # cu:385
+        yield "cu386"
+        if tid < c:  # cu:387
+            eg[tid] = expf(F(cum[tid]))  # cu:388
+            dec[tid] = gd_decay(cum, c - 1, tid)  # cu:389
+        d1 = ds1 + (n * nv + h) * sn  # cu:391
         d = ty
-        while d < dk and live:  # cu:387
-            d1[d * dv + j] = dS[d * dv + j]  # cu:387
+        while d < dk and live:  # cu:392
+            d1[d * dv + j] = dS[d * dv + j]  # cu:392
             d += GD_ROWS
-        yield "cu388"
-        An = A + (n * nv + h) * GD_CHUNK * GD_CHUNK  # cu:390
+        yield "cu393"
+        An = A + (n * nv + h) * GD_CHUNK * GD_CHUNK  # cu:395
         i = ty
-        while i < c and live:  # cu:391
-            acc = F(0.0)  # cu:392
-            for l in range(i, c):  # cu:393
-                acc += An[l * GD_CHUNK + i] * dout[((t0 + l) * nv + h) * dv + j]  # cu:394
-            ki = k + ((t0 + i) * nk + kh) * dk  # cu:395
-            ks = F(0.0)  # cu:396
+        while i < c and live:  # cu:396
+            acc = F(0.0)  # cu:397
+            for l in range(i, c):  # cu:398
+                acc += An[l * GD_CHUNK + i] * dout[((t0 + l) * nv + h) * dv + j]  # cu:399
+            ki = k + ((t0 + i) * nk + kh) * dk  # cu:400
+            ks = F(0.0)  # cu:401
             for d in range(dk):
-                ks += ki[d] * dS[d * dv + j]  # cu:397
-            acc += dec[i] * ks  # cu:398
-            dd[i * GD_COLS + tx] = acc  # cu:399
-            ddelta[((t0 + i) * nv + h) * dv + j] = acc  # cu:400
+                ks += ki[d] * dS[d * dv + j]  # cu:402
+            acc += dec[i] * ks  # cu:403
+            dd[i * GD_COLS + tx] = acc  # cu:404
+            ddelta[((t0 + i) * nv + h) * dv + j] = acc  # cu:405
             i += GD_ROWS
-        yield "cu402"
-        last = expf(F(cum[c - 1]))  # cu:404
+        yield "cu407"
+        last = expf(F(cum[c - 1]))  # cu:409
         d = ty
-        while d < dk and live:  # cu:405
-            acc = F(0.0)  # cu:406
-            for i in range(c):  # cu:407
-                row = t0 + i  # cu:408
-                acc += (eg[i] * q[(row * nk + kh) * dk + d] * dout[(row * nv + h) * dv + j]  # cu:409
-                        - W[(row * nv + h) * dk + d] * dd[i * GD_COLS + tx])  # cu:410
-            dS[d * dv + j] = last * dS[d * dv + j] + acc  # cu:412
+        while d < dk and live:  # cu:410
+            acc = F(0.0)  # cu:411
+            for i in range(c):  # cu:412
+                row = t0 + i  # cu:413
+                acc += (eg[i] * q[(row * nk + kh) * dk + d] * dout[(row * nv + h) * dv + j]  # cu:414
+                        - W[(row * nv + h) * dk + d] * dd[i * GD_COLS + tx])  # cu:415
+            dS[d * dv + j] = last * dS[d * dv + j] + acc  # cu:417
             d += GD_ROWS
-        yield "cu414"
+        yield "cu419"
         n -= 1
 
 
-# ---------------------------------------------------------------- block_sum_f64 (cu:420)
+# ---------------------------------------------------------------- block_sum_f64 (cu:425)
 def block_sum_f64(v, red, tid, bdim):
-    yield "cu421"
-    red[tid] = v  # cu:422
-    yield "cu423"
+    yield "cu426"
+    red[tid] = v  # cu:427
+    yield "cu428"
     o = bdim // 2
-    while o > 0:  # cu:424
+    while o > 0:  # cu:429
         if tid < o:
-            red[tid] += red[tid + o]  # cu:425
-        yield "cu426"
+            red[tid] += red[tid + o]  # cu:430
+        yield "cu431"
         o >>= 1
-    total = red[0]  # cu:428
-    yield "cu429"
+    total = red[0]  # cu:433
+    yield "cu434"
     return total
 
 
-# ---------------------------------------------------------------- grads (cu:433)
+# ---------------------------------------------------------------- grads (cu:438)
 def grads_shared():
     return (
-        shared("grads.cum", GD_CHUNK, np.float64),  # cu:440
+        shared("grads.cum", GD_CHUNK, np.float64),  # cu:445
         shared("grads.dG", GD_CHUNK, np.float64),
         shared("grads.dbl", GD_CHUNK, np.float64),
-        shared("grads.eg", GD_CHUNK, np.float32),  # cu:441
+        shared("grads.eg", GD_CHUNK, np.float32),  # cu:446
         shared("grads.dec", GD_CHUNK, np.float32),
         shared("grads.bet", GD_CHUNK, np.float32),
-        shared("grads.P", GD_CHUNK * GD_CHUNK, np.float32),  # cu:442
+        shared("grads.P", GD_CHUNK * GD_CHUNK, np.float32),  # cu:447
         shared("grads.D", GD_CHUNK * GD_CHUNK, np.float32),
-        shared("grads.red", 256, np.float64),  # cu:443
+        shared("grads.red", 256, np.float64),  # cu:448
     )
 
 
@@ -318,174 +318,174 @@ def gated_delta_chunk_grads(bx, tid, bdim, gdim, sh, dq_v, dk_v, dv_out, dg_out,
                             dqg, dkd, drv, drk, ddelta, starts, ds1, A, KKE, U, W, G, q, k, v,
                             dout, beta, chunk_tok0, chunk_len, chunks, nk, nv, dk, dv):
     cum, dG, dbl, eg, dec, bet, P, Dm, red = sh
-    n, h = bx // nv, bx % nv  # cu:444
-    if n >= chunks:  # cu:445
+    n, h = bx // nv, bx % nv  # cu:449
+    if n >= chunks:  # cu:450
         return
-    kh = h // (nv // nk)  # cu:446
-    t0, c = u(chunk_tok0[n]), u(chunk_len[n])  # cu:447
-    sn = dk * dv  # cu:449
-    mat = (n * nv + h) * GD_CHUNK * GD_CHUNK  # cu:450
-    S0 = starts + (n * nv + h) * sn  # cu:451
-    dS = ds1 + (n * nv + h) * sn  # cu:452
-    An = A + mat  # cu:453
-    Kn = KKE + mat  # cu:454
+    kh = h // (nv // nk)  # cu:451
+    t0, c = u(chunk_tok0[n]), u(chunk_len[n])  # cu:452
+    sn = dk * dv  # cu:454
+    mat = (n * nv + h) * GD_CHUNK * GD_CHUNK  # cu:455
+    S0 = starts + (n * nv + h) * sn  # cu:456
+    dS = ds1 + (n * nv + h) * sn  # cu:457
+    An = A + mat  # cu:458
+    Kn = KKE + mat  # cu:459
 
-    def GD_QK(x, i):  # cu:457
+    def GD_QK(x, i):  # cu:462
         return x + ((t0 + i) * nk + kh) * dk
 
-    def GD_HK(x, i):  # cu:458
+    def GD_HK(x, i):  # cu:463
         return x + ((t0 + i) * nv + h) * dk
 
-    def GD_HV(x, i):  # cu:459
+    def GD_HV(x, i):  # cu:464
         return x + ((t0 + i) * nv + h) * dv
 
-    if tid < c:  # cu:460
-        cum[tid] = G[(t0 + tid) * nv + h]  # cu:461
-        bet[tid] = beta[(t0 + tid) * nv + h]  # cu:462
-    yield "cu464"
     if tid < c:  # cu:465
-        eg[tid] = expf(F(cum[tid]))  # cu:466
-        dec[tid] = gd_decay(cum, c - 1, tid)  # cu:467
-    for e in range(tid, c * dv, bdim):  # cu:470
-        i, j = e // dv, e % dv  # cu:471
-        wi = GD_HK(W, i)  # cu:472
+        cum[tid] = G[(t0 + tid) * nv + h]  # cu:466
+        bet[tid] = beta[(t0 + tid) * nv + h]  # cu:467
+    yield "cu469"
+    if tid < c:  # cu:470
+        eg[tid] = expf(F(cum[tid]))  # cu:471
+        dec[tid] = gd_decay(cum, c - 1, tid)  # cu:472
+    for e in range(tid, c * dv, bdim):  # cu:475
+        i, j = e // dv, e % dv  # cu:476
+        wi = GD_HK(W, i)  # cu:477
         acc = F(0.0)
         for d in range(dk):
-            acc += wi[d] * S0[d * dv + j]  # cu:474
-        GD_HV(delta, i)[j] = GD_HV(U, i)[j] - acc  # cu:475
-    yield "cu477"
-    for e in range(tid, c * dk, bdim):  # cu:479
-        i, d = e // dk, e % dk  # cu:480
-        doi = GD_HV(dout, i)  # cu:481
-        dli = GD_HV(delta, i)  # cu:482
-        ddi = GD_HV(ddelta, i)  # cu:483
-        a, b, w = F(0.0), F(0.0), F(0.0)  # cu:484
-        for j in range(dv):  # cu:485
-            s0 = S0[d * dv + j]  # cu:486
-            a += doi[j] * s0  # cu:487
-            b += dli[j] * dS[d * dv + j]  # cu:488
-            w += ddi[j] * s0  # cu:489
-        GD_HK(dqg, i)[d] = a  # cu:491
-        GD_HK(dkd, i)[d] = b  # cu:492
-        GD_HK(drk, i)[d] = -w  # cu:493
-    for e in range(tid, c * dv, bdim):  # cu:495
-        GD_HV(drv, e // dv)[e % dv] = GD_HV(ddelta, e // dv)[e % dv]  # cu:495
-    for e in range(tid, c * c, bdim):  # cu:497
-        i, j = e // c, e % c  # cu:498
-        a = F(0.0)  # cu:499
-        if j <= i:  # cu:500
-            doi = GD_HV(dout, i)  # cu:501
-            dlj = GD_HV(delta, j)  # cu:502
+            acc += wi[d] * S0[d * dv + j]  # cu:479
+        GD_HV(delta, i)[j] = GD_HV(U, i)[j] - acc  # cu:480
+    yield "cu482"
+    for e in range(tid, c * dk, bdim):  # cu:484
+        i, d = e // dk, e % dk  # cu:485
+        doi = GD_HV(dout, i)  # cu:486
+        dli = GD_HV(delta, i)  # cu:487
+        ddi = GD_HV(ddelta, i)  # cu:488
+        a, b, w = F(0.0), F(0.0), F(0.0)  # cu:489
+        for j in range(dv):  # cu:490
+            s0 = S0[d * dv + j]  # cu:491
+            a += doi[j] * s0  # cu:492
+            b += dli[j] * dS[d * dv + j]  # cu:493
+            w += ddi[j] * s0  # cu:494
+        GD_HK(dqg, i)[d] = a  # cu:496
+        GD_HK(dkd, i)[d] = b  # cu:497
+        GD_HK(drk, i)[d] = -w  # cu:498
+    for e in range(tid, c * dv, bdim):  # cu:500
+        GD_HV(drv, e // dv)[e % dv] = GD_HV(ddelta, e // dv)[e % dv]  # cu:500
+    for e in range(tid, c * c, bdim):  # cu:502
+        i, j = e // c, e % c  # cu:503
+        a = F(0.0)  # cu:504
+        if j <= i:  # cu:505
+            doi = GD_HV(dout, i)  # cu:506
+            dlj = GD_HV(delta, j)  # cu:507
             for x in range(dv):
-                a += doi[x] * dlj[x]  # cu:503
-        P[i * GD_CHUNK + j] = a  # cu:505
-    yield "cu507"
-    for col in range(tid, dv + dk, bdim):  # cu:510
-        base = drv if col < dv else drk  # cu:511
-        width, x = (dv, col) if col < dv else (dk, col - dv)  # cu:512
-        for i in range(c - 2, -1, -1):  # cu:513
-            r = base[((t0 + i) * nv + h) * width + x]  # cu:514
-            for l in range(i + 1, c):  # cu:515
-                r -= bet[l] * Kn[l * GD_CHUNK + i] * base[((t0 + l) * nv + h) * width + x]  # cu:516
-            base[((t0 + i) * nv + h) * width + x] = r  # cu:517
-    yield "cu520"
-    for e in range(tid, c * c, bdim):  # cu:522
-        i, j = e // c, e % c  # cu:523
-        a = F(0.0)  # cu:524
-        if j < i:  # cu:525
-            ri, uj = GD_HV(drv, i), GD_HV(U, j)  # cu:526
+                a += doi[x] * dlj[x]  # cu:508
+        P[i * GD_CHUNK + j] = a  # cu:510
+    yield "cu512"
+    for col in range(tid, dv + dk, bdim):  # cu:515
+        base = drv if col < dv else drk  # cu:516
+        width, x = (dv, col) if col < dv else (dk, col - dv)  # cu:517
+        for i in range(c - 2, -1, -1):  # cu:518
+            r = base[((t0 + i) * nv + h) * width + x]  # cu:519
+            for l in range(i + 1, c):  # cu:520
+                r -= bet[l] * Kn[l * GD_CHUNK + i] * base[((t0 + l) * nv + h) * width + x]  # cu:521
+            base[((t0 + i) * nv + h) * width + x] = r  # cu:522
+    yield "cu525"
+    for e in range(tid, c * c, bdim):  # cu:527
+        i, j = e // c, e % c  # cu:528
+        a = F(0.0)  # cu:529
+        if j < i:  # cu:530
+            ri, uj = GD_HV(drv, i), GD_HV(U, j)  # cu:531
             for x in range(dv):
-                a += ri[x] * uj[x]  # cu:527
-            rk, wj = GD_HK(drk, i), GD_HK(W, j)  # cu:528
+                a += ri[x] * uj[x]  # cu:532
+            rk, wj = GD_HK(drk, i), GD_HK(W, j)  # cu:533
             for x in range(dk):
-                a += rk[x] * wj[x]  # cu:529
-        Dm[i * GD_CHUNK + j] = -a  # cu:531
-    yield "cu533"
-    if tid < c:  # cu:536
+                a += rk[x] * wj[x]  # cu:534
+        Dm[i * GD_CHUNK + j] = -a  # cu:536
+    yield "cu538"
+    if tid < c:  # cu:541
         i = tid
-        acc, db = D(0.0), D(0.0)  # cu:538
-        for j in range(c):  # cu:539
+        acc, db = D(0.0), D(0.0)  # cu:543
+        for j in range(c):  # cu:544
             if j <= i:
-                acc += D(P[i * GD_CHUNK + j]) * An[i * GD_CHUNK + j]  # cu:540
+                acc += D(P[i * GD_CHUNK + j]) * An[i * GD_CHUNK + j]  # cu:545
             if j >= i:
-                acc -= D(P[j * GD_CHUNK + i]) * An[j * GD_CHUNK + i]  # cu:541
-            if j < i:  # cu:542
-                xx = D(Dm[i * GD_CHUNK + j]) * Kn[i * GD_CHUNK + j]  # cu:543
-                acc += bet[i] * xx  # cu:544
-                db += xx  # cu:545
+                acc -= D(P[j * GD_CHUNK + i]) * An[j * GD_CHUNK + i]  # cu:546
+            if j < i:  # cu:547
+                xx = D(Dm[i * GD_CHUNK + j]) * Kn[i * GD_CHUNK + j]  # cu:548
+                acc += bet[i] * xx  # cu:549
+                db += xx  # cu:550
             if j > i:
-                acc -= D(bet[j]) * Dm[j * GD_CHUNK + i] * Kn[j * GD_CHUNK + i]  # cu:547
-        dG[i] = acc  # cu:549
-        dbl[i] = db  # cu:550
-    yield "cu552"
-    for e in range(tid, c * c, bdim):  # cu:554
-        i, j = e // c, e % c  # cu:555
-        decay = gd_decay(cum, i, j) if j <= i else F(0.0)  # cu:556
-        P[i * GD_CHUNK + j] *= decay  # cu:557
-        Dm[i * GD_CHUNK + j] *= decay  # cu:558
-    yield "cu560"
-    for e in range(tid, c * dk, bdim):  # cu:561
-        i, d = e // dk, e % dk  # cu:562
-        a = eg[i] * GD_HK(dqg, i)[d]  # cu:563
+                acc -= D(bet[j]) * Dm[j * GD_CHUNK + i] * Kn[j * GD_CHUNK + i]  # cu:552
+        dG[i] = acc  # cu:554
+        dbl[i] = db  # cu:555
+    yield "cu557"
+    for e in range(tid, c * c, bdim):  # cu:559
+        i, j = e // c, e % c  # cu:560
+        decay = gd_decay(cum, i, j) if j <= i else F(0.0)  # cu:561
+        P[i * GD_CHUNK + j] *= decay  # cu:562
+        Dm[i * GD_CHUNK + j] *= decay  # cu:563
+    yield "cu565"
+    for e in range(tid, c * dk, bdim):  # cu:566
+        i, d = e // dk, e % dk  # cu:567
+        a = eg[i] * GD_HK(dqg, i)[d]  # cu:568
         for j in range(i + 1):
-            a += P[i * GD_CHUNK + j] * GD_QK(k, j)[d]  # cu:564
-        GD_HK(dq_v, i)[d] = a  # cu:565
-        b = dec[i] * GD_HK(dkd, i)[d] + bet[i] * eg[i] * GD_HK(drk, i)[d]  # cu:566
+            a += P[i * GD_CHUNK + j] * GD_QK(k, j)[d]  # cu:569
+        GD_HK(dq_v, i)[d] = a  # cu:570
+        b = dec[i] * GD_HK(dkd, i)[d] + bet[i] * eg[i] * GD_HK(drk, i)[d]  # cu:571
         for l in range(i, c):
-            b += P[l * GD_CHUNK + i] * GD_QK(q, l)[d]  # cu:567
-        for j in range(c):  # cu:568
-            b += (bet[i] * Dm[i * GD_CHUNK + j] + bet[j] * Dm[j * GD_CHUNK + i]) * GD_QK(k, j)[d]  # cu:569
-        GD_HK(dk_v, i)[d] = b  # cu:570
-    for e in range(tid, c * dv, bdim):  # cu:572
-        i, j = e // dv, e % dv  # cu:573
-        GD_HV(dv_out, i)[j] = bet[i] * GD_HV(drv, i)[j]  # cu:574
-    last_share = D(0.0)  # cu:577
-    if tid < c:  # cu:578
+            b += P[l * GD_CHUNK + i] * GD_QK(q, l)[d]  # cu:572
+        for j in range(c):  # cu:573
+            b += (bet[i] * Dm[i * GD_CHUNK + j] + bet[j] * Dm[j * GD_CHUNK + i]) * GD_QK(k, j)[d]  # cu:574
+        GD_HK(dk_v, i)[d] = b  # cu:575
+    for e in range(tid, c * dv, bdim):  # cu:577
+        i, j = e // dv, e % dv  # cu:578
+        GD_HV(dv_out, i)[j] = bet[i] * GD_HV(drv, i)[j]  # cu:579
+    last_share = D(0.0)  # cu:582
+    if tid < c:  # cu:583
         i = tid
-        qi, ki, vi = GD_QK(q, i), GD_QK(k, i), GD_HV(v, i)  # cu:580
-        rv, rk = GD_HV(drv, i), GD_HK(drk, i)  # cu:581
-        gq, gk = GD_HK(dqg, i), GD_HK(dkd, i)  # cu:582
-        k_rk, v_rv, q_gq, k_gk = D(0.0), D(0.0), D(0.0), D(0.0)  # cu:583
-        for d in range(dk):  # cu:584
-            k_rk += D(ki[d]) * rk[d]  # cu:585
-            q_gq += D(qi[d]) * gq[d]  # cu:586
-            k_gk += D(ki[d]) * gk[d]  # cu:587
+        qi, ki, vi = GD_QK(q, i), GD_QK(k, i), GD_HV(v, i)  # cu:585
+        rv, rk = GD_HV(drv, i), GD_HK(drk, i)  # cu:586
+        gq, gk = GD_HK(dqg, i), GD_HK(dkd, i)  # cu:587
+        k_rk, v_rv, q_gq, k_gk = D(0.0), D(0.0), D(0.0), D(0.0)  # cu:588
+        for d in range(dk):  # cu:589
+            k_rk += D(ki[d]) * rk[d]  # cu:590
+            q_gq += D(qi[d]) * gq[d]  # cu:591
+            k_gk += D(ki[d]) * gk[d]  # cu:592
         for j in range(dv):
-            v_rv += D(vi[j]) * rv[j]  # cu:589
-        dbeta_out[(t0 + i) * nv + h] = F(v_rv + eg[i] * k_rk + dbl[i])  # cu:590
-        kd_gk = dec[i] * k_gk  # cu:591
-        dG[i] += eg[i] * q_gq - kd_gk + D(bet[i]) * eg[i] * k_rk  # cu:592
-        last_share = kd_gk  # cu:593
-    part = last_share  # cu:595
-    last = expf(F(cum[c - 1]))  # cu:596
+            v_rv += D(vi[j]) * rv[j]  # cu:594
+        dbeta_out[(t0 + i) * nv + h] = F(v_rv + eg[i] * k_rk + dbl[i])  # cu:595
+        kd_gk = dec[i] * k_gk  # cu:596
+        dG[i] += eg[i] * q_gq - kd_gk + D(bet[i]) * eg[i] * k_rk  # cu:597
+        last_share = kd_gk  # cu:598
+    part = last_share  # cu:600
+    last = expf(F(cum[c - 1]))  # cu:601
     for x in range(tid, sn, bdim):
-        part += D(last) * S0[x] * dS[x]  # cu:597
-    total = yield from block_sum_f64(part, red, tid, bdim)  # cu:598
-    if tid == 0:  # cu:599
-        dG[c - 1] += total  # cu:600
-        acc = D(0.0)  # cu:601
-        for i in range(c - 1, -1, -1):  # cu:602
-            acc += dG[i]  # cu:603
-            dg_out[(t0 + i) * nv + h] = F(acc)  # cu:604
+        part += D(last) * S0[x] * dS[x]  # cu:602
+    total = yield from block_sum_f64(part, red, tid, bdim)  # cu:603
+    if tid == 0:  # cu:604
+        dG[c - 1] += total  # cu:605
+        acc = D(0.0)  # cu:606
+        for i in range(c - 1, -1, -1):  # cu:607
+            acc += dG[i]  # cu:608
+            dg_out[(t0 + i) * nv + h] = F(acc)  # cu:609
 
 
-# ---------------------------------------------------------------- reduce (cu:764)
+# ---------------------------------------------------------------- reduce (cu:769)
 def gated_delta_backward_reduce(bx, tid, bdim, gdim, sh, dq, dk, dq_v, dk_v, t, nk, nv, dkd):
     if False:
         yield
-    n = t * nk * dkd  # cu:767
-    x = bx * bdim + tid  # cu:768
+    n = t * nk * dkd  # cu:772
+    x = bx * bdim + tid  # cu:773
     while x < n:
-        i = x % dkd  # cu:770
-        row = x // dkd  # cu:771
-        kh = row % nk  # cu:772
-        tt = row // nk  # cu:773
-        group = nv // nk  # cu:774
-        a, b = F(0.0), F(0.0)  # cu:775
-        for uu in range(group):  # cu:776
-            at = (tt * nv + kh * group + uu) * dkd + i  # cu:777
-            a += dq_v[at]  # cu:778
-            b += dk_v[at]  # cu:779
-        dq[x] = a  # cu:781
-        dk[x] = b  # cu:782
-        x += gdim * bdim  # cu:769
+        i = x % dkd  # cu:775
+        row = x // dkd  # cu:776
+        kh = row % nk  # cu:777
+        tt = row // nk  # cu:778
+        group = nv // nk  # cu:779
+        a, b = F(0.0), F(0.0)  # cu:780
+        for uu in range(group):  # cu:781
+            at = (tt * nv + kh * group + uu) * dkd + i  # cu:782
+            a += dq_v[at]  # cu:783
+            b += dk_v[at]  # cu:784
+        dq[x] = a  # cu:786
+        dk[x] = b  # cu:787
+        x += gdim * bdim  # cu:774

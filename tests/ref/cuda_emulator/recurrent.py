@@ -27,43 +27,49 @@ def gd_column_step_reg(s, qk, decay, b, v_j, dk):
             o = F(o + F(x * qk[i]))  # cu:57
     return o
 
-# cu:78
-def gd_recurrent(out, S, q, k, v, g, beta, t0, t1, nk, nv, kh, h, dk, dv, qk, tid, bdim):
-    j = tid
-    live = j < dv  # cu:82
+# cu:79
+def gd_recurrent(out, S, q, k, v, g, beta, t0, t1, nk, nv, kh, h, j0, dk, dv, qk, tid, bdim):
+    j = j0 + tid  # cu:82
+    live = j < dv  # cu:83
     col = [F(0.0)] * GD_MAX_DK
     if live:
         for i in range(dk): col[i] = S[i * dv + j]  # cu:66
     for t in range(t0, t1):  # cu:85
         qs = q + (t * nk + kh) * dk
         ks = k + (t * nk + kh) * dk
-        yield "cu88"
-        for i in range(tid, dk, bdim):  # cu:89
+        yield "cu89"
+        for i in range(tid, dk, bdim):  # cu:90
             qk[i] = qs[i]
             qk[dk + i] = ks[i]
-        yield "cu93"
+        yield "cu94"
         if live:
-            at = (t * nv + h) * dv + j  # cu:95
+            at = (t * nv + h) * dv + j  # cu:96
             out[at] = gd_column_step_reg(col, qk, K.expf(g[t * nv + h]), beta[t * nv + h], v[at], dk)
     if live:
         for i in range(dk): S[i * dv + j] = col[i]  # cu:71
 
-# cu:104
+GD_REC_COLS = 32
+
+# cu:106
 def gated_delta_decode(bx, tid, bdim, gdim, qk, out, state, q, k, v, g, beta, slots, seqs, nk, nv, dk, dv):
-    s, h = bx // nv, bx % nv
+    tiles = -(-dv // GD_REC_COLS)
+    tile, h, s = bx % tiles, (bx // tiles) % nv, bx // tiles // nv  # cu:112
     if s >= seqs: return
-    S = state + (K.u(slots[s]) * nv + h) * dk * dv  # cu:111
-    yield from gd_recurrent(out, S, q, k, v, g, beta, s, s + 1, nk, nv, h // (nv // nk), h, dk, dv, qk, tid, bdim)
+    S = state + (K.u(slots[s]) * nv + h) * dk * dv  # cu:114
+    yield from gd_recurrent(out, S, q, k, v, g, beta, s, s + 1, nk, nv, h // (nv // nk), h,
+                            tile * GD_REC_COLS, dk, dv, qk, tid, bdim)
 
-# cu:119
+# cu:123
 def gated_delta_prefill(bx, tid, bdim, gdim, qk, out, state, q, k, v, g, beta, slots, cu, seqs, nk, nv, dk, dv):
-    s, h = bx // nv, bx % nv
+    tiles = -(-dv // GD_REC_COLS)
+    tile, h, s = bx % tiles, (bx // tiles) % nv, bx // tiles // nv  # cu:129
     if s >= seqs: return
-    S = state + (K.u(slots[s]) * nv + h) * dk * dv  # cu:126
+    S = state + (K.u(slots[s]) * nv + h) * dk * dv  # cu:131
     yield from gd_recurrent(out, S, q, k, v, g, beta, K.u(cu[s]), K.u(cu[s + 1]), nk, nv,
-                            h // (nv // nk), h, dk, dv, qk, tid, bdim)
+                            h // (nv // nk), h, tile * GD_REC_COLS, dk, dv, qk, tid, bdim)
 
-def block(dv): return min(-(-dv // 32) * 32, 1024)
+# device.rs: recurrent_launch
+def grid(heads, dv): return heads * -(-dv // GD_REC_COLS)
 
 def case(name, lens, nk, nv, dk, dv, seed=0):
     rng = np.random.default_rng(seed)
@@ -80,7 +86,7 @@ def case(name, lens, nk, nv, dk, dv, seed=0):
     ins = lambda: [Buf(n_, a.copy()) for n_, a in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))]
     # The prefill in one call.
     out_p, st_p = Buf("out", np.full(t * nv * dv, np.nan, np.float32)), Buf("state", state0.copy())
-    launch("gated_delta_prefill", seqs * nv, block(dv), gated_delta_prefill,
+    launch("gated_delta_prefill", grid(seqs * nv, dv), GD_REC_COLS, gated_delta_prefill,
            lambda: shared("qk", 2 * dk, np.float32), out_p, st_p, *ins(),
            Buf("slots", np.array(slots, np.uint32)), Buf("cu", np.array(cu, np.uint32)), seqs, nk, nv, dk, dv)
     # Decode: every sequence's i-th token in the i-th step.
@@ -89,7 +95,7 @@ def case(name, lens, nk, nv, dk, dv, seed=0):
         live = [s for s in range(seqs) if lens[s] > i]
         rows = [cu[s] + i for s in live]
         o = Buf("out", np.full(len(rows) * nv * dv, np.nan, np.float32))
-        launch("gated_delta_decode", len(rows) * nv, block(dv), gated_delta_decode,
+        launch("gated_delta_decode", grid(len(rows) * nv, dv), GD_REC_COLS, gated_delta_decode,
                lambda: shared("qk", 2 * dk, np.float32), o, st_d,
                Buf("q", q[rows].copy()), Buf("k", k[rows].copy()), Buf("v", v[rows].copy()),
                Buf("g", g[rows].copy()), Buf("beta", beta[rows].copy()),
@@ -128,4 +134,5 @@ def case(name, lens, nk, nv, dk, dv, seed=0):
 
 if __name__ == "__main__":
     case("GQA 2/4, dk 24, dv 40, lens [5, 1, 0, 3]", [5, 1, 0, 3], 2, 4, 24, 40)
-    case("dk 128, dv 33 (the register limit, a partial warp), lens [2, 3]", [2, 3], 1, 2, 128, 33, seed=1)
+    case("dk 128, dv 33 (the register limit; two column tiles, one partial), lens [2, 3]", [2, 3], 1, 2, 128, 33, seed=1)
+    case("dk 16, dv 70 (three column tiles), lens [4]", [4], 1, 1, 16, 70, seed=2)
