@@ -8,7 +8,8 @@
 # gradients on CUDA against the CPU's (trainer crate, `cuda`), the CUDA kernel benchmarks (kernels/benches/cuda.rs,
 # each as a fraction of the HBM bandwidth), and decode through the engine
 # on a random model of the Qwen3.5-0.8B shape at batch 1, 32 and 128
-# (`arcticd bench-decode --device cuda:0`: tokens/s and the fraction of the
+# (`arcticd bench-decode --device cuda:0`, with cuBLAS and in the deterministic
+# mode, `--batch-invariant`: tokens/s and the fraction of the
 # HBM roofline; DECODE_PRESETS adds qwen3.5-4b, whose init takes minutes),
 # training steps of 8,192 tokens on the same models (`arcticd bench-train`:
 # tokens/s, the update's time and model FLOPs utilization),
@@ -117,10 +118,13 @@ if [ -x "$stage/arcticd" ]; then arcticd="$stage/arcticd"; else
 : > "$log/decode.txt"
 : > "$log/train.txt"
 for preset in ${DECODE_PRESETS:-qwen3.5-0.8b}; do
-  "$arcticd" init-model --preset "$preset" --out "$log/$preset" >&2 &&
+  "$arcticd" init-model --preset "$preset" --out "$log/$preset" >&2 || bench_rc=1
+  # cuBLAS, then the deterministic mode's products.
+  for invariant in "" --batch-invariant; do
     "$arcticd" bench-decode --model "$log/$preset" --device cuda:0 --batch 1,32,128 \
-      --prompt-len 16 --new-tokens 64 --cache-memory 32768 --hbm-tb-s "${HBM_TBS:-4.8}" \
+      --prompt-len 16 --new-tokens 64 --cache-memory 32768 --hbm-tb-s "${HBM_TBS:-4.8}" $invariant \
       | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/decode.txt" || bench_rc=1
+  done
   # Training steps at 8k tokens (f32 products: PEAK_TFLOPS is the fp32
   # peak, the H200's 67 by default), with and without recomputed layers.
   for recompute in "" --recompute-layers; do

@@ -339,6 +339,9 @@ pub struct BenchDecodeArgs {
     /// fraction of (the H200's by default).
     #[arg(long, default_value_t = 4.8)]
     pub hbm_tb_s: f64,
+    /// On CUDA, the deterministic mode's products (see `serve`).
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
 
 /// What one decode step moves through a GPU's memory, the roofline's
@@ -449,6 +452,7 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
             enable_prefix_cache: false,
             device: args.device,
             weights: args.weights,
+            batch_invariant: args.batch_invariant,
             ..Default::default()
         },
     )?;
@@ -490,6 +494,7 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
         let mut out = serde_json::json!({
             "engine": "arcticd",
             "device": args.device.to_string(),
+            "batch_invariant": args.batch_invariant,
             "parameters": parameters,
             "weights_mib": weight_mib,
             "batch": batch,
