@@ -33,12 +33,18 @@ def attention_launch_shared(hd):
 # device.rs: prefill_tiles, attention_prefill_launch (512 threads)
 TILE_THREADS = K.ATTN_WARPS * K.ATTN_PAIR_WARPS * 32
 
-def prefill_tiles(new, group):
+def prefill_tiles(cu_seqlens, n_heads, n_kv_heads):
+    group = n_heads // n_kv_heads
     tiles = []
-    for s, n in enumerate(new):
-        for pair0 in range(0, n * group, K.ATTN_PAIRS):
+    for s in range(len(cu_seqlens) - 1):
+        for pair0 in range(0, (cu_seqlens[s + 1] - cu_seqlens[s]) * group, K.ATTN_PAIRS):
             tiles += [s, pair0]
-    return tiles
+    return tiles, len(tiles) // 2 * n_kv_heads
+
+# device.rs's test prefill_tiles_cover_every_pair_once
+assert prefill_tiles([0, 6, 6, 7], 6, 2) == ([0, 0, 0, 16, 2, 0], 6)
+assert prefill_tiles([0, 0], 4, 1) == ([], 0)
+assert prefill_tiles([0, 2], 32, 1) == ([0, 0, 0, 16, 0, 32, 0, 48], 4)
 
 def attention_prefill_shared(hd):
     floats = max(2 * K.ATTN_KEY_TILE * hd, K.ATTN_WARPS * K.ATTN_PAIR_WARPS * (hd + 2))
@@ -47,8 +53,9 @@ def attention_prefill_shared(hd):
 def run_prefill(q, k, v, cu, nh, nkv, hd, scale):
     t = cu[-1]
     out = out_buf("out", t * nh * hd)
-    tiles = prefill_tiles([cu[s + 1] - cu[s] for s in range(len(cu) - 1)], nh // nkv)
-    launch("varlen_attention_prefill", len(tiles) // 2 * nkv, TILE_THREADS, K.varlen_attention_prefill,
+    if t == 0: return out.a.copy()  # the launcher returns before launching
+    tiles, blocks = prefill_tiles(cu, nh, nkv)
+    launch("varlen_attention_prefill", blocks, TILE_THREADS, K.varlen_attention_prefill,
            attention_prefill_shared(hd), out, buf("q", q), buf("k", k), buf("v", v),
            buf("cu_seqlens", cu, np.uint32), buf("tiles", tiles, np.uint32), nh, nkv, hd, scale)
     return out.a.copy()
@@ -179,11 +186,11 @@ def case_paged_prefill(name, spec, nh, nkv, hd, bs=8, seed=3):
         new_rows += list(range(cu_full[s] + past, cu_full[s] + past + n))
     qn = q[new_rows] if new_rows else np.zeros((0, nh, hd), np.float32)
     t_new = cu_new[-1]
-    tiles = prefill_tiles([n for _, n in spec], nh // nkv)
+    tiles, blocks = prefill_tiles(cu_new, nh, nkv)
     out = out_buf("out", t_new * nh * hd)
     kpb, vpb = buf("k_pool", kp), buf("v_pool", vp)
     t0 = time.time()
-    launch("paged_attention_prefill", len(tiles) // 2 * nkv, TILE_THREADS, K.paged_attention_prefill,
+    launch("paged_attention_prefill", blocks, TILE_THREADS, K.paged_attention_prefill,
            attention_prefill_shared(hd), out, buf("q", qn), kpb, vpb, buf("block_tables", flat, np.uint32),
            buf("pasts", [p for p, _ in spec], np.uint32), buf("cu_seqlens", cu_new, np.uint32),
            buf("tiles", tiles, np.uint32), nh, nkv, hd, bs, max_blocks, scale)
@@ -295,12 +302,16 @@ CASES = {
     "bwd0": lambda: case_backward("backward hd40 nq0 nk3", 0, 3, 2, 1, 40),
     "paged40": lambda: case_paged_prefill("paged prefill hd40 GQA4/2 (past,new)[(0,5),(20,17),(3,1),(0,0)] bs8",
                                           [(0, 5), (20, 17), (3, 1), (0, 0)], 4, 2, 40),
+    "paged40_g4": lambda: case_paged_prefill("paged prefill hd40 GQA8/2 (past,new)[(20,17),(0,5),(3,1),(0,0)] bs5",
+                                             [(20, 17), (0, 5), (3, 1), (0, 0)], 8, 2, 40, bs=5),
     "paged33_g4": lambda: case_paged_prefill("paged prefill hd33 GQA8/2 (past,new)[(18,6),(0,3)] bs5",
                                              [(18, 6), (0, 3)], 8, 2, 33, bs=5),
     "paged256": lambda: case_paged_prefill("paged prefill hd256 GQA4/2 (past,new)[(17,3),(2,2)] bs8",
                                            [(17, 3), (2, 2)], 4, 2, 256),
     "paged_mha": lambda: case_paged_prefill("paged prefill hd40 MHA2/2 (past,new)[(33,2)] bs8", [(33, 2)], 2, 2, 40),
     "prefill_g32": lambda: case_prefill("prefill hd8 GQA32/1 lens[3] (a tile per 16 heads)", [3], 32, 1, 8),
+    "prefill_g3": lambda: case_prefill("prefill hd24 GQA6/2 lens[7,18] (group 3: a query's heads split across tiles)", [7, 18], 6, 2, 24),
+    "paged_g3": lambda: case_paged_prefill("paged prefill hd24 GQA6/2 (past,new)[(5,7),(0,2)] bs5", [(5, 7), (0, 2)], 6, 2, 24, bs=5),
     "paged_g32": lambda: case_paged_prefill("paged prefill hd8 GQA32/1 (past,new)[(4,2)] bs8", [(4, 2)], 32, 1, 8),
 }
 

@@ -89,7 +89,7 @@ def attn_load_q(qr, acc, qs, hd, scale, tid):
     for i in range(ATTN_MAX_DIM_PER_LANE):
         d = lane + 32 * i
         qr[i] = F(qs[d] * scale) if d < hd else F(0.0)  # cu:68
-        acc[i] = F(0.0)
+        acc[i] = F(0.0)  # cu:69
 
 # cu:74
 def attn_load_row(r, row, hd, tid):
@@ -117,21 +117,21 @@ def attn_online(s, m, l):
 # cu:104; returns (m, l)
 def attn_step(kr, vr, qr, acc, m, l, hd, tid):
     lane = tid & 31
-    dot = yield from attn_dot(qr, kr, hd, tid)
+    dot = yield from attn_dot(qr, kr, hd, tid)  # cu:107
     p, m, l, corr = attn_online(dot, m, l)  # cu:107
     for i in range(ATTN_MAX_DIM_PER_LANE):
         if lane + 32 * i < hd: acc[i] = fmaf(p, vr[i], F(acc[i] * corr))  # cu:109
     return m, l
 
-# cu:116
+# cu:115
 def paged_kv_write(bx, tid, bdim, gdim, sh, k_pool, v_pool, k, v, slot_mapping, tokens, kv_row):
     n = tokens * kv_row
     i = bx * bdim + tid
     while i < n:
         t, c = i // kv_row, i % kv_row
         dst = u(slot_mapping[t]) * kv_row + c  # cu:122
-        k_pool[dst] = k[i]
-        v_pool[dst] = v[i]
+        k_pool[dst] = k[i]  # cu:123
+        v_pool[dst] = v[i]  # cu:124
         i += gdim * bdim
     return
     yield
@@ -146,24 +146,24 @@ def paged_attention_decode(bx, tid, bdim, gdim, shared, out, q, k_pool, v_pool, 
     qr = [F(0)] * 8; acc = [F(0)] * 8; kr = [F(0)] * 8; vr = [F(0)] * 8
     attn_load_q(qr, acc, q + (s * n_heads + h) * hd, hd, scale, tid)  # cu:144
     m, l = NEG_INF, F(0.0)
-    n = u(context_lens[s])
+    n = u(context_lens[s])  # cu:146
     row = n_kv_heads * hd
     j = warp
     while j < n:  # cu:148
-        blk = u(block_tables[s * max_blocks + j // block_size])
+        blk = u(block_tables[s * max_blocks + j // block_size])  # cu:149
         base = (blk * block_size + j % block_size) * row + kvh * hd  # cu:150
-        attn_load_row(kr, k_pool + base, hd, tid)
-        attn_load_row(vr, v_pool + base, hd, tid)
+        attn_load_row(kr, k_pool + base, hd, tid)  # cu:151
+        attn_load_row(vr, v_pool + base, hd, tid)  # cu:152
         m, l = yield from attn_step(kr, vr, qr, acc, m, l, hd, tid)  # cu:153
         j += ATTN_WARPS
     attn_stash(shared, warp, ATTN_WARPS, m, l, acc, hd, tid)  # cu:155
     yield "cu156"
-    attn_merge_row(out + (s * n_heads + h) * hd, shared + 0, shared + ATTN_WARPS,
-                   shared + 2 * ATTN_WARPS, hd, tid, bdim)  # cu:157
+    attn_merge_row(out + (s * n_heads + h) * hd, shared + 0, shared + ATTN_WARPS,  # cu:157
+                   shared + 2 * ATTN_WARPS, hd, tid, bdim)
 
 # cu:185; `at(j)` is AttnPackedRows / AttnPagedRows::at
 def attn_prefill_tile(out, q, k, v, at, q_first, past, n_new, pair0, g, n_heads, n_kv_heads, hd,
-                      scale, shared, tid):
+                      scale, shared, tid, bdim):
     warp = tid >> 5
     slot, pw = warp % ATTN_WARPS, warp // ATTN_WARPS
     group = n_heads // n_kv_heads
@@ -175,7 +175,7 @@ def attn_prefill_tile(out, q, k, v, at, q_first, past, n_new, pair0, g, n_heads,
         x = pair0 + pw * R + r
         i, h = x // group, g * group + x % group
         last[r] = past + i if x < pairs else -1  # cu:201
-        attn_load_q(qr[r], acc[r], q + ((q_first + (i if x < pairs else 0)) * n_heads + h) * hd, hd, scale, tid)
+        attn_load_q(qr[r], acc[r], q + ((q_first + (i if x < pairs else 0)) * n_heads + h) * hd, hd, scale, tid)  # cu:202
         m[r] = NEG_INF; l[r] = F(0.0)
     x_end = pair0 + ATTN_PAIRS if pair0 + ATTN_PAIRS < pairs else pairs  # cu:207
     n_keys = past + (x_end - 1) // group + 1  # cu:208
@@ -185,17 +185,17 @@ def attn_prefill_tile(out, q, k, v, at, q_first, past, n_new, pair0, g, n_heads,
     for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:212
         nt = n_keys - j0 if n_keys - j0 < ATTN_KEY_TILE else ATTN_KEY_TILE
         yield "cu214"
-        for e in range(tid, nt * hd, 512):  # cu:215 (blockDim.x = 512)
+        for e in range(tid, nt * hd, bdim):  # cu:215
             a = at(j0 + e // hd) + g * hd + e % hd  # cu:216
-            sk[e] = k[a]
-            sv[e] = v[a]
+            sk[e] = k[a]  # cu:217
+            sv[e] = v[a]  # cu:218
         yield "cu220"
         for jj in range(slot, nt, ATTN_WARPS):  # cu:221
-            attn_load_row(kr, sk + jj * hd, hd, tid)
-            attn_load_row(vr, sv + jj * hd, hd, tid)
+            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:222
+            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:223
             for r in range(R):
                 if j0 + jj <= last[r]:  # cu:226
-                    m[r], l[r] = yield from attn_step(kr, vr, qr[r], acc[r], m[r], l[r], hd, tid)
+                    m[r], l[r] = yield from attn_step(kr, vr, qr[r], acc[r], m[r], l[r], hd, tid)  # cu:226
     warps = ATTN_WARPS * ATTN_PAIR_WARPS
     t = tid - pw * ATTN_WARPS * 32  # cu:231
     for r in range(R):  # cu:233
@@ -206,20 +206,21 @@ def attn_prefill_tile(out, q, k, v, at, q_first, past, n_new, pair0, g, n_heads,
         if x < pairs:  # cu:238
             i, h = x // group, g * group + x % group
             w0 = pw * ATTN_WARPS
-            attn_merge_row(out + ((q_first + i) * n_heads + h) * hd, shared + w0,
+            attn_merge_row(out + ((q_first + i) * n_heads + h) * hd, shared + w0,  # cu:241
                            shared + warps + w0, shared + 2 * warps + w0 * hd, hd, t,
-                           ATTN_WARPS * 32)  # cu:241
+                           ATTN_WARPS * 32)
 
 # cu:254
 def varlen_attention_prefill(bx, tid, bdim, gdim, shared, out, q, k, v, cu_seqlens, tiles,
                              n_heads, n_kv_heads, hd, scale):
     tile, g = bx // n_kv_heads, bx % n_kv_heads
     s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:259
-    first = u(cu_seqlens[s])
-    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])
-    row = n_kv_heads * hd
-    yield from attn_prefill_tile(out, q, k, v, lambda j: (first + j) * row, first, 0, n_new, pair0,
-                                 g, n_heads, n_kv_heads, hd, scale, shared, tid)  # cu:263
+    first = u(cu_seqlens[s])  # cu:260
+    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:261
+    row = n_kv_heads * hd  # cu:262
+    at = lambda j: (first + j) * row  # cu:167
+    yield from attn_prefill_tile(out, q, k, v, at, first, 0, n_new, pair0,  # cu:263
+                                 g, n_heads, n_kv_heads, hd, scale, shared, tid, bdim)
 
 # cu:273
 def paged_attention_prefill(bx, tid, bdim, gdim, shared, out, q, k_pool, v_pool, block_tables,
@@ -227,12 +228,12 @@ def paged_attention_prefill(bx, tid, bdim, gdim, shared, out, q, k_pool, v_pool,
                             max_blocks, scale):
     tile, g = bx // n_kv_heads, bx % n_kv_heads
     s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:279
-    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])
-    table = block_tables + s * max_blocks
+    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:280
+    table = block_tables + s * max_blocks  # cu:281
     row = n_kv_heads * hd
-    at = lambda j: (u(table[j // block_size]) * block_size + j % block_size) * row  # cu:161
-    yield from attn_prefill_tile(out, q, k_pool, v_pool, at, u(cu_seqlens[s]), u(pasts[s]), n_new,
-                                 pair0, g, n_heads, n_kv_heads, hd, scale, shared, tid)  # cu:282
+    at = lambda j: (u(table[j // block_size]) * block_size + j % block_size) * row  # cu:173
+    yield from attn_prefill_tile(out, q, k_pool, v_pool, at, u(cu_seqlens[s]), u(pasts[s]), n_new,  # cu:282
+                                 pair0, g, n_heads, n_kv_heads, hd, scale, shared, tid, bdim)
 
 # ---- backward
 
@@ -242,15 +243,15 @@ def attn_sum_slots(out, shared, pw, hd, mul, tid):
     for d in range(t, hd, ATTN_WARPS * 32):  # cu:309
         o = F(0.0)
         for w in range(ATTN_WARPS): o = F(o + shared[(pw * ATTN_WARPS + w) * hd + d])  # cu:311
-        out[d] = F(mul * o)
+        out[d] = F(mul * o)  # cu:312
 
 # cu:318
-def attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid):
+def attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim):
     yield "cu321"
-    for e in range(tid, nt * hd, 512):  # cu:322
+    for e in range(tid, nt * hd, bdim):  # cu:322
         a = (j0 + e // hd) * kstride + g * hd + e % hd  # cu:323
-        sk[e] = k[a]
-        sv[e] = v[a]
+        sk[e] = k[a]  # cu:324
+        sv[e] = v[a]  # cu:325
     yield "cu327"
 
 # cu:333
@@ -271,7 +272,7 @@ def attention_backward_dq(bx, tid, bdim, gdim, shared, dq, lse_out, dd_out, dout
         last[r] = past + i if x < pairs else -1  # cu:352
         row[r] = (i * heads + h) * hd
         attn_load_q(qr[r], acc[r], q + row[r], hd, scale, tid)  # cu:354
-        attn_load_row(dor[r], dout + row[r], hd, tid)
+        attn_load_row(dor[r], dout + row[r], hd, tid)  # cu:355
         m[r] = NEG_INF; l[r] = F(0.0); dsum[r] = F(0.0)
     x_end = pair0 + ATTN_BWD_BLOCK_ROWS if pair0 + ATTN_BWD_BLOCK_ROWS < pairs else pairs
     n_keys = past + (x_end - 1) // group + 1  # cu:361
@@ -280,13 +281,13 @@ def attention_backward_dq(bx, tid, bdim, gdim, shared, dq, lse_out, dd_out, dout
     kr = [F(0)] * 8; vr = [F(0)] * 8
     for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:367
         nt = n_keys - j0 if n_keys - j0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid)  # cu:369
+        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:369
         for jj in range(slot, nt, ATTN_WARPS):
-            attn_load_row(kr, sk + jj * hd, hd, tid)
-            attn_load_row(vr, sv + jj * hd, hd, tid)
+            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:371
+            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:372
             for r in range(R):
                 if j0 + jj <= last[r]:  # cu:375
-                    s_ = yield from attn_dot(qr[r], kr, hd, tid)
+                    s_ = yield from attn_dot(qr[r], kr, hd, tid)  # cu:376
                     dov = yield from attn_dot(dor[r], vr, hd, tid)  # cu:376
                     p, m[r], l[r], corr = attn_online(s_, m[r], l[r])  # cu:377
                     dsum[r] = fmaf(p, dov, F(dsum[r] * corr))  # cu:378
@@ -294,7 +295,7 @@ def attention_backward_dq(bx, tid, bdim, gdim, shared, dq, lse_out, dd_out, dout
     if lane == 0:
         for r in range(R):
             shared[warp * R + r] = m[r]  # cu:386
-            shared[(warps + warp) * R + r] = l[r]
+            shared[(warps + warp) * R + r] = l[r]  # cu:387
             shared[(2 * warps + warp) * R + r] = dsum[r]  # cu:388
     yield "cu390"
     for r in range(R):  # cu:392
@@ -304,22 +305,22 @@ def attention_backward_dq(bx, tid, bdim, gdim, shared, dq, lse_out, dd_out, dout
         for w in range(ATTN_WARPS):
             a = (pw * ATTN_WARPS + w) * R + r
             if shared[a] == NEG_INF: continue  # cu:398
-            e = expf(shared[a] - big)
+            e = expf(shared[a] - big)  # cu:399
             tl = fmaf(shared[warps * R + a], e, tl)  # cu:400
-            ts = fmaf(shared[2 * warps * R + a], e, ts)
+            ts = fmaf(shared[2 * warps * R + a], e, ts)  # cu:401
         lse[r] = F(0.0) if last[r] < 0 else F(big + logf(tl))  # cu:403
         Dv[r] = F(0.0) if last[r] < 0 else F(ts / tl)  # cu:404
     for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:407
         nt = n_keys - j0 if n_keys - j0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid)  # cu:409
+        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:409
         for jj in range(slot, nt, ATTN_WARPS):
-            attn_load_row(kr, sk + jj * hd, hd, tid)
-            attn_load_row(vr, sv + jj * hd, hd, tid)
+            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:411
+            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:412
             for r in range(R):
                 if j0 + jj <= last[r]:  # cu:415
-                    sc = yield from attn_dot(qr[r], kr, hd, tid)
+                    sc = yield from attn_dot(qr[r], kr, hd, tid)  # cu:416
                     p = expf(sc - lse[r])  # cu:416
-                    dv_ = yield from attn_dot(dor[r], vr, hd, tid)
+                    dv_ = yield from attn_dot(dor[r], vr, hd, tid)  # cu:417
                     ds = F(p * F(dv_ - Dv[r]))  # cu:417
                     for i in range(ATTN_MAX_DIM_PER_LANE):
                         if lane + 32 * i < hd: acc[r][i] = fmaf(ds, kr[i], acc[r][i])  # cu:419
@@ -329,10 +330,10 @@ def attention_backward_dq(bx, tid, bdim, gdim, shared, dq, lse_out, dd_out, dout
             if lane + 32 * i < hd: shared[warp * hd + lane + 32 * i] = acc[r][i]  # cu:427
         yield "cu428"
         if last[r] >= 0:  # cu:429
-            attn_sum_slots(dq + row[r], shared, pw, hd, scale, tid)
+            attn_sum_slots(dq + row[r], shared, pw, hd, scale, tid)  # cu:430
             if slot == 0 and lane == 0:
                 lse_out[row[r] // hd] = lse[r]  # cu:432
-                dd_out[row[r] // hd] = Dv[r]
+                dd_out[row[r] // hd] = Dv[r]  # cu:433
 
 # cu:442
 def attention_backward_dkv(bx, tid, bdim, gdim, shared, dk, dv, dout, q, k, v, lse, dd,
@@ -350,7 +351,7 @@ def attention_backward_dkv(bx, tid, bdim, gdim, shared, dk, dv, dout, q, k, v, l
         key[r] = j if j < nk else nk  # cu:458
         a = ((j if j < nk else 0) * kv_heads + g) * hd
         attn_load_row(kr[r], k + a, hd, tid)  # cu:460
-        attn_load_row(vr[r], v + a, hd, tid)
+        attn_load_row(vr[r], v + a, hd, tid)  # cu:461
     x_begin = (key0 - past if key0 - past > 0 else 0) * group  # cu:466
     sq = shared + 0
     sdo = sq + ATTN_KEY_TILE * hd
@@ -360,26 +361,26 @@ def attention_backward_dkv(bx, tid, bdim, gdim, shared, dk, dv, dout, q, k, v, l
     for x0 in range(x_begin, pairs, ATTN_KEY_TILE):  # cu:472
         nt = pairs - x0 if pairs - x0 < ATTN_KEY_TILE else ATTN_KEY_TILE
         yield "cu474"
-        for e in range(tid, nt * hd, 512):  # cu:475
+        for e in range(tid, nt * hd, bdim):  # cu:475
             x = x0 + e // hd
             a = ((x // group) * heads + g * group + x % group) * hd + e % hd  # cu:477
-            sq[e] = F(q[a] * scale)
-            sdo[e] = dout[a]
-        for e in range(tid, nt, 512):  # cu:481
+            sq[e] = F(q[a] * scale)  # cu:478
+            sdo[e] = dout[a]  # cu:479
+        for e in range(tid, nt, bdim):  # cu:481
             x = x0 + e
             a = (x // group) * heads + g * group + x % group  # cu:483
-            slse[e] = lse[a]
-            sdd[e] = dd[a]
+            slse[e] = lse[a]  # cu:484
+            sdd[e] = dd[a]  # cu:485
         yield "cu487"
         for xx in range(slot, nt, ATTN_WARPS):  # cu:488
             pos = past + (x0 + xx) // group
-            attn_load_row(qr, sq + xx * hd, hd, tid)
-            attn_load_row(dor, sdo + xx * hd, hd, tid)
+            attn_load_row(qr, sq + xx * hd, hd, tid)  # cu:490
+            attn_load_row(dor, sdo + xx * hd, hd, tid)  # cu:491
             for r in range(R):
                 if key[r] <= pos:  # cu:494
-                    sc = yield from attn_dot(qr, kr[r], hd, tid)
+                    sc = yield from attn_dot(qr, kr[r], hd, tid)  # cu:495
                     p = expf(sc - slse[xx])  # cu:495
-                    dv_ = yield from attn_dot(dor, vr[r], hd, tid)
+                    dv_ = yield from attn_dot(dor, vr[r], hd, tid)  # cu:496
                     ds = F(p * F(dv_ - sdd[xx]))  # cu:496
                     for i in range(ATTN_MAX_DIM_PER_LANE):
                         if lane + 32 * i < hd:
@@ -395,4 +396,4 @@ def attention_backward_dkv(bx, tid, bdim, gdim, shared, dk, dv, dout, q, k, v, l
         if key[r] < nk:  # cu:514
             a = (key[r] * kv_heads + g) * hd
             attn_sum_slots(dk + a, shared, pw, hd, F(1.0), tid)  # cu:516
-            attn_sum_slots(dv + a, shared + warps * hd, pw, hd, F(1.0), tid)
+            attn_sum_slots(dv + a, shared + warps * hd, pw, hd, F(1.0), tid)  # cu:517

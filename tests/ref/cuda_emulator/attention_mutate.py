@@ -4,6 +4,8 @@ import os, shutil, subprocess, sys
 M = {
  "nobarrier_merge": ('    yield "cu156"\n', '    if False: yield\n', "decode40"),
  "nobarrier_tile": ('        yield "cu220"\n', '', "prefill40"),
+ "nobarrier_tile_top": ('        yield "cu214"\n', '', "prefill40"),
+ "nobarrier_prefill_merge": ('        yield "cu234"\n', '', "prefill_g3"),
  "shfl_divergent": ('    return (yield from warp_sum(s))  # cu:88\n', '    return (yield from warp_sum(s)) if lane < 16 else s  # cu:88\n', "decode40"),
  "kv_head": ('            a = at(j0 + e // hd) + g * hd + e % hd  # cu:216\n', '            a = at(j0 + e // hd) + ((g + 1) % n_kv_heads) * hd + e % hd  # cu:216\n', "prefill40"),
  "dkv_first_query": ('    x_begin = (key0 - past if key0 - past > 0 else 0) * group  # cu:466\n', '    x_begin = (key0 - past + 1 if key0 - past + 1 > 0 else 0) * group  # cu:466\n', "bwd40s"),
@@ -13,8 +15,9 @@ M = {
 }
 name = sys.argv[1]
 old, new, case = M[name]
-os.makedirs("mut", exist_ok=True)
-for f in ("simt.py", "simt_warp.py", "attention.py"): shutil.copy(f, "mut/" + f)
+d = os.path.join("mut", name)  # one folder per bug, so that several can run at once
+os.makedirs(d, exist_ok=True)
+for f in ("simt.py", "simt_warp.py", "attention.py"): shutil.copy(f, os.path.join(d, f))
 src = open("attention_kernels.py").read(); assert old in src, name
-open("mut/attention_kernels.py", "w").write(src.replace(old, new, 1))
-subprocess.run([sys.executable, "attention.py", case], cwd="mut")
+open(os.path.join(d, "attention_kernels.py"), "w").write(src.replace(old, new, 1))
+subprocess.run([sys.executable, "attention.py", case], cwd=d)
