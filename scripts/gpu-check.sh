@@ -13,7 +13,14 @@
 # HBM roofline; DECODE_PRESETS adds qwen3.5-4b, whose init takes minutes),
 # training steps of 8,192 tokens on the same models (`arcticd bench-train`:
 # tokens/s, the update's time and model FLOPs utilization),
+# PyTorch's training step on the same models and GPU beside them
+# (tests/ref/bench_train.py: transformers with flash-linear-attention's
+# kernels, fp32 as arcticd computes and bf16 autocast as peers train; the
+# fla wheels are staged, PyTorch and transformers are the GPU machine's),
 # and `arcticd sft --device cuda:0` against PyTorch's AdamW on the fixture.
+# The trainer's NCCL test runs against the NCCL the machine's Python has
+# (nvidia-nccl wheel; cudarc loads libnccl.so, the wheel ships
+# libnccl.so.2: a link in a scratch folder bridges them).
 #
 # Needs an NVIDIA driver, and NVRTC and cuBLAS on the loader path (PyPI's
 # nvidia-cuda-nvrtc and nvidia-cublas wheels put them in nvidia/cu13/lib,
@@ -27,7 +34,9 @@
 #
 # Exit status 0 only when every test passed and the benchmarks ran.
 #
-# HBM_TBS (default 4.8, the H200's) is the bandwidth the fractions use.
+# HBM_TBS (default 4.8, the H200's) is the bandwidth the fractions use;
+# TRAIN_TOKENS (default 8192) the tokens per training step, a list to run
+# several (the issue's 8192 32768); TORCH_BASELINE=0 skips PyTorch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage=target/gpu-check
@@ -73,6 +82,14 @@ if [ -n "${BIN_ONLY:-}" ]; then
       xz -T0 -6 -c "$NVRTC_LIB/$lib" > "$stage/nvrtc/$lib.xz"
     done
   fi
+  # flash-linear-attention for the PyTorch baseline (pure Python, Triton
+  # kernels; PyTorch, Triton and einops are on the GPU machine already).
+  rm -rf "$stage/wheels"
+  py=python3 && [ -x .venv/bin/python3 ] && py=.venv/bin/python3
+  if ! "$py" -m pip download -q --no-deps --only-binary=:all: -d "$stage/wheels" \
+    flash-linear-attention==0.6.0 fla-core==0.6.0 >&2; then
+    echo "warning: fla wheels not staged; the PyTorch baseline will say fla is missing" >&2
+  fi
   du -sh "$stage" >&2
   exit 0
 fi
@@ -94,9 +111,16 @@ else
   trainer_tests=$(executables arcticd-trainer test --release --lib | head -1)
 fi
 
+log=$(mktemp -d)
+# NCCL from the machine's own wheel, when it has one.
+nccl=$(python3 -c 'import glob, nvidia; print(next(iter(sorted(glob.glob(list(nvidia.__path__)[0] + "/**/libnccl.so.2", recursive=True))), ""))' 2>/dev/null || true)
+if [ -n "$nccl" ]; then
+  mkdir -p "$log/nccl" && ln -sf "$nccl" "$log/nccl/libnccl.so"
+  export LD_LIBRARY_PATH="$log/nccl:$(dirname "$nccl"):${LD_LIBRARY_PATH:-}" ARCTICD_REQUIRE_NCCL=1
+fi
+echo "NCCL: ${nccl:-none found (the NCCL test skips)}" >&2
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || echo "unknown")
 echo "GPU: $gpu" >&2
-log=$(mktemp -d)
 set +e
 ARCTICD_REQUIRE_GPU=1 ARCTICD_REQUIRE_NVRTC=1 "$tests" cuda:: --test-threads 1 > "$log/tests.txt" 2>&1
 tests_rc=$?
@@ -117,6 +141,11 @@ if [ -x "$stage/arcticd" ]; then arcticd="$stage/arcticd"; else
   cargo build --release --features cuda --bin arcticd >&2 && arcticd=target/release/arcticd; fi
 : > "$log/decode.txt"
 : > "$log/train.txt"
+: > "$log/torch.txt"
+if [ "${TORCH_BASELINE:-1}" != 0 ] && ls "$stage"/wheels/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$log/site" "$stage"/wheels/*.whl >&2 ||
+    echo "warning: the fla wheels did not install; PyTorch runs its own recurrence" >&2
+fi
 for preset in ${DECODE_PRESETS:-qwen3.5-0.8b}; do
   "$arcticd" init-model --preset "$preset" --out "$log/$preset" >&2 || bench_rc=1
   # cuBLAS, then the deterministic mode's products.
@@ -125,12 +154,23 @@ for preset in ${DECODE_PRESETS:-qwen3.5-0.8b}; do
       --prompt-len 16 --new-tokens 64 --cache-memory 32768 --hbm-tb-s "${HBM_TBS:-4.8}" $invariant \
       | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/decode.txt" || bench_rc=1
   done
-  # Training steps at 8k tokens (f32 products: PEAK_TFLOPS is the fp32
-  # peak, the H200's 67 by default), with and without recomputed layers.
-  for recompute in "" --recompute-layers; do
-    "$arcticd" bench-train --model "$log/$preset" --device cuda:0 --tokens 8192 --seq-len 2048 \
-      --steps 3 --peak-tflops "${PEAK_TFLOPS:-67}" $recompute 2>> "$log/train.err" \
-      | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/train.txt" || bench_rc=1
+  # Training steps (f32 products: PEAK_TFLOPS is the fp32 peak, the
+  # H200's 67 by default), with and without recomputed layers; then
+  # PyTorch's on the same model (BF16_PEAK_TFLOPS: the dense bf16 peak).
+  for tokens in ${TRAIN_TOKENS:-8192}; do
+    for recompute in "" --recompute-layers; do
+      "$arcticd" bench-train --model "$log/$preset" --device cuda:0 --tokens "$tokens" --seq-len 2048 \
+        --steps 3 --peak-tflops "${PEAK_TFLOPS:-67}" $recompute 2>> "$log/train.err" \
+        | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/train.txt" || bench_rc=1
+    done
+    if [ "${TORCH_BASELINE:-1}" != 0 ]; then
+      for precision in fp32:"${PEAK_TFLOPS:-67}" bf16:"${BF16_PEAK_TFLOPS:-989}"; do
+        PYTHONPATH="$log/site${PYTHONPATH:+:$PYTHONPATH}" timeout 600 python3 tests/ref/bench_train.py \
+          --model "$log/$preset" --device cuda --tokens "$tokens" --seq-len 2048 --iters 3 \
+          --precision "${precision%%:*}" --peak-tflops "${precision#*:}" 2>> "$log/torch.err" \
+          | tail -1 | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/torch.txt" || bench_rc=1
+      done
+    fi
   done
   rm -rf "${log:?}/$preset"
 done
@@ -166,8 +206,10 @@ else
   cat "$log/sft.err" >&2
   bench_rc=1
 fi
+grep -v '^Loading' "$log/torch.err" 2> /dev/null | tail -20 >&2 || true
 decode=$(paste -sd, "$log/decode.txt")
 train=$(paste -sd, "$log/train.txt")
-printf '{"gpu":"%s","tests":{"rc":%d,"passed":%d,"failed":%d,"failures":[%s]},"bench_rc":%d,"hbm_tb_s":%s,"benches":[%s],"decode":[%s],"train":[%s],"sft_vs_pytorch_max_rel_loss_diff":%s}\n' \
-  "$gpu" "$tests_rc" "$passed" "$failed" "$failures" "$bench_rc" "${HBM_TBS:-4.8}" "$benches" "$decode" "$train" "$sft_diff"
+torch=$(paste -sd, "$log/torch.txt")
+printf '{"gpu":"%s","tests":{"rc":%d,"passed":%d,"failed":%d,"failures":[%s]},"bench_rc":%d,"hbm_tb_s":%s,"benches":[%s],"decode":[%s],"train":[%s],"train_torch":[%s],"sft_vs_pytorch_max_rel_loss_diff":%s}\n' \
+  "$gpu" "$tests_rc" "$passed" "$failed" "$failures" "$bench_rc" "${HBM_TBS:-4.8}" "$benches" "$decode" "$train" "$torch" "$sft_diff"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

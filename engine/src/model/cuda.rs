@@ -29,7 +29,7 @@ use super::paged_batch::{PagedBatch, PagedSeq};
 use super::qwen3_5::{Linear, LinearAttention, Qwen3_5};
 use super::saved::{Keep, Kept, LayerActs};
 use super::{logit_rows_per_chunk, PrefillForm};
-use crate::config::ModelConfig;
+use crate::config::{LayerType, ModelConfig};
 use crate::kv_cache::{CacheLayout, SlotId};
 use crate::{Error, Result};
 use arcticd_kernels::cuda::cudarc::driver::CudaSlice;
@@ -117,7 +117,14 @@ impl std::fmt::Debug for CudaModel {
 impl CudaModel {
     /// Copies `model`'s parameters to `dev`: matrices (2-D parameters) in
     /// `dtype`, every other parameter in f32.
+    /// A model whose linear-attention key heads are wider than the CUDA
+    /// recurrence holds is refused here, before anything is copied.
     pub fn upload(model: &Qwen3_5, dev: Arc<CudaDevice>, dtype: WeightDType) -> Result<Self> {
+        let config = &model.config;
+        if config.layer_types.contains(&LayerType::LinearAttention) {
+            let (_, _, dk, _) = config.delta_heads();
+            arcticd_kernels::cuda::device::check_register_columns("the model on CUDA", dk)?;
+        }
         let on_device = model.try_map(|name, t: &Tensor| -> Result<DeviceParam> {
             let values = t
                 .as_f32()

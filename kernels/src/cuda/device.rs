@@ -1443,7 +1443,10 @@ fn flat_block_tables(
 const GD_MAX_DK: usize = 128;
 const GD_REC_COLS: usize = 32;
 
-fn check_register_columns(op: &str, dk: usize) -> Result<()> {
+/// Refuses key heads wider than the CUDA recurrence holds in registers:
+/// `CudaModel::upload` asks before a weight goes to the device, the
+/// kernels again on every call.
+pub fn check_register_columns(op: &str, dk: usize) -> Result<()> {
     if dk > GD_MAX_DK {
         return Err(Error::Shape(format!(
             "{op}: key heads of {dk}; the CUDA recurrence holds at most {GD_MAX_DK}"
@@ -2199,6 +2202,15 @@ mod tests {
         );
 
         assert_eq!(ATTN_KEY_TILE % ATTN_WARPS, 0);
+    }
+
+    /// Qwen3.5's key heads (128) fit the recurrence's registers; a wider
+    /// one is a shape error naming the limit, not a launch failure.
+    #[test]
+    fn register_columns_hold_qwen_key_heads_and_refuse_wider() {
+        assert!(check_register_columns("t", 128).is_ok());
+        let e = check_register_columns("t", 129).unwrap_err().to_string();
+        assert!(e.contains("129") && e.contains("128"), "{e}");
     }
 
     #[test]
