@@ -324,7 +324,7 @@ fn linear_attention(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
 
 /// Causal GQA attention at the 0.8B shape: fresh prefill of one 8,192-token
 /// sequence; 512 new tokens after a cached past of 7,680 (the paged
-/// prefill); a decode step of 32 sequences over 8,192 keys each; the
+/// prefill); a decode step of 1 and of 32 sequences over 8,192 keys each; the
 /// backward of the 8,192-token prefill.
 fn full_attention(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
     const G: &str = "cuda_attention";
@@ -377,33 +377,35 @@ fn full_attention(c: &mut Criterion, d: &CudaDevice, rng: &mut StdRng) {
             .unwrap()
         },
     );
-    // Decode: 32 sequences share the pool's 8,192 keys (the bytes count
-    // each sequence's own read).
-    let seqs = 32;
-    let qd = buf(d, rng, seqs * qrow, 1.0);
-    let mut od = d.zeros(seqs * qrow).unwrap();
-    let did = format!("{seqs}x{T}x{nh}/{nkv}x{hd}");
-    eprintln!("flops {G}/paged_decode/{did} {}", 2 * seqs * causal(1, T));
-    bench(
-        &mut g,
-        d,
-        (G, "paged_decode", &did),
-        seqs * T * kvrow * 8,
-        || {
-            d.paged_attention_decode(
-                &mut od,
-                &qd,
-                &k,
-                &v,
-                &vec![table.clone(); seqs],
-                &vec![T as u32; seqs],
-                (nh, nkv, hd),
-                bs,
-                scale,
-            )
-            .unwrap()
-        },
-    );
+    // Decode: 1 or 32 sequences share the pool's 8,192 keys (the bytes
+    // count each sequence's own read). At batch 1 the 16 splits of 512
+    // keys are what spread the step over the GPU.
+    for seqs in [1, 32] {
+        let qd = buf(d, rng, seqs * qrow, 1.0);
+        let mut od = d.zeros(seqs * qrow).unwrap();
+        let did = format!("{seqs}x{T}x{nh}/{nkv}x{hd}");
+        eprintln!("flops {G}/paged_decode/{did} {}", 2 * seqs * causal(1, T));
+        bench(
+            &mut g,
+            d,
+            (G, "paged_decode", &did),
+            seqs * T * kvrow * 8,
+            || {
+                d.paged_attention_decode(
+                    &mut od,
+                    &qd,
+                    &k,
+                    &v,
+                    &vec![table.clone(); seqs],
+                    &vec![T as u32; seqs],
+                    (nh, nkv, hd),
+                    bs,
+                    scale,
+                )
+                .unwrap()
+            },
+        );
+    }
     let dout = buf(d, rng, T * qrow, 1.0);
     let (mut dq, mut dk, mut dv) = (
         d.zeros(T * qrow).unwrap(),

@@ -6,18 +6,27 @@
 // reference).
 //
 // Every query runs the same arithmetic in the same order, whichever kernel
-// computes it: ATTN_WARPS "slots", slot w folding keys w, w + ATTN_WARPS,
-// ... of its sequence in increasing order into an online softmax (running
-// max m, sum l, and the weighted value sum: lane i holds dims i, i + 32,
-// ...), then the slots merged in order. So a token's output has the same
-// bits prefilled fresh, prefilled after a cached past or decoded, which is
-// what makes a prefix hit equal a cold run. Fused multiply-adds are written
-// out (fmaf) where a product meets a sum, so that equality does not rest on
-// the compiler contracting two kernels alike.
+// computes it. Its keys fall into splits of ATTN_SPLIT (keys 0 ..
+// ATTN_SPLIT - 1, then the next ATTN_SPLIT, ...). In a split, ATTN_WARPS
+// "slots", slot w folding the split's keys w, w + ATTN_WARPS, ... in
+// increasing order into an online softmax (running max m, sum l, and the
+// weighted value sum: lane i holds dims i, i + 32, ...), then the slots
+// merged in order into the split's state; the splits' states are folded in
+// order into the running state (attn_fold), which is normalized at the
+// end. So a token's output has the same bits prefilled fresh, prefilled
+// after a cached past or decoded, which is what makes a prefix hit equal a
+// cold run; a context of one split gives the bits of the slots' merge
+// alone (the fold from nothing scales by e^0 = 1). Fused multiply-adds are
+// written out (fmaf) where a product meets a sum, so that equality does
+// not rest on the compiler contracting two kernels alike.
 //
-// Decode: one block per (sequence, head), a warp per slot. Prefill: a block
-// per tile of ATTN_PAIRS (query, head) pairs of one sequence and KV head,
-// the keys staged through shared memory once for all of them.
+// Decode: one block per (sequence, head, split), a warp per slot; a
+// context of several splits leaves each split's state for
+// attention_split_merge, which folds them (flash-decoding: a long context
+// at a small batch spreads over the GPU). Prefill: a block per tile of
+// ATTN_PAIRS (query, head) pairs of one sequence and KV head, the keys
+// staged through shared memory once for all of them, the splits folded
+// into the output rows at each split's end.
 
 #define ATTN_MAX_DIM_PER_LANE 8  // head_dim <= 256
 #define ATTN_WARPS 4             // slots; a multiple of it divides ATTN_KEY_TILE
@@ -26,22 +35,57 @@
 #define ATTN_PAIRS (ATTN_PAIR_WARPS * ATTN_PAIRS_PER_WARP)
 #define ATTN_TILE_THREADS (ATTN_WARPS * ATTN_PAIR_WARPS * 32)
 #define ATTN_KEY_TILE 16         // prefill: keys per shared-memory tile
+#define ATTN_SPLIT 512           // keys per split; a multiple of ATTN_KEY_TILE
 
-// Merges one query's ATTN_WARPS slot states (sm, sl: [ATTN_WARPS], sacc:
-// [ATTN_WARPS, hd]) into out[0..hd); threads t, t + nt, ... take the dims.
-__device__ void attn_merge_row(float* out, const float* sm, const float* sl, const float* sacc,
-                               int hd, int t, int nt) {
+// The factors that fold a split's state (max m) into the running state
+// (max M) of the splits before it: a for the earlier splits' sums, b for
+// the split's. `first`: no split before it (the running sums are not
+// read, which leaves the split's own sums scaled by b = e^0 = 1).
+struct AttnFold {
+    float a, b, m;
+    bool first;
+};
+__device__ __forceinline__ AttnFold attn_fold_factors(float M, float m) {
+    AttnFold f;
+    f.first = M == NEG_INF;
+    f.m = fmaxf(M, m);
+    f.a = f.first ? 0.0f : expf(M - f.m);
+    f.b = expf(m - f.m);
+    return f;
+}
+__device__ __forceinline__ float attn_fold(float running, float split, AttnFold f) {
+    return f.first ? split * f.b : fmaf(running, f.a, split * f.b);
+}
+
+// Folds the split whose ATTN_WARPS slot states are sm, sl: [ATTN_WARPS],
+// sacc: [ATTN_WARPS, hd] into the running state M, L and acc[0..hd) (a
+// query's output row); threads t, t + nt, ... take the dims, each thread
+// keeping its own copy of M and L. A split with no key of this query
+// (every slot empty) changes nothing. The state of a split, as decode's
+// splits leave it for attention_split_merge: max `big`, sum `total`, value
+// sums `o`.
+__device__ void attn_fold_slots(float* acc, float& M, float& L, const float* sm, const float* sl,
+                                const float* sacc, int hd, int t, int nt) {
     float big = NEG_INF;
     for (int w = 0; w < ATTN_WARPS; w++) big = fmaxf(big, sm[w]);
+    if (big == NEG_INF) return;
     float total = 0.0f;
     for (int w = 0; w < ATTN_WARPS; w++)
         if (sm[w] != NEG_INF) total = fmaf(sl[w], expf(sm[w] - big), total);
+    AttnFold f = attn_fold_factors(M, big);
     for (int d = t; d < hd; d += nt) {
         float o = 0.0f;
         for (int w = 0; w < ATTN_WARPS; w++)
             if (sm[w] != NEG_INF) o = fmaf(sacc[w * hd + d], expf(sm[w] - big), o);
-        out[d] = total > 0.0f ? o / total : 0.0f;
+        acc[d] = attn_fold(acc[d], o, f);
     }
+    L = attn_fold(L, total, f);
+    M = f.m;
+}
+
+// The output from the running state: acc / L (zero with no key at all).
+__device__ __forceinline__ void attn_finish(float* acc, float L, int hd, int t, int nt) {
+    for (int d = t; d < hd; d += nt) acc[d] = L > 0.0f ? acc[d] / L : 0.0f;
 }
 
 // Stores a warp's state at its place `warp` of the merge buffer: sm
@@ -125,27 +169,41 @@ extern "C" __global__ void paged_kv_write(float* k_pool, float* v_pool, const fl
     }
 }
 
+// A context's splits (at least one, for an empty context too).
+__device__ __forceinline__ int attn_splits(int n) {
+    return n > ATTN_SPLIT ? (n + ATTN_SPLIT - 1) / ATTN_SPLIT : 1;
+}
+
 // Decode: one query token per sequence s, attending its context_lens[s] keys
 // (the current token's K/V already written) found through
-// block_tables[s, max_blocks]. q, out: [seqs, n_heads, hd]. ATTN_WARPS
-// warps; shared: ATTN_WARPS * (hd + 2) floats.
-extern "C" __global__ void paged_attention_decode(float* out, const float* q, const float* k_pool,
-                                                  const float* v_pool, const u32* block_tables,
+// block_tables[s, max_blocks]. q, out: [seqs, n_heads, hd]. Block b takes
+// split b % n_splits of (sequence, head) p = b / n_splits (n_splits: the
+// longest context's). A context of one split is written to out; of more,
+// split c's state goes to part[(p * n_splits + c) * (hd + 2) ..]: its max,
+// its sum, then its value sums (attention_split_merge folds them).
+// ATTN_WARPS warps; shared: ATTN_WARPS * (hd + 2) floats.
+extern "C" __global__ void paged_attention_decode(float* out, float* part, const float* q,
+                                                  const float* k_pool, const float* v_pool,
+                                                  const u32* block_tables,
                                                   const u32* context_lens, int seqs, int n_heads,
                                                   int n_kv_heads, int hd, int block_size,
-                                                  int max_blocks, float scale) {
+                                                  int max_blocks, int n_splits, float scale) {
     extern __shared__ float shared[];
-    int s = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
+    int p = blockIdx.x / n_splits, c = blockIdx.x % n_splits;
+    int s = p / n_heads, h = p % n_heads;
     if (s >= seqs) return;
+    int n = (int)context_lens[s];
+    int splits = attn_splits(n);
+    if (c >= splits) return;
     int kvh = h / (n_heads / n_kv_heads);
     int warp = threadIdx.x >> 5;
     float qr[ATTN_MAX_DIM_PER_LANE], acc[ATTN_MAX_DIM_PER_LANE];
     float kr[ATTN_MAX_DIM_PER_LANE], vr[ATTN_MAX_DIM_PER_LANE];
-    attn_load_q(qr, acc, q + ((size_t)s * n_heads + h) * hd, hd, scale);
+    attn_load_q(qr, acc, q + (size_t)p * hd, hd, scale);
     float m = NEG_INF, l = 0.0f;
-    int n = (int)context_lens[s];
+    int end = n < (c + 1) * ATTN_SPLIT ? n : (c + 1) * ATTN_SPLIT;
     int row = n_kv_heads * hd;
-    for (int j = warp; j < n; j += ATTN_WARPS) {
+    for (int j = c * ATTN_SPLIT + warp; j < end; j += ATTN_WARPS) {
         u32 blk = block_tables[(size_t)s * max_blocks + j / block_size];
         size_t base = ((size_t)blk * block_size + j % block_size) * row + (size_t)kvh * hd;
         attn_load_row(kr, k_pool + base, hd);
@@ -154,8 +212,46 @@ extern "C" __global__ void paged_attention_decode(float* out, const float* q, co
     }
     attn_stash(shared, warp, ATTN_WARPS, m, l, acc, hd);
     __syncthreads();
-    attn_merge_row(out + ((size_t)s * n_heads + h) * hd, shared, shared + ATTN_WARPS,
-                   shared + 2 * ATTN_WARPS, hd, threadIdx.x, blockDim.x);
+    float M = NEG_INF, L = 0.0f;
+    if (splits == 1) {
+        float* o = out + (size_t)p * hd;
+        attn_fold_slots(o, M, L, shared, shared + ATTN_WARPS, shared + 2 * ATTN_WARPS, hd,
+                        threadIdx.x, blockDim.x);
+        attn_finish(o, L, hd, threadIdx.x, blockDim.x);
+        return;
+    }
+    // The split's own state: folded from nothing, its max, sum and sums.
+    float* st = part + ((size_t)p * n_splits + c) * (hd + 2);
+    attn_fold_slots(st + 2, M, L, shared, shared + ATTN_WARPS, shared + 2 * ATTN_WARPS, hd,
+                    threadIdx.x, blockDim.x);
+    if (threadIdx.x == 0) {
+        st[0] = M;
+        st[1] = L;
+    }
+}
+
+// The rest of decode for contexts of several splits: a block per
+// (sequence, head) p folds its splits' states from part, in order, into
+// out [seqs, n_heads, hd] (threads over the dims) and normalizes.
+extern "C" __global__ void attention_split_merge(float* out, const float* part,
+                                                 const u32* context_lens, int seqs, int n_heads,
+                                                 int hd, int n_splits) {
+    int p = blockIdx.x, s = p / n_heads;
+    if (s >= seqs) return;
+    int splits = attn_splits((int)context_lens[s]);
+    if (splits == 1) return;
+    float* o = out + (size_t)p * hd;
+    float M = NEG_INF, L = 0.0f;
+    for (int c = 0; c < splits; c++) {
+        const float* st = part + ((size_t)p * n_splits + c) * (hd + 2);
+        if (st[0] == NEG_INF) continue;
+        AttnFold f = attn_fold_factors(M, st[0]);
+        for (int d = threadIdx.x; d < hd; d += blockDim.x)
+            o[d] = attn_fold(o[d], st[2 + d], f);
+        L = attn_fold(L, st[1], f);
+        M = f.m;
+    }
+    attn_finish(o, L, hd, threadIdx.x, blockDim.x);
 }
 
 // Where key j (0-based in its sequence) of KV head 0 starts: contiguous
@@ -179,8 +275,16 @@ struct AttnPagedRows {
 // head g, the sequence's new tokens q/out rows q_first.., after `past`
 // earlier keys (new token i attends keys 0 ..= past + i). Warp w is slot w
 // % ATTN_WARPS of pairs pair0 + (w / ATTN_WARPS) * ATTN_PAIRS_PER_WARP + r.
-// shared: max(2 * ATTN_KEY_TILE * hd, ATTN_WARPS * ATTN_PAIR_WARPS * (hd + 2))
-// floats.
+// At the end of each split (and of the keys) the slots of every pair are
+// folded into its output row, which holds the running value sums until
+// the last fold normalizes them; the running max and sum of each pair's
+// splits so far sit in shared memory after the tiles (two copies, read
+// from one and written to the other by split parity). shared:
+// attn_prefill_tile_floats(hd) + 4 * ATTN_PAIRS floats.
+__device__ __forceinline__ int attn_prefill_tile_floats(int hd) {
+    int tiles = 2 * ATTN_KEY_TILE * hd, merge = ATTN_WARPS * ATTN_PAIR_WARPS * (hd + 2);
+    return tiles > merge ? tiles : merge;
+}
 template <typename Rows>
 __device__ void attn_prefill_tile(float* out, const float* q, const float* k, const float* v,
                                   Rows rows, size_t q_first, int past, int n_new, int pair0, int g,
@@ -194,6 +298,11 @@ __device__ void attn_prefill_tile(float* out, const float* q, const float* k, co
     float acc[ATTN_PAIRS_PER_WARP][ATTN_MAX_DIM_PER_LANE];
     float m[ATTN_PAIRS_PER_WARP], l[ATTN_PAIRS_PER_WARP];
     int last[ATTN_PAIRS_PER_WARP];  // the pair's last key, -1 for no pair
+    const int warps = ATTN_WARPS * ATTN_PAIR_WARPS;
+    int t = threadIdx.x - pw * ATTN_WARPS * 32;
+    // run[parity * 2 * ATTN_PAIRS + {0: max, ATTN_PAIRS: sum} + pair]:
+    // the running state of the splits folded so far.
+    float* run = shared + attn_prefill_tile_floats(hd);
 #pragma unroll
     for (int r = 0; r < ATTN_PAIRS_PER_WARP; r++) {
         int x = pair0 + pw * ATTN_PAIRS_PER_WARP + r;
@@ -203,7 +312,12 @@ __device__ void attn_prefill_tile(float* out, const float* q, const float* k, co
                     scale);
         m[r] = NEG_INF;
         l[r] = 0.0f;
+        if (t == 0) {
+            run[pw * ATTN_PAIRS_PER_WARP + r] = NEG_INF;
+            run[ATTN_PAIRS + pw * ATTN_PAIRS_PER_WARP + r] = 0.0f;
+        }
     }
+    int folds = 0;
     int x_end = pair0 + ATTN_PAIRS < pairs ? pair0 + ATTN_PAIRS : pairs;
     int n_keys = past + (x_end - 1) / group + 1;
     float* sk = shared;
@@ -225,22 +339,45 @@ __device__ void attn_prefill_tile(float* out, const float* q, const float* k, co
             for (int r = 0; r < ATTN_PAIRS_PER_WARP; r++)
                 if (j0 + jj <= last[r]) attn_step(kr, vr, qr[r], acc[r], m[r], l[r], hd);
         }
+        if ((j0 + ATTN_KEY_TILE) % ATTN_SPLIT != 0 && j0 + ATTN_KEY_TILE < n_keys) continue;
+        // A split ends: fold, one pair per warp at a time, in the key
+        // tiles' memory; the slots start the next split empty.
+#pragma unroll
+        for (int r = 0; r < ATTN_PAIRS_PER_WARP; r++) {
+            __syncthreads();
+            attn_stash(shared, warp, warps, m[r], l[r], acc[r], hd);
+            __syncthreads();
+            int x = pair0 + pw * ATTN_PAIRS_PER_WARP + r;
+            if (x < pairs) {
+                int i = x / group, h = g * group + x % group;
+                int w0 = pw * ATTN_WARPS;
+                int pi = pw * ATTN_PAIRS_PER_WARP + r;
+                const float* from = run + (folds & 1) * 2 * ATTN_PAIRS + pi;
+                float M = from[0], L = from[ATTN_PAIRS];
+                attn_fold_slots(out + ((q_first + i) * n_heads + h) * hd, M, L, shared + w0,
+                                shared + warps + w0, shared + 2 * warps + (size_t)w0 * hd, hd, t,
+                                ATTN_WARPS * 32);
+                float* to = run + ((folds + 1) & 1) * 2 * ATTN_PAIRS + pi;
+                if (t == 0) {
+                    to[0] = M;
+                    to[ATTN_PAIRS] = L;
+                }
+            }
+            m[r] = NEG_INF;
+            l[r] = 0.0f;
+            for (int i = 0; i < ATTN_MAX_DIM_PER_LANE; i++) acc[r][i] = 0.0f;
+        }
+        folds++;
     }
-    // Merge, one pair per warp at a time, in the key tiles' memory.
-    const int warps = ATTN_WARPS * ATTN_PAIR_WARPS;
-    int t = threadIdx.x - pw * ATTN_WARPS * 32;
+    __syncthreads();  // the last fold's sums are written
 #pragma unroll
     for (int r = 0; r < ATTN_PAIRS_PER_WARP; r++) {
-        __syncthreads();
-        attn_stash(shared, warp, warps, m[r], l[r], acc[r], hd);
-        __syncthreads();
         int x = pair0 + pw * ATTN_PAIRS_PER_WARP + r;
         if (x < pairs) {
             int i = x / group, h = g * group + x % group;
-            int w0 = pw * ATTN_WARPS;
-            attn_merge_row(out + ((q_first + i) * n_heads + h) * hd, shared + w0,
-                           shared + warps + w0, shared + 2 * warps + (size_t)w0 * hd, hd, t,
-                           ATTN_WARPS * 32);
+            float L = run[(folds & 1) * 2 * ATTN_PAIRS + ATTN_PAIRS + pw * ATTN_PAIRS_PER_WARP +
+                          r];
+            attn_finish(out + ((q_first + i) * n_heads + h) * hd, L, hd, t, ATTN_WARPS * 32);
         }
     }
 }

@@ -96,6 +96,15 @@ const ATTN_KEY_TILE: usize = 16;
 const ATTN_BWD_ROWS: usize = 2;
 /// (query, head) pairs per prefill block.
 const ATTN_PAIRS: usize = ATTN_PAIR_WARPS * ATTN_PAIRS_PER_WARP;
+/// Keys per split: every kernel folds a query's keys split by split, and
+/// decode runs a block per split.
+const ATTN_SPLIT: usize = 512;
+
+/// Decode's splits per (sequence, head): the longest context's, at least 1.
+fn decode_splits(context_lens: &[u32]) -> usize {
+    let longest = context_lens.iter().copied().max().unwrap_or(0) as usize;
+    longest.div_ceil(ATTN_SPLIT).max(1)
+}
 
 /// The prefill blocks' tiles: `(sequence, first pair)` for every run of
 /// `ATTN_PAIRS` (query, head) pairs of a sequence's new tokens (rows
@@ -116,7 +125,9 @@ fn prefill_tiles(cu_seqlens: &[u32], n_heads: usize, n_kv_heads: usize) -> (Vec<
 
 fn attention_prefill_launch(blocks: usize, hd: usize) -> LaunchConfig {
     let warps = ATTN_WARPS * ATTN_PAIR_WARPS;
-    let floats = (2 * ATTN_KEY_TILE * hd).max(warps * (hd + 2));
+    // The key tiles (or the merge buffer, in the same memory), then each
+    // pair's running max and sum, twice.
+    let floats = (2 * ATTN_KEY_TILE * hd).max(warps * (hd + 2)) + 4 * ATTN_PAIRS;
     LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: ((warps * 32) as u32, 1, 1),
@@ -1183,11 +1194,28 @@ impl CudaDevice {
         }
         let max_blocks = flat.len() / seqs;
         let (tables, lens) = (self.upload(&flat)?, self.upload(context_lens)?);
-        let ints = [seqs, n_heads, n_kv_heads, hd, block_size, max_blocks]
-            .iter()
-            .map(|&x| int(op, "size", x))
-            .collect::<Result<Vec<i32>>>()?;
-        launch!(self, op, attention_launch(seqs * n_heads, hd); out, q, k_pool, v_pool, &tables, &lens, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &ints[5], &scale);
+        // A context longer than a split spreads over blocks, one per split,
+        // whose states attention_split_merge folds.
+        let splits = decode_splits(context_lens);
+        let part = self.zeros::<f32>(if splits > 1 {
+            seqs * n_heads * splits * (hd + 2)
+        } else {
+            1
+        })?;
+        let ints = [
+            seqs, n_heads, n_kv_heads, hd, block_size, max_blocks, splits,
+        ]
+        .iter()
+        .map(|&x| int(op, "size", x))
+        .collect::<Result<Vec<i32>>>()?;
+        launch!(self, op, attention_launch(seqs * n_heads * splits, hd); &mut *out, &part, q, k_pool, v_pool, &tables, &lens, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &ints[5], &ints[6], &scale);
+        if splits > 1 {
+            let cfg = LaunchConfig {
+                shared_mem_bytes: 0,
+                ..attention_launch(seqs * n_heads, hd)
+            };
+            launch!(self, "attention_split_merge", cfg; out, &part, &lens, &ints[0], &ints[1], &ints[3], &ints[6]);
+        }
         Ok(())
     }
 
@@ -2204,6 +2232,35 @@ mod tests {
         assert_eq!(ATTN_KEY_TILE % ATTN_WARPS, 0);
     }
 
+    /// Decode's split count is the longest context's, and the host's
+    /// constants are the kernels' own (`#define`s of attention.cu).
+    #[test]
+    fn decode_splits_follow_the_longest_context_and_the_kernel_constants() {
+        assert_eq!(decode_splits(&[]), 1);
+        assert_eq!(decode_splits(&[0, 1, 512]), 1);
+        assert_eq!(decode_splits(&[513, 3]), 2);
+        assert_eq!(decode_splits(&[7, 32_768]), 64);
+        let src = include_str!("attention.cu");
+        let define = |name: &str| -> usize {
+            let line = src
+                .lines()
+                .find(|l| l.split_whitespace().take(2).eq(["#define", name]))
+                .unwrap_or_else(|| panic!("no #define {name}"));
+            line.split_whitespace().nth(2).unwrap().parse().unwrap()
+        };
+        for (name, host) in [
+            ("ATTN_WARPS", ATTN_WARPS),
+            ("ATTN_PAIR_WARPS", ATTN_PAIR_WARPS),
+            ("ATTN_PAIRS_PER_WARP", ATTN_PAIRS_PER_WARP),
+            ("ATTN_KEY_TILE", ATTN_KEY_TILE),
+            ("ATTN_BWD_ROWS", ATTN_BWD_ROWS),
+            ("ATTN_SPLIT", ATTN_SPLIT),
+        ] {
+            assert_eq!(define(name), host, "{name}");
+        }
+        assert_eq!(ATTN_SPLIT % ATTN_KEY_TILE, 0);
+    }
+
     /// Qwen3.5's key heads (128) fit the recurrence's registers; a wider
     /// one is a shape error naming the limit, not a launch failure.
     #[test]
@@ -2358,6 +2415,99 @@ mod tests {
             fresh[past * nh * hd..n * nh * hd]
         );
         assert_eq!(got[(n - past) * nh * hd..], fresh[3 * nh * hd..4 * nh * hd]);
+    }
+
+    /// A context of three splits (1,100 keys, the 0.8B model's heads):
+    /// the fresh prefill against the CPU, decode (a block per split, then
+    /// the split merge) and the paged prefill after a past of 600 with the
+    /// fresh prefill's bits, on both sides of a split's end.
+    #[test]
+    fn long_contexts_split_with_the_same_bits() {
+        let Some(d) = gpu() else { return };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (nh, nkv, hd, n, bs) = (8, 2, 256, 1100, 16);
+        let (row, scale) = (nkv * hd, (hd as f32).powf(-0.5));
+        let q = rand_vec(&mut rng, n * nh * hd, 1.0);
+        let k = rand_vec(&mut rng, n * row, 1.0);
+        let v = rand_vec(&mut rng, n * row, 1.0);
+        let mut want = vec![0.0; n * nh * hd];
+        let dims = cpu::attention::AttnDims {
+            nq: n,
+            nk: n,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+        };
+        cpu::attention::attention_forward(&mut want, &q, &k, &v, dims, scale).unwrap();
+        let (dq, dk, dv) = (
+            d.upload(&q).unwrap(),
+            d.upload(&k).unwrap(),
+            d.upload(&v).unwrap(),
+        );
+        let mut fresh = d.zeros(n * nh * hd).unwrap();
+        let cu = [0, n as u32];
+        d.varlen_attention_prefill(&mut fresh, &dq, &dk, &dv, &cu, (nh, nkv, hd), scale)
+            .unwrap();
+        let fresh = d.download(&fresh).unwrap();
+        close("prefill over three splits", &fresh, &want, 1e-4);
+
+        // The keys in the pools, blocks in reverse order.
+        let blocks = n.div_ceil(bs);
+        let table: Vec<u32> = (0..blocks as u32).rev().collect();
+        let slots: Vec<u32> = (0..n)
+            .map(|j| table[j / bs] * bs as u32 + (j % bs) as u32)
+            .collect();
+        let (mut kp, mut vp) = (
+            d.zeros(blocks * bs * row).unwrap(),
+            d.zeros(blocks * bs * row).unwrap(),
+        );
+        d.paged_kv_write(&mut kp, &mut vp, &dk, &dv, &slots, row)
+            .unwrap();
+        // Decode of tokens around the first split's end and at the last.
+        let tokens: Vec<usize> = (505..520).chain(1090..1100).collect();
+        let mut qs = Vec::new();
+        for &i in &tokens {
+            qs.extend_from_slice(&q[i * nh * hd..(i + 1) * nh * hd]);
+        }
+        let lens: Vec<u32> = tokens.iter().map(|&i| i as u32 + 1).collect();
+        let mut o = d.zeros(qs.len()).unwrap();
+        d.paged_attention_decode(
+            &mut o,
+            &d.upload(&qs).unwrap(),
+            &kp,
+            &vp,
+            &vec![table.clone(); tokens.len()],
+            &lens,
+            (nh, nkv, hd),
+            bs,
+            scale,
+        )
+        .unwrap();
+        let got = d.download(&o).unwrap();
+        for (r, &i) in tokens.iter().enumerate() {
+            assert_eq!(
+                got[r * nh * hd..(r + 1) * nh * hd],
+                fresh[i * nh * hd..(i + 1) * nh * hd],
+                "decode of token {i} == prefill"
+            );
+        }
+        // The last 500 tokens prefilled after a cached past of 600.
+        let past = 600;
+        let mut o = d.zeros((n - past) * nh * hd).unwrap();
+        d.paged_attention_prefill(
+            &mut o,
+            &d.upload(&q[past * nh * hd..]).unwrap(),
+            &kp,
+            &vp,
+            std::slice::from_ref(&table),
+            &[past as u32],
+            &[0, (n - past) as u32],
+            (nh, nkv, hd),
+            bs,
+            scale,
+        )
+        .unwrap();
+        assert_eq!(d.download(&o).unwrap(), fresh[past * nh * hd..]);
     }
 
     #[test]

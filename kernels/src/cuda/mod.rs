@@ -132,6 +132,7 @@ pub const MODULES: &[Module] = &[
         kernels: &[
             "paged_kv_write",
             "paged_attention_decode",
+            "attention_split_merge",
             "varlen_attention_prefill",
             "paged_attention_prefill",
             "attention_backward_dq",

@@ -47,8 +47,29 @@ assert prefill_tiles([0, 0], 4, 1) == ([], 0)
 assert prefill_tiles([0, 2], 32, 1) == ([0, 0, 0, 16, 0, 32, 0, 48], 4)
 
 def attention_prefill_shared(hd):
-    floats = max(2 * K.ATTN_KEY_TILE * hd, K.ATTN_WARPS * K.ATTN_PAIR_WARPS * (hd + 2))
+    floats = max(2 * K.ATTN_KEY_TILE * hd, K.ATTN_WARPS * K.ATTN_PAIR_WARPS * (hd + 2)) + 4 * K.ATTN_PAIRS
     return lambda: shared("prefill.dyn", floats, np.float32)
+
+# device.rs: decode_splits and paged_attention_decode's launches (a block per
+# split, then attention_split_merge where a context has several)
+def decode_splits(ctx):
+    return max(1, -(-max(ctx, default=0) // K.ATTN_SPLIT))
+
+assert K.ATTN_SPLIT == 512  # device.rs's test decode_splits_follow_...
+assert decode_splits([]) == 1 and decode_splits([0, 1, 512]) == 1
+assert decode_splits([513, 3]) == 2 and decode_splits([7, 32768]) == 64
+
+def run_decode(out, q, kpb, vpb, flat, ctx, seqs, nh, nkv, hd, bs, max_blocks, scale):
+    splits = decode_splits(ctx)
+    part = Buf("part", np.zeros(seqs * nh * splits * (hd + 2) if splits > 1 else 1, np.float32))
+    lens = buf("context_lens", ctx, np.uint32)
+    launch("paged_attention_decode", seqs * nh * splits, ATTN_WARPS * 32, K.paged_attention_decode,
+           attention_launch_shared(hd), out, part, buf("q", q), kpb, vpb, buf("block_tables", flat, np.uint32),
+           lens, seqs, nh, nkv, hd, bs, max_blocks, splits, scale)
+    if splits > 1:
+        launch("attention_split_merge", seqs * nh, ATTN_WARPS * 32, K.attention_split_merge, None,
+               out, part, lens, seqs, nh, hd, splits)
+    return splits
 
 def run_prefill(q, k, v, cu, nh, nkv, hd, scale):
     t = cu[-1]
@@ -131,9 +152,7 @@ def case_decode(name, ctx, nh, nkv, hd, bs=16, seed=1):
     scale = F(1.0 / np.sqrt(hd))
     out = out_buf("out", seqs * nh * hd)
     t0 = time.time()
-    launch("paged_attention_decode", seqs * nh, ATTN_WARPS * 32, K.paged_attention_decode,
-           attention_launch_shared(hd), out, buf("q", q), kpb, vpb, buf("block_tables", flat, np.uint32),
-           buf("context_lens", ctx, np.uint32), seqs, nh, nkv, hd, bs, max_blocks, scale)
+    run_decode(out, q, kpb, vpb, flat, ctx, seqs, nh, nkv, hd, bs, max_blocks, scale)
     ref = np.zeros((seqs, nh, hd))
     kpool = kp2.reshape(pool_blocks, bs, nkv, hd).astype(D); vpool = vp2.reshape(pool_blocks, bs, nkv, hd).astype(D)
     for s in range(seqs):
@@ -214,9 +233,7 @@ def case_paged_prefill(name, spec, nh, nkv, hd, bs=8, seed=3):
         dflat = np.zeros(len(ctx) * mb, dtype=np.uint32)
         for r, tb in enumerate(dtables): dflat[r * mb:r * mb + len(tb)] = tb
         dout = out_buf("out", len(ctx) * nh * hd)
-        launch("paged_attention_decode", len(ctx) * nh, ATTN_WARPS * 32, K.paged_attention_decode,
-               attention_launch_shared(hd), dout, buf("q", qn), kpb, vpb, buf("block_tables", dflat, np.uint32),
-               buf("context_lens", ctx, np.uint32), len(ctx), nh, nkv, hd, bs, mb, scale)
+        run_decode(dout, qn, kpb, vpb, dflat, ctx, len(ctx), nh, nkv, hd, bs, mb, scale)
         bits(name, "decode == paged prefill", dout.a, out.a)
     print(f"  ({time.time()-t0:.1f}s)")
 
@@ -279,6 +296,15 @@ def case_kvwrite_stride():
     cmp("paged_kv_write grid-stride (grid 2x256, 1400 elems)", "k_pool", kb.a, kp.astype(D))
     cmp("paged_kv_write grid-stride (grid 2x256, 1400 elems)", "v_pool", vb.a, vp.astype(D))
 
+def split(n, case):
+    """Runs `case` with splits of n keys (the kernels' ATTN_SPLIT is 512;
+    the same code over short contexts)."""
+    def run():
+        K.ATTN_SPLIT = n
+        try: case()
+        finally: K.ATTN_SPLIT = 512
+    return run
+
 CASES = {
     "prefill40": lambda: case_prefill("prefill hd40 GQA4/2 lens[70,1,0,5]", [70, 1, 0, 5], 4, 2, 40),
     "prefill256": lambda: case_prefill("prefill hd256 GQA4/2 lens[9,1,0,5]", [9, 1, 0, 5], 4, 2, 256),
@@ -313,6 +339,17 @@ CASES = {
     "prefill_g3": lambda: case_prefill("prefill hd24 GQA6/2 lens[7,18] (group 3: a query's heads split across tiles)", [7, 18], 6, 2, 24),
     "paged_g3": lambda: case_paged_prefill("paged prefill hd24 GQA6/2 (past,new)[(5,7),(0,2)] bs5", [(5, 7), (0, 2)], 6, 2, 24, bs=5),
     "paged_g32": lambda: case_paged_prefill("paged prefill hd8 GQA32/1 (past,new)[(4,2)] bs8", [(4, 2)], 32, 1, 8),
+    # Splits of 16 and 32 keys: contexts of one to five splits, split ends
+    # inside and at the end of a sequence's keys.
+    "split_decode": split(32, lambda: case_decode("split32 decode hd40 GQA4/2 ctx[1,33,96,0,64,70] bs16",
+                                                  [1, 33, 96, 0, 64, 70], 4, 2, 40)),
+    "split_prefill": split(16, lambda: case_prefill("split16 prefill hd24 GQA6/2 lens[70,1,0,33]",
+                                                    [70, 1, 0, 33], 6, 2, 24)),
+    "split_paged": split(32, lambda: case_paged_prefill(
+        "split32 paged prefill hd40 GQA4/2 (past,new)[(40,30),(0,70),(64,1),(31,2)] bs8",
+        [(40, 30), (0, 70), (64, 1), (31, 2)], 4, 2, 40)),
+    "split_paged256": split(16, lambda: case_paged_prefill(
+        "split16 paged prefill hd256 GQA4/2 (past,new)[(20,14),(0,3)] bs8", [(20, 14), (0, 3)], 4, 2, 256)),
 }
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ ATTN_PAIR_WARPS = 4
 ATTN_PAIRS_PER_WARP = 4
 ATTN_PAIRS = ATTN_PAIR_WARPS * ATTN_PAIRS_PER_WARP
 ATTN_KEY_TILE = 16
+# cu:38. attention.py's cases set it smaller (a multiple of ATTN_KEY_TILE) to
+# run several splits over short contexts; the arithmetic is the same.
+ATTN_SPLIT = 512
 ATTN_BWD_ROWS = 2
 ATTN_BWD_BLOCK_ROWS = ATTN_PAIR_WARPS * ATTN_BWD_ROWS
 
@@ -60,108 +63,176 @@ def block_max(v, scratch, tid, bdim):
     v = scratch[lane] if lane < warps else NEG_INF
     return (yield from warp_max(v))
 
-# cu:32
-def attn_merge_row(out, sm, sl, sacc, hd, t, nt):
+# cu:48; returns (first, a, b, m)
+def attn_fold_factors(M, m):
+    first = M == NEG_INF  # cu:50
+    mm = fmaxf(M, m)  # cu:51
+    a = F(0.0) if first else expf(M - mm)  # cu:52
+    b = expf(m - mm)  # cu:53
+    return first, a, b, mm
+
+# cu:56
+def attn_fold(running, split, f):
+    first, a, b, _ = f
+    return F(split * b) if first else fmaf(running, a, F(split * b))  # cu:57
+
+# cu:67; returns (M, L)
+def attn_fold_slots(acc, M, L, sm, sl, sacc, hd, t, nt):
     big = NEG_INF
-    for w in range(ATTN_WARPS): big = fmaxf(big, sm[w])  # cu:35
+    for w in range(ATTN_WARPS): big = fmaxf(big, sm[w])  # cu:70
+    if big == NEG_INF: return M, L  # cu:71
     total = F(0.0)
     for w in range(ATTN_WARPS):
-        if sm[w] != NEG_INF: total = fmaf(sl[w], expf(sm[w] - big), total)  # cu:38
-    for d in range(t, hd, nt):  # cu:39
+        if sm[w] != NEG_INF: total = fmaf(sl[w], expf(sm[w] - big), total)  # cu:74
+    f = attn_fold_factors(M, big)  # cu:75
+    for d in range(t, hd, nt):  # cu:76
         o = F(0.0)
         for w in range(ATTN_WARPS):
-            if sm[w] != NEG_INF: o = fmaf(sacc[w * hd + d], expf(sm[w] - big), o)  # cu:42
-        out[d] = F(o / total) if total > F(0.0) else F(0.0)  # cu:43
+            if sm[w] != NEG_INF: o = fmaf(sacc[w * hd + d], expf(sm[w] - big), o)  # cu:79
+        acc[d] = attn_fold(acc[d], o, f)  # cu:80
+    L = attn_fold(L, total, f)  # cu:82
+    return f[3], L  # cu:83
 
-# cu:49
+# cu:87
+def attn_finish(acc, L, hd, t, nt):
+    for d in range(t, hd, nt):
+        acc[d] = F(acc[d] / L) if L > F(0.0) else F(0.0)  # cu:88
+
+# cu:93
 def attn_stash(shared, warp, warps, m, l, acc, hd, tid):
     lane = tid & 31
     if lane == 0:
-        shared[warp] = m  # cu:53
-        shared[warps + warp] = l  # cu:54
+        shared[warp] = m  # cu:97
+        shared[warps + warp] = l  # cu:98
     for i in range(ATTN_MAX_DIM_PER_LANE):
         d = lane + 32 * i
-        if d < hd: shared[2 * warps + warp * hd + d] = acc[i]  # cu:58
+        if d < hd: shared[2 * warps + warp * hd + d] = acc[i]  # cu:102
 
-# cu:63
+# cu:107
 def attn_load_q(qr, acc, qs, hd, scale, tid):
     lane = tid & 31
     for i in range(ATTN_MAX_DIM_PER_LANE):
         d = lane + 32 * i
-        qr[i] = F(qs[d] * scale) if d < hd else F(0.0)  # cu:68
-        acc[i] = F(0.0)  # cu:69
+        qr[i] = F(qs[d] * scale) if d < hd else F(0.0)  # cu:112
+        acc[i] = F(0.0)  # cu:113
 
-# cu:74
+# cu:118
 def attn_load_row(r, row, hd, tid):
     lane = tid & 31
     for i in range(ATTN_MAX_DIM_PER_LANE):
         d = lane + 32 * i
-        r[i] = row[d] if d < hd else F(0.0)  # cu:78
+        r[i] = row[d] if d < hd else F(0.0)  # cu:122
 
-# cu:83
+# cu:127
 def attn_dot(a, b, hd, tid):
     lane = tid & 31
     s = F(0.0)
     for i in range(ATTN_MAX_DIM_PER_LANE):
-        if lane + 32 * i < hd: s = fmaf(a[i], b[i], s)  # cu:87
-    return (yield from warp_sum(s))  # cu:88
+        if lane + 32 * i < hd: s = fmaf(a[i], b[i], s)  # cu:131
+    return (yield from warp_sum(s))  # cu:132
 
-# cu:93; returns (p, m, l, corr)
+# cu:137; returns (p, m, l, corr)
 def attn_online(s, m, l):
     m_new = fmaxf(m, s)
-    corr = F(0.0) if m == NEG_INF else expf(m - m_new)  # cu:95
+    corr = F(0.0) if m == NEG_INF else expf(m - m_new)  # cu:139
     p = expf(s - m_new)
-    l = fmaf(l, corr, p)  # cu:97
+    l = fmaf(l, corr, p)  # cu:141
     return p, m_new, l, corr
 
-# cu:104; returns (m, l)
+# cu:148; returns (m, l)
 def attn_step(kr, vr, qr, acc, m, l, hd, tid):
     lane = tid & 31
-    dot = yield from attn_dot(qr, kr, hd, tid)  # cu:107
-    p, m, l, corr = attn_online(dot, m, l)  # cu:107
+    dot = yield from attn_dot(qr, kr, hd, tid)  # cu:151
+    p, m, l, corr = attn_online(dot, m, l)  # cu:151
     for i in range(ATTN_MAX_DIM_PER_LANE):
-        if lane + 32 * i < hd: acc[i] = fmaf(p, vr[i], F(acc[i] * corr))  # cu:109
+        if lane + 32 * i < hd: acc[i] = fmaf(p, vr[i], F(acc[i] * corr))  # cu:153
     return m, l
 
-# cu:115
+# cu:159
 def paged_kv_write(bx, tid, bdim, gdim, sh, k_pool, v_pool, k, v, slot_mapping, tokens, kv_row):
     n = tokens * kv_row
     i = bx * bdim + tid
     while i < n:
         t, c = i // kv_row, i % kv_row
-        dst = u(slot_mapping[t]) * kv_row + c  # cu:122
-        k_pool[dst] = k[i]  # cu:123
-        v_pool[dst] = v[i]  # cu:124
+        dst = u(slot_mapping[t]) * kv_row + c  # cu:166
+        k_pool[dst] = k[i]  # cu:167
+        v_pool[dst] = v[i]  # cu:168
         i += gdim * bdim
     return
     yield
 
-# cu:132
-def paged_attention_decode(bx, tid, bdim, gdim, shared, out, q, k_pool, v_pool, block_tables,
-                           context_lens, seqs, n_heads, n_kv_heads, hd, block_size, max_blocks, scale):
-    s, h = bx // n_heads, bx % n_heads
+# cu:173
+def attn_splits(n):
+    return (n + ATTN_SPLIT - 1) // ATTN_SPLIT if n > ATTN_SPLIT else 1  # cu:174
+
+# cu:185
+def paged_attention_decode(bx, tid, bdim, gdim, shared, out, part, q, k_pool, v_pool, block_tables,
+                           context_lens, seqs, n_heads, n_kv_heads, hd, block_size, max_blocks,
+                           n_splits, scale):
+    p, c = bx // n_splits, bx % n_splits  # cu:192
+    s, h = p // n_heads, p % n_heads
     if s >= seqs: return
+    n = u(context_lens[s])  # cu:195
+    splits = attn_splits(n)
+    if c >= splits: return  # cu:197
     kvh = h // (n_heads // n_kv_heads)
     warp = tid >> 5
     qr = [F(0)] * 8; acc = [F(0)] * 8; kr = [F(0)] * 8; vr = [F(0)] * 8
-    attn_load_q(qr, acc, q + (s * n_heads + h) * hd, hd, scale, tid)  # cu:144
+    attn_load_q(qr, acc, q + p * hd, hd, scale, tid)  # cu:202
     m, l = NEG_INF, F(0.0)
-    n = u(context_lens[s])  # cu:146
+    end = n if n < (c + 1) * ATTN_SPLIT else (c + 1) * ATTN_SPLIT  # cu:204
     row = n_kv_heads * hd
-    j = warp
-    while j < n:  # cu:148
-        blk = u(block_tables[s * max_blocks + j // block_size])  # cu:149
-        base = (blk * block_size + j % block_size) * row + kvh * hd  # cu:150
-        attn_load_row(kr, k_pool + base, hd, tid)  # cu:151
-        attn_load_row(vr, v_pool + base, hd, tid)  # cu:152
-        m, l = yield from attn_step(kr, vr, qr, acc, m, l, hd, tid)  # cu:153
+    j = c * ATTN_SPLIT + warp
+    while j < end:  # cu:206
+        blk = u(block_tables[s * max_blocks + j // block_size])  # cu:207
+        base = (blk * block_size + j % block_size) * row + kvh * hd  # cu:208
+        attn_load_row(kr, k_pool + base, hd, tid)  # cu:209
+        attn_load_row(vr, v_pool + base, hd, tid)  # cu:210
+        m, l = yield from attn_step(kr, vr, qr, acc, m, l, hd, tid)  # cu:211
         j += ATTN_WARPS
-    attn_stash(shared, warp, ATTN_WARPS, m, l, acc, hd, tid)  # cu:155
-    yield "cu156"
-    attn_merge_row(out + (s * n_heads + h) * hd, shared + 0, shared + ATTN_WARPS,  # cu:157
-                   shared + 2 * ATTN_WARPS, hd, tid, bdim)
+    attn_stash(shared, warp, ATTN_WARPS, m, l, acc, hd, tid)  # cu:213
+    yield "cu214"
+    M, L = NEG_INF, F(0.0)
+    if splits == 1:  # cu:216
+        o = out + p * hd
+        M, L = attn_fold_slots(o, M, L, shared + 0, shared + ATTN_WARPS,  # cu:218
+                               shared + 2 * ATTN_WARPS, hd, tid, bdim)
+        attn_finish(o, L, hd, tid, bdim)  # cu:220
+        return
+    st = part + (p * n_splits + c) * (hd + 2)  # cu:224
+    M, L = attn_fold_slots(st + 2, M, L, shared + 0, shared + ATTN_WARPS,  # cu:225
+                           shared + 2 * ATTN_WARPS, hd, tid, bdim)
+    if tid == 0:
+        st[0] = M  # cu:228
+        st[1] = L  # cu:229
 
-# cu:185; `at(j)` is AttnPackedRows / AttnPagedRows::at
+# cu:236
+def attention_split_merge(bx, tid, bdim, gdim, shared, out, part, context_lens, seqs, n_heads, hd,
+                          n_splits):
+    p, s = bx, bx // n_heads
+    if s >= seqs: return
+    splits = attn_splits(u(context_lens[s]))  # cu:241
+    if splits == 1: return
+    o = out + p * hd
+    M, L = NEG_INF, F(0.0)
+    for c in range(splits):  # cu:245
+        st = part + (p * n_splits + c) * (hd + 2)  # cu:246
+        if st[0] == NEG_INF: continue  # cu:247
+        f = attn_fold_factors(M, st[0])  # cu:248
+        for d in range(tid, hd, bdim):  # cu:249
+            o[d] = attn_fold(o[d], st[2 + d], f)  # cu:250
+        L = attn_fold(L, st[1], f)  # cu:251
+        M = f[3]
+    attn_finish(o, L, hd, tid, bdim)  # cu:254
+    return
+    yield
+
+# cu:284
+def attn_prefill_tile_floats(hd):
+    tiles, merge = 2 * ATTN_KEY_TILE * hd, ATTN_WARPS * ATTN_PAIR_WARPS * (hd + 2)  # cu:285
+    return tiles if tiles > merge else merge
+
+# cu:289; `at(j)` is AttnPackedRows / AttnPagedRows::at
 def attn_prefill_tile(out, q, k, v, at, q_first, past, n_new, pair0, g, n_heads, n_kv_heads, hd,
                       scale, shared, tid, bdim):
     warp = tid >> 5
@@ -171,229 +242,252 @@ def attn_prefill_tile(out, q, k, v, at, q_first, past, n_new, pair0, g, n_heads,
     R = ATTN_PAIRS_PER_WARP
     qr = [[F(0)] * 8 for _ in range(R)]; acc = [[F(0)] * 8 for _ in range(R)]
     m = [NEG_INF] * R; l = [F(0)] * R; last = [0] * R
-    for r in range(R):  # cu:198
+    warps = ATTN_WARPS * ATTN_PAIR_WARPS
+    t = tid - pw * ATTN_WARPS * 32  # cu:302
+    run = shared + attn_prefill_tile_floats(hd)  # cu:305
+    for r in range(R):  # cu:307
         x = pair0 + pw * R + r
         i, h = x // group, g * group + x % group
-        last[r] = past + i if x < pairs else -1  # cu:201
-        attn_load_q(qr[r], acc[r], q + ((q_first + (i if x < pairs else 0)) * n_heads + h) * hd, hd, scale, tid)  # cu:202
+        last[r] = past + i if x < pairs else -1  # cu:310
+        attn_load_q(qr[r], acc[r], q + ((q_first + (i if x < pairs else 0)) * n_heads + h) * hd, hd, scale, tid)  # cu:311
         m[r] = NEG_INF; l[r] = F(0.0)
-    x_end = pair0 + ATTN_PAIRS if pair0 + ATTN_PAIRS < pairs else pairs  # cu:207
-    n_keys = past + (x_end - 1) // group + 1  # cu:208
+        if t == 0:
+            run[pw * R + r] = NEG_INF  # cu:316
+            run[ATTN_PAIRS + pw * R + r] = F(0.0)  # cu:317
+    folds = 0
+    x_end = pair0 + ATTN_PAIRS if pair0 + ATTN_PAIRS < pairs else pairs  # cu:321
+    n_keys = past + (x_end - 1) // group + 1  # cu:322
     sk = shared + 0
-    sv = shared + ATTN_KEY_TILE * hd  # cu:210
+    sv = shared + ATTN_KEY_TILE * hd  # cu:324
     kr = [F(0)] * 8; vr = [F(0)] * 8
-    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:212
+    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:326
         nt = n_keys - j0 if n_keys - j0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield "cu214"
-        for e in range(tid, nt * hd, bdim):  # cu:215
-            a = at(j0 + e // hd) + g * hd + e % hd  # cu:216
-            sk[e] = k[a]  # cu:217
-            sv[e] = v[a]  # cu:218
-        yield "cu220"
-        for jj in range(slot, nt, ATTN_WARPS):  # cu:221
-            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:222
-            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:223
+        yield "cu328"
+        for e in range(tid, nt * hd, bdim):  # cu:329
+            a = at(j0 + e // hd) + g * hd + e % hd  # cu:330
+            sk[e] = k[a]  # cu:331
+            sv[e] = v[a]  # cu:332
+        yield "cu334"
+        for jj in range(slot, nt, ATTN_WARPS):  # cu:335
+            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:336
+            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:337
             for r in range(R):
-                if j0 + jj <= last[r]:  # cu:226
-                    m[r], l[r] = yield from attn_step(kr, vr, qr[r], acc[r], m[r], l[r], hd, tid)  # cu:226
-    warps = ATTN_WARPS * ATTN_PAIR_WARPS
-    t = tid - pw * ATTN_WARPS * 32  # cu:231
-    for r in range(R):  # cu:233
-        yield "cu234"
-        attn_stash(shared, warp, warps, m[r], l[r], acc[r], hd, tid)  # cu:235
-        yield "cu236"
+                if j0 + jj <= last[r]:  # cu:340
+                    m[r], l[r] = yield from attn_step(kr, vr, qr[r], acc[r], m[r], l[r], hd, tid)  # cu:340
+        if (j0 + ATTN_KEY_TILE) % ATTN_SPLIT != 0 and j0 + ATTN_KEY_TILE < n_keys: continue  # cu:342
+        for r in range(R):  # cu:346
+            yield "cu347"
+            attn_stash(shared, warp, warps, m[r], l[r], acc[r], hd, tid)  # cu:348
+            yield "cu349"
+            x = pair0 + pw * R + r
+            if x < pairs:  # cu:351
+                i, h = x // group, g * group + x % group
+                w0 = pw * ATTN_WARPS
+                pi = pw * R + r
+                frm = run + (folds & 1) * 2 * ATTN_PAIRS + pi  # cu:355
+                M, L = frm[0], frm[ATTN_PAIRS]  # cu:356
+                M, L = attn_fold_slots(out + ((q_first + i) * n_heads + h) * hd, M, L, shared + w0,  # cu:357
+                                       shared + warps + w0, shared + 2 * warps + w0 * hd, hd, t,
+                                       ATTN_WARPS * 32)
+                to = run + ((folds + 1) & 1) * 2 * ATTN_PAIRS + pi  # cu:360
+                if t == 0:
+                    to[0] = M  # cu:362
+                    to[ATTN_PAIRS] = L  # cu:363
+            m[r] = NEG_INF; l[r] = F(0.0)  # cu:366
+            for i in range(ATTN_MAX_DIM_PER_LANE): acc[r][i] = F(0.0)  # cu:368
+        folds += 1
+    yield "cu372"
+    for r in range(R):  # cu:374
         x = pair0 + pw * R + r
-        if x < pairs:  # cu:238
+        if x < pairs:  # cu:376
             i, h = x // group, g * group + x % group
-            w0 = pw * ATTN_WARPS
-            attn_merge_row(out + ((q_first + i) * n_heads + h) * hd, shared + w0,  # cu:241
-                           shared + warps + w0, shared + 2 * warps + w0 * hd, hd, t,
-                           ATTN_WARPS * 32)
+            L = run[(folds & 1) * 2 * ATTN_PAIRS + ATTN_PAIRS + pw * R + r]  # cu:378
+            attn_finish(out + ((q_first + i) * n_heads + h) * hd, L, hd, t, ATTN_WARPS * 32)  # cu:380
 
-# cu:254
+# cu:391
 def varlen_attention_prefill(bx, tid, bdim, gdim, shared, out, q, k, v, cu_seqlens, tiles,
                              n_heads, n_kv_heads, hd, scale):
     tile, g = bx // n_kv_heads, bx % n_kv_heads
-    s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:259
-    first = u(cu_seqlens[s])  # cu:260
-    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:261
-    row = n_kv_heads * hd  # cu:262
-    at = lambda j: (first + j) * row  # cu:167
-    yield from attn_prefill_tile(out, q, k, v, at, first, 0, n_new, pair0,  # cu:263
+    s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:396
+    first = u(cu_seqlens[s])  # cu:397
+    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:398
+    row = n_kv_heads * hd  # cu:399
+    at = lambda j: (first + j) * row  # cu:263
+    yield from attn_prefill_tile(out, q, k, v, at, first, 0, n_new, pair0,  # cu:400
                                  g, n_heads, n_kv_heads, hd, scale, shared, tid, bdim)
 
-# cu:273
+# cu:410
 def paged_attention_prefill(bx, tid, bdim, gdim, shared, out, q, k_pool, v_pool, block_tables,
                             pasts, cu_seqlens, tiles, n_heads, n_kv_heads, hd, block_size,
                             max_blocks, scale):
     tile, g = bx // n_kv_heads, bx % n_kv_heads
-    s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:279
-    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:280
-    table = block_tables + s * max_blocks  # cu:281
+    s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:416
+    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:417
+    table = block_tables + s * max_blocks  # cu:418
     row = n_kv_heads * hd
-    at = lambda j: (u(table[j // block_size]) * block_size + j % block_size) * row  # cu:173
-    yield from attn_prefill_tile(out, q, k_pool, v_pool, at, u(cu_seqlens[s]), u(pasts[s]), n_new,  # cu:282
+    at = lambda j: (u(table[j // block_size]) * block_size + j % block_size) * row  # cu:269
+    yield from attn_prefill_tile(out, q, k_pool, v_pool, at, u(cu_seqlens[s]), u(pasts[s]), n_new,  # cu:419
                                  pair0, g, n_heads, n_kv_heads, hd, scale, shared, tid, bdim)
 
 # ---- backward
 
-# cu:306
+# cu:443
 def attn_sum_slots(out, shared, pw, hd, mul, tid):
     t = tid - pw * ATTN_WARPS * 32
-    for d in range(t, hd, ATTN_WARPS * 32):  # cu:309
+    for d in range(t, hd, ATTN_WARPS * 32):  # cu:446
         o = F(0.0)
-        for w in range(ATTN_WARPS): o = F(o + shared[(pw * ATTN_WARPS + w) * hd + d])  # cu:311
-        out[d] = F(mul * o)  # cu:312
+        for w in range(ATTN_WARPS): o = F(o + shared[(pw * ATTN_WARPS + w) * hd + d])  # cu:448
+        out[d] = F(mul * o)  # cu:449
 
-# cu:318
+# cu:455
 def attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim):
-    yield "cu321"
-    for e in range(tid, nt * hd, bdim):  # cu:322
-        a = (j0 + e // hd) * kstride + g * hd + e % hd  # cu:323
-        sk[e] = k[a]  # cu:324
-        sv[e] = v[a]  # cu:325
-    yield "cu327"
+    yield "cu458"
+    for e in range(tid, nt * hd, bdim):  # cu:459
+        a = (j0 + e // hd) * kstride + g * hd + e % hd  # cu:460
+        sk[e] = k[a]  # cu:461
+        sv[e] = v[a]  # cu:462
+    yield "cu464"
 
-# cu:333
+# cu:470
 def attention_backward_dq(bx, tid, bdim, gdim, shared, dq, lse_out, dd_out, dout, q, k, v,
                           nq, nk, heads, kv_heads, hd, scale):
     R, warps = ATTN_BWD_ROWS, ATTN_WARPS * ATTN_PAIR_WARPS
     lane, warp = tid & 31, tid >> 5
     slot, pw = warp % ATTN_WARPS, warp // ATTN_WARPS
-    g, pair0 = bx % kv_heads, bx // kv_heads * ATTN_BWD_BLOCK_ROWS  # cu:341
+    g, pair0 = bx % kv_heads, bx // kv_heads * ATTN_BWD_BLOCK_ROWS  # cu:478
     group, pairs, past = heads // kv_heads, nq * heads // kv_heads, nk - nq
     qr = [[F(0)] * 8 for _ in range(R)]; dor = [[F(0)] * 8 for _ in range(R)]
     acc = [[F(0)] * 8 for _ in range(R)]
     m = [NEG_INF] * R; l = [F(0)] * R; dsum = [F(0)] * R; lse = [F(0)] * R; Dv = [F(0)] * R
     last = [0] * R; row = [0] * R
-    for r in range(R):  # cu:349
+    for r in range(R):  # cu:486
         x = pair0 + pw * R + r
         i, h = (x // group if x < pairs else 0), g * group + x % group
-        last[r] = past + i if x < pairs else -1  # cu:352
+        last[r] = past + i if x < pairs else -1  # cu:489
         row[r] = (i * heads + h) * hd
-        attn_load_q(qr[r], acc[r], q + row[r], hd, scale, tid)  # cu:354
-        attn_load_row(dor[r], dout + row[r], hd, tid)  # cu:355
+        attn_load_q(qr[r], acc[r], q + row[r], hd, scale, tid)  # cu:491
+        attn_load_row(dor[r], dout + row[r], hd, tid)  # cu:492
         m[r] = NEG_INF; l[r] = F(0.0); dsum[r] = F(0.0)
     x_end = pair0 + ATTN_BWD_BLOCK_ROWS if pair0 + ATTN_BWD_BLOCK_ROWS < pairs else pairs
-    n_keys = past + (x_end - 1) // group + 1  # cu:361
+    n_keys = past + (x_end - 1) // group + 1  # cu:498
     kstride = kv_heads * hd
-    sk = shared + 0; sv = shared + ATTN_KEY_TILE * hd  # cu:364
+    sk = shared + 0; sv = shared + ATTN_KEY_TILE * hd  # cu:501
     kr = [F(0)] * 8; vr = [F(0)] * 8
-    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:367
+    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:504
         nt = n_keys - j0 if n_keys - j0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:369
+        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:506
         for jj in range(slot, nt, ATTN_WARPS):
-            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:371
-            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:372
+            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:508
+            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:509
             for r in range(R):
-                if j0 + jj <= last[r]:  # cu:375
-                    s_ = yield from attn_dot(qr[r], kr, hd, tid)  # cu:376
-                    dov = yield from attn_dot(dor[r], vr, hd, tid)  # cu:376
-                    p, m[r], l[r], corr = attn_online(s_, m[r], l[r])  # cu:377
-                    dsum[r] = fmaf(p, dov, F(dsum[r] * corr))  # cu:378
-    yield "cu383"
+                if j0 + jj <= last[r]:  # cu:512
+                    s_ = yield from attn_dot(qr[r], kr, hd, tid)  # cu:513
+                    dov = yield from attn_dot(dor[r], vr, hd, tid)  # cu:513
+                    p, m[r], l[r], corr = attn_online(s_, m[r], l[r])  # cu:514
+                    dsum[r] = fmaf(p, dov, F(dsum[r] * corr))  # cu:515
+    yield "cu520"
     if lane == 0:
         for r in range(R):
-            shared[warp * R + r] = m[r]  # cu:386
-            shared[(warps + warp) * R + r] = l[r]  # cu:387
-            shared[(2 * warps + warp) * R + r] = dsum[r]  # cu:388
-    yield "cu390"
-    for r in range(R):  # cu:392
+            shared[warp * R + r] = m[r]  # cu:523
+            shared[(warps + warp) * R + r] = l[r]  # cu:524
+            shared[(2 * warps + warp) * R + r] = dsum[r]  # cu:525
+    yield "cu527"
+    for r in range(R):  # cu:529
         big, tl, ts = NEG_INF, F(0.0), F(0.0)
         for w in range(ATTN_WARPS):
-            big = fmaxf(big, shared[(pw * ATTN_WARPS + w) * R + r])  # cu:395
+            big = fmaxf(big, shared[(pw * ATTN_WARPS + w) * R + r])  # cu:532
         for w in range(ATTN_WARPS):
             a = (pw * ATTN_WARPS + w) * R + r
-            if shared[a] == NEG_INF: continue  # cu:398
-            e = expf(shared[a] - big)  # cu:399
-            tl = fmaf(shared[warps * R + a], e, tl)  # cu:400
-            ts = fmaf(shared[2 * warps * R + a], e, ts)  # cu:401
-        lse[r] = F(0.0) if last[r] < 0 else F(big + logf(tl))  # cu:403
-        Dv[r] = F(0.0) if last[r] < 0 else F(ts / tl)  # cu:404
-    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:407
+            if shared[a] == NEG_INF: continue  # cu:535
+            e = expf(shared[a] - big)  # cu:536
+            tl = fmaf(shared[warps * R + a], e, tl)  # cu:537
+            ts = fmaf(shared[2 * warps * R + a], e, ts)  # cu:538
+        lse[r] = F(0.0) if last[r] < 0 else F(big + logf(tl))  # cu:540
+        Dv[r] = F(0.0) if last[r] < 0 else F(ts / tl)  # cu:541
+    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:544
         nt = n_keys - j0 if n_keys - j0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:409
+        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:546
         for jj in range(slot, nt, ATTN_WARPS):
-            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:411
-            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:412
+            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:548
+            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:549
             for r in range(R):
-                if j0 + jj <= last[r]:  # cu:415
-                    sc = yield from attn_dot(qr[r], kr, hd, tid)  # cu:416
-                    p = expf(sc - lse[r])  # cu:416
-                    dv_ = yield from attn_dot(dor[r], vr, hd, tid)  # cu:417
-                    ds = F(p * F(dv_ - Dv[r]))  # cu:417
+                if j0 + jj <= last[r]:  # cu:552
+                    sc = yield from attn_dot(qr[r], kr, hd, tid)  # cu:553
+                    p = expf(sc - lse[r])  # cu:553
+                    dv_ = yield from attn_dot(dor[r], vr, hd, tid)  # cu:554
+                    ds = F(p * F(dv_ - Dv[r]))  # cu:554
                     for i in range(ATTN_MAX_DIM_PER_LANE):
-                        if lane + 32 * i < hd: acc[r][i] = fmaf(ds, kr[i], acc[r][i])  # cu:419
-    for r in range(R):  # cu:424
-        yield "cu425"
+                        if lane + 32 * i < hd: acc[r][i] = fmaf(ds, kr[i], acc[r][i])  # cu:556
+    for r in range(R):  # cu:561
+        yield "cu562"
         for i in range(ATTN_MAX_DIM_PER_LANE):
-            if lane + 32 * i < hd: shared[warp * hd + lane + 32 * i] = acc[r][i]  # cu:427
-        yield "cu428"
-        if last[r] >= 0:  # cu:429
-            attn_sum_slots(dq + row[r], shared, pw, hd, scale, tid)  # cu:430
+            if lane + 32 * i < hd: shared[warp * hd + lane + 32 * i] = acc[r][i]  # cu:564
+        yield "cu565"
+        if last[r] >= 0:  # cu:566
+            attn_sum_slots(dq + row[r], shared, pw, hd, scale, tid)  # cu:567
             if slot == 0 and lane == 0:
-                lse_out[row[r] // hd] = lse[r]  # cu:432
-                dd_out[row[r] // hd] = Dv[r]  # cu:433
+                lse_out[row[r] // hd] = lse[r]  # cu:569
+                dd_out[row[r] // hd] = Dv[r]  # cu:570
 
-# cu:442
+# cu:579
 def attention_backward_dkv(bx, tid, bdim, gdim, shared, dk, dv, dout, q, k, v, lse, dd,
                            nq, nk, heads, kv_heads, hd, scale):
     R, warps = ATTN_BWD_ROWS, ATTN_WARPS * ATTN_PAIR_WARPS
     lane, warp = tid & 31, tid >> 5
     slot, pw = warp % ATTN_WARPS, warp // ATTN_WARPS
-    g, key0 = bx % kv_heads, bx // kv_heads * ATTN_BWD_BLOCK_ROWS  # cu:450
+    g, key0 = bx % kv_heads, bx // kv_heads * ATTN_BWD_BLOCK_ROWS  # cu:587
     group, pairs, past = heads // kv_heads, nq * heads // kv_heads, nk - nq
     kr = [[F(0)] * 8 for _ in range(R)]; vr = [[F(0)] * 8 for _ in range(R)]
     adk = [[F(0)] * 8 for _ in range(R)]; adv = [[F(0)] * 8 for _ in range(R)]
     key = [0] * R
-    for r in range(R):  # cu:456
+    for r in range(R):  # cu:593
         j = key0 + pw * R + r
-        key[r] = j if j < nk else nk  # cu:458
+        key[r] = j if j < nk else nk  # cu:595
         a = ((j if j < nk else 0) * kv_heads + g) * hd
-        attn_load_row(kr[r], k + a, hd, tid)  # cu:460
-        attn_load_row(vr[r], v + a, hd, tid)  # cu:461
-    x_begin = (key0 - past if key0 - past > 0 else 0) * group  # cu:466
+        attn_load_row(kr[r], k + a, hd, tid)  # cu:597
+        attn_load_row(vr[r], v + a, hd, tid)  # cu:598
+    x_begin = (key0 - past if key0 - past > 0 else 0) * group  # cu:603
     sq = shared + 0
     sdo = sq + ATTN_KEY_TILE * hd
     slse = sdo + ATTN_KEY_TILE * hd
-    sdd = slse + ATTN_KEY_TILE  # cu:470
+    sdd = slse + ATTN_KEY_TILE  # cu:607
     qr = [F(0)] * 8; dor = [F(0)] * 8
-    for x0 in range(x_begin, pairs, ATTN_KEY_TILE):  # cu:472
+    for x0 in range(x_begin, pairs, ATTN_KEY_TILE):  # cu:609
         nt = pairs - x0 if pairs - x0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield "cu474"
-        for e in range(tid, nt * hd, bdim):  # cu:475
+        yield "cu611"
+        for e in range(tid, nt * hd, bdim):  # cu:612
             x = x0 + e // hd
-            a = ((x // group) * heads + g * group + x % group) * hd + e % hd  # cu:477
-            sq[e] = F(q[a] * scale)  # cu:478
-            sdo[e] = dout[a]  # cu:479
-        for e in range(tid, nt, bdim):  # cu:481
+            a = ((x // group) * heads + g * group + x % group) * hd + e % hd  # cu:614
+            sq[e] = F(q[a] * scale)  # cu:615
+            sdo[e] = dout[a]  # cu:616
+        for e in range(tid, nt, bdim):  # cu:618
             x = x0 + e
-            a = (x // group) * heads + g * group + x % group  # cu:483
-            slse[e] = lse[a]  # cu:484
-            sdd[e] = dd[a]  # cu:485
-        yield "cu487"
-        for xx in range(slot, nt, ATTN_WARPS):  # cu:488
+            a = (x // group) * heads + g * group + x % group  # cu:620
+            slse[e] = lse[a]  # cu:621
+            sdd[e] = dd[a]  # cu:622
+        yield "cu624"
+        for xx in range(slot, nt, ATTN_WARPS):  # cu:625
             pos = past + (x0 + xx) // group
-            attn_load_row(qr, sq + xx * hd, hd, tid)  # cu:490
-            attn_load_row(dor, sdo + xx * hd, hd, tid)  # cu:491
+            attn_load_row(qr, sq + xx * hd, hd, tid)  # cu:627
+            attn_load_row(dor, sdo + xx * hd, hd, tid)  # cu:628
             for r in range(R):
-                if key[r] <= pos:  # cu:494
-                    sc = yield from attn_dot(qr, kr[r], hd, tid)  # cu:495
-                    p = expf(sc - slse[xx])  # cu:495
-                    dv_ = yield from attn_dot(dor, vr[r], hd, tid)  # cu:496
-                    ds = F(p * F(dv_ - sdd[xx]))  # cu:496
+                if key[r] <= pos:  # cu:631
+                    sc = yield from attn_dot(qr, kr[r], hd, tid)  # cu:632
+                    p = expf(sc - slse[xx])  # cu:632
+                    dv_ = yield from attn_dot(dor, vr[r], hd, tid)  # cu:633
+                    ds = F(p * F(dv_ - sdd[xx]))  # cu:633
                     for i in range(ATTN_MAX_DIM_PER_LANE):
                         if lane + 32 * i < hd:
-                            adk[r][i] = fmaf(ds, qr[i], adk[r][i])  # cu:499
-                            adv[r][i] = fmaf(p, dor[i], adv[r][i])  # cu:500
-    for r in range(R):  # cu:506
-        yield "cu507"
+                            adk[r][i] = fmaf(ds, qr[i], adk[r][i])  # cu:636
+                            adv[r][i] = fmaf(p, dor[i], adv[r][i])  # cu:637
+    for r in range(R):  # cu:643
+        yield "cu644"
         for i in range(ATTN_MAX_DIM_PER_LANE):
             if lane + 32 * i < hd:
-                shared[warp * hd + lane + 32 * i] = adk[r][i]  # cu:510
-                shared[(warps + warp) * hd + lane + 32 * i] = adv[r][i]  # cu:511
-        yield "cu513"
-        if key[r] < nk:  # cu:514
+                shared[warp * hd + lane + 32 * i] = adk[r][i]  # cu:647
+                shared[(warps + warp) * hd + lane + 32 * i] = adv[r][i]  # cu:648
+        yield "cu650"
+        if key[r] < nk:  # cu:651
             a = (key[r] * kv_heads + g) * hd
-            attn_sum_slots(dk + a, shared, pw, hd, F(1.0), tid)  # cu:516
-            attn_sum_slots(dv + a, shared + warps * hd, pw, hd, F(1.0), tid)  # cu:517
+            attn_sum_slots(dk + a, shared, pw, hd, F(1.0), tid)  # cu:653
+            attn_sum_slots(dv + a, shared + warps * hd, pw, hd, F(1.0), tid)  # cu:654

@@ -11,6 +11,10 @@ M = {
  "dkv_first_query": ('    x_begin = (key0 - past if key0 - past > 0 else 0) * group  # cu:466\n', '    x_begin = (key0 - past + 1 if key0 - past + 1 > 0 else 0) * group  # cu:466\n', "bwd40s"),
  "dq_nobarrier": ('        yield "cu428"\n', '', "bwd40big"),
  "causal_lt": ('                if j0 + jj <= last[r]:  # cu:226\n', '                if j0 + jj < last[r]:  # cu:226\n', "prefill40mha"),
+ "split_order": ('    for c in range(splits):  # cu:245\n', '    for c in reversed(range(splits)):  # cu:245\n', "split_paged"),
+ "split_end": ('        if (j0 + ATTN_KEY_TILE) % ATTN_SPLIT != 0 and j0 + ATTN_KEY_TILE < n_keys: continue  # cu:342\n', '        if (j0 + ATTN_KEY_TILE) % (2 * ATTN_SPLIT) != 0 and j0 + ATTN_KEY_TILE < n_keys: continue  # cu:342\n', "split_paged"),
+ "split_parity": ('                frm = run + (folds & 1) * 2 * ATTN_PAIRS + pi  # cu:355\n', '                frm = run + ((folds + 1) & 1) * 2 * ATTN_PAIRS + pi  # cu:355\n', "split_prefill"),
+ "split_nobarrier": ('    yield "cu372"\n', '', "split_prefill"),
  "key_order": ('        for jj in range(slot, nt, ATTN_WARPS):  # cu:221\n', '        for jj in reversed(range(slot, nt, ATTN_WARPS)):  # cu:221\n', "paged40"),
 }
 name = sys.argv[1]
