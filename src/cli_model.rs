@@ -219,8 +219,9 @@ fn cuda_greedy(_args: &GenerateArgs, ordinal: usize, _capacity: usize) -> Result
 #[derive(Args)]
 pub struct InitModelArgs {
     /// `tiny` (tests, well under 1M parameters), `small` (a few million), `demo` (the RL
-    /// demo's warm start: small's vocabulary, a narrow shallow body) or `qwen3.5-0.8b`
-    /// (the real 0.8B shape, random bf16 weights: 1.5 GB).
+    /// demo's warm start: small's vocabulary, a narrow shallow body), `qwen3.5-0.8b`
+    /// (the real 0.8B shape, random bf16 weights: 1.5 GB) or `qwen3.5-4b` (the 4B
+    /// shape, about 8 GB).
     #[arg(long, default_value = "tiny")]
     pub preset: String,
     /// Output directory (created if missing).

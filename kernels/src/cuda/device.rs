@@ -10,6 +10,7 @@
 //! (`ARCTICD_REQUIRE_GPU=1`, as `scripts/gpu-check.sh` sets it, turns the
 //! skip into a failure).
 
+use super::index_cache::IndexCache;
 use super::{KernelCache, MODULES};
 use crate::{Error, Result};
 pub use cudarc::driver::CudaEvent;
@@ -159,7 +160,14 @@ pub struct CudaDevice {
     blas: std::sync::OnceLock<cudarc::cublas::CudaBlas>,
     /// Forward products on `matmul_invariant` instead of cuBLAS.
     batch_invariant: std::sync::atomic::AtomicBool,
+    /// The index arrays of the current step, uploaded once for all layers.
+    indices: IndexCache<CudaSlice<u32>>,
 }
+
+/// Index arrays kept on the device (`CudaDevice::index`): a step's handful
+/// (offsets, slots, K/V rows, tables, tiles, the chunk plan) with room to
+/// spare for a training step's and an engine step's on one device.
+const KEPT_INDEX_ARRAYS: usize = 32;
 
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -201,6 +209,7 @@ impl CudaDevice {
             functions,
             blas: std::sync::OnceLock::new(),
             batch_invariant: false.into(),
+            indices: IndexCache::new(KEPT_INDEX_ARRAYS),
         })
     }
 
@@ -236,6 +245,14 @@ impl CudaDevice {
 
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
         Ok(self.stream.clone_htod(host)?)
+    }
+
+    /// An index array on the device for kernels to read (never write):
+    /// the one uploaded before with the same values, kept with the last
+    /// few, else a new upload. Every layer of a step reads the same
+    /// offsets, slots and tables; they cross to the device once.
+    pub fn index(&self, host: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+        self.indices.get(host, |h| self.upload(h))
     }
 
     pub fn download<T: DeviceRepr>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
@@ -601,12 +618,12 @@ impl CudaDevice {
             .map(|&v| int(op, "size", v))
             .collect::<Result<Vec<i32>>>()?;
         let (ds, cu, ts) = (
-            self.upload(slots)?,
-            self.upload(cu_seqlens)?,
-            self.upload(&token_seq(cu_seqlens))?,
+            self.index(slots)?,
+            self.index(cu_seqlens)?,
+            self.index(&token_seq(cu_seqlens))?,
         );
-        launch!(self, op, elems(t * c); out, &*state, inp, weight, &ds, &cu, &ts, &ints[0], &ints[1], &ints[2]);
-        launch!(self, "conv1d_varlen_state_advance", elems(seqs * c); state, inp, &ds, &cu, &ints[3], &ints[1], &ints[2]);
+        launch!(self, op, elems(t * c); out, &*state, inp, weight, &*ds, &*cu, &*ts, &ints[0], &ints[1], &ints[2]);
+        launch!(self, "conv1d_varlen_state_advance", elems(seqs * c); state, inp, &*ds, &*cu, &ints[3], &ints[1], &ints[2]);
         Ok(())
     }
 
@@ -746,9 +763,9 @@ impl CudaDevice {
         let (seqs, nv, dk, dv) = (slots.len(), dims.1, dims.2, dims.3);
         if !chunked {
             check_register_columns(op, dk)?;
-            let cu = self.upload(cu_seqlens)?;
+            let cu = self.index(cu_seqlens)?;
             let cfg = recurrent_launch(seqs * nv, dk, dv);
-            launch!(self, op, cfg; out, state, q, k, v, g, beta, slots, &cu, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
+            launch!(self, op, cfg; out, state, q, k, v, g, beta, slots, &*cu, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
             return Ok(());
         }
         let plan = ChunkPlan::new(cu_seqlens, GD_CHUNK);
@@ -787,9 +804,9 @@ impl CudaDevice {
             u: self.zeros::<f32>(t * nv * dv)?,
             w: self.zeros::<f32>(t * nv * dk)?,
             cum: self.zeros::<f64>(t * nv)?,
-            tok0: self.upload(&plan.tok0)?,
-            len: self.upload(&plan.len)?,
-            first: self.upload(&plan.first)?,
+            tok0: self.index(&plan.tok0)?,
+            len: self.index(&plan.len)?,
+            first: self.index(&plan.first)?,
         };
         let n = int("gated_delta_chunks", "chunks", chunks)?;
         let prep = LaunchConfig {
@@ -813,12 +830,12 @@ impl CudaDevice {
         } = &mut p;
         match keep {
             None => {
-                launch!(self, "gated_delta_chunk_prep", prep; &mut *a, &mut *u, &mut *w, &mut *cum, &NULL, q, k, v, g, beta, &*tok0, &*len, &n, &ints[1], &ints[2], &ints[3], &ints[4]);
-                launch!(self, "gated_delta_chunk_scan", scan; out, state, &NULL, &*u, &*a, &*w, &*cum, q, k, v, g, beta, slots, &*first, &*tok0, &*len, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
+                launch!(self, "gated_delta_chunk_prep", prep; &mut *a, &mut *u, &mut *w, &mut *cum, &NULL, q, k, v, g, beta, &**tok0, &**len, &n, &ints[1], &ints[2], &ints[3], &ints[4]);
+                launch!(self, "gated_delta_chunk_scan", scan; out, state, &NULL, &*u, &*a, &*w, &*cum, q, k, v, g, beta, slots, &**first, &**tok0, &**len, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
             }
             Some((kke, starts)) => {
-                launch!(self, "gated_delta_chunk_prep", prep; &mut *a, &mut *u, &mut *w, &mut *cum, kke, q, k, v, g, beta, &*tok0, &*len, &n, &ints[1], &ints[2], &ints[3], &ints[4]);
-                launch!(self, "gated_delta_chunk_scan", scan; out, state, starts, &*u, &*a, &*w, &*cum, q, k, v, g, beta, slots, &*first, &*tok0, &*len, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
+                launch!(self, "gated_delta_chunk_prep", prep; &mut *a, &mut *u, &mut *w, &mut *cum, kke, q, k, v, g, beta, &**tok0, &**len, &n, &ints[1], &ints[2], &ints[3], &ints[4]);
+                launch!(self, "gated_delta_chunk_scan", scan; out, state, starts, &*u, &*a, &*w, &*cum, q, k, v, g, beta, slots, &**first, &**tok0, &**len, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
             }
         }
         Ok(p)
@@ -1049,12 +1066,12 @@ impl CudaDevice {
             return Ok(());
         }
         let (tiles, blocks) = prefill_tiles(cu_seqlens, n_heads, n_kv_heads);
-        let (cu, tiles) = (self.upload(cu_seqlens)?, self.upload(&tiles)?);
+        let (cu, tiles) = (self.index(cu_seqlens)?, self.index(&tiles)?);
         let ints = [n_heads, n_kv_heads, hd]
             .iter()
             .map(|&x| int(op, "size", x))
             .collect::<Result<Vec<i32>>>()?;
-        launch!(self, op, attention_prefill_launch(blocks, hd); out, q, k, v, &cu, &tiles, &ints[0], &ints[1], &ints[2], &scale);
+        launch!(self, op, attention_prefill_launch(blocks, hd); out, q, k, v, &*cu, &*tiles, &ints[0], &ints[1], &ints[2], &scale);
         Ok(())
     }
 
@@ -1109,16 +1126,16 @@ impl CudaDevice {
         let (tiles, blocks) = prefill_tiles(cu_seqlens, n_heads, n_kv_heads);
         let max_blocks = flat.len() / seqs;
         let (tables, pasts, cu, tiles) = (
-            self.upload(&flat)?,
-            self.upload(pasts)?,
-            self.upload(cu_seqlens)?,
-            self.upload(&tiles)?,
+            self.index(&flat)?,
+            self.index(pasts)?,
+            self.index(cu_seqlens)?,
+            self.index(&tiles)?,
         );
         let ints = [n_heads, n_kv_heads, hd, block_size, max_blocks]
             .iter()
             .map(|&x| int(op, "size", x))
             .collect::<Result<Vec<i32>>>()?;
-        launch!(self, op, attention_prefill_launch(blocks, hd); out, q, k_pool, v_pool, &tables, &pasts, &cu, &tiles, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &scale);
+        launch!(self, op, attention_prefill_launch(blocks, hd); out, q, k_pool, v_pool, &*tables, &*pasts, &*cu, &*tiles, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &scale);
         Ok(())
     }
 
@@ -1147,9 +1164,9 @@ impl CudaDevice {
         if t == 0 || kv_row == 0 {
             return Ok(());
         }
-        let slots = self.upload(slot_mapping)?;
+        let slots = self.index(slot_mapping)?;
         let (ti, ri) = (int(op, "tokens", t)?, int(op, "kv_row", kv_row)?);
-        launch!(self, op, elems(t * kv_row); k_pool, v_pool, k, v, &slots, &ti, &ri);
+        launch!(self, op, elems(t * kv_row); k_pool, v_pool, k, v, &*slots, &ti, &ri);
         Ok(())
     }
 
@@ -1193,7 +1210,7 @@ impl CudaDevice {
             return Ok(());
         }
         let max_blocks = flat.len() / seqs;
-        let (tables, lens) = (self.upload(&flat)?, self.upload(context_lens)?);
+        let (tables, lens) = (self.index(&flat)?, self.index(context_lens)?);
         // A context longer than a split spreads over blocks, one per split,
         // whose states attention_split_merge folds.
         let splits = decode_splits(context_lens);
@@ -1208,13 +1225,13 @@ impl CudaDevice {
         .iter()
         .map(|&x| int(op, "size", x))
         .collect::<Result<Vec<i32>>>()?;
-        launch!(self, op, attention_launch(seqs * n_heads * splits, hd); &mut *out, &part, q, k_pool, v_pool, &tables, &lens, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &ints[5], &ints[6], &scale);
+        launch!(self, op, attention_launch(seqs * n_heads * splits, hd); &mut *out, &part, q, k_pool, v_pool, &*tables, &*lens, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &ints[5], &ints[6], &scale);
         if splits > 1 {
             let cfg = LaunchConfig {
                 shared_mem_bytes: 0,
                 ..attention_launch(seqs * n_heads, hd)
             };
-            launch!(self, "attention_split_merge", cfg; out, &part, &lens, &ints[0], &ints[1], &ints[3], &ints[6]);
+            launch!(self, "attention_split_merge", cfg; out, &part, &*lens, &ints[0], &ints[1], &ints[3], &ints[6]);
         }
         Ok(())
     }
@@ -1387,9 +1404,9 @@ pub(super) struct ChunkPieces {
     u: CudaSlice<f32>,
     w: CudaSlice<f32>,
     cum: CudaSlice<f64>,
-    tok0: CudaSlice<u32>,
-    len: CudaSlice<u32>,
-    first: CudaSlice<u32>,
+    tok0: Arc<CudaSlice<u32>>,
+    len: Arc<CudaSlice<u32>>,
+    first: Arc<CudaSlice<u32>>,
 }
 
 impl ChunkPlan {

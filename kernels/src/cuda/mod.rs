@@ -23,6 +23,7 @@
 //! GEMMs (cuBLAS), or anything that needs CUDA headers.
 
 pub mod device;
+mod index_cache;
 
 /// The CUDA bindings the backend is built on, for callers that hold its
 /// buffers.

@@ -685,7 +685,7 @@ impl CudaDevice {
             }
             None => self.zeros::<f32>(seqs * sn)?,
         };
-        let slots = self.upload(&(0..seqs as u32).collect::<Vec<u32>>())?;
+        let slots = self.index(&(0..seqs as u32).collect::<Vec<u32>>())?;
         let mut out = self.zeros::<f32>(dout.len())?;
         let Some(ints) =
             super::check_prefill(op, &out, &state, q, k, v, g, beta, &slots, cu_seqlens, dims)?
@@ -719,7 +719,7 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         launch!(self, "gated_delta_chunk_dscan", dscan; &mut ddelta, &mut ds1, &mut ds_all,
-            &p.a, &p.w, &p.cum, q, k, dout, &p.first, &p.tok0, &p.len,
+            &p.a, &p.w, &p.cum, q, k, dout, &*p.first, &*p.tok0, &*p.len,
             &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
         let (mut delta, mut drv) = (
             self.zeros::<f32>(t * nv * vd)?,
@@ -742,7 +742,7 @@ impl CudaDevice {
         };
         launch!(self, "gated_delta_chunk_grads", grads; &mut dq_v, &mut dk_v, dv, dg, dbeta,
             &mut delta, &mut dqg, &mut dkd, &mut drv, &mut drk, &ddelta, &starts, &ds1,
-            &p.a, &kke, &p.u, &p.w, &p.cum, q, k, v, dout, beta, &p.tok0, &p.len,
+            &p.a, &kke, &p.u, &p.w, &p.cum, q, k, v, dout, beta, &*p.tok0, &*p.len,
             &n, &ints[1], &ints[2], &ints[3], &ints[4]);
         let ti = int(op, "tokens", t)?;
         launch!(self, "gated_delta_backward_reduce", elems(t * nk * kd); dq, dk, &dq_v, &dk_v,
