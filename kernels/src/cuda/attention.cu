@@ -20,8 +20,10 @@
 // written out (fmaf) where a product meets a sum, so that equality does
 // not rest on the compiler contracting two kernels alike.
 //
-// Decode: one block per (sequence, head, split), a warp per slot; a
-// context of several splits leaves each split's state for
+// Decode: one block per (sequence, KV head, split) and up to
+// ATTN_DECODE_HEADS of the KV head's query heads, a warp per (slot, head),
+// so the heads of a group read each key and value row together (once from
+// memory); a context of several splits leaves each split's state for
 // attention_split_merge, which folds them (flash-decoding: a long context
 // at a small batch spreads over the GPU). Prefill: a block per tile of
 // ATTN_PAIRS (query, head) pairs of one sequence and KV head, the keys
@@ -36,6 +38,7 @@
 #define ATTN_TILE_THREADS (ATTN_WARPS * ATTN_PAIR_WARPS * 32)
 #define ATTN_KEY_TILE 16         // prefill: keys per shared-memory tile
 #define ATTN_SPLIT 512           // keys per split; a multiple of ATTN_KEY_TILE
+#define ATTN_DECODE_HEADS 4      // decode: query heads per block
 
 // The factors that fold a split's state (max m) into the running state
 // (max M) of the splits before it: a for the earlier splits' sums, b for
@@ -177,11 +180,15 @@ __device__ __forceinline__ int attn_splits(int n) {
 // Decode: one query token per sequence s, attending its context_lens[s] keys
 // (the current token's K/V already written) found through
 // block_tables[s, max_blocks]. q, out: [seqs, n_heads, hd]. Block b takes
-// split b % n_splits of (sequence, head) p = b / n_splits (n_splits: the
-// longest context's). A context of one split is written to out; of more,
-// split c's state goes to part[(p * n_splits + c) * (hd + 2) ..]: its max,
-// its sum, then its value sums (attention_split_merge folds them).
-// ATTN_WARPS warps; shared: ATTN_WARPS * (hd + 2) floats.
+// split b % n_splits (n_splits: the longest context's) of KV head g of
+// sequence s and query heads g * group + hc * hb + r, r < hb, where
+// (s, g, hc) = b / n_splits and hb = min(group, ATTN_DECODE_HEADS) (hc
+// counts the group's runs of hb heads); warp w is slot w % ATTN_WARPS of
+// head r = w / ATTN_WARPS. A context of one split is written to out; of
+// more, split c of query (s, h) leaves its state in part[((s * n_heads +
+// h) * n_splits + c) * (hd + 2) ..]: its max, its sum, then its value sums
+// (attention_split_merge folds them). hb * ATTN_WARPS warps; shared: hb *
+// ATTN_WARPS * (hd + 2) floats.
 extern "C" __global__ void paged_attention_decode(float* out, float* part, const float* q,
                                                   const float* k_pool, const float* v_pool,
                                                   const u32* block_tables,
@@ -189,42 +196,52 @@ extern "C" __global__ void paged_attention_decode(float* out, float* part, const
                                                   int n_kv_heads, int hd, int block_size,
                                                   int max_blocks, int n_splits, float scale) {
     extern __shared__ float shared[];
-    int p = blockIdx.x / n_splits, c = blockIdx.x % n_splits;
-    int s = p / n_heads, h = p % n_heads;
+    int group = n_heads / n_kv_heads;
+    int hb = group < ATTN_DECODE_HEADS ? group : ATTN_DECODE_HEADS;
+    int runs = (group + hb - 1) / hb;
+    int b = blockIdx.x / n_splits, c = blockIdx.x % n_splits;
+    int s = b / (n_kv_heads * runs), g = b / runs % n_kv_heads, hc = b % runs;
     if (s >= seqs) return;
     int n = (int)context_lens[s];
     int splits = attn_splits(n);
     if (c >= splits) return;
-    int kvh = h / (n_heads / n_kv_heads);
     int warp = threadIdx.x >> 5;
+    int slot = warp % ATTN_WARPS, r = warp / ATTN_WARPS;
+    int hg = hc * hb + r;                      // the head within the group
+    bool on = hg < group;                      // a run of the group may be short
+    int p = s * n_heads + g * group + (on ? hg : 0);  // (sequence, head)
     float qr[ATTN_MAX_DIM_PER_LANE], acc[ATTN_MAX_DIM_PER_LANE];
     float kr[ATTN_MAX_DIM_PER_LANE], vr[ATTN_MAX_DIM_PER_LANE];
     attn_load_q(qr, acc, q + (size_t)p * hd, hd, scale);
     float m = NEG_INF, l = 0.0f;
     int end = n < (c + 1) * ATTN_SPLIT ? n : (c + 1) * ATTN_SPLIT;
     int row = n_kv_heads * hd;
-    for (int j = c * ATTN_SPLIT + warp; j < end; j += ATTN_WARPS) {
+    for (int j = c * ATTN_SPLIT + slot; on && j < end; j += ATTN_WARPS) {
         u32 blk = block_tables[(size_t)s * max_blocks + j / block_size];
-        size_t base = ((size_t)blk * block_size + j % block_size) * row + (size_t)kvh * hd;
+        size_t base = ((size_t)blk * block_size + j % block_size) * row + (size_t)g * hd;
         attn_load_row(kr, k_pool + base, hd);
         attn_load_row(vr, v_pool + base, hd);
         attn_step(kr, vr, qr, acc, m, l, hd);
     }
-    attn_stash(shared, warp, ATTN_WARPS, m, l, acc, hd);
+    // Head r's slots at its own place of the merge buffer.
+    float* mine = shared + (size_t)r * ATTN_WARPS * (hd + 2);
+    attn_stash(mine, slot, ATTN_WARPS, m, l, acc, hd);
     __syncthreads();
+    if (!on) return;
+    int t = threadIdx.x - r * ATTN_WARPS * 32;
     float M = NEG_INF, L = 0.0f;
     if (splits == 1) {
         float* o = out + (size_t)p * hd;
-        attn_fold_slots(o, M, L, shared, shared + ATTN_WARPS, shared + 2 * ATTN_WARPS, hd,
-                        threadIdx.x, blockDim.x);
-        attn_finish(o, L, hd, threadIdx.x, blockDim.x);
+        attn_fold_slots(o, M, L, mine, mine + ATTN_WARPS, mine + 2 * ATTN_WARPS, hd, t,
+                        ATTN_WARPS * 32);
+        attn_finish(o, L, hd, t, ATTN_WARPS * 32);
         return;
     }
     // The split's own state: folded from nothing, its max, sum and sums.
     float* st = part + ((size_t)p * n_splits + c) * (hd + 2);
-    attn_fold_slots(st + 2, M, L, shared, shared + ATTN_WARPS, shared + 2 * ATTN_WARPS, hd,
-                    threadIdx.x, blockDim.x);
-    if (threadIdx.x == 0) {
+    attn_fold_slots(st + 2, M, L, mine, mine + ATTN_WARPS, mine + 2 * ATTN_WARPS, hd, t,
+                    ATTN_WARPS * 32);
+    if (t == 0) {
         st[0] = M;
         st[1] = L;
     }

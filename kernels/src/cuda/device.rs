@@ -80,11 +80,12 @@ fn check_heads(op: &str, n_heads: usize, n_kv_heads: usize, hd: usize) -> Result
     Ok(())
 }
 
-fn attention_launch(blocks: usize, hd: usize) -> LaunchConfig {
+/// attention_split_merge: a block per (sequence, head), threads over the dims.
+fn split_merge_launch(blocks: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
         block_dim: ((ATTN_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: (ATTN_WARPS * (hd + 2) * 4) as u32,
+        shared_mem_bytes: 0,
     }
 }
 
@@ -100,6 +101,32 @@ const ATTN_PAIRS: usize = ATTN_PAIR_WARPS * ATTN_PAIRS_PER_WARP;
 /// Keys per split: every kernel folds a query's keys split by split, and
 /// decode runs a block per split.
 const ATTN_SPLIT: usize = 512;
+
+/// Decode: query heads of one KV head per block.
+const ATTN_DECODE_HEADS: usize = 4;
+
+/// Decode's blocks: for every sequence, KV head and run of up to
+/// `ATTN_DECODE_HEADS` of its query heads, one per split; the launch
+/// (`hb` heads' warps, their merge buffers).
+fn decode_launch(
+    seqs: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    hd: usize,
+    splits: usize,
+) -> LaunchConfig {
+    let group = n_heads / n_kv_heads;
+    let hb = group.min(ATTN_DECODE_HEADS);
+    LaunchConfig {
+        grid_dim: (
+            (seqs * n_kv_heads * group.div_ceil(hb) * splits) as u32,
+            1,
+            1,
+        ),
+        block_dim: ((hb * ATTN_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: (hb * ATTN_WARPS * (hd + 2) * 4) as u32,
+    }
+}
 
 /// Decode's splits per (sequence, head): the longest context's, at least 1.
 fn decode_splits(context_lens: &[u32]) -> usize {
@@ -1225,12 +1252,9 @@ impl CudaDevice {
         .iter()
         .map(|&x| int(op, "size", x))
         .collect::<Result<Vec<i32>>>()?;
-        launch!(self, op, attention_launch(seqs * n_heads * splits, hd); &mut *out, &part, q, k_pool, v_pool, &*tables, &*lens, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &ints[5], &ints[6], &scale);
+        launch!(self, op, decode_launch(seqs, n_heads, n_kv_heads, hd, splits); &mut *out, &part, q, k_pool, v_pool, &*tables, &*lens, &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &ints[5], &ints[6], &scale);
         if splits > 1 {
-            let cfg = LaunchConfig {
-                shared_mem_bytes: 0,
-                ..attention_launch(seqs * n_heads, hd)
-            };
+            let cfg = split_merge_launch(seqs * n_heads);
             launch!(self, "attention_split_merge", cfg; out, &part, &*lens, &ints[0], &ints[1], &ints[3], &ints[6]);
         }
         Ok(())
@@ -2272,6 +2296,7 @@ mod tests {
             ("ATTN_KEY_TILE", ATTN_KEY_TILE),
             ("ATTN_BWD_ROWS", ATTN_BWD_ROWS),
             ("ATTN_SPLIT", ATTN_SPLIT),
+            ("ATTN_DECODE_HEADS", ATTN_DECODE_HEADS),
         ] {
             assert_eq!(define(name), host, "{name}");
         }

@@ -26,10 +26,6 @@ def cmp(case, name, got, ref):
     line = f"{case}: {name}: max|diff|/max|ref| = {r:.3e} {flag}"
     print(line, flush=True); RES.append(line)
 
-def attention_launch_shared(hd):
-    floats = ATTN_WARPS * (hd + 2)  # shared_mem_bytes / 4
-    return lambda: shared("attn.dyn", floats, np.float32)
-
 # device.rs: prefill_tiles, attention_prefill_launch (512 threads)
 TILE_THREADS = K.ATTN_WARPS * K.ATTN_PAIR_WARPS * 32
 
@@ -63,8 +59,12 @@ def run_decode(out, q, kpb, vpb, flat, ctx, seqs, nh, nkv, hd, bs, max_blocks, s
     splits = decode_splits(ctx)
     part = Buf("part", np.zeros(seqs * nh * splits * (hd + 2) if splits > 1 else 1, np.float32))
     lens = buf("context_lens", ctx, np.uint32)
-    launch("paged_attention_decode", seqs * nh * splits, ATTN_WARPS * 32, K.paged_attention_decode,
-           attention_launch_shared(hd), out, part, buf("q", q), kpb, vpb, buf("block_tables", flat, np.uint32),
+    # decode_launch: blocks per (sequence, KV head, run of hb heads, split)
+    group = nh // nkv
+    hb = min(group, K.ATTN_DECODE_HEADS)
+    launch("paged_attention_decode", seqs * nkv * -(-group // hb) * splits, hb * ATTN_WARPS * 32,
+           K.paged_attention_decode, lambda: shared("decode.dyn", hb * ATTN_WARPS * (hd + 2), np.float32),
+           out, part, buf("q", q), kpb, vpb, buf("block_tables", flat, np.uint32),
            lens, seqs, nh, nkv, hd, bs, max_blocks, splits, scale)
     if splits > 1:
         launch("attention_split_merge", seqs * nh, ATTN_WARPS * 32, K.attention_split_merge, None,
@@ -339,6 +339,10 @@ CASES = {
     "prefill_g3": lambda: case_prefill("prefill hd24 GQA6/2 lens[7,18] (group 3: a query's heads split across tiles)", [7, 18], 6, 2, 24),
     "paged_g3": lambda: case_paged_prefill("paged prefill hd24 GQA6/2 (past,new)[(5,7),(0,2)] bs5", [(5, 7), (0, 2)], 6, 2, 24, bs=5),
     "paged_g32": lambda: case_paged_prefill("paged prefill hd8 GQA32/1 (past,new)[(4,2)] bs8", [(4, 2)], 32, 1, 8),
+    # Group 6: runs of 4 and 2 query heads per decode block (warps of the
+    # short run idle).
+    "decode_g6": lambda: case_paged_prefill("paged prefill + decode hd24 GQA12/2 (past,new)[(9,4)] bs8",
+                                            [(9, 4)], 12, 2, 24),
     # Splits of 16 and 32 keys: contexts of one to five splits, split ends
     # inside and at the end of a sequence's keys.
     "split_decode": split(32, lambda: case_decode("split32 decode hd40 GQA4/2 ctx[1,33,96,0,64,70] bs16",

@@ -11,9 +11,10 @@ ATTN_PAIR_WARPS = 4
 ATTN_PAIRS_PER_WARP = 4
 ATTN_PAIRS = ATTN_PAIR_WARPS * ATTN_PAIRS_PER_WARP
 ATTN_KEY_TILE = 16
-# cu:38. attention.py's cases set it smaller (a multiple of ATTN_KEY_TILE) to
+# cu:40. attention.py's cases set it smaller (a multiple of ATTN_KEY_TILE) to
 # run several splits over short contexts; the arithmetic is the same.
 ATTN_SPLIT = 512
+ATTN_DECODE_HEADS = 4  # cu:41
 ATTN_BWD_ROWS = 2
 ATTN_BWD_BLOCK_ROWS = ATTN_PAIR_WARPS * ATTN_BWD_ROWS
 
@@ -63,176 +64,185 @@ def block_max(v, scratch, tid, bdim):
     v = scratch[lane] if lane < warps else NEG_INF
     return (yield from warp_max(v))
 
-# cu:48; returns (first, a, b, m)
+# cu:51; returns (first, a, b, m)
 def attn_fold_factors(M, m):
-    first = M == NEG_INF  # cu:50
-    mm = fmaxf(M, m)  # cu:51
-    a = F(0.0) if first else expf(M - mm)  # cu:52
-    b = expf(m - mm)  # cu:53
+    first = M == NEG_INF  # cu:53
+    mm = fmaxf(M, m)  # cu:54
+    a = F(0.0) if first else expf(M - mm)  # cu:55
+    b = expf(m - mm)  # cu:56
     return first, a, b, mm
 
-# cu:56
+# cu:59
 def attn_fold(running, split, f):
     first, a, b, _ = f
-    return F(split * b) if first else fmaf(running, a, F(split * b))  # cu:57
+    return F(split * b) if first else fmaf(running, a, F(split * b))  # cu:60
 
-# cu:67; returns (M, L)
+# cu:70; returns (M, L)
 def attn_fold_slots(acc, M, L, sm, sl, sacc, hd, t, nt):
     big = NEG_INF
-    for w in range(ATTN_WARPS): big = fmaxf(big, sm[w])  # cu:70
-    if big == NEG_INF: return M, L  # cu:71
+    for w in range(ATTN_WARPS): big = fmaxf(big, sm[w])  # cu:73
+    if big == NEG_INF: return M, L  # cu:74
     total = F(0.0)
     for w in range(ATTN_WARPS):
-        if sm[w] != NEG_INF: total = fmaf(sl[w], expf(sm[w] - big), total)  # cu:74
-    f = attn_fold_factors(M, big)  # cu:75
-    for d in range(t, hd, nt):  # cu:76
+        if sm[w] != NEG_INF: total = fmaf(sl[w], expf(sm[w] - big), total)  # cu:77
+    f = attn_fold_factors(M, big)  # cu:78
+    for d in range(t, hd, nt):  # cu:79
         o = F(0.0)
         for w in range(ATTN_WARPS):
-            if sm[w] != NEG_INF: o = fmaf(sacc[w * hd + d], expf(sm[w] - big), o)  # cu:79
-        acc[d] = attn_fold(acc[d], o, f)  # cu:80
-    L = attn_fold(L, total, f)  # cu:82
-    return f[3], L  # cu:83
+            if sm[w] != NEG_INF: o = fmaf(sacc[w * hd + d], expf(sm[w] - big), o)  # cu:82
+        acc[d] = attn_fold(acc[d], o, f)  # cu:83
+    L = attn_fold(L, total, f)  # cu:85
+    return f[3], L  # cu:86
 
-# cu:87
+# cu:90
 def attn_finish(acc, L, hd, t, nt):
     for d in range(t, hd, nt):
-        acc[d] = F(acc[d] / L) if L > F(0.0) else F(0.0)  # cu:88
+        acc[d] = F(acc[d] / L) if L > F(0.0) else F(0.0)  # cu:91
 
-# cu:93
+# cu:96
 def attn_stash(shared, warp, warps, m, l, acc, hd, tid):
     lane = tid & 31
     if lane == 0:
-        shared[warp] = m  # cu:97
-        shared[warps + warp] = l  # cu:98
+        shared[warp] = m  # cu:100
+        shared[warps + warp] = l  # cu:101
     for i in range(ATTN_MAX_DIM_PER_LANE):
         d = lane + 32 * i
-        if d < hd: shared[2 * warps + warp * hd + d] = acc[i]  # cu:102
+        if d < hd: shared[2 * warps + warp * hd + d] = acc[i]  # cu:105
 
-# cu:107
+# cu:110
 def attn_load_q(qr, acc, qs, hd, scale, tid):
     lane = tid & 31
     for i in range(ATTN_MAX_DIM_PER_LANE):
         d = lane + 32 * i
-        qr[i] = F(qs[d] * scale) if d < hd else F(0.0)  # cu:112
-        acc[i] = F(0.0)  # cu:113
+        qr[i] = F(qs[d] * scale) if d < hd else F(0.0)  # cu:115
+        acc[i] = F(0.0)  # cu:116
 
-# cu:118
+# cu:121
 def attn_load_row(r, row, hd, tid):
     lane = tid & 31
     for i in range(ATTN_MAX_DIM_PER_LANE):
         d = lane + 32 * i
-        r[i] = row[d] if d < hd else F(0.0)  # cu:122
+        r[i] = row[d] if d < hd else F(0.0)  # cu:125
 
-# cu:127
+# cu:130
 def attn_dot(a, b, hd, tid):
     lane = tid & 31
     s = F(0.0)
     for i in range(ATTN_MAX_DIM_PER_LANE):
-        if lane + 32 * i < hd: s = fmaf(a[i], b[i], s)  # cu:131
-    return (yield from warp_sum(s))  # cu:132
+        if lane + 32 * i < hd: s = fmaf(a[i], b[i], s)  # cu:134
+    return (yield from warp_sum(s))  # cu:135
 
-# cu:137; returns (p, m, l, corr)
+# cu:140; returns (p, m, l, corr)
 def attn_online(s, m, l):
     m_new = fmaxf(m, s)
-    corr = F(0.0) if m == NEG_INF else expf(m - m_new)  # cu:139
+    corr = F(0.0) if m == NEG_INF else expf(m - m_new)  # cu:142
     p = expf(s - m_new)
-    l = fmaf(l, corr, p)  # cu:141
+    l = fmaf(l, corr, p)  # cu:144
     return p, m_new, l, corr
 
-# cu:148; returns (m, l)
+# cu:151; returns (m, l)
 def attn_step(kr, vr, qr, acc, m, l, hd, tid):
     lane = tid & 31
-    dot = yield from attn_dot(qr, kr, hd, tid)  # cu:151
-    p, m, l, corr = attn_online(dot, m, l)  # cu:151
+    dot = yield from attn_dot(qr, kr, hd, tid)  # cu:154
+    p, m, l, corr = attn_online(dot, m, l)  # cu:154
     for i in range(ATTN_MAX_DIM_PER_LANE):
-        if lane + 32 * i < hd: acc[i] = fmaf(p, vr[i], F(acc[i] * corr))  # cu:153
+        if lane + 32 * i < hd: acc[i] = fmaf(p, vr[i], F(acc[i] * corr))  # cu:156
     return m, l
 
-# cu:159
+# cu:162
 def paged_kv_write(bx, tid, bdim, gdim, sh, k_pool, v_pool, k, v, slot_mapping, tokens, kv_row):
     n = tokens * kv_row
     i = bx * bdim + tid
     while i < n:
         t, c = i // kv_row, i % kv_row
-        dst = u(slot_mapping[t]) * kv_row + c  # cu:166
-        k_pool[dst] = k[i]  # cu:167
-        v_pool[dst] = v[i]  # cu:168
+        dst = u(slot_mapping[t]) * kv_row + c  # cu:169
+        k_pool[dst] = k[i]  # cu:170
+        v_pool[dst] = v[i]  # cu:171
         i += gdim * bdim
     return
     yield
 
-# cu:173
+# cu:176
 def attn_splits(n):
-    return (n + ATTN_SPLIT - 1) // ATTN_SPLIT if n > ATTN_SPLIT else 1  # cu:174
+    return (n + ATTN_SPLIT - 1) // ATTN_SPLIT if n > ATTN_SPLIT else 1  # cu:177
 
-# cu:185
+# cu:192
 def paged_attention_decode(bx, tid, bdim, gdim, shared, out, part, q, k_pool, v_pool, block_tables,
                            context_lens, seqs, n_heads, n_kv_heads, hd, block_size, max_blocks,
                            n_splits, scale):
-    p, c = bx // n_splits, bx % n_splits  # cu:192
-    s, h = p // n_heads, p % n_heads
+    group = n_heads // n_kv_heads
+    hb = group if group < ATTN_DECODE_HEADS else ATTN_DECODE_HEADS  # cu:200
+    runs = (group + hb - 1) // hb
+    b, c = bx // n_splits, bx % n_splits  # cu:202
+    s, g, hc = b // (n_kv_heads * runs), b // runs % n_kv_heads, b % runs  # cu:203
     if s >= seqs: return
-    n = u(context_lens[s])  # cu:195
+    n = u(context_lens[s])  # cu:205
     splits = attn_splits(n)
-    if c >= splits: return  # cu:197
-    kvh = h // (n_heads // n_kv_heads)
+    if c >= splits: return  # cu:207
     warp = tid >> 5
+    slot, r = warp % ATTN_WARPS, warp // ATTN_WARPS  # cu:209
+    hg = hc * hb + r
+    on = hg < group  # cu:211
+    p = s * n_heads + g * group + (hg if on else 0)  # cu:212
     qr = [F(0)] * 8; acc = [F(0)] * 8; kr = [F(0)] * 8; vr = [F(0)] * 8
-    attn_load_q(qr, acc, q + p * hd, hd, scale, tid)  # cu:202
+    attn_load_q(qr, acc, q + p * hd, hd, scale, tid)  # cu:215
     m, l = NEG_INF, F(0.0)
-    end = n if n < (c + 1) * ATTN_SPLIT else (c + 1) * ATTN_SPLIT  # cu:204
+    end = n if n < (c + 1) * ATTN_SPLIT else (c + 1) * ATTN_SPLIT  # cu:217
     row = n_kv_heads * hd
-    j = c * ATTN_SPLIT + warp
-    while j < end:  # cu:206
-        blk = u(block_tables[s * max_blocks + j // block_size])  # cu:207
-        base = (blk * block_size + j % block_size) * row + kvh * hd  # cu:208
-        attn_load_row(kr, k_pool + base, hd, tid)  # cu:209
-        attn_load_row(vr, v_pool + base, hd, tid)  # cu:210
-        m, l = yield from attn_step(kr, vr, qr, acc, m, l, hd, tid)  # cu:211
+    j = c * ATTN_SPLIT + slot
+    while on and j < end:  # cu:219
+        blk = u(block_tables[s * max_blocks + j // block_size])  # cu:220
+        base = (blk * block_size + j % block_size) * row + g * hd  # cu:221
+        attn_load_row(kr, k_pool + base, hd, tid)  # cu:222
+        attn_load_row(vr, v_pool + base, hd, tid)  # cu:223
+        m, l = yield from attn_step(kr, vr, qr, acc, m, l, hd, tid)  # cu:224
         j += ATTN_WARPS
-    attn_stash(shared, warp, ATTN_WARPS, m, l, acc, hd, tid)  # cu:213
-    yield "cu214"
+    mine = shared + r * ATTN_WARPS * (hd + 2)  # cu:227
+    attn_stash(mine, slot, ATTN_WARPS, m, l, acc, hd, tid)  # cu:228
+    yield "cu229"
+    if not on: return  # cu:230
+    t = tid - r * ATTN_WARPS * 32  # cu:231
     M, L = NEG_INF, F(0.0)
-    if splits == 1:  # cu:216
+    if splits == 1:  # cu:233
         o = out + p * hd
-        M, L = attn_fold_slots(o, M, L, shared + 0, shared + ATTN_WARPS,  # cu:218
-                               shared + 2 * ATTN_WARPS, hd, tid, bdim)
-        attn_finish(o, L, hd, tid, bdim)  # cu:220
+        M, L = attn_fold_slots(o, M, L, mine, mine + ATTN_WARPS, mine + 2 * ATTN_WARPS, hd, t,  # cu:235
+                               ATTN_WARPS * 32)
+        attn_finish(o, L, hd, t, ATTN_WARPS * 32)  # cu:237
         return
-    st = part + (p * n_splits + c) * (hd + 2)  # cu:224
-    M, L = attn_fold_slots(st + 2, M, L, shared + 0, shared + ATTN_WARPS,  # cu:225
-                           shared + 2 * ATTN_WARPS, hd, tid, bdim)
-    if tid == 0:
-        st[0] = M  # cu:228
-        st[1] = L  # cu:229
+    st = part + (p * n_splits + c) * (hd + 2)  # cu:241
+    M, L = attn_fold_slots(st + 2, M, L, mine, mine + ATTN_WARPS, mine + 2 * ATTN_WARPS, hd, t,  # cu:242
+                           ATTN_WARPS * 32)
+    if t == 0:
+        st[0] = M  # cu:245
+        st[1] = L  # cu:246
 
-# cu:236
+# cu:253
 def attention_split_merge(bx, tid, bdim, gdim, shared, out, part, context_lens, seqs, n_heads, hd,
                           n_splits):
     p, s = bx, bx // n_heads
     if s >= seqs: return
-    splits = attn_splits(u(context_lens[s]))  # cu:241
+    splits = attn_splits(u(context_lens[s]))  # cu:258
     if splits == 1: return
     o = out + p * hd
     M, L = NEG_INF, F(0.0)
-    for c in range(splits):  # cu:245
-        st = part + (p * n_splits + c) * (hd + 2)  # cu:246
-        if st[0] == NEG_INF: continue  # cu:247
-        f = attn_fold_factors(M, st[0])  # cu:248
-        for d in range(tid, hd, bdim):  # cu:249
-            o[d] = attn_fold(o[d], st[2 + d], f)  # cu:250
-        L = attn_fold(L, st[1], f)  # cu:251
+    for c in range(splits):  # cu:262
+        st = part + (p * n_splits + c) * (hd + 2)  # cu:263
+        if st[0] == NEG_INF: continue  # cu:264
+        f = attn_fold_factors(M, st[0])  # cu:265
+        for d in range(tid, hd, bdim):  # cu:266
+            o[d] = attn_fold(o[d], st[2 + d], f)  # cu:267
+        L = attn_fold(L, st[1], f)  # cu:268
         M = f[3]
-    attn_finish(o, L, hd, tid, bdim)  # cu:254
+    attn_finish(o, L, hd, tid, bdim)  # cu:271
     return
     yield
 
-# cu:284
+# cu:301
 def attn_prefill_tile_floats(hd):
-    tiles, merge = 2 * ATTN_KEY_TILE * hd, ATTN_WARPS * ATTN_PAIR_WARPS * (hd + 2)  # cu:285
+    tiles, merge = 2 * ATTN_KEY_TILE * hd, ATTN_WARPS * ATTN_PAIR_WARPS * (hd + 2)  # cu:302
     return tiles if tiles > merge else merge
 
-# cu:289; `at(j)` is AttnPackedRows / AttnPagedRows::at
+# cu:306; `at(j)` is AttnPackedRows / AttnPagedRows::at
 def attn_prefill_tile(out, q, k, v, at, q_first, past, n_new, pair0, g, n_heads, n_kv_heads, hd,
                       scale, shared, tid, bdim):
     warp = tid >> 5
@@ -243,251 +253,251 @@ def attn_prefill_tile(out, q, k, v, at, q_first, past, n_new, pair0, g, n_heads,
     qr = [[F(0)] * 8 for _ in range(R)]; acc = [[F(0)] * 8 for _ in range(R)]
     m = [NEG_INF] * R; l = [F(0)] * R; last = [0] * R
     warps = ATTN_WARPS * ATTN_PAIR_WARPS
-    t = tid - pw * ATTN_WARPS * 32  # cu:302
-    run = shared + attn_prefill_tile_floats(hd)  # cu:305
-    for r in range(R):  # cu:307
+    t = tid - pw * ATTN_WARPS * 32  # cu:319
+    run = shared + attn_prefill_tile_floats(hd)  # cu:322
+    for r in range(R):  # cu:324
         x = pair0 + pw * R + r
         i, h = x // group, g * group + x % group
-        last[r] = past + i if x < pairs else -1  # cu:310
-        attn_load_q(qr[r], acc[r], q + ((q_first + (i if x < pairs else 0)) * n_heads + h) * hd, hd, scale, tid)  # cu:311
+        last[r] = past + i if x < pairs else -1  # cu:327
+        attn_load_q(qr[r], acc[r], q + ((q_first + (i if x < pairs else 0)) * n_heads + h) * hd, hd, scale, tid)  # cu:328
         m[r] = NEG_INF; l[r] = F(0.0)
         if t == 0:
-            run[pw * R + r] = NEG_INF  # cu:316
-            run[ATTN_PAIRS + pw * R + r] = F(0.0)  # cu:317
+            run[pw * R + r] = NEG_INF  # cu:333
+            run[ATTN_PAIRS + pw * R + r] = F(0.0)  # cu:334
     folds = 0
-    x_end = pair0 + ATTN_PAIRS if pair0 + ATTN_PAIRS < pairs else pairs  # cu:321
-    n_keys = past + (x_end - 1) // group + 1  # cu:322
+    x_end = pair0 + ATTN_PAIRS if pair0 + ATTN_PAIRS < pairs else pairs  # cu:338
+    n_keys = past + (x_end - 1) // group + 1  # cu:339
     sk = shared + 0
-    sv = shared + ATTN_KEY_TILE * hd  # cu:324
+    sv = shared + ATTN_KEY_TILE * hd  # cu:341
     kr = [F(0)] * 8; vr = [F(0)] * 8
-    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:326
+    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:343
         nt = n_keys - j0 if n_keys - j0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield "cu328"
-        for e in range(tid, nt * hd, bdim):  # cu:329
-            a = at(j0 + e // hd) + g * hd + e % hd  # cu:330
-            sk[e] = k[a]  # cu:331
-            sv[e] = v[a]  # cu:332
-        yield "cu334"
-        for jj in range(slot, nt, ATTN_WARPS):  # cu:335
-            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:336
-            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:337
+        yield "cu345"
+        for e in range(tid, nt * hd, bdim):  # cu:346
+            a = at(j0 + e // hd) + g * hd + e % hd  # cu:347
+            sk[e] = k[a]  # cu:348
+            sv[e] = v[a]  # cu:349
+        yield "cu351"
+        for jj in range(slot, nt, ATTN_WARPS):  # cu:352
+            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:353
+            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:354
             for r in range(R):
-                if j0 + jj <= last[r]:  # cu:340
-                    m[r], l[r] = yield from attn_step(kr, vr, qr[r], acc[r], m[r], l[r], hd, tid)  # cu:340
-        if (j0 + ATTN_KEY_TILE) % ATTN_SPLIT != 0 and j0 + ATTN_KEY_TILE < n_keys: continue  # cu:342
-        for r in range(R):  # cu:346
-            yield "cu347"
-            attn_stash(shared, warp, warps, m[r], l[r], acc[r], hd, tid)  # cu:348
-            yield "cu349"
+                if j0 + jj <= last[r]:  # cu:357
+                    m[r], l[r] = yield from attn_step(kr, vr, qr[r], acc[r], m[r], l[r], hd, tid)  # cu:357
+        if (j0 + ATTN_KEY_TILE) % ATTN_SPLIT != 0 and j0 + ATTN_KEY_TILE < n_keys: continue  # cu:359
+        for r in range(R):  # cu:363
+            yield "cu364"
+            attn_stash(shared, warp, warps, m[r], l[r], acc[r], hd, tid)  # cu:365
+            yield "cu366"
             x = pair0 + pw * R + r
-            if x < pairs:  # cu:351
+            if x < pairs:  # cu:368
                 i, h = x // group, g * group + x % group
                 w0 = pw * ATTN_WARPS
                 pi = pw * R + r
-                frm = run + (folds & 1) * 2 * ATTN_PAIRS + pi  # cu:355
-                M, L = frm[0], frm[ATTN_PAIRS]  # cu:356
-                M, L = attn_fold_slots(out + ((q_first + i) * n_heads + h) * hd, M, L, shared + w0,  # cu:357
+                frm = run + (folds & 1) * 2 * ATTN_PAIRS + pi  # cu:372
+                M, L = frm[0], frm[ATTN_PAIRS]  # cu:373
+                M, L = attn_fold_slots(out + ((q_first + i) * n_heads + h) * hd, M, L, shared + w0,  # cu:374
                                        shared + warps + w0, shared + 2 * warps + w0 * hd, hd, t,
                                        ATTN_WARPS * 32)
-                to = run + ((folds + 1) & 1) * 2 * ATTN_PAIRS + pi  # cu:360
+                to = run + ((folds + 1) & 1) * 2 * ATTN_PAIRS + pi  # cu:377
                 if t == 0:
-                    to[0] = M  # cu:362
-                    to[ATTN_PAIRS] = L  # cu:363
-            m[r] = NEG_INF; l[r] = F(0.0)  # cu:366
-            for i in range(ATTN_MAX_DIM_PER_LANE): acc[r][i] = F(0.0)  # cu:368
+                    to[0] = M  # cu:379
+                    to[ATTN_PAIRS] = L  # cu:380
+            m[r] = NEG_INF; l[r] = F(0.0)  # cu:383
+            for i in range(ATTN_MAX_DIM_PER_LANE): acc[r][i] = F(0.0)  # cu:385
         folds += 1
-    yield "cu372"
-    for r in range(R):  # cu:374
+    yield "cu389"
+    for r in range(R):  # cu:391
         x = pair0 + pw * R + r
-        if x < pairs:  # cu:376
+        if x < pairs:  # cu:393
             i, h = x // group, g * group + x % group
-            L = run[(folds & 1) * 2 * ATTN_PAIRS + ATTN_PAIRS + pw * R + r]  # cu:378
-            attn_finish(out + ((q_first + i) * n_heads + h) * hd, L, hd, t, ATTN_WARPS * 32)  # cu:380
+            L = run[(folds & 1) * 2 * ATTN_PAIRS + ATTN_PAIRS + pw * R + r]  # cu:395
+            attn_finish(out + ((q_first + i) * n_heads + h) * hd, L, hd, t, ATTN_WARPS * 32)  # cu:397
 
-# cu:391
+# cu:408
 def varlen_attention_prefill(bx, tid, bdim, gdim, shared, out, q, k, v, cu_seqlens, tiles,
                              n_heads, n_kv_heads, hd, scale):
     tile, g = bx // n_kv_heads, bx % n_kv_heads
-    s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:396
-    first = u(cu_seqlens[s])  # cu:397
-    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:398
-    row = n_kv_heads * hd  # cu:399
-    at = lambda j: (first + j) * row  # cu:263
-    yield from attn_prefill_tile(out, q, k, v, at, first, 0, n_new, pair0,  # cu:400
+    s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:413
+    first = u(cu_seqlens[s])  # cu:414
+    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:415
+    row = n_kv_heads * hd  # cu:416
+    at = lambda j: (first + j) * row  # cu:280
+    yield from attn_prefill_tile(out, q, k, v, at, first, 0, n_new, pair0,  # cu:417
                                  g, n_heads, n_kv_heads, hd, scale, shared, tid, bdim)
 
-# cu:410
+# cu:427
 def paged_attention_prefill(bx, tid, bdim, gdim, shared, out, q, k_pool, v_pool, block_tables,
                             pasts, cu_seqlens, tiles, n_heads, n_kv_heads, hd, block_size,
                             max_blocks, scale):
     tile, g = bx // n_kv_heads, bx % n_kv_heads
-    s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:416
-    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:417
-    table = block_tables + s * max_blocks  # cu:418
+    s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:433
+    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:434
+    table = block_tables + s * max_blocks  # cu:435
     row = n_kv_heads * hd
-    at = lambda j: (u(table[j // block_size]) * block_size + j % block_size) * row  # cu:269
-    yield from attn_prefill_tile(out, q, k_pool, v_pool, at, u(cu_seqlens[s]), u(pasts[s]), n_new,  # cu:419
+    at = lambda j: (u(table[j // block_size]) * block_size + j % block_size) * row  # cu:286
+    yield from attn_prefill_tile(out, q, k_pool, v_pool, at, u(cu_seqlens[s]), u(pasts[s]), n_new,  # cu:436
                                  pair0, g, n_heads, n_kv_heads, hd, scale, shared, tid, bdim)
 
 # ---- backward
 
-# cu:443
+# cu:460
 def attn_sum_slots(out, shared, pw, hd, mul, tid):
     t = tid - pw * ATTN_WARPS * 32
-    for d in range(t, hd, ATTN_WARPS * 32):  # cu:446
+    for d in range(t, hd, ATTN_WARPS * 32):  # cu:463
         o = F(0.0)
-        for w in range(ATTN_WARPS): o = F(o + shared[(pw * ATTN_WARPS + w) * hd + d])  # cu:448
-        out[d] = F(mul * o)  # cu:449
+        for w in range(ATTN_WARPS): o = F(o + shared[(pw * ATTN_WARPS + w) * hd + d])  # cu:465
+        out[d] = F(mul * o)  # cu:466
 
-# cu:455
+# cu:472
 def attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim):
-    yield "cu458"
-    for e in range(tid, nt * hd, bdim):  # cu:459
-        a = (j0 + e // hd) * kstride + g * hd + e % hd  # cu:460
-        sk[e] = k[a]  # cu:461
-        sv[e] = v[a]  # cu:462
-    yield "cu464"
+    yield "cu475"
+    for e in range(tid, nt * hd, bdim):  # cu:476
+        a = (j0 + e // hd) * kstride + g * hd + e % hd  # cu:477
+        sk[e] = k[a]  # cu:478
+        sv[e] = v[a]  # cu:479
+    yield "cu481"
 
-# cu:470
+# cu:487
 def attention_backward_dq(bx, tid, bdim, gdim, shared, dq, lse_out, dd_out, dout, q, k, v,
                           nq, nk, heads, kv_heads, hd, scale):
     R, warps = ATTN_BWD_ROWS, ATTN_WARPS * ATTN_PAIR_WARPS
     lane, warp = tid & 31, tid >> 5
     slot, pw = warp % ATTN_WARPS, warp // ATTN_WARPS
-    g, pair0 = bx % kv_heads, bx // kv_heads * ATTN_BWD_BLOCK_ROWS  # cu:478
+    g, pair0 = bx % kv_heads, bx // kv_heads * ATTN_BWD_BLOCK_ROWS  # cu:495
     group, pairs, past = heads // kv_heads, nq * heads // kv_heads, nk - nq
     qr = [[F(0)] * 8 for _ in range(R)]; dor = [[F(0)] * 8 for _ in range(R)]
     acc = [[F(0)] * 8 for _ in range(R)]
     m = [NEG_INF] * R; l = [F(0)] * R; dsum = [F(0)] * R; lse = [F(0)] * R; Dv = [F(0)] * R
     last = [0] * R; row = [0] * R
-    for r in range(R):  # cu:486
+    for r in range(R):  # cu:503
         x = pair0 + pw * R + r
         i, h = (x // group if x < pairs else 0), g * group + x % group
-        last[r] = past + i if x < pairs else -1  # cu:489
+        last[r] = past + i if x < pairs else -1  # cu:506
         row[r] = (i * heads + h) * hd
-        attn_load_q(qr[r], acc[r], q + row[r], hd, scale, tid)  # cu:491
-        attn_load_row(dor[r], dout + row[r], hd, tid)  # cu:492
+        attn_load_q(qr[r], acc[r], q + row[r], hd, scale, tid)  # cu:508
+        attn_load_row(dor[r], dout + row[r], hd, tid)  # cu:509
         m[r] = NEG_INF; l[r] = F(0.0); dsum[r] = F(0.0)
     x_end = pair0 + ATTN_BWD_BLOCK_ROWS if pair0 + ATTN_BWD_BLOCK_ROWS < pairs else pairs
-    n_keys = past + (x_end - 1) // group + 1  # cu:498
+    n_keys = past + (x_end - 1) // group + 1  # cu:515
     kstride = kv_heads * hd
-    sk = shared + 0; sv = shared + ATTN_KEY_TILE * hd  # cu:501
+    sk = shared + 0; sv = shared + ATTN_KEY_TILE * hd  # cu:518
     kr = [F(0)] * 8; vr = [F(0)] * 8
-    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:504
+    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:521
         nt = n_keys - j0 if n_keys - j0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:506
+        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:523
         for jj in range(slot, nt, ATTN_WARPS):
-            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:508
-            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:509
+            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:525
+            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:526
             for r in range(R):
-                if j0 + jj <= last[r]:  # cu:512
-                    s_ = yield from attn_dot(qr[r], kr, hd, tid)  # cu:513
-                    dov = yield from attn_dot(dor[r], vr, hd, tid)  # cu:513
-                    p, m[r], l[r], corr = attn_online(s_, m[r], l[r])  # cu:514
-                    dsum[r] = fmaf(p, dov, F(dsum[r] * corr))  # cu:515
-    yield "cu520"
+                if j0 + jj <= last[r]:  # cu:529
+                    s_ = yield from attn_dot(qr[r], kr, hd, tid)  # cu:530
+                    dov = yield from attn_dot(dor[r], vr, hd, tid)  # cu:530
+                    p, m[r], l[r], corr = attn_online(s_, m[r], l[r])  # cu:531
+                    dsum[r] = fmaf(p, dov, F(dsum[r] * corr))  # cu:532
+    yield "cu537"
     if lane == 0:
         for r in range(R):
-            shared[warp * R + r] = m[r]  # cu:523
-            shared[(warps + warp) * R + r] = l[r]  # cu:524
-            shared[(2 * warps + warp) * R + r] = dsum[r]  # cu:525
-    yield "cu527"
-    for r in range(R):  # cu:529
+            shared[warp * R + r] = m[r]  # cu:540
+            shared[(warps + warp) * R + r] = l[r]  # cu:541
+            shared[(2 * warps + warp) * R + r] = dsum[r]  # cu:542
+    yield "cu544"
+    for r in range(R):  # cu:546
         big, tl, ts = NEG_INF, F(0.0), F(0.0)
         for w in range(ATTN_WARPS):
-            big = fmaxf(big, shared[(pw * ATTN_WARPS + w) * R + r])  # cu:532
+            big = fmaxf(big, shared[(pw * ATTN_WARPS + w) * R + r])  # cu:549
         for w in range(ATTN_WARPS):
             a = (pw * ATTN_WARPS + w) * R + r
-            if shared[a] == NEG_INF: continue  # cu:535
-            e = expf(shared[a] - big)  # cu:536
-            tl = fmaf(shared[warps * R + a], e, tl)  # cu:537
-            ts = fmaf(shared[2 * warps * R + a], e, ts)  # cu:538
-        lse[r] = F(0.0) if last[r] < 0 else F(big + logf(tl))  # cu:540
-        Dv[r] = F(0.0) if last[r] < 0 else F(ts / tl)  # cu:541
-    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:544
+            if shared[a] == NEG_INF: continue  # cu:552
+            e = expf(shared[a] - big)  # cu:553
+            tl = fmaf(shared[warps * R + a], e, tl)  # cu:554
+            ts = fmaf(shared[2 * warps * R + a], e, ts)  # cu:555
+        lse[r] = F(0.0) if last[r] < 0 else F(big + logf(tl))  # cu:557
+        Dv[r] = F(0.0) if last[r] < 0 else F(ts / tl)  # cu:558
+    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:561
         nt = n_keys - j0 if n_keys - j0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:546
+        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:563
         for jj in range(slot, nt, ATTN_WARPS):
-            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:548
-            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:549
+            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:565
+            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:566
             for r in range(R):
-                if j0 + jj <= last[r]:  # cu:552
-                    sc = yield from attn_dot(qr[r], kr, hd, tid)  # cu:553
-                    p = expf(sc - lse[r])  # cu:553
-                    dv_ = yield from attn_dot(dor[r], vr, hd, tid)  # cu:554
-                    ds = F(p * F(dv_ - Dv[r]))  # cu:554
+                if j0 + jj <= last[r]:  # cu:569
+                    sc = yield from attn_dot(qr[r], kr, hd, tid)  # cu:570
+                    p = expf(sc - lse[r])  # cu:570
+                    dv_ = yield from attn_dot(dor[r], vr, hd, tid)  # cu:571
+                    ds = F(p * F(dv_ - Dv[r]))  # cu:571
                     for i in range(ATTN_MAX_DIM_PER_LANE):
-                        if lane + 32 * i < hd: acc[r][i] = fmaf(ds, kr[i], acc[r][i])  # cu:556
-    for r in range(R):  # cu:561
-        yield "cu562"
+                        if lane + 32 * i < hd: acc[r][i] = fmaf(ds, kr[i], acc[r][i])  # cu:573
+    for r in range(R):  # cu:578
+        yield "cu579"
         for i in range(ATTN_MAX_DIM_PER_LANE):
-            if lane + 32 * i < hd: shared[warp * hd + lane + 32 * i] = acc[r][i]  # cu:564
-        yield "cu565"
-        if last[r] >= 0:  # cu:566
-            attn_sum_slots(dq + row[r], shared, pw, hd, scale, tid)  # cu:567
+            if lane + 32 * i < hd: shared[warp * hd + lane + 32 * i] = acc[r][i]  # cu:581
+        yield "cu582"
+        if last[r] >= 0:  # cu:583
+            attn_sum_slots(dq + row[r], shared, pw, hd, scale, tid)  # cu:584
             if slot == 0 and lane == 0:
-                lse_out[row[r] // hd] = lse[r]  # cu:569
-                dd_out[row[r] // hd] = Dv[r]  # cu:570
+                lse_out[row[r] // hd] = lse[r]  # cu:586
+                dd_out[row[r] // hd] = Dv[r]  # cu:587
 
-# cu:579
+# cu:596
 def attention_backward_dkv(bx, tid, bdim, gdim, shared, dk, dv, dout, q, k, v, lse, dd,
                            nq, nk, heads, kv_heads, hd, scale):
     R, warps = ATTN_BWD_ROWS, ATTN_WARPS * ATTN_PAIR_WARPS
     lane, warp = tid & 31, tid >> 5
     slot, pw = warp % ATTN_WARPS, warp // ATTN_WARPS
-    g, key0 = bx % kv_heads, bx // kv_heads * ATTN_BWD_BLOCK_ROWS  # cu:587
+    g, key0 = bx % kv_heads, bx // kv_heads * ATTN_BWD_BLOCK_ROWS  # cu:604
     group, pairs, past = heads // kv_heads, nq * heads // kv_heads, nk - nq
     kr = [[F(0)] * 8 for _ in range(R)]; vr = [[F(0)] * 8 for _ in range(R)]
     adk = [[F(0)] * 8 for _ in range(R)]; adv = [[F(0)] * 8 for _ in range(R)]
     key = [0] * R
-    for r in range(R):  # cu:593
+    for r in range(R):  # cu:610
         j = key0 + pw * R + r
-        key[r] = j if j < nk else nk  # cu:595
+        key[r] = j if j < nk else nk  # cu:612
         a = ((j if j < nk else 0) * kv_heads + g) * hd
-        attn_load_row(kr[r], k + a, hd, tid)  # cu:597
-        attn_load_row(vr[r], v + a, hd, tid)  # cu:598
-    x_begin = (key0 - past if key0 - past > 0 else 0) * group  # cu:603
+        attn_load_row(kr[r], k + a, hd, tid)  # cu:614
+        attn_load_row(vr[r], v + a, hd, tid)  # cu:615
+    x_begin = (key0 - past if key0 - past > 0 else 0) * group  # cu:620
     sq = shared + 0
     sdo = sq + ATTN_KEY_TILE * hd
     slse = sdo + ATTN_KEY_TILE * hd
-    sdd = slse + ATTN_KEY_TILE  # cu:607
+    sdd = slse + ATTN_KEY_TILE  # cu:624
     qr = [F(0)] * 8; dor = [F(0)] * 8
-    for x0 in range(x_begin, pairs, ATTN_KEY_TILE):  # cu:609
+    for x0 in range(x_begin, pairs, ATTN_KEY_TILE):  # cu:626
         nt = pairs - x0 if pairs - x0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield "cu611"
-        for e in range(tid, nt * hd, bdim):  # cu:612
+        yield "cu628"
+        for e in range(tid, nt * hd, bdim):  # cu:629
             x = x0 + e // hd
-            a = ((x // group) * heads + g * group + x % group) * hd + e % hd  # cu:614
-            sq[e] = F(q[a] * scale)  # cu:615
-            sdo[e] = dout[a]  # cu:616
-        for e in range(tid, nt, bdim):  # cu:618
+            a = ((x // group) * heads + g * group + x % group) * hd + e % hd  # cu:631
+            sq[e] = F(q[a] * scale)  # cu:632
+            sdo[e] = dout[a]  # cu:633
+        for e in range(tid, nt, bdim):  # cu:635
             x = x0 + e
-            a = (x // group) * heads + g * group + x % group  # cu:620
-            slse[e] = lse[a]  # cu:621
-            sdd[e] = dd[a]  # cu:622
-        yield "cu624"
-        for xx in range(slot, nt, ATTN_WARPS):  # cu:625
+            a = (x // group) * heads + g * group + x % group  # cu:637
+            slse[e] = lse[a]  # cu:638
+            sdd[e] = dd[a]  # cu:639
+        yield "cu641"
+        for xx in range(slot, nt, ATTN_WARPS):  # cu:642
             pos = past + (x0 + xx) // group
-            attn_load_row(qr, sq + xx * hd, hd, tid)  # cu:627
-            attn_load_row(dor, sdo + xx * hd, hd, tid)  # cu:628
+            attn_load_row(qr, sq + xx * hd, hd, tid)  # cu:644
+            attn_load_row(dor, sdo + xx * hd, hd, tid)  # cu:645
             for r in range(R):
-                if key[r] <= pos:  # cu:631
-                    sc = yield from attn_dot(qr, kr[r], hd, tid)  # cu:632
-                    p = expf(sc - slse[xx])  # cu:632
-                    dv_ = yield from attn_dot(dor, vr[r], hd, tid)  # cu:633
-                    ds = F(p * F(dv_ - sdd[xx]))  # cu:633
+                if key[r] <= pos:  # cu:648
+                    sc = yield from attn_dot(qr, kr[r], hd, tid)  # cu:649
+                    p = expf(sc - slse[xx])  # cu:649
+                    dv_ = yield from attn_dot(dor, vr[r], hd, tid)  # cu:650
+                    ds = F(p * F(dv_ - sdd[xx]))  # cu:650
                     for i in range(ATTN_MAX_DIM_PER_LANE):
                         if lane + 32 * i < hd:
-                            adk[r][i] = fmaf(ds, qr[i], adk[r][i])  # cu:636
-                            adv[r][i] = fmaf(p, dor[i], adv[r][i])  # cu:637
-    for r in range(R):  # cu:643
-        yield "cu644"
+                            adk[r][i] = fmaf(ds, qr[i], adk[r][i])  # cu:653
+                            adv[r][i] = fmaf(p, dor[i], adv[r][i])  # cu:654
+    for r in range(R):  # cu:660
+        yield "cu661"
         for i in range(ATTN_MAX_DIM_PER_LANE):
             if lane + 32 * i < hd:
-                shared[warp * hd + lane + 32 * i] = adk[r][i]  # cu:647
-                shared[(warps + warp) * hd + lane + 32 * i] = adv[r][i]  # cu:648
-        yield "cu650"
-        if key[r] < nk:  # cu:651
+                shared[warp * hd + lane + 32 * i] = adk[r][i]  # cu:664
+                shared[(warps + warp) * hd + lane + 32 * i] = adv[r][i]  # cu:665
+        yield "cu667"
+        if key[r] < nk:  # cu:668
             a = (key[r] * kv_heads + g) * hd
-            attn_sum_slots(dk + a, shared, pw, hd, F(1.0), tid)  # cu:653
-            attn_sum_slots(dv + a, shared + warps * hd, pw, hd, F(1.0), tid)  # cu:654
+            attn_sum_slots(dk + a, shared, pw, hd, F(1.0), tid)  # cu:670
+            attn_sum_slots(dv + a, shared + warps * hd, pw, hd, F(1.0), tid)  # cu:671

@@ -15,6 +15,7 @@ M = {
  "split_end": ('        if (j0 + ATTN_KEY_TILE) % ATTN_SPLIT != 0 and j0 + ATTN_KEY_TILE < n_keys: continue  # cu:342\n', '        if (j0 + ATTN_KEY_TILE) % (2 * ATTN_SPLIT) != 0 and j0 + ATTN_KEY_TILE < n_keys: continue  # cu:342\n', "split_paged"),
  "split_parity": ('                frm = run + (folds & 1) * 2 * ATTN_PAIRS + pi  # cu:355\n', '                frm = run + ((folds + 1) & 1) * 2 * ATTN_PAIRS + pi  # cu:355\n', "split_prefill"),
  "split_nobarrier": ('    yield "cu372"\n', '', "split_prefill"),
+ "decode_run": ('    hg = hc * hb + r\n', '    hg = hc + r\n', "decode_g6"),
  "key_order": ('        for jj in range(slot, nt, ATTN_WARPS):  # cu:221\n', '        for jj in reversed(range(slot, nt, ATTN_WARPS)):  # cu:221\n', "paged40"),
 }
 name = sys.argv[1]
