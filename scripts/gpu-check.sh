@@ -7,7 +7,8 @@
 # CUDA against the CPU engine (engine crate, `model::cuda`), the backward's
 # gradients on CUDA against the CPU's (trainer crate, `cuda`), the CUDA kernel benchmarks (kernels/benches/cuda.rs,
 # each as a fraction of the HBM bandwidth), and decode through the engine
-# on a random model of the Qwen3.5-0.8B shape at batch 1, 32 and 128
+# on a random model of the Qwen3.5-0.8B shape at batch 1, 32 and 128, and
+# after prompts of 8,192 tokens at batch 1 and 8
 # (`arcticd bench-decode --device cuda:0`, with cuBLAS and in the deterministic
 # mode, `--batch-invariant`: tokens/s and the fraction of the
 # HBM roofline; DECODE_PRESETS adds qwen3.5-4b, whose init takes minutes),
@@ -154,6 +155,12 @@ for preset in ${DECODE_PRESETS:-qwen3.5-0.8b}; do
       --prompt-len 16 --new-tokens 64 --cache-memory 32768 --hbm-tb-s "${HBM_TBS:-4.8}" $invariant \
       | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/decode.txt" || bench_rc=1
   done
+  # Long contexts: prompts of 8,192 tokens at batch 1 and 8, where decode
+  # attention reads 16 splits of keys per head (decode_tokens_per_s leaves
+  # the prefill out).
+  "$arcticd" bench-decode --model "$log/$preset" --device cuda:0 --batch 1,8 \
+    --prompt-len 8192 --new-tokens 64 --cache-memory 32768 --hbm-tb-s "${HBM_TBS:-4.8}" \
+    | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/decode.txt" || bench_rc=1
   # Training steps (f32 products: PEAK_TFLOPS is the fp32 peak, the
   # H200's 67 by default), with and without recomputed layers; then
   # PyTorch's on the same model (BF16_PEAK_TFLOPS: the dense bf16 peak).

@@ -405,10 +405,12 @@ fn memory_now() -> Option<(u64, u64)> {
 
 /// Greedy decoding through the engine (the serving path: packed weights,
 /// paged caches, the scheduler) with `batch` sequences at once; prints one
-/// JSON line per batch size with generated tokens/s (prefill of the short
+/// JSON line per batch size with generated tokens/s (prefill of the
 /// prompts included, after a warm-up run; the weights are loaded packed,
-/// as `arcticd serve` loads them) and
-/// the process's memory. On a GPU (`--device cuda:N`) each line also has
+/// as `arcticd serve` loads them), the time of the same batch asked for
+/// one token each (`prefill_seconds`) and the rate of the tokens after the
+/// first without it (`decode_tokens_per_s`, what a long prompt would
+/// otherwise hide), and the process's memory. On a GPU (`--device cuda:N`) each line also has
 /// the bytes a decode step moves (the weights as held on the device, and
 /// per sequence its state slot read and written and its keys and values
 /// read) and that traffic's fraction of `--hbm-tb-s`, the roofline.
@@ -458,7 +460,7 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
         },
     )?;
     let mut rng = StdRng::seed_from_u64(0);
-    let mut run = |batch: usize| -> Result<f64> {
+    let mut run = |batch: usize, new_tokens: usize| -> Result<f64> {
         let start = std::time::Instant::now();
         let mut subs = Vec::with_capacity(batch);
         for _ in 0..batch {
@@ -469,7 +471,7 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
                 prompt,
                 params: SamplingParams {
                     ignore_eos: true,
-                    ..SamplingParams::greedy(args.new_tokens)
+                    ..SamplingParams::greedy(new_tokens)
                 },
             })?);
         }
@@ -487,9 +489,12 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
         }
         Ok(start.elapsed().as_secs_f64())
     };
-    run(1)?;
+    run(1, args.new_tokens)?;
     for &batch in &args.batch {
-        let seconds = run(batch)?;
+        // The same batch with one new token each first: its time is the
+        // prefill's (and the first token's), which the decode rate leaves out.
+        let prefill_seconds = run(batch, 1)?;
+        let seconds = run(batch, args.new_tokens)?;
         let (rss, peak) = memory_now().unwrap_or((0, 0));
         let tokens_per_s = (batch * args.new_tokens) as f64 / seconds;
         let mut out = serde_json::json!({
@@ -504,10 +509,16 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
             "threads": rayon::current_num_threads(),
             "seconds": seconds,
             "tokens_per_s": tokens_per_s,
+            "prefill_seconds": prefill_seconds,
             "rss_after_load_mib": loaded.map(|(r, _)| r >> 20),
             "rss_mib": rss >> 20,
             "peak_rss_mib": peak >> 20,
         });
+        if args.new_tokens > 1 && seconds > prefill_seconds {
+            out["decode_tokens_per_s"] = serde_json::json!(
+                (batch * (args.new_tokens - 1)) as f64 / (seconds - prefill_seconds)
+            );
+        }
         if let Some(t) = &traffic {
             // Mid-generation: the mean context of a decode step.
             let context = args.prompt_len + args.new_tokens / 2;

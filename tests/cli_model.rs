@@ -271,6 +271,12 @@ fn bench_decode_reports_each_batch_size() {
         assert_eq!(line["batch"], batch);
         assert_eq!(line["new_tokens"], 4);
         assert!(line["tokens_per_s"].as_f64().unwrap() > 0.0, "{line}");
+        // The one-token run's time is there; the decode rate where the
+        // longer run took longer (timing, so not required).
+        assert!(line["prefill_seconds"].as_f64().unwrap() > 0.0, "{line}");
+        if let Some(r) = line.get("decode_tokens_per_s") {
+            assert!(r.as_f64().unwrap() > 0.0, "{line}");
+        }
     }
     assert_clean_error(
         &arcticd(&["bench-decode", "--model", o, "--batch", "0"]),
