@@ -37,7 +37,8 @@
 #
 # HBM_TBS (default 4.8, the H200's) is the bandwidth the fractions use;
 # TRAIN_TOKENS (default 8192) the tokens per training step, a list to run
-# several (the issue's 8192 32768); TORCH_BASELINE=0 skips PyTorch.
+# several (the issue's 8192 32768); TORCH_BASELINE=0 skips PyTorch;
+# PHASES (default "tests bench decode train torch sft") a subset to run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage=target/gpu-check
@@ -122,57 +123,80 @@ fi
 echo "NCCL: ${nccl:-none found (the NCCL test skips)}" >&2
 gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1 || echo "unknown")
 echo "GPU: $gpu" >&2
+# PHASES picks what runs (all by default), so the checks can be split over
+# calls of a limited length; every program runs under a time limit
+# (TEST_TIMEOUT for each test binary, PHASE_TIMEOUT for the rest), so a
+# hung kernel costs minutes, not the whole loan.
+phases=" ${PHASES:-tests bench decode train torch sft} "
+want() { case "$phases" in *" $1 "*) return 0 ;; esac; return 1; }
+limit() { timeout "${PHASE_TIMEOUT:-300}" "$@"; }
 set +e
-ARCTICD_REQUIRE_GPU=1 ARCTICD_REQUIRE_NVRTC=1 "$tests" cuda:: --test-threads 1 > "$log/tests.txt" 2>&1
-tests_rc=$?
-# The model on CUDA (the layer code the CPU runs, over the CUDA ops):
-# scores against the CPU's, with the bounds reached printed.
-ARCTICD_REQUIRE_GPU=1 "$model_tests" model::cuda:: --test-threads 1 --nocapture >> "$log/tests.txt" 2>&1
-model_rc=$?
-[ "$tests_rc" -eq 0 ] && tests_rc=$model_rc
-# The backward on CUDA (the trainer's layer walk over the CUDA ops):
-# every parameter's gradient against the CPU backward.
-ARCTICD_REQUIRE_GPU=1 "$trainer_tests" cuda:: --test-threads 1 --nocapture >> "$log/tests.txt" 2>&1
-trainer_rc=$?
-[ "$tests_rc" -eq 0 ] && tests_rc=$trainer_rc
-"$bench" --bench --output-format bencher > "$log/bench.txt" 2> "$log/bench.err"
-bench_rc=$?
+tests_rc=0
+bench_rc=0
+: > "$log/tests.txt"
+: > "$log/bench.txt"
+: > "$log/bench.err"
+if want tests; then
+  ARCTICD_REQUIRE_GPU=1 ARCTICD_REQUIRE_NVRTC=1 timeout "${TEST_TIMEOUT:-300}" "$tests" cuda:: \
+    --test-threads 1 >> "$log/tests.txt" 2>&1
+  tests_rc=$?
+  # The model on CUDA (the layer code the CPU runs, over the CUDA ops):
+  # scores against the CPU's, with the bounds reached printed.
+  ARCTICD_REQUIRE_GPU=1 timeout "${TEST_TIMEOUT:-300}" "$model_tests" model::cuda:: \
+    --test-threads 1 --nocapture >> "$log/tests.txt" 2>&1
+  model_rc=$?
+  [ "$tests_rc" -eq 0 ] && tests_rc=$model_rc
+  # The backward on CUDA (the trainer's layer walk over the CUDA ops):
+  # every parameter's gradient against the CPU backward.
+  ARCTICD_REQUIRE_GPU=1 timeout "${TEST_TIMEOUT:-300}" "$trainer_tests" cuda:: \
+    --test-threads 1 --nocapture >> "$log/tests.txt" 2>&1
+  trainer_rc=$?
+  [ "$tests_rc" -eq 0 ] && tests_rc=$trainer_rc
+fi
+if want bench; then
+  limit "$bench" --bench --output-format bencher > "$log/bench.txt" 2> "$log/bench.err" || bench_rc=1
+fi
 # Decode through the engine on real shapes (random bf16 weights).
 if [ -x "$stage/arcticd" ]; then arcticd="$stage/arcticd"; else
   cargo build --release --features cuda --bin arcticd >&2 && arcticd=target/release/arcticd; fi
 : > "$log/decode.txt"
 : > "$log/train.txt"
 : > "$log/torch.txt"
-if [ "${TORCH_BASELINE:-1}" != 0 ] && ls "$stage"/wheels/*.whl > /dev/null 2>&1; then
+if want torch && [ "${TORCH_BASELINE:-1}" != 0 ] && ls "$stage"/wheels/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$log/site" "$stage"/wheels/*.whl >&2 ||
     echo "warning: the fla wheels did not install; PyTorch runs its own recurrence" >&2
 fi
 for preset in ${DECODE_PRESETS:-qwen3.5-0.8b}; do
-  "$arcticd" init-model --preset "$preset" --out "$log/$preset" >&2 || bench_rc=1
-  # cuBLAS, then the deterministic mode's products.
-  for invariant in "" --batch-invariant; do
-    "$arcticd" bench-decode --model "$log/$preset" --device cuda:0 --batch 1,32,128 \
-      --prompt-len 16 --new-tokens 64 --cache-memory 32768 --hbm-tb-s "${HBM_TBS:-4.8}" $invariant \
+  want decode || want train || want torch || break
+  limit "$arcticd" init-model --preset "$preset" --out "$log/$preset" >&2 || bench_rc=1
+  if want decode; then
+    # cuBLAS, then the deterministic mode's products.
+    for invariant in "" --batch-invariant; do
+      limit "$arcticd" bench-decode --model "$log/$preset" --device cuda:0 --batch 1,32,128 \
+        --prompt-len 16 --new-tokens 64 --cache-memory 32768 --hbm-tb-s "${HBM_TBS:-4.8}" $invariant \
+        | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/decode.txt" || bench_rc=1
+    done
+    # Long contexts: prompts of 8,192 tokens at batch 1 and 8, where decode
+    # attention reads 16 splits of keys per head (decode_tokens_per_s leaves
+    # the prefill out).
+    limit "$arcticd" bench-decode --model "$log/$preset" --device cuda:0 --batch 1,8 \
+      --prompt-len 8192 --new-tokens 64 --cache-memory 32768 --hbm-tb-s "${HBM_TBS:-4.8}" \
       | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/decode.txt" || bench_rc=1
-  done
-  # Long contexts: prompts of 8,192 tokens at batch 1 and 8, where decode
-  # attention reads 16 splits of keys per head (decode_tokens_per_s leaves
-  # the prefill out).
-  "$arcticd" bench-decode --model "$log/$preset" --device cuda:0 --batch 1,8 \
-    --prompt-len 8192 --new-tokens 64 --cache-memory 32768 --hbm-tb-s "${HBM_TBS:-4.8}" \
-    | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/decode.txt" || bench_rc=1
+  fi
   # Training steps (f32 products: PEAK_TFLOPS is the fp32 peak, the
   # H200's 67 by default), with and without recomputed layers; then
   # PyTorch's on the same model (BF16_PEAK_TFLOPS: the dense bf16 peak).
   for tokens in ${TRAIN_TOKENS:-8192}; do
-    for recompute in "" --recompute-layers; do
-      "$arcticd" bench-train --model "$log/$preset" --device cuda:0 --tokens "$tokens" --seq-len 2048 \
-        --steps 3 --peak-tflops "${PEAK_TFLOPS:-67}" $recompute 2>> "$log/train.err" \
-        | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/train.txt" || bench_rc=1
-    done
-    if [ "${TORCH_BASELINE:-1}" != 0 ]; then
+    if want train; then
+      for recompute in "" --recompute-layers; do
+        limit "$arcticd" bench-train --model "$log/$preset" --device cuda:0 --tokens "$tokens" \
+          --seq-len 2048 --steps 3 --peak-tflops "${PEAK_TFLOPS:-67}" $recompute 2>> "$log/train.err" \
+          | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/train.txt" || bench_rc=1
+      done
+    fi
+    if want torch && [ "${TORCH_BASELINE:-1}" != 0 ]; then
       for precision in fp32:"${PEAK_TFLOPS:-67}" bf16:"${BF16_PEAK_TFLOPS:-989}"; do
-        PYTHONPATH="$log/site${PYTHONPATH:+:$PYTHONPATH}" timeout 600 python3 tests/ref/bench_train.py \
+        PYTHONPATH="$log/site${PYTHONPATH:+:$PYTHONPATH}" limit python3 tests/ref/bench_train.py \
           --model "$log/$preset" --device cuda --tokens "$tokens" --seq-len 2048 --iters 3 \
           --precision "${precision%%:*}" --peak-tflops "${precision#*:}" 2>> "$log/torch.err" \
           | tail -1 | sed "s/^{/{\"preset\":\"$preset\",/" >> "$log/torch.txt" || bench_rc=1
@@ -200,7 +224,9 @@ benches=$(awk -v hbm="${HBM_TBS:-4.8}" '
 # relative difference of the three losses (the CPU test's bound is 1e-4).
 fx=tests/fixtures/grads
 sft_diff=null
-if "$arcticd" sft --model "$fx/gqa_untied" --data "$fx/sft_adamw/data.jsonl" --out "$log/sft" \
+if ! want sft; then
+  :
+elif limit "$arcticd" sft --model "$fx/gqa_untied" --data "$fx/sft_adamw/data.jsonl" --out "$log/sft" \
   --steps 3 --batch-size 2 --lr 0.01 --weight-decay 0.1 --beta1 0.9 --beta2 0.95 --eps 1e-8 \
   --grad-clip 1.0 --device cuda:0 > "$log/sft.txt" 2> "$log/sft.err"; then
   sft_diff=$(awk '
