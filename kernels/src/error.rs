@@ -7,7 +7,7 @@ pub enum Error {
     Shape(String),
     #[error("dtype mismatch: expected {expected}, got {got}")]
     DType { expected: String, got: String },
-    #[error("device {0} is not available in this build")]
+    #[error("device not available: {0}")]
     NoDevice(String),
     /// A read of a tensor whose elements were released (kept only in a
     /// packed form for the matrix product).
