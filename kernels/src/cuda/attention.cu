@@ -297,7 +297,10 @@ struct AttnPagedRows {
 // the last fold normalizes them; the running max and sum of each pair's
 // splits so far sit in shared memory after the tiles (two copies, read
 // from one and written to the other by split parity). shared:
-// attn_prefill_tile_floats(hd) + 4 * ATTN_PAIRS floats.
+// attn_prefill_tile_floats(hd) + 4 * ATTN_PAIRS floats. At 128 registers
+// ptxas (CUDA 13.0, sm_90) spills 44 bytes: the output rows' addresses,
+// stored before the key loop and loaded after the last barrier, never in
+// the loop (nvdisasm).
 __device__ __forceinline__ int attn_prefill_tile_floats(int hd) {
     int tiles = 2 * ATTN_KEY_TILE * hd, merge = ATTN_WARPS * ATTN_PAIR_WARPS * (hd + 2);
     return tiles > merge ? tiles : merge;
