@@ -237,12 +237,12 @@ def attention_split_merge(bx, tid, bdim, gdim, shared, out, part, context_lens, 
     return
     yield
 
-# cu:301
+# cu:304
 def attn_prefill_tile_floats(hd):
-    tiles, merge = 2 * ATTN_KEY_TILE * hd, ATTN_WARPS * ATTN_PAIR_WARPS * (hd + 2)  # cu:302
+    tiles, merge = 2 * ATTN_KEY_TILE * hd, ATTN_WARPS * ATTN_PAIR_WARPS * (hd + 2)  # cu:305
     return tiles if tiles > merge else merge
 
-# cu:306; `at(j)` is AttnPackedRows / AttnPagedRows::at
+# cu:309; `at(j)` is AttnPackedRows / AttnPagedRows::at
 def attn_prefill_tile(out, q, k, v, at, q_first, past, n_new, pair0, g, n_heads, n_kv_heads, hd,
                       scale, shared, tid, bdim):
     warp = tid >> 5
@@ -253,251 +253,251 @@ def attn_prefill_tile(out, q, k, v, at, q_first, past, n_new, pair0, g, n_heads,
     qr = [[F(0)] * 8 for _ in range(R)]; acc = [[F(0)] * 8 for _ in range(R)]
     m = [NEG_INF] * R; l = [F(0)] * R; last = [0] * R
     warps = ATTN_WARPS * ATTN_PAIR_WARPS
-    t = tid - pw * ATTN_WARPS * 32  # cu:319
-    run = shared + attn_prefill_tile_floats(hd)  # cu:322
-    for r in range(R):  # cu:324
+    t = tid - pw * ATTN_WARPS * 32  # cu:322
+    run = shared + attn_prefill_tile_floats(hd)  # cu:325
+    for r in range(R):  # cu:327
         x = pair0 + pw * R + r
         i, h = x // group, g * group + x % group
-        last[r] = past + i if x < pairs else -1  # cu:327
-        attn_load_q(qr[r], acc[r], q + ((q_first + (i if x < pairs else 0)) * n_heads + h) * hd, hd, scale, tid)  # cu:328
+        last[r] = past + i if x < pairs else -1  # cu:330
+        attn_load_q(qr[r], acc[r], q + ((q_first + (i if x < pairs else 0)) * n_heads + h) * hd, hd, scale, tid)  # cu:331
         m[r] = NEG_INF; l[r] = F(0.0)
         if t == 0:
-            run[pw * R + r] = NEG_INF  # cu:333
-            run[ATTN_PAIRS + pw * R + r] = F(0.0)  # cu:334
+            run[pw * R + r] = NEG_INF  # cu:336
+            run[ATTN_PAIRS + pw * R + r] = F(0.0)  # cu:337
     folds = 0
-    x_end = pair0 + ATTN_PAIRS if pair0 + ATTN_PAIRS < pairs else pairs  # cu:338
-    n_keys = past + (x_end - 1) // group + 1  # cu:339
+    x_end = pair0 + ATTN_PAIRS if pair0 + ATTN_PAIRS < pairs else pairs  # cu:341
+    n_keys = past + (x_end - 1) // group + 1  # cu:342
     sk = shared + 0
-    sv = shared + ATTN_KEY_TILE * hd  # cu:341
+    sv = shared + ATTN_KEY_TILE * hd  # cu:344
     kr = [F(0)] * 8; vr = [F(0)] * 8
-    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:343
+    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:346
         nt = n_keys - j0 if n_keys - j0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield "cu345"
-        for e in range(tid, nt * hd, bdim):  # cu:346
-            a = at(j0 + e // hd) + g * hd + e % hd  # cu:347
-            sk[e] = k[a]  # cu:348
-            sv[e] = v[a]  # cu:349
-        yield "cu351"
-        for jj in range(slot, nt, ATTN_WARPS):  # cu:352
-            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:353
-            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:354
+        yield "cu348"
+        for e in range(tid, nt * hd, bdim):  # cu:349
+            a = at(j0 + e // hd) + g * hd + e % hd  # cu:350
+            sk[e] = k[a]  # cu:351
+            sv[e] = v[a]  # cu:352
+        yield "cu354"
+        for jj in range(slot, nt, ATTN_WARPS):  # cu:355
+            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:356
+            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:357
             for r in range(R):
-                if j0 + jj <= last[r]:  # cu:357
-                    m[r], l[r] = yield from attn_step(kr, vr, qr[r], acc[r], m[r], l[r], hd, tid)  # cu:357
-        if (j0 + ATTN_KEY_TILE) % ATTN_SPLIT != 0 and j0 + ATTN_KEY_TILE < n_keys: continue  # cu:359
-        for r in range(R):  # cu:363
-            yield "cu364"
-            attn_stash(shared, warp, warps, m[r], l[r], acc[r], hd, tid)  # cu:365
-            yield "cu366"
+                if j0 + jj <= last[r]:  # cu:360
+                    m[r], l[r] = yield from attn_step(kr, vr, qr[r], acc[r], m[r], l[r], hd, tid)  # cu:360
+        if (j0 + ATTN_KEY_TILE) % ATTN_SPLIT != 0 and j0 + ATTN_KEY_TILE < n_keys: continue  # cu:362
+        for r in range(R):  # cu:366
+            yield "cu367"
+            attn_stash(shared, warp, warps, m[r], l[r], acc[r], hd, tid)  # cu:368
+            yield "cu369"
             x = pair0 + pw * R + r
-            if x < pairs:  # cu:368
+            if x < pairs:  # cu:371
                 i, h = x // group, g * group + x % group
                 w0 = pw * ATTN_WARPS
                 pi = pw * R + r
-                frm = run + (folds & 1) * 2 * ATTN_PAIRS + pi  # cu:372
-                M, L = frm[0], frm[ATTN_PAIRS]  # cu:373
-                M, L = attn_fold_slots(out + ((q_first + i) * n_heads + h) * hd, M, L, shared + w0,  # cu:374
+                frm = run + (folds & 1) * 2 * ATTN_PAIRS + pi  # cu:375
+                M, L = frm[0], frm[ATTN_PAIRS]  # cu:376
+                M, L = attn_fold_slots(out + ((q_first + i) * n_heads + h) * hd, M, L, shared + w0,  # cu:377
                                        shared + warps + w0, shared + 2 * warps + w0 * hd, hd, t,
                                        ATTN_WARPS * 32)
-                to = run + ((folds + 1) & 1) * 2 * ATTN_PAIRS + pi  # cu:377
+                to = run + ((folds + 1) & 1) * 2 * ATTN_PAIRS + pi  # cu:380
                 if t == 0:
-                    to[0] = M  # cu:379
-                    to[ATTN_PAIRS] = L  # cu:380
-            m[r] = NEG_INF; l[r] = F(0.0)  # cu:383
-            for i in range(ATTN_MAX_DIM_PER_LANE): acc[r][i] = F(0.0)  # cu:385
+                    to[0] = M  # cu:382
+                    to[ATTN_PAIRS] = L  # cu:383
+            m[r] = NEG_INF; l[r] = F(0.0)  # cu:386
+            for i in range(ATTN_MAX_DIM_PER_LANE): acc[r][i] = F(0.0)  # cu:388
         folds += 1
-    yield "cu389"
-    for r in range(R):  # cu:391
+    yield "cu392"
+    for r in range(R):  # cu:394
         x = pair0 + pw * R + r
-        if x < pairs:  # cu:393
+        if x < pairs:  # cu:396
             i, h = x // group, g * group + x % group
-            L = run[(folds & 1) * 2 * ATTN_PAIRS + ATTN_PAIRS + pw * R + r]  # cu:395
-            attn_finish(out + ((q_first + i) * n_heads + h) * hd, L, hd, t, ATTN_WARPS * 32)  # cu:397
+            L = run[(folds & 1) * 2 * ATTN_PAIRS + ATTN_PAIRS + pw * R + r]  # cu:398
+            attn_finish(out + ((q_first + i) * n_heads + h) * hd, L, hd, t, ATTN_WARPS * 32)  # cu:400
 
-# cu:408
+# cu:411
 def varlen_attention_prefill(bx, tid, bdim, gdim, shared, out, q, k, v, cu_seqlens, tiles,
                              n_heads, n_kv_heads, hd, scale):
     tile, g = bx // n_kv_heads, bx % n_kv_heads
-    s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:413
-    first = u(cu_seqlens[s])  # cu:414
-    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:415
-    row = n_kv_heads * hd  # cu:416
+    s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:416
+    first = u(cu_seqlens[s])  # cu:417
+    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:418
+    row = n_kv_heads * hd  # cu:419
     at = lambda j: (first + j) * row  # cu:280
-    yield from attn_prefill_tile(out, q, k, v, at, first, 0, n_new, pair0,  # cu:417
+    yield from attn_prefill_tile(out, q, k, v, at, first, 0, n_new, pair0,  # cu:420
                                  g, n_heads, n_kv_heads, hd, scale, shared, tid, bdim)
 
-# cu:427
+# cu:430
 def paged_attention_prefill(bx, tid, bdim, gdim, shared, out, q, k_pool, v_pool, block_tables,
                             pasts, cu_seqlens, tiles, n_heads, n_kv_heads, hd, block_size,
                             max_blocks, scale):
     tile, g = bx // n_kv_heads, bx % n_kv_heads
-    s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:433
-    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:434
-    table = block_tables + s * max_blocks  # cu:435
+    s, pair0 = u(tiles[2 * tile]), u(tiles[2 * tile + 1])  # cu:436
+    n_new = u(cu_seqlens[s + 1]) - u(cu_seqlens[s])  # cu:437
+    table = block_tables + s * max_blocks  # cu:438
     row = n_kv_heads * hd
     at = lambda j: (u(table[j // block_size]) * block_size + j % block_size) * row  # cu:286
-    yield from attn_prefill_tile(out, q, k_pool, v_pool, at, u(cu_seqlens[s]), u(pasts[s]), n_new,  # cu:436
+    yield from attn_prefill_tile(out, q, k_pool, v_pool, at, u(cu_seqlens[s]), u(pasts[s]), n_new,  # cu:439
                                  pair0, g, n_heads, n_kv_heads, hd, scale, shared, tid, bdim)
 
 # ---- backward
 
-# cu:460
+# cu:463
 def attn_sum_slots(out, shared, pw, hd, mul, tid):
     t = tid - pw * ATTN_WARPS * 32
-    for d in range(t, hd, ATTN_WARPS * 32):  # cu:463
+    for d in range(t, hd, ATTN_WARPS * 32):  # cu:466
         o = F(0.0)
-        for w in range(ATTN_WARPS): o = F(o + shared[(pw * ATTN_WARPS + w) * hd + d])  # cu:465
-        out[d] = F(mul * o)  # cu:466
+        for w in range(ATTN_WARPS): o = F(o + shared[(pw * ATTN_WARPS + w) * hd + d])  # cu:468
+        out[d] = F(mul * o)  # cu:469
 
-# cu:472
+# cu:475
 def attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim):
-    yield "cu475"
-    for e in range(tid, nt * hd, bdim):  # cu:476
-        a = (j0 + e // hd) * kstride + g * hd + e % hd  # cu:477
-        sk[e] = k[a]  # cu:478
-        sv[e] = v[a]  # cu:479
-    yield "cu481"
+    yield "cu478"
+    for e in range(tid, nt * hd, bdim):  # cu:479
+        a = (j0 + e // hd) * kstride + g * hd + e % hd  # cu:480
+        sk[e] = k[a]  # cu:481
+        sv[e] = v[a]  # cu:482
+    yield "cu484"
 
-# cu:487
+# cu:490
 def attention_backward_dq(bx, tid, bdim, gdim, shared, dq, lse_out, dd_out, dout, q, k, v,
                           nq, nk, heads, kv_heads, hd, scale):
     R, warps = ATTN_BWD_ROWS, ATTN_WARPS * ATTN_PAIR_WARPS
     lane, warp = tid & 31, tid >> 5
     slot, pw = warp % ATTN_WARPS, warp // ATTN_WARPS
-    g, pair0 = bx % kv_heads, bx // kv_heads * ATTN_BWD_BLOCK_ROWS  # cu:495
+    g, pair0 = bx % kv_heads, bx // kv_heads * ATTN_BWD_BLOCK_ROWS  # cu:498
     group, pairs, past = heads // kv_heads, nq * heads // kv_heads, nk - nq
     qr = [[F(0)] * 8 for _ in range(R)]; dor = [[F(0)] * 8 for _ in range(R)]
     acc = [[F(0)] * 8 for _ in range(R)]
     m = [NEG_INF] * R; l = [F(0)] * R; dsum = [F(0)] * R; lse = [F(0)] * R; Dv = [F(0)] * R
     last = [0] * R; row = [0] * R
-    for r in range(R):  # cu:503
+    for r in range(R):  # cu:506
         x = pair0 + pw * R + r
         i, h = (x // group if x < pairs else 0), g * group + x % group
-        last[r] = past + i if x < pairs else -1  # cu:506
+        last[r] = past + i if x < pairs else -1  # cu:509
         row[r] = (i * heads + h) * hd
-        attn_load_q(qr[r], acc[r], q + row[r], hd, scale, tid)  # cu:508
-        attn_load_row(dor[r], dout + row[r], hd, tid)  # cu:509
+        attn_load_q(qr[r], acc[r], q + row[r], hd, scale, tid)  # cu:511
+        attn_load_row(dor[r], dout + row[r], hd, tid)  # cu:512
         m[r] = NEG_INF; l[r] = F(0.0); dsum[r] = F(0.0)
     x_end = pair0 + ATTN_BWD_BLOCK_ROWS if pair0 + ATTN_BWD_BLOCK_ROWS < pairs else pairs
-    n_keys = past + (x_end - 1) // group + 1  # cu:515
+    n_keys = past + (x_end - 1) // group + 1  # cu:518
     kstride = kv_heads * hd
-    sk = shared + 0; sv = shared + ATTN_KEY_TILE * hd  # cu:518
+    sk = shared + 0; sv = shared + ATTN_KEY_TILE * hd  # cu:521
     kr = [F(0)] * 8; vr = [F(0)] * 8
-    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:521
+    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:524
         nt = n_keys - j0 if n_keys - j0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:523
+        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:526
         for jj in range(slot, nt, ATTN_WARPS):
-            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:525
-            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:526
+            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:528
+            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:529
             for r in range(R):
-                if j0 + jj <= last[r]:  # cu:529
-                    s_ = yield from attn_dot(qr[r], kr, hd, tid)  # cu:530
-                    dov = yield from attn_dot(dor[r], vr, hd, tid)  # cu:530
-                    p, m[r], l[r], corr = attn_online(s_, m[r], l[r])  # cu:531
-                    dsum[r] = fmaf(p, dov, F(dsum[r] * corr))  # cu:532
-    yield "cu537"
+                if j0 + jj <= last[r]:  # cu:532
+                    s_ = yield from attn_dot(qr[r], kr, hd, tid)  # cu:533
+                    dov = yield from attn_dot(dor[r], vr, hd, tid)  # cu:533
+                    p, m[r], l[r], corr = attn_online(s_, m[r], l[r])  # cu:534
+                    dsum[r] = fmaf(p, dov, F(dsum[r] * corr))  # cu:535
+    yield "cu540"
     if lane == 0:
         for r in range(R):
-            shared[warp * R + r] = m[r]  # cu:540
-            shared[(warps + warp) * R + r] = l[r]  # cu:541
-            shared[(2 * warps + warp) * R + r] = dsum[r]  # cu:542
-    yield "cu544"
-    for r in range(R):  # cu:546
+            shared[warp * R + r] = m[r]  # cu:543
+            shared[(warps + warp) * R + r] = l[r]  # cu:544
+            shared[(2 * warps + warp) * R + r] = dsum[r]  # cu:545
+    yield "cu547"
+    for r in range(R):  # cu:549
         big, tl, ts = NEG_INF, F(0.0), F(0.0)
         for w in range(ATTN_WARPS):
-            big = fmaxf(big, shared[(pw * ATTN_WARPS + w) * R + r])  # cu:549
+            big = fmaxf(big, shared[(pw * ATTN_WARPS + w) * R + r])  # cu:552
         for w in range(ATTN_WARPS):
             a = (pw * ATTN_WARPS + w) * R + r
-            if shared[a] == NEG_INF: continue  # cu:552
-            e = expf(shared[a] - big)  # cu:553
-            tl = fmaf(shared[warps * R + a], e, tl)  # cu:554
-            ts = fmaf(shared[2 * warps * R + a], e, ts)  # cu:555
-        lse[r] = F(0.0) if last[r] < 0 else F(big + logf(tl))  # cu:557
-        Dv[r] = F(0.0) if last[r] < 0 else F(ts / tl)  # cu:558
-    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:561
+            if shared[a] == NEG_INF: continue  # cu:555
+            e = expf(shared[a] - big)  # cu:556
+            tl = fmaf(shared[warps * R + a], e, tl)  # cu:557
+            ts = fmaf(shared[2 * warps * R + a], e, ts)  # cu:558
+        lse[r] = F(0.0) if last[r] < 0 else F(big + logf(tl))  # cu:560
+        Dv[r] = F(0.0) if last[r] < 0 else F(ts / tl)  # cu:561
+    for j0 in range(0, n_keys, ATTN_KEY_TILE):  # cu:564
         nt = n_keys - j0 if n_keys - j0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:563
+        yield from attn_stage_kv(sk, sv, k, v, j0, nt, kstride, g, hd, tid, bdim)  # cu:566
         for jj in range(slot, nt, ATTN_WARPS):
-            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:565
-            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:566
+            attn_load_row(kr, sk + jj * hd, hd, tid)  # cu:568
+            attn_load_row(vr, sv + jj * hd, hd, tid)  # cu:569
             for r in range(R):
-                if j0 + jj <= last[r]:  # cu:569
-                    sc = yield from attn_dot(qr[r], kr, hd, tid)  # cu:570
-                    p = expf(sc - lse[r])  # cu:570
-                    dv_ = yield from attn_dot(dor[r], vr, hd, tid)  # cu:571
-                    ds = F(p * F(dv_ - Dv[r]))  # cu:571
+                if j0 + jj <= last[r]:  # cu:572
+                    sc = yield from attn_dot(qr[r], kr, hd, tid)  # cu:573
+                    p = expf(sc - lse[r])  # cu:573
+                    dv_ = yield from attn_dot(dor[r], vr, hd, tid)  # cu:574
+                    ds = F(p * F(dv_ - Dv[r]))  # cu:574
                     for i in range(ATTN_MAX_DIM_PER_LANE):
-                        if lane + 32 * i < hd: acc[r][i] = fmaf(ds, kr[i], acc[r][i])  # cu:573
-    for r in range(R):  # cu:578
-        yield "cu579"
-        for i in range(ATTN_MAX_DIM_PER_LANE):
-            if lane + 32 * i < hd: shared[warp * hd + lane + 32 * i] = acc[r][i]  # cu:581
+                        if lane + 32 * i < hd: acc[r][i] = fmaf(ds, kr[i], acc[r][i])  # cu:576
+    for r in range(R):  # cu:581
         yield "cu582"
-        if last[r] >= 0:  # cu:583
-            attn_sum_slots(dq + row[r], shared, pw, hd, scale, tid)  # cu:584
+        for i in range(ATTN_MAX_DIM_PER_LANE):
+            if lane + 32 * i < hd: shared[warp * hd + lane + 32 * i] = acc[r][i]  # cu:584
+        yield "cu585"
+        if last[r] >= 0:  # cu:586
+            attn_sum_slots(dq + row[r], shared, pw, hd, scale, tid)  # cu:587
             if slot == 0 and lane == 0:
-                lse_out[row[r] // hd] = lse[r]  # cu:586
-                dd_out[row[r] // hd] = Dv[r]  # cu:587
+                lse_out[row[r] // hd] = lse[r]  # cu:589
+                dd_out[row[r] // hd] = Dv[r]  # cu:590
 
-# cu:596
+# cu:599
 def attention_backward_dkv(bx, tid, bdim, gdim, shared, dk, dv, dout, q, k, v, lse, dd,
                            nq, nk, heads, kv_heads, hd, scale):
     R, warps = ATTN_BWD_ROWS, ATTN_WARPS * ATTN_PAIR_WARPS
     lane, warp = tid & 31, tid >> 5
     slot, pw = warp % ATTN_WARPS, warp // ATTN_WARPS
-    g, key0 = bx % kv_heads, bx // kv_heads * ATTN_BWD_BLOCK_ROWS  # cu:604
+    g, key0 = bx % kv_heads, bx // kv_heads * ATTN_BWD_BLOCK_ROWS  # cu:607
     group, pairs, past = heads // kv_heads, nq * heads // kv_heads, nk - nq
     kr = [[F(0)] * 8 for _ in range(R)]; vr = [[F(0)] * 8 for _ in range(R)]
     adk = [[F(0)] * 8 for _ in range(R)]; adv = [[F(0)] * 8 for _ in range(R)]
     key = [0] * R
-    for r in range(R):  # cu:610
+    for r in range(R):  # cu:613
         j = key0 + pw * R + r
-        key[r] = j if j < nk else nk  # cu:612
+        key[r] = j if j < nk else nk  # cu:615
         a = ((j if j < nk else 0) * kv_heads + g) * hd
-        attn_load_row(kr[r], k + a, hd, tid)  # cu:614
-        attn_load_row(vr[r], v + a, hd, tid)  # cu:615
-    x_begin = (key0 - past if key0 - past > 0 else 0) * group  # cu:620
+        attn_load_row(kr[r], k + a, hd, tid)  # cu:617
+        attn_load_row(vr[r], v + a, hd, tid)  # cu:618
+    x_begin = (key0 - past if key0 - past > 0 else 0) * group  # cu:623
     sq = shared + 0
     sdo = sq + ATTN_KEY_TILE * hd
     slse = sdo + ATTN_KEY_TILE * hd
-    sdd = slse + ATTN_KEY_TILE  # cu:624
+    sdd = slse + ATTN_KEY_TILE  # cu:627
     qr = [F(0)] * 8; dor = [F(0)] * 8
-    for x0 in range(x_begin, pairs, ATTN_KEY_TILE):  # cu:626
+    for x0 in range(x_begin, pairs, ATTN_KEY_TILE):  # cu:629
         nt = pairs - x0 if pairs - x0 < ATTN_KEY_TILE else ATTN_KEY_TILE
-        yield "cu628"
-        for e in range(tid, nt * hd, bdim):  # cu:629
+        yield "cu631"
+        for e in range(tid, nt * hd, bdim):  # cu:632
             x = x0 + e // hd
-            a = ((x // group) * heads + g * group + x % group) * hd + e % hd  # cu:631
-            sq[e] = F(q[a] * scale)  # cu:632
-            sdo[e] = dout[a]  # cu:633
-        for e in range(tid, nt, bdim):  # cu:635
+            a = ((x // group) * heads + g * group + x % group) * hd + e % hd  # cu:634
+            sq[e] = F(q[a] * scale)  # cu:635
+            sdo[e] = dout[a]  # cu:636
+        for e in range(tid, nt, bdim):  # cu:638
             x = x0 + e
-            a = (x // group) * heads + g * group + x % group  # cu:637
-            slse[e] = lse[a]  # cu:638
-            sdd[e] = dd[a]  # cu:639
-        yield "cu641"
-        for xx in range(slot, nt, ATTN_WARPS):  # cu:642
+            a = (x // group) * heads + g * group + x % group  # cu:640
+            slse[e] = lse[a]  # cu:641
+            sdd[e] = dd[a]  # cu:642
+        yield "cu644"
+        for xx in range(slot, nt, ATTN_WARPS):  # cu:645
             pos = past + (x0 + xx) // group
-            attn_load_row(qr, sq + xx * hd, hd, tid)  # cu:644
-            attn_load_row(dor, sdo + xx * hd, hd, tid)  # cu:645
+            attn_load_row(qr, sq + xx * hd, hd, tid)  # cu:647
+            attn_load_row(dor, sdo + xx * hd, hd, tid)  # cu:648
             for r in range(R):
-                if key[r] <= pos:  # cu:648
-                    sc = yield from attn_dot(qr, kr[r], hd, tid)  # cu:649
-                    p = expf(sc - slse[xx])  # cu:649
-                    dv_ = yield from attn_dot(dor, vr[r], hd, tid)  # cu:650
-                    ds = F(p * F(dv_ - sdd[xx]))  # cu:650
+                if key[r] <= pos:  # cu:651
+                    sc = yield from attn_dot(qr, kr[r], hd, tid)  # cu:652
+                    p = expf(sc - slse[xx])  # cu:652
+                    dv_ = yield from attn_dot(dor, vr[r], hd, tid)  # cu:653
+                    ds = F(p * F(dv_ - sdd[xx]))  # cu:653
                     for i in range(ATTN_MAX_DIM_PER_LANE):
                         if lane + 32 * i < hd:
-                            adk[r][i] = fmaf(ds, qr[i], adk[r][i])  # cu:653
-                            adv[r][i] = fmaf(p, dor[i], adv[r][i])  # cu:654
-    for r in range(R):  # cu:660
-        yield "cu661"
+                            adk[r][i] = fmaf(ds, qr[i], adk[r][i])  # cu:656
+                            adv[r][i] = fmaf(p, dor[i], adv[r][i])  # cu:657
+    for r in range(R):  # cu:663
+        yield "cu664"
         for i in range(ATTN_MAX_DIM_PER_LANE):
             if lane + 32 * i < hd:
-                shared[warp * hd + lane + 32 * i] = adk[r][i]  # cu:664
-                shared[(warps + warp) * hd + lane + 32 * i] = adv[r][i]  # cu:665
-        yield "cu667"
-        if key[r] < nk:  # cu:668
+                shared[warp * hd + lane + 32 * i] = adk[r][i]  # cu:667
+                shared[(warps + warp) * hd + lane + 32 * i] = adv[r][i]  # cu:668
+        yield "cu670"
+        if key[r] < nk:  # cu:671
             a = (key[r] * kv_heads + g) * hd
-            attn_sum_slots(dk + a, shared, pw, hd, F(1.0), tid)  # cu:670
-            attn_sum_slots(dv + a, shared + warps * hd, pw, hd, F(1.0), tid)  # cu:671
+            attn_sum_slots(dk + a, shared, pw, hd, F(1.0), tid)  # cu:673
+            attn_sum_slots(dv + a, shared + warps * hd, pw, hd, F(1.0), tid)  # cu:674
