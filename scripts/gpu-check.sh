@@ -6,7 +6,9 @@
 # against the CPU's, the training forward's activations, and the engine on
 # CUDA against the CPU engine (engine crate, `model::cuda`), the backward's
 # gradients on CUDA against the CPU's (trainer crate, `cuda`), the CUDA kernel benchmarks (kernels/benches/cuda.rs,
-# each as a fraction of the HBM bandwidth), and decode through the engine
+# each as a fraction of the HBM bandwidth; flash-linear-attention's
+# chunked gated-delta rule on the same shapes beside them,
+# tests/ref/bench_gated_delta.py), and decode through the engine
 # on a random model of the Qwen3.5-0.8B shape at batch 1, 32 and 128, and
 # after prompts of 8,192 tokens at batch 1 and 8
 # (`arcticd bench-decode --device cuda:0`, with cuBLAS and in the deterministic
@@ -153,8 +155,21 @@ if want tests; then
   trainer_rc=$?
   [ "$tests_rc" -eq 0 ] && tests_rc=$trainer_rc
 fi
+# flash-linear-attention for the PyTorch baselines (the staged wheels).
+if { want torch || want bench; } && [ "${TORCH_BASELINE:-1}" != 0 ] &&
+  ls "$stage"/wheels/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$log/site" "$stage"/wheels/*.whl >&2 ||
+    echo "warning: the fla wheels did not install; PyTorch runs its own recurrence" >&2
+fi
+: > "$log/fla.txt"
 if want bench; then
   limit "$bench" --bench --output-format bencher > "$log/bench.txt" 2> "$log/bench.err" || bench_rc=1
+  # fla's Triton chunked gated-delta rule on the benchmarks' shapes, beside
+  # cuda_gated_delta/gated_delta_prefill_chunked and _chunked_backward.
+  if [ "${TORCH_BASELINE:-1}" != 0 ]; then
+    PYTHONPATH="$log/site${PYTHONPATH:+:$PYTHONPATH}" limit python3 tests/ref/bench_gated_delta.py \
+      >> "$log/fla.txt" 2>> "$log/torch.err" || bench_rc=1
+  fi
 fi
 # Decode through the engine on real shapes (random bf16 weights).
 if [ -x "$stage/arcticd" ]; then arcticd="$stage/arcticd"; else
@@ -162,10 +177,6 @@ if [ -x "$stage/arcticd" ]; then arcticd="$stage/arcticd"; else
 : > "$log/decode.txt"
 : > "$log/train.txt"
 : > "$log/torch.txt"
-if want torch && [ "${TORCH_BASELINE:-1}" != 0 ] && ls "$stage"/wheels/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$log/site" "$stage"/wheels/*.whl >&2 ||
-    echo "warning: the fla wheels did not install; PyTorch runs its own recurrence" >&2
-fi
 for preset in ${DECODE_PRESETS:-qwen3.5-0.8b}; do
   want decode || want train || want torch || break
   limit "$arcticd" init-model --preset "$preset" --out "$log/$preset" >&2 || bench_rc=1
@@ -211,7 +222,7 @@ grep -v '^bytes \|^flops ' "$log/bench.err" >&2 || true
 
 passed=$(grep -c '^test .* ok$' "$log/tests.txt" || true)
 failed=$(grep -c '^test .* FAILED$' "$log/tests.txt" || true)
-failures=$(grep '^test .* FAILED$' "$log/tests.txt" | awk '{printf "%s\"%s\"", (n++ ? "," : ""), $2}')
+failures=$({ grep '^test .* FAILED$' "$log/tests.txt" || true; } | awk '{printf "%s\"%s\"", (n++ ? "," : ""), $2}')
 benches=$(awk -v hbm="${HBM_TBS:-4.8}" '
   FNR == NR { if ($1 == "bytes") bytes[$2] = $3; if ($1 == "flops") flops[$2] = $3; next }
   $1 == "test" && $4 == "bench:" {
@@ -243,6 +254,7 @@ grep -v '^Loading' "$log/torch.err" 2> /dev/null | tail -20 >&2 || true
 decode=$(paste -sd, "$log/decode.txt")
 train=$(paste -sd, "$log/train.txt")
 torch=$(paste -sd, "$log/torch.txt")
-printf '{"gpu":"%s","tests":{"rc":%d,"passed":%d,"failed":%d,"failures":[%s]},"bench_rc":%d,"hbm_tb_s":%s,"benches":[%s],"decode":[%s],"train":[%s],"train_torch":[%s],"sft_vs_pytorch_max_rel_loss_diff":%s}\n' \
-  "$gpu" "$tests_rc" "$passed" "$failed" "$failures" "$bench_rc" "${HBM_TBS:-4.8}" "$benches" "$decode" "$train" "$torch" "$sft_diff"
+fla=$(paste -sd, "$log/fla.txt")
+printf '{"gpu":"%s","tests":{"rc":%d,"passed":%d,"failed":%d,"failures":[%s]},"bench_rc":%d,"hbm_tb_s":%s,"benches":[%s],"gated_delta_fla":[%s],"decode":[%s],"train":[%s],"train_torch":[%s],"sft_vs_pytorch_max_rel_loss_diff":%s}\n' \
+  "$gpu" "$tests_rc" "$passed" "$failed" "$failures" "$bench_rc" "${HBM_TBS:-4.8}" "$benches" "$fla" "$decode" "$train" "$torch" "$sft_diff"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
