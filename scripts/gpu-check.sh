@@ -40,7 +40,10 @@
 # HBM_TBS (default 4.8, the H200's) is the bandwidth the fractions use;
 # TRAIN_TOKENS (default 8192) the tokens per training step, a list to run
 # several (the issue's 8192 32768); TORCH_BASELINE=0 skips PyTorch;
-# PHASES (default "tests bench decode train torch sft") a subset to run.
+# PHASES (default "tests bench decode train torch sft") a subset to run:
+# where one command may run at most 10 minutes, run PHASES="tests bench
+# sft" and then PHASES="decode train torch" (about 4 and 6 minutes
+# estimated; none of it has run on a GPU yet).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage=target/gpu-check
