@@ -1,3 +1,6 @@
+// Threads stride over the grid (the launcher caps it at 65,535 blocks), so
+// "one thread per (row, channel)" below names each thread's unit of work.
+
 // Causal depthwise conv1d, one decode token per sequence, state addressed
 // by slot: for sequence s (state slot slots[s]), with K-1 past inputs in
 // state[slot, K-1, c]: out[s, c] = sum_j w[c, j] * x_j where x_0..x_{K-2}
@@ -7,18 +10,20 @@
 extern "C" __global__ void conv1d_update(float* out, float* state, const float* inp,
                                          const float* weight, const u32* slots, int seqs,
                                          int c, int k) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= seqs * c) return;
-    int s = i / c, ch = i % c;
-    float* st = state + (size_t)slots[s] * (k - 1) * c;
-    const float* w = weight + (size_t)ch * k;
-    float x = inp[i];
-    float acc = 0.0f;
-    for (int j = 0; j < k - 1; j++) acc += w[j] * st[(size_t)j * c + ch];
-    acc += w[k - 1] * x;
-    for (int j = 0; j + 1 < k - 1; j++) st[(size_t)j * c + ch] = st[(size_t)(j + 1) * c + ch];
-    if (k > 1) st[(size_t)(k - 2) * c + ch] = x;
-    out[i] = acc;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)seqs * c;
+         i += (long long)gridDim.x * blockDim.x) {
+        int s = (int)(i / c), ch = (int)(i % c);
+        float* st = state + (size_t)slots[s] * (k - 1) * c;
+        const float* w = weight + (size_t)ch * k;
+        float x = inp[i];
+        float acc = 0.0f;
+        for (int j = 0; j < k - 1; j++) acc += w[j] * st[(size_t)j * c + ch];
+        acc += w[k - 1] * x;
+        for (int j = 0; j + 1 < k - 1; j++)
+            st[(size_t)j * c + ch] = st[(size_t)(j + 1) * c + ch];
+        if (k > 1) st[(size_t)(k - 2) * c + ch] = x;
+        out[i] = acc;
+    }
 }
 
 // Prefill of one sequence: out[t, c] = sum_j w[c, j] * v[ti + j, c] over the
@@ -26,33 +31,35 @@ extern "C" __global__ void conv1d_update(float* out, float* state, const float* 
 // (token, channel). The state is then advanced by conv1d_state_advance.
 extern "C" __global__ void conv1d_forward(float* out, const float* state, const float* inp,
                                           const float* weight, int t, int c, int k) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= (long long)t * c) return;
-    int ti = (int)(i / c), ch = (int)(i % c);
     int hist = k - 1;
-    const float* w = weight + (size_t)ch * k;
-    float acc = 0.0f;
-    for (int j = 0; j < k; j++) {
-        int r = ti + j;
-        float x = r < hist ? state[(size_t)r * c + ch] : inp[(size_t)(r - hist) * c + ch];
-        acc += w[j] * x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)t * c;
+         i += (long long)gridDim.x * blockDim.x) {
+        int ti = (int)(i / c), ch = (int)(i % c);
+        const float* w = weight + (size_t)ch * k;
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int r = ti + j;
+            float x = r < hist ? state[(size_t)r * c + ch] : inp[(size_t)(r - hist) * c + ch];
+            acc += w[j] * x;
+        }
+        out[i] = acc;
     }
-    out[i] = acc;
 }
 
 // state <- the last K-1 rows of [state; inp], one thread per channel (K at
 // most 8).
 extern "C" __global__ void conv1d_state_advance(float* state, const float* inp, int t, int c,
                                                 int k) {
-    int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= c || k < 2) return;
+    if (k < 2) return;
     int hist = k - 1;
-    float keep[7];
-    for (int j = 0; j < hist; j++) {
-        int r = t + j;  // row of [state; inp] that becomes state row j
-        keep[j] = r < hist ? state[(size_t)r * c + ch] : inp[(size_t)(r - hist) * c + ch];
+    for (int ch = blockIdx.x * blockDim.x + threadIdx.x; ch < c; ch += gridDim.x * blockDim.x) {
+        float keep[7];
+        for (int j = 0; j < hist; j++) {
+            int r = t + j;  // row of [state; inp] that becomes state row j
+            keep[j] = r < hist ? state[(size_t)r * c + ch] : inp[(size_t)(r - hist) * c + ch];
+        }
+        for (int j = 0; j < hist; j++) state[(size_t)j * c + ch] = keep[j];
     }
-    for (int j = 0; j < hist; j++) state[(size_t)j * c + ch] = keep[j];
 }
 
 // Prefill of packed sequences, each continuing the conv history in its
@@ -65,22 +72,24 @@ extern "C" __global__ void conv1d_varlen_forward(float* out, const float* state,
                                                  const float* inp, const float* weight,
                                                  const u32* slots, const u32* cu_seqlens,
                                                  const u32* token_seq, int t, int c, int k) {
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= (long long)t * c) return;
-    int row = (int)(i / c), ch = (int)(i % c);
-    int s = (int)token_seq[row];
-    int start = (int)cu_seqlens[s];
-    int ti = row - start, hist = k - 1;
-    const float* st = state + (size_t)slots[s] * hist * c;
-    const float* x = inp + (size_t)start * c;
-    const float* w = weight + (size_t)ch * k;
-    float acc = 0.0f;
-    for (int j = 0; j < k; j++) {
-        int r = ti + j;
-        float v = r < hist ? st[(size_t)r * c + ch] : x[(size_t)(r - hist) * c + ch];
-        acc += w[j] * v;
+    int hist = k - 1;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)t * c;
+         i += (long long)gridDim.x * blockDim.x) {
+        int row = (int)(i / c), ch = (int)(i % c);
+        int s = (int)token_seq[row];
+        int start = (int)cu_seqlens[s];
+        int ti = row - start;
+        const float* st = state + (size_t)slots[s] * hist * c;
+        const float* x = inp + (size_t)start * c;
+        const float* w = weight + (size_t)ch * k;
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int r = ti + j;
+            float v = r < hist ? st[(size_t)r * c + ch] : x[(size_t)(r - hist) * c + ch];
+            acc += w[j] * v;
+        }
+        out[i] = acc;
     }
-    out[i] = acc;
 }
 
 // Each sequence's state slot <- the last K-1 rows of [state; its rows], one
@@ -89,19 +98,21 @@ extern "C" __global__ void conv1d_varlen_state_advance(float* state, const float
                                                        const u32* slots,
                                                        const u32* cu_seqlens, int seqs, int c,
                                                        int k) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= seqs * c || k < 2) return;
-    int s = i / c, ch = i % c;
-    int start = (int)cu_seqlens[s], t = (int)cu_seqlens[s + 1] - start;
+    if (k < 2) return;
     int hist = k - 1;
-    float* st = state + (size_t)slots[s] * hist * c;
-    const float* x = inp + (size_t)start * c;
-    float keep[7];
-    for (int j = 0; j < hist; j++) {
-        int r = t + j;
-        keep[j] = r < hist ? st[(size_t)r * c + ch] : x[(size_t)(r - hist) * c + ch];
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)seqs * c;
+         i += (long long)gridDim.x * blockDim.x) {
+        int s = (int)(i / c), ch = (int)(i % c);
+        int start = (int)cu_seqlens[s], t = (int)cu_seqlens[s + 1] - start;
+        float* st = state + (size_t)slots[s] * hist * c;
+        const float* x = inp + (size_t)start * c;
+        float keep[7];
+        for (int j = 0; j < hist; j++) {
+            int r = t + j;
+            keep[j] = r < hist ? st[(size_t)r * c + ch] : x[(size_t)(r - hist) * c + ch];
+        }
+        for (int j = 0; j < hist; j++) st[(size_t)j * c + ch] = keep[j];
     }
-    for (int j = 0; j < hist; j++) st[(size_t)j * c + ch] = keep[j];
 }
 
 // Backward, input side: the gradient of the virtual input row r is
@@ -111,17 +122,18 @@ extern "C" __global__ void conv1d_varlen_state_advance(float* state, const float
 extern "C" __global__ void conv1d_backward_input(float* dinp, float* dstate0, const float* dout,
                                                  const float* weight, int t, int c, int k) {
     int hist = k - 1;
-    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= (long long)(t + hist) * c) return;
-    int r = (int)(i / c), ch = (int)(i % c);
-    const float* w = weight + (size_t)ch * k;
-    float acc = 0.0f;
-    for (int j = 0; j < k; j++) {
-        int ti = r - j;
-        if (ti >= 0 && ti < t) acc += w[j] * dout[(size_t)ti * c + ch];
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+         i < (long long)(t + hist) * c; i += (long long)gridDim.x * blockDim.x) {
+        int r = (int)(i / c), ch = (int)(i % c);
+        const float* w = weight + (size_t)ch * k;
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int ti = r - j;
+            if (ti >= 0 && ti < t) acc += w[j] * dout[(size_t)ti * c + ch];
+        }
+        if (r >= hist) dinp[(size_t)(r - hist) * c + ch] = acc;
+        else if (dstate0) dstate0[(size_t)r * c + ch] = acc;
     }
-    if (r >= hist) dinp[(size_t)(r - hist) * c + ch] = acc;
-    else if (dstate0) dstate0[(size_t)r * c + ch] = acc;
 }
 
 // Backward, weight side: dweight[c, j] += sum_ti dout[ti, c] * v[ti + j, c],

@@ -1811,6 +1811,34 @@ mod tests {
         assert!(bad_cu.is_err());
     }
 
+    /// Past the element launch's cap (65,535 blocks of 256 threads): a
+    /// prefill of 2,800 tokens of the 0.8B model's 6,144 conv channels
+    /// (17.2M outputs), every row against the CPU, the last ones too.
+    #[test]
+    fn conv1d_varlen_covers_more_elements_than_one_grid() {
+        let Some(d) = gpu() else { return };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        let (t, c, k) = (2800, 6144, 4);
+        assert!(t * c > 65_535 * ELEM_THREADS as usize);
+        let w = rand_vec(&mut rng, c * k, 1.0);
+        let x = rand_vec(&mut rng, t * c, 1.0);
+        let mut state = rand_vec(&mut rng, (k - 1) * c, 1.0);
+        let mut dstate = d.upload(&state).unwrap();
+        let mut want = vec![0.0; t * c];
+        cpu::conv1d::conv1d_forward(&mut want, &mut state, &x, &w, t, c, k).unwrap();
+        let mut out = d.zeros(t * c).unwrap();
+        let (dx, dw) = (d.upload(&x).unwrap(), d.upload(&w).unwrap());
+        d.conv1d_varlen_forward(&mut out, &mut dstate, &dx, &dw, &[0], &[0, t as u32], k)
+            .unwrap();
+        close(
+            "conv1d varlen, 17.2M",
+            &d.download(&out).unwrap(),
+            &want,
+            1e-5,
+        );
+        close("its state", &d.download(&dstate).unwrap(), &state, 0.0);
+    }
+
     #[test]
     fn copy_within_zero_range_and_gather_rows_are_exact() {
         let Some(d) = gpu() else { return };

@@ -475,4 +475,48 @@ mod tests {
         }
         assert_eq!(module_of("gated_delta_decode").unwrap().name, "gated_delta");
     }
+
+    /// The body of kernel `name` in `source`: from its name to the next
+    /// kernel (or the end).
+    fn kernel_body<'a>(source: &'a str, name: &str) -> Option<&'a str> {
+        let at = source.find(&format!("{name}("))?;
+        let rest = &source[at..];
+        Some(&rest[..rest[1..].find("__global__").map_or(rest.len(), |i| i + 1)])
+    }
+
+    /// `elems` caps a launch at 65,535 blocks of 256 threads, so every
+    /// kernel the launchers start with it must stride over the grid, or
+    /// the elements past 16.8M are never computed (the conv kernels did
+    /// not: a prefill of 2,731 tokens of the 0.8B model's 6,144 conv
+    /// channels lost its last rows).
+    #[test]
+    fn kernels_launched_over_elements_stride_over_the_grid() {
+        let launchers = [
+            include_str!("device.rs"),
+            include_str!("device/backward.rs"),
+        ];
+        let mut checked = 0;
+        for src in launchers {
+            for (at, _) in src.match_indices(", elems(") {
+                let line_start = src[..at].rfind("launch!(").expect("a launch");
+                let launch = &src[line_start..at];
+                let name = match launch.split('"').nth(1) {
+                    Some(name) => name.to_string(),
+                    // `launch!(self, op, ...)`: the op's name, set above.
+                    None => {
+                        let set = src[..line_start].rfind("let op = \"").expect("op");
+                        src[set + 10..].split('"').next().unwrap().to_string()
+                    }
+                };
+                let m = module_of(&name).unwrap_or_else(|| panic!("{name} in no module"));
+                let body = kernel_body(m.source, &name).expect("the kernel's body");
+                assert!(
+                    body.contains("gridDim.x"),
+                    "{name} is launched with elems() but does not stride over the grid"
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked >= 20, "{checked} launches found");
+    }
 }
