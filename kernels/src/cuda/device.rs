@@ -2331,6 +2331,28 @@ mod tests {
         assert_eq!(ATTN_SPLIT % ATTN_KEY_TILE, 0);
     }
 
+    /// The attention launches' dynamic shared memory stays within the 48 KiB
+    /// a launch gets without opting in, up to the largest head_dim; decode
+    /// runs at most ATTN_DECODE_HEADS heads' warps, one block per
+    /// (sequence, KV head, run of heads, split).
+    #[test]
+    fn attention_launches_fit_default_shared_memory() {
+        for hd in [1, 72, MAX_HEAD_DIM] {
+            assert!(
+                attention_prefill_launch(1, hd).shared_mem_bytes <= 48 << 10,
+                "{hd}"
+            );
+            for (nh, nkv) in [(8, 2), (64, 1), (3, 3)] {
+                let cfg = decode_launch(2, nh, nkv, hd, 3);
+                assert!(cfg.shared_mem_bytes <= 48 << 10, "{hd}");
+                assert!(cfg.block_dim.0 as usize <= ATTN_DECODE_HEADS * ATTN_WARPS * 32);
+            }
+        }
+        // Group 6: runs of 4 and 2 heads, two runs per KV head.
+        assert_eq!(decode_launch(2, 12, 2, 24, 3).grid_dim.0, 2 * 2 * 2 * 3);
+        assert_eq!(decode_launch(1, 8, 2, 256, 16).block_dim.0, 4 * 4 * 32);
+    }
+
     /// Qwen3.5's key heads (128) fit the recurrence's registers; a wider
     /// one is a shape error naming the limit, not a launch failure.
     #[test]
