@@ -484,6 +484,120 @@ mod tests {
         Some(&rest[..rest[1..].find("__global__").map_or(rest.len(), |i| i + 1)])
     }
 
+    /// Splits `text` (inside brackets) at its top-level commas.
+    fn top_level_items(text: &str) -> Vec<&str> {
+        let (mut depth, mut start, mut items) = (0i32, 0, Vec::new());
+        for (i, ch) in text.char_indices() {
+            match ch {
+                '(' | '[' | '{' | '<' => depth += 1,
+                ')' | ']' | '}' | '>' => depth -= 1,
+                ',' if depth == 0 => {
+                    items.push(text[start..i].trim());
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+        items.push(text[start..].trim());
+        items.retain(|s| !s.is_empty());
+        items
+    }
+
+    /// The text of the call opened at `open` (the index of its `(`), to
+    /// the matching `)`, exclusive.
+    fn bracketed(text: &str, open: usize) -> &str {
+        let mut depth = 0;
+        for (i, ch) in text[open..].char_indices() {
+            match ch {
+                '(' => depth += 1,
+                ')' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        return &text[open + 1..open + i];
+                    }
+                }
+                _ => {}
+            }
+        }
+        panic!("unclosed call at {open}")
+    }
+
+    /// The launchers' `launch!` calls: every kernel gets as many arguments
+    /// as it has parameters, and a device buffer exactly where it takes a
+    /// pointer (an integer or float value where it takes one). A kernel's
+    /// arguments travel untyped, so nothing else would catch a parameter
+    /// added on one side only before a GPU ran it.
+    #[test]
+    fn every_launch_passes_its_kernels_parameters() {
+        let launchers = [
+            include_str!("device.rs"),
+            include_str!("device/backward.rs"),
+        ];
+        // Values the launchers pass by name: the kernels' int, long long,
+        // float and null-pointer scalars.
+        let scalar = |arg: &str| {
+            let a = arg.trim_start_matches('&');
+            let short_int =
+                a.len() <= 3 && a.ends_with('i') && a.chars().all(|c| c.is_ascii_lowercase());
+            ["ints[", "a[", "sc["].iter().any(|p| a.starts_with(p))
+                || short_int
+                || ["scale", "s", "n", "nl", "inv_temp", "eps", "theta"].contains(&a)
+        };
+        let (mut checked, mut wrong) = (0, Vec::new());
+        for src in launchers {
+            for (at, _) in src.match_indices("launch!(self, ") {
+                let call = bracketed(src, at + "launch!".len());
+                let (head, args) = call
+                    .split_once(';')
+                    .expect("launch!(dev, kernel, cfg; args)");
+                let kernel = head.split(',').nth(1).unwrap().trim();
+                let names: Vec<String> = match kernel.strip_prefix('"') {
+                    Some(k) => vec![k.trim_end_matches('"').to_string()],
+                    // `embedding`'s caller names one of the two lookups.
+                    None if kernel == "kernel" => {
+                        vec![
+                            "embedding_forward_f32".into(),
+                            "embedding_forward_bf16".into(),
+                        ]
+                    }
+                    None => {
+                        let set = src[..at].rfind("let op = \"").expect("op");
+                        vec![src[set + 10..].split('"').next().unwrap().to_string()]
+                    }
+                };
+                for name in names {
+                    let m = module_of(&name).unwrap_or_else(|| panic!("{name} in no module"));
+                    let def = m
+                        .source
+                        .find(&format!(" {name}("))
+                        .or_else(|| m.source.find(&format!("\n{name}(")))
+                        .unwrap_or_else(|| panic!("{name}'s definition"));
+                    let open = def + m.source[def..].find('(').unwrap();
+                    let params = top_level_items(bracketed(m.source, open));
+                    let args = top_level_items(args);
+                    assert_eq!(
+                        args.len(),
+                        params.len(),
+                        "{name}: {} arguments for {} parameters\n{args:?}\n{params:?}",
+                        args.len(),
+                        params.len()
+                    );
+                    for (arg, param) in args.iter().zip(&params) {
+                        let pointer = param.contains('*');
+                        // NULL is the null pointer, passed for an optional buffer.
+                        let passes_value = scalar(arg) && *arg != "&NULL";
+                        if !(*arg == "&NULL" || pointer != passes_value) {
+                            wrong.push(format!("{name}: argument {arg} for parameter `{param}`"));
+                        }
+                    }
+                    checked += 1;
+                }
+            }
+        }
+        assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+        assert!(checked >= 60, "{checked} launches checked");
+    }
+
     /// `elems` caps a launch at 65,535 blocks of 256 threads, so every
     /// kernel the launchers start with it must stride over the grid, or
     /// the elements past 16.8M are never computed (the conv kernels did
