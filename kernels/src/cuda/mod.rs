@@ -543,6 +543,25 @@ mod tests {
                 || short_int
                 || ["scale", "s", "n", "nl", "inv_temp", "eps", "theta"].contains(&a)
         };
+        // The launchers' naming: sizes through `int(..)` are i32 (`ints`,
+        // `n`, `ni`, ...), element counts and offsets for the elementwise
+        // kernels i64 (`nl`, `a`), factors f32.
+        let value_type = |arg: &str| {
+            let a = arg.trim_start_matches('&');
+            if a == "nl" || a.starts_with("a[") {
+                "long long"
+            } else if a.starts_with("sc[")
+                || ["scale", "s", "inv_temp", "eps", "theta"].contains(&a)
+            {
+                "float"
+            } else {
+                "int"
+            }
+        };
+        let param_type = |param: &str| {
+            let words: Vec<&str> = param.split_whitespace().collect();
+            words[..words.len() - 1].join(" ")
+        };
         let (mut checked, mut wrong) = (0, Vec::new());
         for src in launchers {
             for (at, _) in src.match_indices("launch!(self, ") {
@@ -588,6 +607,13 @@ mod tests {
                         let passes_value = scalar(arg) && *arg != "&NULL";
                         if !(*arg == "&NULL" || pointer != passes_value) {
                             wrong.push(format!("{name}: argument {arg} for parameter `{param}`"));
+                        } else if passes_value && value_type(arg) != param_type(param) {
+                            // A value's width must be the parameter's: an
+                            // i32 read as a long long takes garbage high bits.
+                            wrong.push(format!(
+                                "{name}: argument {arg} ({}) for parameter `{param}`",
+                                value_type(arg)
+                            ));
                         }
                     }
                     checked += 1;
