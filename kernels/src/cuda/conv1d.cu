@@ -1,6 +1,29 @@
 // Threads stride over the grid (the launcher caps it at 65,535 blocks), so
 // "one thread per (row, channel)" below names each thread's unit of work.
 
+// The prefill kernels read a virtual input [state (K-1 rows); inp]: row r,
+// channel ch of it.
+__device__ __forceinline__ float conv_row(const float* st, const float* x, int r, int hist, int c,
+                                          int ch) {
+    return r < hist ? st[(size_t)r * c + ch] : x[(size_t)(r - hist) * c + ch];
+}
+
+// Output row ti, channel ch: sum_j w[j] * row(ti + j), w the channel's K taps.
+__device__ __forceinline__ float conv_taps(const float* st, const float* x, const float* w,
+                                           int ti, int k, int c, int ch) {
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++) acc += w[j] * conv_row(st, x, ti + j, k - 1, c, ch);
+    return acc;
+}
+
+// st <- the last K-1 rows of [st; x] (x of t rows), channel ch (K at most 8).
+__device__ __forceinline__ void conv_advance(float* st, const float* x, int t, int hist, int c,
+                                             int ch) {
+    float keep[7];
+    for (int j = 0; j < hist; j++) keep[j] = conv_row(st, x, t + j, hist, c, ch);
+    for (int j = 0; j < hist; j++) st[(size_t)j * c + ch] = keep[j];
+}
+
 // Causal depthwise conv1d, one decode token per sequence, state addressed
 // by slot: for sequence s (state slot slots[s]), with K-1 past inputs in
 // state[slot, K-1, c]: out[s, c] = sum_j w[c, j] * x_j where x_0..x_{K-2}
@@ -31,18 +54,10 @@ extern "C" __global__ void conv1d_update(float* out, float* state, const float* 
 // (token, channel). The state is then advanced by conv1d_state_advance.
 extern "C" __global__ void conv1d_forward(float* out, const float* state, const float* inp,
                                           const float* weight, int t, int c, int k) {
-    int hist = k - 1;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)t * c;
          i += (long long)gridDim.x * blockDim.x) {
         int ti = (int)(i / c), ch = (int)(i % c);
-        const float* w = weight + (size_t)ch * k;
-        float acc = 0.0f;
-        for (int j = 0; j < k; j++) {
-            int r = ti + j;
-            float x = r < hist ? state[(size_t)r * c + ch] : inp[(size_t)(r - hist) * c + ch];
-            acc += w[j] * x;
-        }
-        out[i] = acc;
+        out[i] = conv_taps(state, inp, weight + (size_t)ch * k, ti, k, c, ch);
     }
 }
 
@@ -51,15 +66,8 @@ extern "C" __global__ void conv1d_forward(float* out, const float* state, const 
 extern "C" __global__ void conv1d_state_advance(float* state, const float* inp, int t, int c,
                                                 int k) {
     if (k < 2) return;
-    int hist = k - 1;
-    for (int ch = blockIdx.x * blockDim.x + threadIdx.x; ch < c; ch += gridDim.x * blockDim.x) {
-        float keep[7];
-        for (int j = 0; j < hist; j++) {
-            int r = t + j;  // row of [state; inp] that becomes state row j
-            keep[j] = r < hist ? state[(size_t)r * c + ch] : inp[(size_t)(r - hist) * c + ch];
-        }
-        for (int j = 0; j < hist; j++) state[(size_t)j * c + ch] = keep[j];
-    }
+    for (int ch = blockIdx.x * blockDim.x + threadIdx.x; ch < c; ch += gridDim.x * blockDim.x)
+        conv_advance(state, inp, t, k - 1, c, ch);
 }
 
 // Prefill of packed sequences, each continuing the conv history in its
@@ -80,15 +88,7 @@ extern "C" __global__ void conv1d_varlen_forward(float* out, const float* state,
         int start = (int)cu_seqlens[s];
         int ti = row - start;
         const float* st = state + (size_t)slots[s] * hist * c;
-        const float* x = inp + (size_t)start * c;
-        const float* w = weight + (size_t)ch * k;
-        float acc = 0.0f;
-        for (int j = 0; j < k; j++) {
-            int r = ti + j;
-            float v = r < hist ? st[(size_t)r * c + ch] : x[(size_t)(r - hist) * c + ch];
-            acc += w[j] * v;
-        }
-        out[i] = acc;
+        out[i] = conv_taps(st, inp + (size_t)start * c, weight + (size_t)ch * k, ti, k, c, ch);
     }
 }
 
@@ -105,13 +105,7 @@ extern "C" __global__ void conv1d_varlen_state_advance(float* state, const float
         int s = (int)(i / c), ch = (int)(i % c);
         int start = (int)cu_seqlens[s], t = (int)cu_seqlens[s + 1] - start;
         float* st = state + (size_t)slots[s] * hist * c;
-        const float* x = inp + (size_t)start * c;
-        float keep[7];
-        for (int j = 0; j < hist; j++) {
-            int r = t + j;
-            keep[j] = r < hist ? st[(size_t)r * c + ch] : x[(size_t)(r - hist) * c + ch];
-        }
-        for (int j = 0; j < hist; j++) st[(size_t)j * c + ch] = keep[j];
+        conv_advance(st, inp + (size_t)start * c, t, hist, c, ch);
     }
 }
 
@@ -147,11 +141,8 @@ extern "C" __global__ void conv1d_backward_weight(float* dweight, const float* d
     int hist = k - 1;
     for (int j = 0; j < k; j++) {
         float acc = 0.0f;
-        for (int ti = threadIdx.x; ti < t; ti += blockDim.x) {
-            int r = ti + j;
-            float x = r < hist ? state0[(size_t)r * c + ch] : inp[(size_t)(r - hist) * c + ch];
-            acc += dout[(size_t)ti * c + ch] * x;
-        }
+        for (int ti = threadIdx.x; ti < t; ti += blockDim.x)
+            acc += dout[(size_t)ti * c + ch] * conv_row(state0, inp, ti + j, hist, c, ch);
         acc = block_sum(acc, scratch);
         if (threadIdx.x == 0) dweight[(size_t)ch * k + j] += acc;
     }

@@ -3,8 +3,9 @@ helpers of prelude.cuh. `yield "cuNNN"` = __syncthreads() at line NNN;
 `yield ("shfl", o, v, label)` = __shfl_xor_sync(0xffffffff, v, o)."""
 import numpy as np
 from simt import F, D
+from prelude import (NEG_INF, u, expf, logf, fmaxf, fmaf, warp_sum, warp_max, block_sum,
+                     block_max)
 
-NEG_INF = F(-np.inf)
 ATTN_MAX_DIM_PER_LANE = 8
 ATTN_WARPS = 4
 ATTN_PAIR_WARPS = 4
@@ -17,52 +18,6 @@ ATTN_SPLIT = 512
 ATTN_DECODE_HEADS = 4  # cu:41
 ATTN_BWD_ROWS = 2
 ATTN_BWD_BLOCK_ROWS = ATTN_PAIR_WARPS * ATTN_BWD_ROWS
-
-def expf(x): return np.exp(F(x))
-def logf(x): return np.log(F(x))
-def fmaxf(a, b): return np.fmax(F(a), F(b))
-def u(x): return int(x)
-# fmaf(a, b, c): a * b is exact in float64 and the sum is rounded to float64,
-# then to float32 -- a double rounding that a true fused multiply-add does
-# not do (it can differ in the last bit in rare cases).
-def fmaf(a, b, c): return F(D(F(a)) * D(F(b)) + D(F(c)))
-
-# prelude.cuh:29
-def warp_sum(v):
-    o = 16
-    while o > 0:
-        v = F(v + (yield ("shfl", o, F(v), "warp_sum")))  # p:30
-        o >>= 1
-    return v
-
-# prelude.cuh:34
-def warp_max(v):
-    o = 16
-    while o > 0:
-        v = fmaxf(v, (yield ("shfl", o, F(v), "warp_max")))  # p:35
-        o >>= 1
-    return v
-
-# prelude.cuh:41
-def block_sum(v, scratch, tid, bdim):
-    lane, warp = tid & 31, tid >> 5
-    v = yield from warp_sum(v)
-    yield "p44"
-    if lane == 0: scratch[warp] = v
-    yield "p46"
-    warps = bdim >> 5
-    v = scratch[lane] if lane < warps else F(0.0)
-    return (yield from warp_sum(v))
-
-def block_max(v, scratch, tid, bdim):
-    lane, warp = tid & 31, tid >> 5
-    v = yield from warp_max(v)
-    yield "p55"
-    if lane == 0: scratch[warp] = v
-    yield "p57"
-    warps = bdim >> 5
-    v = scratch[lane] if lane < warps else NEG_INF
-    return (yield from warp_max(v))
 
 # cu:51; returns (first, a, b, m)
 def attn_fold_factors(M, m):

@@ -4,16 +4,9 @@ against a float64 product, with a check that a row's bits do not depend on
 the rows launched with it. Usage: python matmul.py"""
 import numpy as np
 from simt import T, Buf, F, D, launch
-import attention_kernels as A  # fmaf
+from prelude import fmaf, bf16_to_f32, f32_to_bf16
 
 MM_TILE, MM_K, MM_THREADS = 64, 16, 256
-
-def bf16_to_f32(h): return np.uint32(int(h) << 16).view(np.float32)
-
-def f32_to_bf16(f):
-    u_ = int(np.float32(f).view(np.uint32))
-    if (u_ & 0x7fffffff) > 0x7f800000: return np.uint16((u_ >> 16) | 0x40)
-    return np.uint16(((u_ + 0x7fff + ((u_ >> 16) & 1)) >> 16) & 0xffff)
 
 # cu:19
 def mm_load(p, i, bf16):
@@ -40,7 +33,7 @@ def matmul_invariant(bx, tid, bdim, gdim, sh, out, inp, w, n, c, oc, in_bf16, w_
             for i in range(4):
                 if row0 + tr + 16 * i >= n: break  # cu:48
                 a = sa[kk * L + tr + 16 * i]
-                for j in range(4): acc[i][j] = A.fmaf(a, b[j], acc[i][j])  # cu:50
+                for j in range(4): acc[i][j] = fmaf(a, b[j], acc[i][j])  # cu:50
         yield "cu53"
     for i in range(4):  # cu:55
         r = row0 + tr + 16 * i

@@ -13,11 +13,13 @@ Issues are keyed by (kernel, kind, buffer) and carry the Python line (with
 its `# cu:NNN` tag) of the first few occurrences.
 """
 import linecache
+import os
 import re
 import sys
 
 import numpy as np
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 F = np.float32
 D = np.float64
 
@@ -49,7 +51,7 @@ class Tracker:
         out = []
         while f is not None and len(out) < 3:
             fn = f.f_code.co_filename
-            if fn.endswith("kernels.py"):
+            if not os.path.basename(fn).startswith("simt") and os.path.dirname(os.path.abspath(fn)) == HERE:
                 src = linecache.getline(fn, f.f_lineno)
                 m = re.search(r"cu:(\d+)", src)
                 out.append(f"{f.f_code.co_name}:py{f.f_lineno}" + (f"/cu{m.group(1)}" if m else ""))
