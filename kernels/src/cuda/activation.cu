@@ -28,9 +28,10 @@ extern "C" __global__ void silu_forward(float* x, long long n) {
 extern "C" __global__ void gated_delta_gating_forward(float* g, float* beta, const float* a,
                                                       const float* b, const float* a_log,
                                                       const float* dt_bias, int t, int nv) {
-    int n = t * nv;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        int h = i % nv;
+    long long n = (long long)t * nv;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        int h = (int)(i % nv);
         g[i] = -expf(a_log[h]) * softplusf(a[i] + dt_bias[h]);
         beta[i] = sigmoidf(b[i]);
     }
@@ -79,9 +80,10 @@ extern "C" __global__ void gated_delta_gating_backward(float* da, float* db, con
                                                        const float* dbeta, const float* beta,
                                                        const float* a, const float* a_log,
                                                        const float* dt_bias, int t, int nv) {
-    int n = t * nv;
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        int h = i % nv;
+    long long n = (long long)t * nv;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        int h = (int)(i % nv);
         float be = beta[i];
         db[i] = dbeta[i] * be * (1.0f - be);
         float x = a[i] + dt_bias[h];

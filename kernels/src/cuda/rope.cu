@@ -1,7 +1,7 @@
 // Per-head RMSNorm (q_norm / k_norm, weight as 1 + w) followed by partial
 // rotate-half RoPE on the first rot_dim channels, in place on
 // x[n, heads, head_dim]. One block per (token, head), blockDim.x a multiple
-// of 32 and >= head_dim / 2. Angles in fp32 as the CPU reference computes
+// of 32 (the loops stride over the channels). Angles in fp32 as the CPU computes
 // them: inv_freq[i] = theta^(-2i / rot_dim), angle = position * inv_freq.
 // CPU references: kernels/src/cpu/rmsnorm.rs, rope.rs.
 // cos and sin of token position `pos` at pair i of the rotated channels:

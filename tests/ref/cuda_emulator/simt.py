@@ -53,8 +53,8 @@ class Tracker:
             fn = f.f_code.co_filename
             if not os.path.basename(fn).startswith("simt") and os.path.dirname(os.path.abspath(fn)) == HERE:
                 src = linecache.getline(fn, f.f_lineno)
-                m = re.search(r"cu:(\d+)", src)
-                out.append(f"{f.f_code.co_name}:py{f.f_lineno}" + (f"/cu{m.group(1)}" if m else ""))
+                m = re.search(r"# ([a-z]+):(\d+)", src)
+                out.append(f"{f.f_code.co_name}:py{f.f_lineno}" + (f"/{m.group(1)}{m.group(2)}" if m else ""))
             f = f.f_back
         return " <- ".join(out)
 
