@@ -2626,5 +2626,25 @@ mod tests {
             .map(|r| cpu::logsoftmax::argmax(r) as u32)
             .collect();
         assert_eq!(d.download(&da).unwrap(), want);
+        // The CPU's rule on ties and NaNs: a NaN at 0 stays, one later is
+        // passed over, a row of NaNs or of -inf gives 0.
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        let special: [[f32; 5]; 5] = [
+            [nan, 1.0, 3.0, 3.0, 2.0],
+            [1.0, nan, 3.0, 3.0, nan],
+            [nan; 5],
+            [-inf; 5],
+            [2.0, inf, 2.0, inf, nan],
+        ];
+        let flat: Vec<f32> = special.concat();
+        let mut da = d.zeros::<u32>(special.len()).unwrap();
+        d.argmax_forward(&mut da, &d.upload(&flat).unwrap(), 5)
+            .unwrap();
+        let want: Vec<u32> = special
+            .iter()
+            .map(|r| cpu::logsoftmax::argmax(r) as u32)
+            .collect();
+        assert_eq!(want, [0, 2, 0, 0, 1]);
+        assert_eq!(d.download(&da).unwrap(), want);
     }
 }

@@ -30,8 +30,8 @@ extern "C" __global__ void logprob_gather_forward(float* out, const float* logit
     }
 }
 
-// out[r] = argmax_i logits[r, i], the lowest index on ties (as the CPU's
-// argmax), NaN never chosen over a number.
+// out[r] = argmax_i logits[r, i] with the CPU's rule (its first strictly
+// larger scan): the lowest index on ties; a NaN only at index 0, where it starts.
 extern "C" __global__ void argmax_forward(u32* out, const float* logits, int rows, int vocab) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
@@ -59,7 +59,7 @@ extern "C" __global__ void argmax_forward(u32* out, const float* logits, int row
                 best_v[0] = best_v[w];
                 best_i[0] = best_i[w];
             }
-        out[r] = best_i[0] == 0x7fffffff ? 0u : (u32)best_i[0];
+        out[r] = best_i[0] == 0x7fffffff || x[0] != x[0] ? 0u : (u32)best_i[0];
     }
 }
 
@@ -121,7 +121,7 @@ extern "C" __global__ void sample_rows(u32* token, float* logprob, const float* 
         atomicMin(&pick, cand);
         __syncthreads();
         if (threadIdx.x == 0) {
-            int t = pick == 0x7fffffff ? 0 : pick;
+            int t = pick == 0x7fffffff || x[0] != x[0] ? 0 : pick;
             token[r] = (u32)t;
             logprob[r] = x[t] * it - lse;
         }

@@ -13,6 +13,7 @@ import numpy as np
 from simt import T, Buf, F, D, launch, shared
 from prelude import u, block_sum
 from simt_warp import launch as launch_warp
+from report import buf, check, say
 
 # cu:6
 def conv_row(st, x, r, hist, c, ch):
@@ -151,18 +152,6 @@ def reference(states, slots, cu, x, w, c, k):
         new[slot] = v[len(v) - (k - 1):].reshape(-1)
     return out, new
 
-def buf(name, a, dt=np.float32):
-    return Buf(name, np.array(a, dtype=dt).copy())
-
-RES = []
-
-def check(case, name, got, ref, tol=1e-6):
-    got = np.asarray(got, np.float64).reshape(ref.shape)
-    den = max(np.max(np.abs(ref)), 1e-30) if ref.size else 1.0
-    r = float("nan") if np.isnan(got).any() else float(np.max(np.abs(got - ref), initial=0.0) / den)
-    line = f"{case}: {name}: max|diff|/max|ref| = {r:.3e} {'ok' if r <= tol else 'BUG'}"
-    print(line, flush=True); RES.append(line)
-
 def case_varlen(name, lens, slots, c, k, cap, seed=0):
     rng = np.random.default_rng(seed)
     cu = [0]
@@ -208,8 +197,7 @@ def case_update_equals_varlen(name, c, k, cap, seed=1):
     launch("conv1d_varlen_state_advance", elems(3 * c, cap), 256, conv1d_varlen_state_advance,
            None, sb2, xb, *args, 3, c, k)
     same = np.array_equal(out.a, out2.a) and np.array_equal(sb.a, sb2.a)
-    line = f"{name}: update == varlen of one token: {'bit-identical' if same else 'BUG'}"
-    print(line, flush=True); RES.append(line)
+    say(f"{name}: update == varlen of one token: {'bit-identical' if same else 'BUG'}")
 
 def case_train(name, t, c, k, cap, with_dstate0=True, seed=2):
     """The trainer's conv (device/backward.rs `conv1d_forward` then

@@ -23,6 +23,7 @@ import sys, time
 import numpy as np
 from simt import T, Buf, F, D, launch, shared
 from simt_warp import launch as launch_warp
+from report import buf, nan_buf, say, check, run_groups
 from prelude import (u, expf, sigmoidf, siluf, softplusf, bf16_to_f32, f32_to_bf16, block_sum,
                      row_rsqrt)
 
@@ -464,29 +465,8 @@ def host_sum_squares(x, n, cap):
 
 # ---- checks ------------------------------------------------------------------
 
-RES = []
 TOL = 1e-6      # pointwise float32 against float64, relative to max |ref|
 TOL_SUM = 1e-5  # reductions (param grads, sums of squares, the norm's backward)
-
-def buf(name, a, dt=np.float32):
-    return Buf(name, np.array(a, dtype=dt).copy())
-
-def nan_buf(name, n):
-    return Buf(name, np.full(n, np.nan, np.float32))
-
-def say(line):
-    print(line, flush=True); RES.append(line)
-
-def check(case, name, got, ref, tol=TOL, old=None):
-    """max |diff| / max |ref|; for an output accumulated onto `old` values,
-    max |diff| / max(|ref|, |old|) (a sum that cancels the old value is not
-    a reason for a larger error)."""
-    got = np.asarray(got, np.float64).reshape(ref.shape)
-    den = max(np.max(np.abs(ref)), 1e-30) if ref.size else 1.0
-    if old is not None and ref.size: den = max(den, np.max(np.abs(old)))
-    r = float("nan") if np.isnan(got).any() else float(np.max(np.abs(got - ref), initial=0.0) / den)
-    what = "max|diff|/max|ref|" if old is None else "max|diff|/max(|ref|,|old|)"
-    say(f"{case}: {name}: {what} = {r:.3e} (tol {tol:g}) {'ok' if r <= tol else 'BUG'}")
 
 def exact(case, name, got, want):
     """Bit for bit (NaN payloads included)."""
@@ -894,14 +874,4 @@ GROUPS = {"act": group_act, "gating": group_gating, "copy": group_copy, "rope": 
           "emb": group_emb, "bf16": group_bf16, "adamw": group_adamw, "sumsq": group_sumsq}
 
 if __name__ == "__main__":
-    t0 = time.time()
-    for gname in sys.argv[1:] or list(GROUPS):
-        t1 = time.time()
-        try:
-            GROUPS[gname]()
-        except IndexError as e:  # simt's bounds check
-            say(f"{gname}: out of bounds: {e} BUG")
-        print(f"  [{gname}: {time.time() - t1:.1f}s]", flush=True)
-    bugs = sum(1 for l in RES if l.endswith("BUG"))
-    print(f"{len(RES)} checks, {bugs} BUG, {time.time() - t0:.1f}s", flush=True)
-    print(T.report(), flush=True)
+    run_groups(GROUPS, sys.argv[1:])
