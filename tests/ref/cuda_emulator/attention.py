@@ -57,7 +57,7 @@ assert decode_splits([513, 3]) == 2 and decode_splits([7, 32768]) == 64
 
 def run_decode(out, q, kpb, vpb, flat, ctx, seqs, nh, nkv, hd, bs, max_blocks, scale):
     splits = decode_splits(ctx)
-    part = Buf("part", np.zeros(seqs * nh * splits * (hd + 2) if splits > 1 else 1, np.float32))
+    part = Buf("part", np.full(seqs * nh * splits * (hd + 2) if splits > 1 else 1, np.nan, np.float32))
     lens = buf("context_lens", ctx, np.uint32)
     # decode_launch: blocks per (sequence, KV head, run of hb heads, split)
     group = nh // nkv
