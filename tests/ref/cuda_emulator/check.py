@@ -46,6 +46,62 @@ RUNS = [
     ["attention.py"],
 ]
 
+# The CUDA sources each transcription's tags name (`# PREFIX:NNN`, and
+# `yield "PREFIXNNN"` for a __syncthreads()).
+TAGS = {
+    "kernels.py": {"cu": "gated_delta.cu"},
+    "recurrent.py": {"cu": "gated_delta.cu"},
+    "attention_kernels.py": {"cu": "attention.cu", "p": "prelude.cuh"},
+    "conv1d.py": {"cu": "conv1d.cu"},
+    "matmul.py": {"cu": "matmul.cu"},
+    "prelude.py": {"p": "prelude.cuh"},
+    "elementwise.py": {"act": "activation.cu", "rope": "rope.cu", "emb": "embedding.cu",
+                       "opt": "optim.cu"},
+    "rows.py": {"norm": "norm.cu", "ls": "logsoftmax.cu"},
+}
+# Python's names for CUDA's, and words only Python has.
+SYNONYMS = {"tid": "threadIdx", "tx": "threadIdx", "ty": "threadIdx", "bx": "blockIdx",
+            "bdim": "blockDim", "gdim": "gridDim", "uu": "u"}
+PYTHON_ONLY = set("F D yield if else elif for in range while return and or not None True False "
+                  "def int float min max abs len lambda".split())
+
+def names(code, python):
+    out = set()
+    for w in re.findall(r"[A-Za-z_]\w*|0x[0-9a-fA-F]+", code):
+        if w.startswith("0x"):
+            out.add(w.lower().rstrip("u"))
+        elif python:
+            if w not in PYTHON_ONLY: out |= {w.rstrip("_"), SYNONYMS.get(w, w)}
+        else:
+            out.add(w)
+    return out
+
+def stale_tags():
+    """A tag that names no line of its source, a barrier tag on a line with
+    no __syncthreads(), or a statement sharing no name with the line its tag
+    names: a transcription out of step with its source (a heuristic: it
+    catches a tag moved by an edit, not a wrong operator)."""
+    out = []
+    for py, prefixes in TAGS.items():
+        src = {k: open(os.path.join(CUDA, v)).read().splitlines() for k, v in prefixes.items()}
+        for n, line in enumerate(open(os.path.join(HERE, py)).read().splitlines(), 1):
+            for m in re.finditer(r'yield "([a-z]+)(\d+)"', line):
+                k, no = m.group(1), int(m.group(2))
+                if k in src and "__syncthreads" not in (src[k][no - 1] if no <= len(src[k]) else ""):
+                    out.append(f"{py}:{n}: the barrier {k}{no} names a line with no __syncthreads()")
+            m = re.search(r"#\s*([a-z]+):(\d+)(?:-(\d+))?", line)
+            if not m or m.group(1) not in src:
+                continue
+            k, a = m.group(1), int(m.group(2))
+            b = int(m.group(3) or a)
+            if a < 1 or b > len(src[k]):
+                out.append(f"{py}:{n}: {k}:{a} is past the end of {prefixes[k]}")
+                continue
+            mine = names(line[:m.start()], True)
+            if mine and not mine & names(" ".join(src[k][a - 1:b]), False):
+                out.append(f"{py}:{n}: {line.strip()!r} shares no name with {prefixes[k]}:{a}")
+    return out
+
 def sha(name):
     with open(os.path.join(CUDA, name), "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -99,7 +155,7 @@ def run_all():
 
 if __name__ == "__main__":
     pin = sys.argv[1:] == ["--pin"]
-    stale = [] if pin else stale_sources()
+    stale = ([] if pin else stale_sources()) + stale_tags()
     failed = run_all()
     for s in stale: print("STALE:", s)
     if failed or stale:

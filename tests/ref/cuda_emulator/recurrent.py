@@ -34,7 +34,7 @@ def gd_recurrent(out, S, q, k, v, g, beta, t0, t1, nk, nv, kh, h, j0, dk, dv, qk
     col = [F(0.0)] * GD_MAX_DK
     if live:
         for i in range(dk): col[i] = S[i * dv + j]  # cu:66
-    for t in range(t0, t1):  # cu:85
+    for t in range(t0, t1):  # cu:86
         qs = q + (t * nk + kh) * dk
         ks = k + (t * nk + kh) * dk
         yield "cu89"

@@ -185,7 +185,7 @@ def gated_rmsnorm_backward(bx, tid, bdim, gdim, sh, dinp, dgate, dout, inp, gate
 # norm:121: COLUMN_SUM(TERM), the block (32, 8) linearized: threadIdx.x =
 # tid % 32, threadIdx.y = tid // 32; sh is part[8][33] as 8 * 33 floats.
 def column_sum(tid, bx, sh, dweight, term, n, c):
-    tx, ty = tid % 32, tid // 32  # norm:121 (threadIdx.x, threadIdx.y of the (32, 8) block)
+    tx, ty = tid % 32, tid // 32  # norm:123-126 (threadIdx.x, threadIdx.y of the (32, 8) block)
     part = sh  # norm:122
     col = bx * 32 + tx  # norm:123
     acc = F(0.0)  # norm:124
