@@ -70,6 +70,7 @@ pub struct SftArgs {
 
 pub fn sft(args: SftArgs) -> Result<()> {
     anyhow::ensure!(args.batch_size > 0, "--batch-size must be positive");
+    arcticd_trainer::checkpoint::check_checkpoint_out(&args.out).context("--out")?;
     let model_config = ModelConfig::from_dir(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
     let vocab = model_config.vocab_size;

@@ -47,11 +47,70 @@ fn cerr(msg: impl Into<String>) -> Error {
 }
 
 fn tmp_sibling(out: &Path, tag: &str) -> Result<PathBuf> {
-    let name = out
-        .file_name()
-        .and_then(|n| n.to_str())
-        .ok_or_else(|| cerr(format!("{}: not a directory name", out.display())))?;
+    let name = out.file_name().and_then(|n| n.to_str()).ok_or_else(|| {
+        cerr(format!(
+            "{}: not a folder name a checkpoint can take (name a new folder)",
+            out.display()
+        ))
+    })?;
     Ok(out.with_file_name(format!(".{name}.{tag}{}", std::process::id())))
+}
+
+/// Whether `dir` may be replaced by a checkpoint: absent, an empty folder,
+/// or a checkpoint (its `config.json` and `model.safetensors`). Anything
+/// else is the user's, and a checkpoint written there would remove it.
+fn replaceable(dir: &Path) -> Result<()> {
+    let meta = match std::fs::symlink_metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io(dir, e)),
+    };
+    if !meta.is_dir() {
+        return Err(cerr(format!(
+            "{} exists and is not a folder; a checkpoint is a folder",
+            dir.display()
+        )));
+    }
+    let empty = std::fs::read_dir(dir)
+        .map_err(|e| Error::io(dir, e))?
+        .next()
+        .is_none();
+    if empty || (dir.join("config.json").is_file() && dir.join("model.safetensors").is_file()) {
+        return Ok(());
+    }
+    Err(cerr(format!(
+        "{} holds files that are not a checkpoint; writing one there would \
+         remove them: choose a new or empty folder",
+        dir.display()
+    )))
+}
+
+/// Checks, before any work, that a checkpoint can be written to `out`:
+/// it names a folder that is absent, empty or a checkpoint (replaced by
+/// the new one), and its nearest existing ancestor can be written (a
+/// folder is created there and removed again; nothing is left). A
+/// training run calls it first, so that a wrong `--out` fails in a second
+/// rather than after the last step.
+pub fn check_checkpoint_out(out: &Path) -> Result<()> {
+    replaceable(out)?;
+    let probe = tmp_sibling(out, "probe")?;
+    let mut at = probe.parent().unwrap_or(Path::new("."));
+    while !at.as_os_str().is_empty() && !at.exists() {
+        at = at.parent().unwrap_or(Path::new("."));
+    }
+    let probe = if at.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        at
+    }
+    .join(probe.file_name().unwrap_or_default());
+    std::fs::create_dir(&probe).map_err(|e| {
+        cerr(format!(
+            "cannot write a checkpoint to {}: {e}",
+            out.display()
+        ))
+    })?;
+    std::fs::remove_dir(&probe).map_err(|e| Error::io(&probe, e))
 }
 
 /// Save `model` (and optionally the optimizer) to `out`; config and
@@ -76,6 +135,7 @@ pub fn save_checkpoint_with(
     optimizer: Option<&AdamW>,
     extra: &[(&str, Vec<u8>)],
 ) -> Result<()> {
+    replaceable(out)?;
     let tmp = tmp_sibling(out, "tmp")?;
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::io(&tmp, e))?;
@@ -204,4 +264,74 @@ pub fn read_safetensors_f32(path: &Path) -> Result<Vec<NamedTensor>> {
     }
     out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoint_replaces_only_an_absent_empty_or_checkpoint_folder() {
+        let root = tempfile::tempdir().unwrap();
+        let at = |name: &str| root.path().join(name);
+        // Absent, empty, or a checkpoint: accepted.
+        check_checkpoint_out(&at("new/deeper")).unwrap();
+        std::fs::create_dir(at("empty")).unwrap();
+        check_checkpoint_out(&at("empty")).unwrap();
+        std::fs::create_dir(at("ckpt")).unwrap();
+        std::fs::write(at("ckpt/config.json"), "{}").unwrap();
+        std::fs::write(at("ckpt/model.safetensors"), "").unwrap();
+        check_checkpoint_out(&at("ckpt")).unwrap();
+        // A folder of the user's files, or a file: refused, and untouched.
+        std::fs::create_dir_all(at("mine/sub")).unwrap();
+        std::fs::write(at("mine/notes.txt"), "keep").unwrap();
+        let e = check_checkpoint_out(&at("mine")).unwrap_err().to_string();
+        assert!(e.contains("not a checkpoint"), "{e}");
+        std::fs::write(at("file.txt"), "keep").unwrap();
+        let e = check_checkpoint_out(&at("file.txt"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a folder"), "{e}");
+        // No folder name, or a parent that cannot hold a folder.
+        assert!(check_checkpoint_out(Path::new(".")).is_err());
+        let e = check_checkpoint_out(&at("file.txt/x"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("Not a directory"), "{e}");
+        // Nothing was left behind or removed.
+        let mut names: Vec<_> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["ckpt", "empty", "file.txt", "mine"]);
+        assert_eq!(
+            std::fs::read_to_string(at("mine/notes.txt")).unwrap(),
+            "keep"
+        );
+        assert!(at("mine/sub").is_dir());
+    }
+
+    #[test]
+    fn saving_over_a_folder_of_other_files_is_refused_and_keeps_them() {
+        let root = tempfile::tempdir().unwrap();
+        let mine = root.path().join("mine");
+        std::fs::create_dir(&mine).unwrap();
+        std::fs::write(mine.join("notes.txt"), "keep").unwrap();
+        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/grads/mqa_tied");
+        let model = Qwen3_5::load(&source).unwrap();
+        let e = save_checkpoint(&mine, &model, &source, None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a checkpoint"), "{e}");
+        assert_eq!(
+            std::fs::read_to_string(mine.join("notes.txt")).unwrap(),
+            "keep"
+        );
+        // A checkpoint folder is replaced.
+        let ckpt = root.path().join("ckpt");
+        save_checkpoint(&ckpt, &model, &source, None).unwrap();
+        save_checkpoint(&ckpt, &model, &source, None).unwrap();
+        assert!(ckpt.join("model.safetensors").is_file());
+    }
 }

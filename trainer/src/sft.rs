@@ -82,6 +82,7 @@ pub fn train_sft(
     if examples.is_empty() {
         return Err(Error::Input("no SFT examples".into()));
     }
+    crate::checkpoint::check_checkpoint_out(out)?;
     let model = Qwen3_5::load(base)?;
     let config = TrainConfig {
         optimizer: AdamWConfig {
