@@ -411,6 +411,7 @@ struct Kept {
 impl CudaStep {
     /// Uploads the store's model to `dev` in f32, with fresh AdamW state.
     pub fn new(store: Arc<ParamStore>, dev: Arc<CudaDevice>, config: AdamWConfig) -> Result<Self> {
+        config.check()?;
         let model = CudaModel::upload(&store.read(), dev, WeightDType::F32)?;
         let opt = CudaAdamW::new(&model, config)?;
         let grads = zero_grads(&model)?;

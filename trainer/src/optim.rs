@@ -44,6 +44,33 @@ impl Default for AdamWConfig {
     }
 }
 
+impl AdamWConfig {
+    /// Rejects hyper-parameters AdamW cannot step with (it would skip every
+    /// step on non-finite updates, or blow the weights up): a finite `lr`
+    /// and `weight_decay` >= 0, betas in [0, 1), a finite `eps` > 0.
+    pub fn check(&self) -> Result<()> {
+        let bad = |what: &str, v: f64| Err(Error::Input(format!("AdamW: {what}, got {v:?}")));
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return bad("lr must be a finite number >= 0", self.lr);
+        }
+        for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return bad(&format!("{name} must be in [0, 1)"), b);
+            }
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return bad("eps must be a finite number > 0", self.eps);
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(
+                "weight_decay must be a finite number >= 0",
+                self.weight_decay,
+            );
+        }
+        Ok(())
+    }
+}
+
 /// Learning-rate schedule, as a multiplier of the peak rate per step
 /// (0-based step index = number of optimizer steps taken before this one).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -124,6 +151,7 @@ pub struct AdamW {
 impl AdamW {
     /// Fresh state with master weights copied from `model`.
     pub fn new(model: &Qwen3_5, config: AdamWConfig) -> Result<Self> {
+        config.check()?;
         let params = model.named_params();
         let mut master = Vec::with_capacity(params.len());
         for (_, p) in &params {

@@ -133,6 +133,43 @@ impl Default for RolloutConfig {
     }
 }
 
+/// Checks a time limit in seconds: finite, not negative (and not zero
+/// unless `zero` says what zero means), at most a year, so that it is a
+/// `Duration` (a NaN or 1e300 is none) and a limit anyone means.
+pub fn check_secs(name: &str, v: f64, zero: Option<&str>) -> Result<()> {
+    const MAX: f64 = 365.0 * 24.0 * 3600.0;
+    let ok = v.is_finite() && v <= MAX && (v > 0.0 || (v == 0.0 && zero.is_some()));
+    if ok {
+        return Ok(());
+    }
+    Err(Error::Input(format!(
+        "{name} must be a number of seconds {}up to a year ({MAX}), got {v:?}",
+        match zero {
+            Some(means) => format!("from 0 ({means}) "),
+            None => "above 0 and ".into(),
+        }
+    )))
+}
+
+impl RolloutConfig {
+    /// Rejects settings no rollout can run with, before any starts.
+    pub fn check(&self) -> Result<()> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(Error::Input(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            )));
+        }
+        if self.max_new_tokens == 0 {
+            return Err(Error::Input("max_new_tokens must be at least 1".into()));
+        }
+        check_secs("max_wall_secs", self.max_wall_secs, Some("no limit"))?;
+        check_secs("bash_timeout_secs", self.bash_timeout_secs, None)?;
+        check_secs("max_bash_timeout_secs", self.max_bash_timeout_secs, None)?;
+        check_secs("test_timeout_secs", self.test_timeout_secs, None)
+    }
+}
+
 /// Most grades a harness keeps ([`RolloutConfig::grade_cache`]).
 const GRADE_CACHE_ENTRIES: usize = 65_536;
 
@@ -168,6 +205,7 @@ impl Harness {
         template: ChatTemplate,
         cfg: RolloutConfig,
     ) -> Result<Self> {
+        cfg.check()?;
         let im_end = tokenizer
             .token_to_id("<|im_end|>")
             .ok_or_else(|| Error::Input("the tokenizer has no <|im_end|> token".into()))?;

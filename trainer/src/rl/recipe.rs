@@ -12,6 +12,7 @@
 //! Not for: the demo's own values (`recipes/demo.toml`) or command-line
 //! parsing (the binary).
 
+use crate::harness::rollout::check_secs;
 use crate::harness::{FormatCheck, RolloutConfig, Routing};
 use crate::loss::PgConfig;
 use crate::optim::{AdamWConfig, LrSchedule};
@@ -393,17 +394,27 @@ impl Recipe {
         r.checked()
     }
 
-    /// Reads a recipe file; relative paths in it are taken from its folder.
+    /// Reads a recipe file. A relative path in the file is taken from the
+    /// file's folder, one given by `--set` from the working folder; both
+    /// are made absolute, so the run's own `recipe.toml` (which `--resume`
+    /// reads from the run folder) names the same files.
     pub fn from_file(path: &Path, sets: &[String]) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let mut r = Self::from_toml_with(&text, &path.display().to_string(), sets)?;
-        let base = path.parent().unwrap_or(Path::new("."));
-        for p in [&mut r.model, &mut r.tasks, &mut r.eval_tasks]
-            .into_iter()
-            .flatten()
-        {
-            if p.is_relative() {
-                *p = base.join(&*p);
+        let folder = path.parent().unwrap_or(Path::new(""));
+        let set_here = |key: &str| {
+            sets.iter()
+                .any(|kv| kv.split_once('=').is_some_and(|(k, _)| k.trim() == key))
+        };
+        for (key, p) in [
+            ("model", &mut r.model),
+            ("tasks", &mut r.tasks),
+            ("eval_tasks", &mut r.eval_tasks),
+        ] {
+            if let Some(p) = p {
+                let from = if set_here(key) { Path::new("") } else { folder };
+                *p = std::path::absolute(from.join(&*p))
+                    .map_err(|e| Error::Recipe(format!("{key} {}: {e}", p.display())))?;
             }
         }
         Ok(r)
@@ -429,9 +440,6 @@ impl Recipe {
         if !self.replicas.is_multiple_of(self.ranks) {
             return bad("replicas must be a multiple of ranks (each rank's weights are read by its own replicas)");
         }
-        if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return bad("lr must be a finite number >= 0");
-        }
         if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
             return bad("min_lr must be a finite number between 0 and lr");
         }
@@ -441,15 +449,31 @@ impl Recipe {
         if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
             return bad("grad_clip must be a finite number >= 0 (0 = off)");
         }
-        if !(self.rollout.temperature.is_finite() && self.rollout.temperature >= 0.0) {
-            return bad("rollout.temperature must be a finite number >= 0");
+        // The checks the rollouts and the optimizer make themselves, now.
+        let recipe = |prefix: &'static str| {
+            move |e: Error| match e {
+                Error::Input(m) => Error::Recipe(format!("{prefix}{m}")),
+                e => e,
+            }
+        };
+        self.rollout.check().map_err(recipe("rollout."))?;
+        self.train_config().optimizer.check().map_err(recipe(""))?;
+        if !(self.clip_low.is_finite() && (0.0..1.0).contains(&self.clip_low)) {
+            return bad("clip_low must be in [0, 1) (the ratio's floor is 1 - clip_low)");
+        }
+        if !(self.clip_high.is_finite() && self.clip_high >= 0.0) {
+            return bad(
+                "clip_high must be a finite number >= 0 (the ratio's ceiling is 1 + clip_high)",
+            );
+        }
+        if !(self.tis_cap.is_finite() && self.tis_cap > 0.0) {
+            return bad("tis_cap must be a finite number > 0");
         }
         if self.probe_every > 0 && self.probe_tokens == 0 {
             return bad("probe_tokens must be at least 1 when probe_every is on");
         }
-        if self.rollout_timeout_secs <= 0.0 || self.batch_timeout_secs <= 0.0 {
-            return bad("rollout_timeout_secs and batch_timeout_secs must be positive");
-        }
+        check_secs("rollout_timeout_secs", self.rollout_timeout_secs, None).map_err(recipe(""))?;
+        check_secs("batch_timeout_secs", self.batch_timeout_secs, None).map_err(recipe(""))?;
         if matches!(self.keep_checkpoints, Keep::Count(0)) {
             return bad("keep_checkpoints must be at least 1 or \"all\"");
         }
@@ -729,6 +753,35 @@ mod tests {
             assert!((lr(step) - 3e-5).abs() < 1e-12, "{step}");
         }
         assert!(lr(199) > 3e-5);
+    }
+
+    #[test]
+    fn recipe_paths_are_absolute_from_the_file_or_the_working_folder() {
+        // Unit tests run in the crate's folder.
+        let file = Path::new("../recipes/default.toml");
+        let sets = [
+            "model = \"m\"".to_string(),
+            "tasks=\"t/tasks.jsonl\"".to_string(),
+        ];
+        let r = Recipe::from_file(file, &sets).unwrap();
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(r.model.unwrap(), cwd.join("m"));
+        assert_eq!(r.tasks.unwrap(), cwd.join("t/tasks.jsonl"));
+        // In the file: from the file's folder (here through the run's
+        // written recipe, read back as `--resume` reads it).
+        let dir = tempfile::tempdir().unwrap();
+        let rel = Recipe {
+            model: Some("m".into()),
+            eval_tasks: Some("../e.jsonl".into()),
+            ..Recipe::default()
+        };
+        std::fs::write(dir.path().join("r.toml"), rel.to_toml().unwrap()).unwrap();
+        let r = Recipe::from_file(&dir.path().join("r.toml"), &[]).unwrap();
+        assert_eq!(r.model.as_deref(), Some(dir.path().join("m").as_path()));
+        assert!(r.eval_tasks.as_ref().unwrap().is_absolute());
+        std::fs::write(dir.path().join("again.toml"), r.to_toml().unwrap()).unwrap();
+        let again = Recipe::from_file(&dir.path().join("again.toml"), &[]).unwrap();
+        assert_eq!(again, r);
     }
 
     #[test]
