@@ -492,11 +492,16 @@ fn finish_str(r: &Option<FinishReason>) -> &'static str {
 
 /// Cut `text` at the first stop string (they are not part of the output).
 fn cut_at_stop(text: &str, stop: &[String]) -> String {
-    let cut = stop.iter().filter_map(|s| text.find(s.as_str())).min();
-    match cut {
-        Some(i) => text[..i].to_string(),
-        None => text.to_string(),
-    }
+    text[..stop_at(text, stop)].to_string()
+}
+
+/// Where `text` ends at its first stop string (its length when none is
+/// in it): what a client may see of it.
+fn stop_at(text: &str, stop: &[String]) -> usize {
+    stop.iter()
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
+        .unwrap_or(text.len())
 }
 
 // ---------------------------------------------------------------- completions
@@ -1140,7 +1145,13 @@ fn stream_events(
                     d.pending.push((t.token, t.logprob, t.top_logprobs));
                     d.advance(&s);
                     let text = &d.text;
-                    let mut end = text.len().saturating_sub(holdback);
+                    // Held back: what could start a stop string, and all
+                    // from one already complete (the engine's finish event
+                    // follows it).
+                    let mut end = text
+                        .len()
+                        .saturating_sub(holdback)
+                        .min(stop_at(text, &stop));
                     while end > d.sent && !text.is_char_boundary(end) {
                         end -= 1;
                     }
@@ -1289,6 +1300,51 @@ mod tests {
             "arcticd_generation_tokens_per_second",
         ] {
             assert!(body.contains(name), "{name} missing from {body}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn streamed_text_ends_where_the_whole_text_ends_at_a_stop_string() {
+        let app = app(state());
+        let ask = |stop: Option<&str>, stream: bool| {
+            json!({"model": "tiny", "prompt": "hello", "max_tokens": 24, "temperature": 0,
+                   "ignore_eos": true, "stop": stop.map(|s| vec![s]).unwrap_or_default(),
+                   "stream": stream})
+        };
+        let (st, v) = call_json(&app, "/v1/completions", ask(None, false)).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let full: Vec<char> = v["choices"][0]["text"].as_str().unwrap().chars().collect();
+        assert!(full.len() >= 8, "{full:?}");
+        // Stop strings of one and two characters taken from the text at
+        // its start, middle and end: each is complete in some token's text.
+        let mut stops = Vec::new();
+        for at in [0, 1, full.len() / 2, full.len() - 2] {
+            stops.push(full[at..at + 1].iter().collect::<String>());
+            stops.push(full[at..at + 2].iter().collect::<String>());
+        }
+        for stop in &stops {
+            let (st, v) = call_json(&app, "/v1/completions", ask(Some(stop), false)).await;
+            assert_eq!(st, StatusCode::OK, "{v}");
+            let whole = v["choices"][0]["text"].as_str().unwrap().to_string();
+            let (st, sse) = call(
+                &app,
+                "POST",
+                "/v1/completions",
+                &ask(Some(stop), true).to_string(),
+            )
+            .await;
+            assert_eq!(st, StatusCode::OK, "{sse}");
+            let streamed: String = sse
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter(|d| *d != "[DONE]")
+                .map(|d| {
+                    let v: Value = serde_json::from_str(d).unwrap();
+                    v["choices"][0]["text"].as_str().unwrap_or("").to_string()
+                })
+                .collect();
+            assert_eq!(streamed, whole, "stop {stop:?}");
+            assert!(!whole.contains(stop.as_str()), "stop {stop:?} in {whole:?}");
         }
     }
 
