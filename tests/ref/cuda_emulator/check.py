@@ -21,7 +21,7 @@ PINS = os.path.join(HERE, "pins.txt")
 # Every CUDA source and the transcriptions that follow it.
 SOURCES = {
     "prelude.cuh": ["prelude.py"],
-    "gated_delta.cu": ["kernels.py", "recurrent.py", "host.py"],
+    "gated_delta.cu": ["kernels.py", "recurrent.py", "sequential.py", "host.py"],
     "attention.cu": ["attention_kernels.py", "attention.py"],
     "conv1d.cu": ["conv1d.py"],
     "matmul.cu": ["matmul.py"],
@@ -34,11 +34,13 @@ SOURCES = {
 }
 
 # The check runs: every case of each script (host.py: the small and the odd
-# shapes, with and without an initial state).
+# shapes, with and without an initial state; sequential.py: its default
+# groups).
 RUNS = [
     ["host.py", "small"],
     ["host.py", "odd"],
     ["recurrent.py"],
+    ["sequential.py"],
     ["conv1d.py"],
     ["matmul.py"],
     ["elementwise.py"],
@@ -51,6 +53,7 @@ RUNS = [
 TAGS = {
     "kernels.py": {"cu": "gated_delta.cu"},
     "recurrent.py": {"cu": "gated_delta.cu"},
+    "sequential.py": {"cu": "gated_delta.cu"},
     "attention_kernels.py": {"cu": "attention.cu", "p": "prelude.cuh"},
     "conv1d.py": {"cu": "conv1d.cu"},
     "matmul.py": {"cu": "matmul.cu"},

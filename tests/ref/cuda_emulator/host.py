@@ -102,10 +102,12 @@ def chunked_backward(dq, dk, dv, dg, dbeta, dout, state0, q, k, v, g, beta, cu, 
 
 
 # ------------------------------------------------------------------ reference
-def reference(q, k, v, g, beta, dout, state0, cu, dims):
+def reference(q, k, v, g, beta, dout, state0, cu, dims, dstate0=None):
     """float64 forward and manual backward of the recurrence, per sequence
     and value head. Arrays: q, k [T, nk, dk]; v, dout [T, nv, dv];
-    g, beta [T, nv]; state0 [seqs, nv, dk, dv] or None."""
+    g, beta [T, nv]; state0 [seqs, nv, dk, dv] or None. `dstate0`, an
+    array [seqs, nv, dk, dv] if given, receives the initial state's
+    gradient."""
     nk, nv, dk, dv = dims
     r = nv // nk
     Tn = cu[-1]
@@ -149,6 +151,8 @@ def reference(q, k, v, g, beta, dout, state0, cu, dims):
                 dkk[t, kh] += -Sa @ dres
                 dg[t, h] = np.sum(Sa * dSa)
                 dS = np.exp(g[t, h]) * dSa
+            if dstate0 is not None:
+                dstate0[s, h] = dS
     return out, final, dq, dkk, dvv, dg, db
 
 

@@ -17,6 +17,12 @@ BUGS = {
     "transposed_KKE": ("kernels.py", [('r -= bet[l] * Kn[l * GD_CHUNK + i]', 'r -= bet[l] * Kn[i * GD_CHUNK + l]')], HOST_SMALL),
     "solve_skips_next": ("kernels.py", [('for l in range(i + 1, c):  # cu:520', 'for l in range(i + 2, c):  # cu:520')], HOST_SMALL),
     "no_live": ("kernels.py", [('while i < c and live:  # cu:304', 'while i < c:  # cu:304')], HOST_SMALL),
+    # gated_delta.cu, sequential backward (sequential.py)
+    "seq_no_barrier_748": ("sequential.py", [('            yield "cu748"\n', '')], ["sequential.py", "wide"]),
+    "seq_dq_transposed": ("sequential.py", [('a += S[i * dv + j] * sdo[j]  # cu:742', 'a += S[j * dk + i] * sdo[j]  # cu:742')], ["sequential.py", "wide"]),
+    "seq_ckpt_one_more": ("sequential.py", [('for c in range(chunks - 1):  # cu:666', 'for c in range(chunks):  # cu:666')], ["sequential.py", "decay"]),
+    "seq_dS_no_decay": ("sequential.py", [('dS[i * dv + j] = x * decay  # cu:755', 'dS[i * dv + j] = x  # cu:755')], ["sequential.py", "wide"]),
+    "seq_q_not_staged": ("sequential.py", [('                sq[i] = q[(tt * nk + kh) * dk + i]  # cu:714\n', '')], ["sequential.py", "decay"]),
     # attention.cu (attention_kernels.py, run by attention.py)
     "nobarrier_merge": ("attention_kernels.py", [('    yield "cu229"\n', '    if False: yield\n')], ["attention.py", "decode40"]),
     "nobarrier_tile": ("attention_kernels.py", [('        yield "cu354"\n', '')], ["attention.py", "prefill40"]),

@@ -588,8 +588,10 @@ impl CudaDevice {
             shape(op, &[("dstate0", ds.len(), nv * sn)])?;
         }
         if t == 0 {
+            // Zeroed, not scaled by 0: a NaN or Inf already in the buffer
+            // would survive `x * 0` (the CPU writes zeros).
             if let Some(ds) = dstate0 {
-                self.scale(ds, 0.0)?;
+                self.stream.memset_zeros(ds)?;
             }
             return Ok(());
         }
