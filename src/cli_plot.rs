@@ -603,6 +603,9 @@ fn padded(values: impl Iterator<Item = f64>, log: bool) -> (f64, f64) {
     if !lo.is_finite() {
         return (0.0, 1.0);
     }
+    // Values past 1e300 (a diverged run's) are drawn at the edge: a range
+    // whose width overflows to infinity never ends plotters' tick search.
+    let (lo, hi) = (lo.clamp(-1e300, 1e300), hi.clamp(-1e300, 1e300));
     if log {
         let (a, b) = (lo.log10(), hi.log10());
         let pad = if b > a { (b - a) * 0.05 } else { 0.5 };
@@ -948,6 +951,8 @@ mod tests {
         assert_eq!(padded([2.0].into_iter(), false), (1.8, 2.2));
         let (lo, hi) = padded([1e-4, 1e-2].into_iter(), true);
         assert!(lo > 0.0 && lo < 1e-4 && hi > 1e-2);
+        let (lo, hi) = padded([f64::MAX, -1e308].into_iter(), false);
+        assert!(lo.is_finite() && hi.is_finite() && (hi - lo).is_finite());
         assert_eq!(tick(0.0), "0");
         assert_eq!(tick(0.25), "0.25");
         assert_eq!(tick(1500.0), "1500");

@@ -190,6 +190,41 @@ fn default_out_and_skipped_figures() {
     assert!(varied);
 }
 
+/// A diverged run's metrics (values near f64's largest) plot and end: a
+/// range whose width overflowed to infinity kept plotters searching for
+/// ticks forever.
+#[test]
+fn diverged_values_plot_and_end() {
+    let root = tmpdir("huge");
+    let run = root.join("diverged");
+    std::fs::create_dir_all(&run).unwrap();
+    let lines = [
+        json!({"step": 1, "reward_mean": 1e308, "time_wait_s": 1.7976931348623157e308}),
+        json!({"step": 2, "reward_mean": -1e308, "time_wait_s": 1.0}),
+        json!({"step": 3, "reward_mean": 0.5, "time_wait_s": 2.0}),
+    ];
+    let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+    std::fs::write(run.join("metrics.jsonl"), text).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .args(["plot", run.to_str().unwrap()])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > std::time::Duration::from_secs(120) {
+            child.kill().unwrap();
+            panic!("arcticd plot still running after 120 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert!(status.success());
+    assert!(run.join("plots/reward.png").exists());
+}
+
 #[test]
 fn bad_input_is_a_clear_error() {
     let root = tmpdir("bad");

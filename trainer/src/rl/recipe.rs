@@ -756,6 +756,33 @@ mod tests {
     }
 
     #[test]
+    fn values_no_run_can_use_are_refused_before_it_starts() {
+        for (set, says) in [
+            ("rollout_timeout_secs=nan", "rollout_timeout_secs"),
+            ("batch_timeout_secs=1e300", "batch_timeout_secs"),
+            ("rollout.max_wall_secs=inf", "rollout.max_wall_secs"),
+            ("rollout.test_timeout_secs=0.0", "rollout.test_timeout_secs"),
+            ("rollout.max_new_tokens=0", "rollout.max_new_tokens"),
+            ("rollout.temperature=-1.0", "rollout.temperature"),
+            ("lr=nan", "lr"),
+            ("beta1=1.0", "beta1"),
+            ("beta2=1.5", "beta2"),
+            ("eps=0.0", "eps"),
+            ("weight_decay=-0.1", "weight_decay"),
+            ("clip_low=2.0", "clip_low"),
+            ("clip_high=-1.0", "clip_high"),
+            ("tis_cap=0.0", "tis_cap"),
+        ] {
+            let e = Recipe::from_toml_with("", "r", &[set.to_string()])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{set}: {e}");
+        }
+        // Zero is "no limit" for the rollout's wall time.
+        Recipe::from_toml_with("", "r", &["rollout.max_wall_secs=0.0".into()]).unwrap();
+    }
+
+    #[test]
     fn recipe_paths_are_absolute_from_the_file_or_the_working_folder() {
         // Unit tests run in the crate's folder.
         let file = Path::new("../recipes/default.toml");
