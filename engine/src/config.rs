@@ -175,9 +175,14 @@ impl ModelConfig {
                 return Err(cfg_err("rope_scaling is not supported"));
             }
         }
+        // At most 2^20 each (real models stay far below), so that the
+        // products of three sizes that shape the weights cannot overflow.
+        const MAX_SIZE: usize = 1 << 20;
         let nonzero = |name: &str, v: usize| -> Result<usize> {
-            if v == 0 {
-                Err(cfg_err(format!("{name} must be positive")))
+            if v == 0 || v > MAX_SIZE {
+                Err(cfg_err(format!(
+                    "{name} must be positive and at most {MAX_SIZE}, got {v}"
+                )))
             } else {
                 Ok(v)
             }
@@ -220,6 +225,17 @@ impl ModelConfig {
             .and_then(Value::as_f64)
             .or(hf.partial_rotary_factor)
             .unwrap_or(0.25);
+        if !(theta.is_finite() && theta > 0.0) {
+            return Err(cfg_err(format!(
+                "rope_theta {theta} must be a finite number > 0"
+            )));
+        }
+        let eps = hf.rms_norm_eps.unwrap_or(1e-6);
+        if !(eps.is_finite() && eps > 0.0) {
+            return Err(cfg_err(format!(
+                "rms_norm_eps {eps} must be a finite number > 0"
+            )));
+        }
         if !(factor > 0.0 && factor <= 1.0) {
             return Err(cfg_err(format!(
                 "partial_rotary_factor {factor} must be in (0, 1]"
@@ -296,7 +312,7 @@ impl ModelConfig {
             num_heads: n_heads,
             num_kv_heads: n_kv,
             head_dim,
-            rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rms_norm_eps: eps as f32,
             tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
             attention_bias: hf.attention_bias.unwrap_or(false),
             rope_theta: theta as f32,
@@ -392,5 +408,34 @@ mod tests {
         let mut bad = base();
         bad["num_key_value_heads"] = json!(3);
         assert!(ModelConfig::from_json(&bad).is_err());
+    }
+
+    /// Sizes whose products would overflow (and then match a checkpoint's
+    /// real shapes by wrapping, to panic in a kernel), and the values that
+    /// make every score NaN, are refused when the config is read.
+    #[test]
+    fn sizes_past_two_to_the_twenty_and_nan_making_values_are_refused() {
+        for (key, value, says) in [
+            (
+                "num_attention_heads",
+                json!(4u64 + (1u64 << 62)),
+                "num_attention_heads",
+            ),
+            ("head_dim", json!(1u64 << 62), "head_dim"),
+            ("intermediate_size", json!(1u64 << 21), "intermediate_size"),
+            ("rms_norm_eps", json!(-1.0), "rms_norm_eps"),
+            ("rms_norm_eps", json!(0.0), "rms_norm_eps"),
+        ] {
+            let mut bad = base();
+            bad[key] = value;
+            let e = ModelConfig::from_json(&bad).unwrap_err().to_string();
+            assert!(e.contains(says), "{key}: {e}");
+        }
+        for theta in [0.0, -1.0] {
+            let mut bad = base();
+            bad["rope_parameters"]["rope_theta"] = json!(theta);
+            let e = ModelConfig::from_json(&bad).unwrap_err().to_string();
+            assert!(e.contains("rope_theta"), "{theta}: {e}");
+        }
     }
 }
