@@ -80,6 +80,12 @@ pub struct ServeArgs {
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
+    anyhow::ensure!(args.replicas > 0, "--replicas must be at least 1");
+    anyhow::ensure!(
+        args.default_max_tokens > 0,
+        "--default-max-tokens must be at least 1 (the completion length of a chat request \
+         that sets no max_tokens)"
+    );
     if let Device::Cuda(ordinal) = args.device {
         return serve_on_cuda(args, ordinal);
     }
@@ -101,12 +107,26 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     );
     let store = ParamStore::packed(model, packs);
     let cache_memory = match args.cache_memory {
-        Some(mib) => mib << 20,
+        Some(mib) => {
+            let bytes = cache_bytes(mib)?;
+            if let Some(available) = arcticd_trainer::memory::host_memory_available() {
+                let want = (bytes as u128) * args.replicas as u128;
+                if want > available as u128 {
+                    anyhow::bail!(
+                        "--cache-memory {mib} MiB x {} replicas is more than the {} MiB of \
+                         memory available",
+                        args.replicas,
+                        available >> 20
+                    );
+                }
+            }
+            bytes
+        }
         None => {
             let f = args.cache_fraction.unwrap_or(DEFAULT_CACHE_FRACTION);
             let meminfo = std::fs::read_to_string("/proc/meminfo")
                 .context("--cache-fraction reads the available memory from /proc/meminfo")?;
-            cache_from_fraction(f, &meminfo, args.replicas.max(1))?
+            cache_from_fraction(f, &meminfo, args.replicas)?
         }
     };
     run(args, store, cache_memory)
@@ -134,7 +154,7 @@ fn serve_on_cuda(args: ServeArgs, ordinal: usize) -> Result<()> {
         args.weights
     );
     let cache_memory = match args.cache_memory {
-        Some(mib) => mib << 20,
+        Some(mib) => cache_bytes(mib)?,
         None => {
             let f = args.cache_fraction.unwrap_or(DEFAULT_CACHE_FRACTION);
             let (free, _) = CudaDevice::new(ordinal)?.memory_info()?;
@@ -172,7 +192,7 @@ fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) 
         ..Default::default()
     };
     let router = Router::start(
-        args.replicas.max(1),
+        args.replicas,
         store.clone(),
         Some(tokenizer.clone()),
         config,
@@ -270,6 +290,13 @@ fn cache_from_fraction(fraction: f64, meminfo: &str, replicas: usize) -> Result<
     let available = arcticd_trainer::memory::parse_mem_available(meminfo)
         .context("no MemAvailable line in /proc/meminfo")?;
     fraction_of(fraction, available as usize, replicas)
+}
+
+/// `--cache-memory` in bytes.
+fn cache_bytes(mib: usize) -> Result<usize> {
+    mib.checked_mul(1 << 20)
+        .filter(|&b| b > 0)
+        .with_context(|| format!("--cache-memory {mib} MiB: give a size from 1 MiB up"))
 }
 
 /// `fraction` of `available` bytes, split between `replicas`.

@@ -153,6 +153,22 @@ fn init_score_generate_and_bad_input() {
         &arcticd(&["score", "--model", m, "--input", inp, "--weights", "fp8"]),
         "expected bf16 or f32",
     );
+    // Serve settings no request could use: refused at start, not per
+    // request (a server that started with them rejected every request).
+    for (flag, value, says) in [
+        ("--replicas", "0", "--replicas"),
+        ("--default-max-tokens", "0", "--default-max-tokens"),
+        ("--max-model-len", "0", "max_model_len"),
+        ("--max-batched-tokens", "0", "64 + 64 = 128"),
+        ("--cache-memory", "0", "--cache-memory"),
+        ("--cache-memory", "100000000000", "more than"),
+        ("--cache-memory", "18446744073709551615", "--cache-memory"),
+    ] {
+        assert_clean_error(
+            &arcticd(&["serve", "--model", m, "--port", "0", flag, value]),
+            says,
+        );
+    }
     let on_cpu = arcticd(&["score", "--model", m, "--input", inp, "--device", "cpu"]);
     assert_eq!(on_cpu.stdout, score_stdout);
     assert_clean_error(

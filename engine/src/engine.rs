@@ -160,8 +160,16 @@ impl EngineConfig {
         if self.max_num_seqs == 0 {
             return bad("max_num_seqs must be positive");
         }
-        if self.max_batched_tokens < self.max_num_seqs + self.prefix_unit {
-            return bad("max_batched_tokens must be at least max_num_seqs + prefix_unit");
+        if self.max_model_len == 0 {
+            return bad("max_model_len must be positive");
+        }
+        let least = self.max_num_seqs.saturating_add(self.prefix_unit);
+        if self.max_batched_tokens < least {
+            return Err(Error::Config(format!(
+                "max_batched_tokens ({}) must be at least max_num_seqs + prefix_unit \
+                 ({} + {} = {least}): raise it, or lower max_num_seqs",
+                self.max_batched_tokens, self.max_num_seqs, self.prefix_unit
+            )));
         }
         if self.device != Device::Cpu && self.state_dtype == StateDtype::Bf16 {
             return bad(
