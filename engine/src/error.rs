@@ -27,10 +27,12 @@ pub enum Error {
     /// The engine cannot take work (it stopped, or is shutting down).
     #[error("unavailable: {0}")]
     Unavailable(String),
-    #[error("{}: {source}", path.display())]
+    /// The io error is said in the message, not chained as a source
+    /// (a chain would print it twice: "x: No such file: No such file").
+    #[error("{}: {error}", path.display())]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error(transparent)]
     Kernel(#[from] arcticd_kernels::Error),
@@ -77,7 +79,7 @@ impl Error {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            error: source,
         }
     }
 }

@@ -567,8 +567,7 @@ impl DockerSandbox {
             }
             Ok::<(), Error>(())
         };
-        let timed_out = match tokio::time::timeout(Duration::from_secs_f64(timeout), collect).await
-        {
+        let timed_out = match tokio::time::timeout(crate::limit(timeout)?, collect).await {
             Ok(r) => {
                 r?;
                 false

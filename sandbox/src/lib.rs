@@ -82,11 +82,12 @@ pub use tokio;
 /// failures of the sandbox machinery itself.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{context}: {source}")]
+    /// The io error is said in the message, not chained as a source
+    /// (a chain would print it twice).
+    #[error("{context}: {error}")]
     Io {
         context: String,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error("docker: {0}")]
     Docker(#[from] bollard::errors::Error),
@@ -114,7 +115,7 @@ impl Error {
     pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {
             context: context.into(),
-            source,
+            error: source,
         }
     }
 }
@@ -128,13 +129,20 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
         .map_err(|e| Error::io("building the tokio runtime", e))
 }
 
+/// A time limit of `secs` seconds, or an error where it is none (NaN,
+/// negative, or past what a `Duration` holds) instead of a panic.
+pub(crate) fn limit(secs: f64) -> Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(secs)
+        .map_err(|_| Error::InvalidInput(format!("a time limit of {secs:?} s")))
+}
+
 /// Runs `fut` under `secs` seconds, mapping expiry to [`Error::Timeout`].
 pub(crate) async fn with_timeout<T>(
     op: &str,
     secs: f64,
     fut: impl std::future::Future<Output = Result<T>>,
 ) -> Result<T> {
-    match tokio::time::timeout(std::time::Duration::from_secs_f64(secs), fut).await {
+    match tokio::time::timeout(limit(secs)?, fut).await {
         Ok(r) => r,
         Err(_) => Err(Error::Timeout {
             op: op.to_string(),

@@ -597,7 +597,7 @@ impl Sandbox for LocalSandbox {
             .take()
             .map(|r| tokio::spawn(drain(r, CappedOutput::new(cap))));
         let (exit_code, timed_out) =
-            match tokio::time::timeout(Duration::from_secs_f64(timeout), child.wait()).await {
+            match tokio::time::timeout(crate::limit(timeout)?, child.wait()).await {
                 Ok(status) => {
                     let status = status.map_err(|e| Error::io("waiting for bwrap", e))?;
                     let code = status.code().map(i64::from).or_else(|| {

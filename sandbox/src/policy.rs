@@ -61,11 +61,12 @@ impl Policy {
     pub fn validate(&self) -> crate::Result<()> {
         self.uid_gid()?;
         let bad = |what: &str| Err(crate::Error::InvalidInput(what.to_string()));
-        if !(self.exec_timeout_secs > 0.0 && self.exec_timeout_secs.is_finite()) {
-            return bad("exec_timeout_secs must be positive");
+        // Below 1e7 s (about 116 days), as a request's own timeout.
+        if !(self.exec_timeout_secs > 0.0 && self.exec_timeout_secs < 1e7) {
+            return bad("exec_timeout_secs must be above 0 and below 1e7 seconds");
         }
-        if !(self.op_timeout_secs > 0.0 && self.op_timeout_secs.is_finite()) {
-            return bad("op_timeout_secs must be positive");
+        if !(self.op_timeout_secs > 0.0 && self.op_timeout_secs < 1e7) {
+            return bad("op_timeout_secs must be above 0 and below 1e7 seconds");
         }
         if !(self.cpus > 0.0 && self.cpus.is_finite()) {
             return bad("cpus must be positive");
@@ -104,11 +105,21 @@ mod tests {
             ..Policy::default()
         };
         assert!(p.validate().is_err());
-        let p = Policy {
-            exec_timeout_secs: f64::NAN,
-            ..Policy::default()
-        };
-        assert!(p.validate().is_err());
+        // NaN, or past what a Duration holds (it panicked when the
+        // command's timer started).
+        for secs in [f64::NAN, 1e300, f64::INFINITY, 0.0] {
+            let p = Policy {
+                exec_timeout_secs: secs,
+                ..Policy::default()
+            };
+            assert!(p.validate().is_err(), "{secs}");
+            let p = Policy {
+                op_timeout_secs: secs,
+                ..Policy::default()
+            };
+            assert!(p.validate().is_err(), "{secs}");
+        }
+        assert!(crate::limit(1e300).is_err() && crate::limit(f64::NAN).is_err());
         let p = Policy {
             workdir: "/".into(),
             ..Policy::default()

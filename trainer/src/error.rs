@@ -33,10 +33,12 @@ pub enum Error {
     /// A run whose memory plan does not fit.
     #[error("memory: {0}")]
     Memory(String),
-    #[error("{path}: {source}")]
+    /// The io error is said in the message, not chained as a source
+    /// (a chain would print it twice).
+    #[error("{}: {error}", path.display())]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
 }
 
@@ -44,7 +46,7 @@ impl Error {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            error: source,
         }
     }
 }

@@ -57,6 +57,7 @@ pub struct OpenAiPolicy {
 
 impl OpenAiPolicy {
     pub fn new(cfg: OpenAiConfig, tokenizer: Arc<Tokenizer>) -> Result<Self> {
+        super::rollout::check_secs("request_timeout_secs", cfg.request_timeout_secs, None)?;
         if !cfg.endpoint.starts_with("http://") {
             return Err(Error::Input(format!(
                 "endpoint {:?} must start with http:// (TLS is not supported)",
