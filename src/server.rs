@@ -32,6 +32,7 @@ use arcticd_engine::sampler::SamplingParams;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_engine::tool_call::{parse_lenient, ToolCall};
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -107,6 +108,7 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -182,7 +184,16 @@ type AppResult<T> = Result<T, AppError>;
 /// A generated token, its log-prob and the requested alternatives.
 type TokenLp = (u32, f32, Vec<(u32, f32)>);
 
-fn parse_body<T: DeserializeOwned>(body: &Bytes) -> AppResult<T> {
+/// The request body as JSON. A body the server could not read (past the
+/// size limit, or cut off) is an OpenAI error too, with the rejection's
+/// status (413 for a body too large), not axum's plain text.
+fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> AppResult<T> {
+    let body = body.as_ref().map_err(|e| AppError {
+        status: e.status(),
+        kind: "invalid_request_error",
+        message: format!("the request body could not be read: {}", e.body_text()),
+        param: None,
+    })?;
     if body.is_empty() {
         return Err(AppError::bad("the request body is empty; expected JSON"));
     }
@@ -194,6 +205,15 @@ async fn not_found() -> AppError {
         status: StatusCode::NOT_FOUND,
         kind: "invalid_request_error",
         message: "no such route".into(),
+        param: None,
+    }
+}
+
+async fn method_not_allowed() -> AppError {
+    AppError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        kind: "invalid_request_error",
+        message: "this route does not take that method (completions take POST)".into(),
         param: None,
     }
 }
@@ -277,7 +297,10 @@ struct TokenizeRequest {
     add_generation_prompt: Option<bool>,
 }
 
-async fn tokenize(State(s): State<AppState>, body: Bytes) -> AppResult<Json<Value>> {
+async fn tokenize(
+    State(s): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> AppResult<Json<Value>> {
     let req: TokenizeRequest = parse_body(&body)?;
     let tokens = match (req.prompt, req.messages) {
         (Some(p), None) => s.inner.tokenizer.encode(&p)?,
@@ -309,7 +332,10 @@ struct DetokenizeRequest {
     tokens: Vec<u32>,
 }
 
-async fn detokenize(State(s): State<AppState>, body: Bytes) -> AppResult<Json<Value>> {
+async fn detokenize(
+    State(s): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> AppResult<Json<Value>> {
     let req: DetokenizeRequest = parse_body(&body)?;
     let text = s.inner.tokenizer.decode(&req.tokens, false)?;
     Ok(Json(json!({ "prompt": text })))
@@ -516,7 +542,10 @@ struct CompletionRequest {
     echo: Option<bool>,
 }
 
-async fn completions(State(s): State<AppState>, body: Bytes) -> AppResult<Response> {
+async fn completions(
+    State(s): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> AppResult<Response> {
     let mut req: CompletionRequest = parse_body(&body)?;
     s.check_model(&req.sampling.model)?;
     let prompts: Vec<Vec<u32>> = match req.prompt {
@@ -741,7 +770,10 @@ fn tool_mode(tools: &Option<Vec<Value>>, choice: &Option<Value>) -> AppResult<To
     }
 }
 
-async fn chat_completions(State(s): State<AppState>, body: Bytes) -> AppResult<Response> {
+async fn chat_completions(
+    State(s): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> AppResult<Response> {
     let mut req: ChatRequest = parse_body(&body)?;
     s.check_model(&req.sampling.model)?;
     if req.messages.is_empty() {
@@ -1346,6 +1378,30 @@ mod tests {
             assert_eq!(streamed, whole, "stop {stop:?}");
             assert!(!whole.contains(stop.as_str()), "stop {stop:?} in {whole:?}");
         }
+    }
+
+    /// A wrong method and a body past the size limit get OpenAI's JSON
+    /// error shape like every other bad request (405 came empty and 413 as
+    /// plain text).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn wrong_methods_and_huge_bodies_get_json_errors() {
+        let app = app(state());
+        for method in ["GET", "PUT", "DELETE"] {
+            let (st, body) = call(&app, method, "/v1/chat/completions", "").await;
+            assert_eq!(st, StatusCode::METHOD_NOT_ALLOWED, "{method}");
+            let v: Value = serde_json::from_str(&body).unwrap();
+            assert!(
+                v["error"]["message"].as_str().unwrap().contains("method"),
+                "{v}"
+            );
+        }
+        let huge = format!(r#"{{"model":"tiny","prompt":"{}"}}"#, "a".repeat(3 << 20));
+        let (st, body) = call(&app, "POST", "/v1/completions", &huge).await;
+        assert_eq!(st, StatusCode::PAYLOAD_TOO_LARGE);
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        let (st, _) = call(&app, "GET", "/health", "").await;
+        assert_eq!(st, StatusCode::OK);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
