@@ -275,9 +275,15 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         }
         (None, None) => anyhow::bail!("give --model DIR or --preset NAME"),
     };
-    if args.tokens == 0 || args.sequences == 0 || args.sequences > args.tokens {
+    // Past 2^30 tokens the plan's byte counts could wrap around.
+    if args.tokens == 0
+        || args.sequences == 0
+        || args.sequences > args.tokens
+        || args.tokens > 1 << 30
+    {
         anyhow::bail!(
-            "--tokens and --sequences must be positive, with no more sequences than tokens"
+            "--tokens and --sequences must be positive, with no more sequences than tokens \
+             and at most 1073741824 tokens"
         );
     }
     let placement = match args.placement {

@@ -253,6 +253,28 @@ fn plan_sizes_a_real_shape_and_refuses_what_does_not_fit() {
         &arcticd(&["plan", "--preset", "tiny", "--placement", "gpu"]),
         "--memory-gb",
     );
+    // Byte counts that would wrap (it said "fits" for 2^64 - 1 tokens).
+    assert_clean_error(
+        &arcticd(&[
+            "plan",
+            "--preset",
+            "tiny",
+            "--tokens",
+            "18446744073709551615",
+        ]),
+        "at most 1073741824 tokens",
+    );
+    assert_clean_error(
+        &arcticd(&[
+            "tasks",
+            "toy",
+            "--count",
+            "100000000000",
+            "--out",
+            "/nonexistent/toy",
+        ]),
+        "count must be from 1 to 1000000",
+    );
 }
 
 /// `arcticd bench-decode`: one JSON line per batch size, every sequence's

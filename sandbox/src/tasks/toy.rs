@@ -340,8 +340,13 @@ fn write(path: &Path, text: &str) -> Result<()> {
 /// `out/tasks.jsonl` (repo paths relative to it). Returns the tasks with
 /// absolute repo paths.
 pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
-    if cfg.count == 0 {
-        return Err(Error::InvalidInput("count must be at least 1".into()));
+    // A folder of files per task: past a million, a typo, not a pool.
+    const MAX_COUNT: usize = 1_000_000;
+    if cfg.count == 0 || cfg.count > MAX_COUNT {
+        return Err(Error::InvalidInput(format!(
+            "count must be from 1 to {MAX_COUNT}, got {}",
+            cfg.count
+        )));
     }
     if !(0.0..=1.0).contains(&cfg.loose_share) {
         return Err(Error::InvalidInput("loose_share must be in [0, 1]".into()));
