@@ -581,6 +581,12 @@ async fn completions(
         if requests.len() != 1 {
             return Err(AppError::bad("streaming takes one prompt").param("prompt"));
         }
+        if echo {
+            return Err(
+                AppError::bad("echo is not supported with stream; ask without stream")
+                    .param("echo"),
+            );
+        }
         let request = requests
             .into_iter()
             .next()
@@ -623,13 +629,18 @@ async fn completions(
         for (ci, c) in choices.into_iter().enumerate() {
             completion_tokens += c.tokens.len();
             let mut text = cut_at_stop(&s.decode(&c.tokens)?, &params.stop);
+            // With echo the text starts with the prompt, and the generated
+            // tokens' offsets count from its end.
+            let mut offset = 0;
             if echo {
-                text = s.decode(prompt)? + &text;
+                let shown = s.decode(prompt)?;
+                offset = shown.len();
+                text = shown + &text;
             }
             let mut choice = json!({
                 "index": pi * n + ci,
                 "text": text,
-                "logprobs": logprobs.map(|_| completion_logprobs_full(&s, &c)),
+                "logprobs": logprobs.map(|_| completion_logprobs_full(&s, &c, offset)),
                 "finish_reason": finish_str(&c.finish_reason),
             });
             if return_ids {
@@ -655,8 +666,9 @@ async fn completions(
     .into_response())
 }
 
-/// Legacy completions `logprobs` object for generated tokens.
-fn completion_logprobs_full(s: &AppState, c: &Choice) -> Value {
+/// Legacy completions `logprobs` object for generated tokens, their text
+/// offsets counted from `offset` in the returned text.
+fn completion_logprobs_full(s: &AppState, c: &Choice, offset: usize) -> Value {
     let items: Vec<TokenLp> = c
         .tokens
         .iter()
@@ -664,7 +676,7 @@ fn completion_logprobs_full(s: &AppState, c: &Choice) -> Value {
         .zip(&c.top_logprobs)
         .map(|((&t, &lp), top)| (t, lp, top.clone()))
         .collect();
-    completion_logprobs(s, &items, 0)
+    completion_logprobs(s, &items, offset)
 }
 
 fn completion_logprobs(s: &AppState, items: &[TokenLp], offset: usize) -> Value {
@@ -1383,6 +1395,37 @@ mod tests {
     /// A wrong method and a body past the size limit get OpenAI's JSON
     /// error shape like every other bad request (405 came empty and 413 as
     /// plain text).
+    /// With echo, the text starts with the prompt and each generated
+    /// token's text_offset points at that token in the returned text.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn echoed_completions_offset_their_tokens_past_the_prompt() {
+        let app = app(state());
+        let ask = json!({"model": "tiny", "prompt": "hello there", "max_tokens": 6,
+                         "temperature": 0, "ignore_eos": true, "echo": true, "logprobs": 1});
+        let (st, v) = call_json(&app, "/v1/completions", ask.clone()).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let text = v["choices"][0]["text"].as_str().unwrap();
+        assert!(text.starts_with("hello there"), "{text:?}");
+        let lp = &v["choices"][0]["logprobs"];
+        let tokens = lp["tokens"].as_array().unwrap();
+        let offsets = lp["text_offset"].as_array().unwrap();
+        assert_eq!(tokens.len(), 6);
+        assert_eq!(offsets[0].as_u64().unwrap() as usize, "hello there".len());
+        for (tok, off) in tokens.iter().zip(offsets) {
+            let (tok, off) = (tok.as_str().unwrap(), off.as_u64().unwrap() as usize);
+            assert_eq!(
+                text.get(off..off + tok.len()),
+                Some(tok),
+                "{text:?} at {off}"
+            );
+        }
+        let mut streamed = ask;
+        streamed["stream"] = json!(true);
+        let (st, v) = call_json(&app, "/v1/completions", streamed).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+        assert_eq!(v["error"]["param"], "echo", "{v}");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn wrong_methods_and_huge_bodies_get_json_errors() {
         let app = app(state());
