@@ -401,6 +401,9 @@ async fn setup(
 )> {
     let format: Format = a.format.parse()?;
     let tasks = tasks::load_tasks(&a.tasks, format)?;
+    if tasks.is_empty() {
+        bail!("{} holds no tasks", a.tasks.display());
+    }
     let backend = backend(a.backend).await?;
     let cfg = validate::ValidateConfig {
         image: a.image.clone(),

@@ -275,6 +275,14 @@ fn plan_sizes_a_real_shape_and_refuses_what_does_not_fit() {
         ]),
         "count must be from 1 to 1000000",
     );
+    // An empty task file is said to be one (it printed nothing, exit 0).
+    let empty = std::env::temp_dir().join(format!("arcticd-empty-{}.jsonl", std::process::id()));
+    std::fs::write(&empty, "").unwrap();
+    assert_clean_error(
+        &arcticd(&["tasks", "validate", "--tasks", empty.to_str().unwrap()]),
+        "holds no tasks",
+    );
+    std::fs::remove_file(&empty).ok();
 }
 
 /// `arcticd bench-decode`: one JSON line per batch size, every sequence's

@@ -18,6 +18,15 @@ pub struct Checkpoint {
     index: HashMap<String, usize>,
 }
 
+/// What a safetensors file that does not parse is, in words a user can act
+/// on (the library's own reads `HeaderTooSmall`, `InvalidHeaderLength`).
+pub fn unreadable_safetensors(path: &Path, e: &safetensors::SafeTensorError) -> String {
+    format!(
+        "{}: not a complete safetensors file (truncated, or another format): {e:?}",
+        path.display()
+    )
+}
+
 fn werr(msg: impl Into<String>) -> Error {
     Error::Weights(msg.into())
 }
@@ -66,7 +75,7 @@ impl Checkpoint {
             // mmap-based loader.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
             let st = SafeTensors::deserialize(&mmap)
-                .map_err(|e| werr(format!("{}: {e}", path.display())))?;
+                .map_err(|e| werr(unreadable_safetensors(&path, &e)))?;
             for n in st.names() {
                 index.insert(n.to_string(), files.len());
             }
@@ -98,7 +107,7 @@ impl Checkpoint {
             .ok_or_else(|| werr(format!("missing tensor {name}")))?;
         let (path, mmap) = &self.files[i];
         let st =
-            SafeTensors::deserialize(mmap).map_err(|e| werr(format!("{}: {e}", path.display())))?;
+            SafeTensors::deserialize(mmap).map_err(|e| werr(unreadable_safetensors(path, &e)))?;
         let view = st
             .tensor(name)
             .map_err(|e| werr(format!("{name} in {}: {e}", path.display())))?;
@@ -244,6 +253,18 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 mod tests {
     use super::*;
     use safetensors::tensor::TensorView;
+
+    #[test]
+    fn a_truncated_file_is_said_to_be_one() {
+        let dir = std::env::temp_dir().join(format!("arcticd-trunc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for bytes in [&b"\x05\x00"[..], &[200, 0, 0, 0, 0, 0, 0, 0, b'{']] {
+            std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+            let e = Checkpoint::open(&dir).err().unwrap().to_string();
+            assert!(e.contains("not a complete safetensors file"), "{e}");
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
 
     #[test]
     fn reads_f32_bf16_f16_and_checks_shapes() {

@@ -210,8 +210,8 @@ pub fn load_optimizer(dir: &Path, opt: &mut AdamW) -> Result<()> {
         .map_err(|e| cerr(format!("{}: {e}", state_path.display())))?;
     let path = dir.join("optimizer.safetensors");
     let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
-    let st =
-        SafeTensors::deserialize(&bytes).map_err(|e| cerr(format!("{}: {e}", path.display())))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| cerr(arcticd_engine::weights::unreadable_safetensors(&path, &e)))?;
     for (i, name) in opt.names.iter().enumerate() {
         for (key, dst) in [
             (format!("exp_avg.{name}"), &mut opt.exp_avg[i]),
@@ -239,8 +239,8 @@ pub type NamedTensor = (String, Vec<usize>, Vec<f32>);
 /// by name: for comparing checkpoints and reading reference fixtures.
 pub fn read_safetensors_f32(path: &Path) -> Result<Vec<NamedTensor>> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    let st =
-        SafeTensors::deserialize(&bytes).map_err(|e| cerr(format!("{}: {e}", path.display())))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| cerr(arcticd_engine::weights::unreadable_safetensors(path, &e)))?;
     let mut out = Vec::new();
     for (name, view) in st.tensors() {
         let b = view.data();
