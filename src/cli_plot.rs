@@ -66,30 +66,37 @@ pub fn plot_runs(runs: &[PathBuf], out: &Path, smooth: usize) -> Result<Vec<Path
         .map(|d| Run::load(d))
         .collect::<Result<Vec<_>>>()?;
     let names = run_names(&runs);
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let mut written = Vec::new();
-    for figure in figures(smooth) {
-        let panels: Vec<PanelData> = figure
-            .panels
-            .iter()
-            .filter_map(|p| PanelData::collect(p, &runs, smooth))
-            .collect();
-        if panels.is_empty() {
-            continue;
-        }
-        let path = out.join(figure.file);
-        render(&path, figure.title, &panels, &names)
-            .with_context(|| format!("drawing {}", path.display()))?;
-        written.push(path);
-    }
+    // What each figure would show, before anything is created: a run with
+    // nothing to draw leaves no empty folder behind.
+    let figures = figures(smooth);
+    let drawn: Vec<_> = figures
+        .iter()
+        .map(|figure| {
+            let panels: Vec<PanelData> = figure
+                .panels
+                .iter()
+                .filter_map(|p| PanelData::collect(p, &runs, smooth))
+                .collect();
+            (figure, panels)
+        })
+        .filter(|(_, panels)| !panels.is_empty())
+        .collect();
     anyhow::ensure!(
-        !written.is_empty(),
+        !drawn.is_empty(),
         "none of the runs has any field that a figure shows ({})",
         runs.iter()
             .map(|r| r.file.display().to_string())
             .collect::<Vec<_>>()
             .join(", ")
     );
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut written = Vec::new();
+    for (figure, panels) in drawn {
+        let path = out.join(figure.file);
+        render(&path, figure.title, &panels, &names)
+            .with_context(|| format!("drawing {}", path.display()))?;
+        written.push(path);
+    }
     Ok(written)
 }
 
@@ -220,13 +227,18 @@ fn kind_of(v: &Value) -> &'static str {
     }
 }
 
+/// Largest magnitude drawn: a diverged run's 1e308 is drawn at this edge,
+/// as values past it overflow the axis range (plotters' tick search never
+/// ended) and the pixel arithmetic (an overflow panic in a debug build).
+const DRAWN_LIMIT: f64 = 1e300;
+
 fn number(v: &Value) -> Option<f64> {
     let x = match v {
         Value::Number(n) => n.as_f64()?,
         Value::Bool(b) => f64::from(u8::from(*b)),
         _ => return None,
     };
-    x.is_finite().then_some(x)
+    x.is_finite().then_some(x.clamp(-DRAWN_LIMIT, DRAWN_LIMIT))
 }
 
 fn step_of(index: usize, row: &Map<String, Value>) -> f64 {
@@ -603,9 +615,10 @@ fn padded(values: impl Iterator<Item = f64>, log: bool) -> (f64, f64) {
     if !lo.is_finite() {
         return (0.0, 1.0);
     }
-    // Values past 1e300 (a diverged run's) are drawn at the edge: a range
-    // whose width overflows to infinity never ends plotters' tick search.
-    let (lo, hi) = (lo.clamp(-1e300, 1e300), hi.clamp(-1e300, 1e300));
+    let (lo, hi) = (
+        lo.clamp(-DRAWN_LIMIT, DRAWN_LIMIT),
+        hi.clamp(-DRAWN_LIMIT, DRAWN_LIMIT),
+    );
     if log {
         let (a, b) = (lo.log10(), hi.log10());
         let pad = if b > a { (b - a) * 0.05 } else { 0.5 };

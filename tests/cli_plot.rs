@@ -256,6 +256,18 @@ fn bad_input_is_a_clear_error() {
     let res = arcticd(&["plot", good.to_str().unwrap(), bad.to_str().unwrap()]);
     assert_clean_error(&res, &["bad-line", "metrics.jsonl:2", "not valid JSON"]);
 
+    // Nothing any figure shows: an error, and no empty plots/ left behind.
+    let nothing = root.join("nothing");
+    std::fs::create_dir_all(&nothing).unwrap();
+    std::fs::write(
+        nothing.join("metrics.jsonl"),
+        "{\"step\": 1, \"unplotted\": 2}\n",
+    )
+    .unwrap();
+    let res = arcticd(&["plot", nothing.to_str().unwrap()]);
+    assert_clean_error(&res, &["any field that a figure shows"]);
+    assert!(!nothing.join("plots").exists());
+
     let res = arcticd(&["plot"]);
     assert_clean_error(&res, &["RUN_DIR"]);
 }
