@@ -36,7 +36,10 @@ pub struct ScoreArgs {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an object like {\"sequences\": [[token ids], ...]}"
+)]
 struct ScoreInput {
     sequences: Vec<Vec<u32>>,
 }

@@ -344,7 +344,7 @@ async fn detokenize(
 // ---------------------------------------------------------------- requests
 
 #[derive(Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or a list of strings")]
 enum StringOrList {
     One(String),
     Many(Vec<String>),
@@ -360,7 +360,10 @@ impl StringOrList {
 }
 
 #[derive(Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, a list of strings, a list of token ids (integers from 0), or a list of such lists"
+)]
 enum PromptInput {
     Text(String),
     Ids(Vec<u32>),
@@ -1424,6 +1427,25 @@ mod tests {
         let (st, v) = call_json(&app, "/v1/completions", streamed).await;
         assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
         assert_eq!(v["error"]["param"], "echo", "{v}");
+    }
+
+    /// A wrong prompt or stop type is said in the API's terms, not by the
+    /// server's internal type names.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn wrong_field_types_are_said_in_the_apis_terms() {
+        let app = app(state());
+        for (body, says) in [
+            (json!({"model": "tiny", "prompt": [-1]}), "token ids"),
+            (
+                json!({"model": "tiny", "prompt": "hi", "stop": 5}),
+                "a list of strings",
+            ),
+        ] {
+            let (st, v) = call_json(&app, "/v1/completions", body).await;
+            assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+            let m = v["error"]["message"].as_str().unwrap();
+            assert!(m.contains(says) && !m.contains("enum"), "{m}");
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
