@@ -40,6 +40,20 @@ impl Default for EvalConfig {
     }
 }
 
+impl EvalConfig {
+    /// At least one attempt per task and one at a time (0 attempts "ran"
+    /// nothing and reported a pass@1 of 0, exit 0).
+    pub fn check(&self) -> Result<()> {
+        if self.attempts == 0 || self.concurrency == 0 {
+            return Err(Error::Input(format!(
+                "an evaluation needs at least 1 attempt per task and 1 at once, got {} and {}",
+                self.attempts, self.concurrency
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// One finished attempt, one line of the output file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AttemptRecord {
@@ -227,6 +241,7 @@ pub async fn run_eval(
     out: &Path,
     traj_out: Option<&Path>,
 ) -> Result<EvalSummary> {
+    cfg.check()?;
     let done: HashSet<(String, usize)> = read_records(out)?
         .into_iter()
         .filter(|r| !r.masked)
@@ -270,6 +285,18 @@ pub async fn run_eval(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_evaluation_of_no_attempts_is_refused() {
+        EvalConfig::default().check().unwrap();
+        for (attempts, concurrency) in [(0, 2), (4, 0)] {
+            let cfg = EvalConfig {
+                attempts,
+                concurrency,
+            };
+            assert!(cfg.check().is_err(), "{attempts} {concurrency}");
+        }
+    }
 
     fn rec(id: &str, attempt: usize, reward: f64, term: Termination) -> AttemptRecord {
         AttemptRecord {
