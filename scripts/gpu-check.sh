@@ -317,6 +317,7 @@ if want demo; then
     demo_json='{"error":"not staged (DEMO=1 BIN_ONLY=1 bash scripts/gpu-check.sh on the build machine)"}'
   else
     mkdir -p "$log/cache" && tar -xJf "$stage/demo.tar.xz" -C "$log/cache" || demo_rc=1
+    chmod +x "$stage/demo/bin/bwrap" 2> /dev/null
     command -v bwrap > /dev/null || export PATH="$(pwd)/$stage/demo/bin:$PATH"
     if ldd "$(command -v bwrap)" | grep -q 'not found'; then
       export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$(pwd)/$stage/demo/lib"
