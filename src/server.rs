@@ -1194,11 +1194,14 @@ fn stream_events(
                     let text = &d.text;
                     // Held back: what could start a stop string, and all
                     // from one already complete (the engine's finish event
-                    // follows it).
+                    // follows it). A stop string cannot start in what was
+                    // sent (its start was held back), so only the unsent
+                    // tail is searched, not the whole text every token.
+                    let unsent = text.get(d.sent..).unwrap_or("");
                     let mut end = text
                         .len()
                         .saturating_sub(holdback)
-                        .min(stop_at(text, &stop));
+                        .min(d.sent + stop_at(unsent, &stop));
                     while end > d.sent && !text.is_char_boundary(end) {
                         end -= 1;
                     }
