@@ -118,8 +118,7 @@ pub struct Recipe {
     pub ranks: usize,
     /// Where the engines run and the trainer steps: "cpu", or "cuda:N" in
     /// a build with the `cuda` feature (rank r and its replicas on
-    /// cuda:N+r). A CUDA trainer does not yet run `ref_kl_coef` or
-    /// `entropy_coef`. Default "cpu".
+    /// cuda:N+r). Default "cpu".
     #[serde(with = "device_key")]
     pub device: Device,
     /// With several ranks, compare a checksum of every rank's weights
