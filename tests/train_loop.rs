@@ -10,6 +10,8 @@
 //!   being written (engines paused) and while a checkpoint is being
 //!   written resumes with no update missing or doubled.
 //! - Bad recipes and missing inputs are clear errors before anything starts.
+//! - SIGINT or SIGTERM stops after the update with a checkpoint; a second
+//!   signal stops at once.
 //!
 //! The recipe turns on a small entropy bonus and keeps zero-variance groups
 //! so that a random model's all-zero rewards still move the weights every
@@ -577,54 +579,128 @@ fn a_run_that_solves_and_trains_nothing_stops_and_says_why() {
     assert!(run.join("checkpoints/step-000002/run_state.json").is_file());
 }
 
-#[test]
-fn ctrl_c_checkpoints_and_leaves_no_sandbox() {
-    if !local_ready() {
-        return;
-    }
-    let dir = TempDir::new("train-sigint").unwrap();
-    let recipe = setup(dir.path(), "");
-    let run = dir.path().join("run");
-    let local = dir.path().join("local-sandboxes");
-    std::fs::create_dir_all(&local).unwrap();
-    let child = arcticd()
-        .args(["train", "--recipe"])
+/// Starts a long run (no periodic checkpoint) with its sandboxes under
+/// `local`, and waits for its first update.
+fn start_long_run(
+    dir: &Path,
+    local: &Path,
+    env: &[(&str, &Path)],
+) -> (std::process::Child, PathBuf) {
+    let recipe = setup(dir, "");
+    let run = dir.join("run");
+    std::fs::create_dir_all(local).unwrap();
+    let mut cmd = arcticd();
+    cmd.args(["train", "--recipe"])
         .arg(&recipe)
         .arg("--out")
         .arg(&run)
         .args(["--set", "steps=1000", "--set", "checkpoint_every=0"])
-        .env("ARCTICD_LOCAL_DIR", &local)
+        .env("ARCTICD_LOCAL_DIR", local)
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
     let t0 = Instant::now();
     while steps_of(&run).is_empty() {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the run ended ({status}) before its first update");
+        }
         assert!(t0.elapsed() < Duration::from_secs(180), "no update came");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let pid = child.id().to_string();
+    (child, run)
+}
+
+fn signal(child: &std::process::Child, sig: &str) {
     assert!(Command::new("kill")
-        .args(["-INT", &pid])
+        .args([sig, &child.id().to_string()])
         .status()
         .unwrap()
         .success());
-    let out = child.wait_with_output().unwrap();
-    let out = ok(out, "train after SIGINT");
-    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(summary["cancelled"], Value::Bool(true), "{summary}");
-    let last = *steps_of(&run).last().unwrap();
-    assert_eq!(summary["steps"].as_u64(), Some(last));
-    assert!(
-        run.join(format!("checkpoints/step-{last:06}/run_state.json"))
-            .is_file(),
-        "no checkpoint of the last update {last}"
+}
+
+/// Ctrl-C and SIGTERM (what `kill`, `docker stop` and schedulers send)
+/// alike: the update under way ends, a checkpoint of it is written, the
+/// sandboxes are gone, exit 0.
+#[test]
+fn ctrl_c_or_sigterm_checkpoints_and_leaves_no_sandbox() {
+    if !local_ready() {
+        return;
+    }
+    for sig in ["-INT", "-TERM"] {
+        let dir = TempDir::new("train-signal").unwrap();
+        let local = dir.path().join("local-sandboxes");
+        let (child, run) = start_long_run(dir.path(), &local, &[]);
+        signal(&child, sig);
+        let out = child.wait_with_output().unwrap();
+        let out = ok(out, &format!("train after kill {sig}"));
+        let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(summary["cancelled"], Value::Bool(true), "{sig}: {summary}");
+        let last = *steps_of(&run).last().unwrap();
+        assert_eq!(summary["steps"].as_u64(), Some(last));
+        assert!(
+            run.join(format!("checkpoints/step-{last:06}/run_state.json"))
+                .is_file(),
+            "{sig}: no checkpoint of the last update {last}"
+        );
+        let left: Vec<String> = std::fs::read_dir(&local)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .filter(|n| n.starts_with("arcticd-"))
+            .collect();
+        assert!(left.is_empty(), "{sig}: sandboxes left behind: {left:?}");
+    }
+}
+
+/// A second signal while the orderly stop is under way (held here at the
+/// checkpoint's write) ends the process at once, status 130, instead of
+/// being swallowed.
+#[test]
+fn a_second_signal_stops_at_once() {
+    if !local_ready() {
+        return;
+    }
+    let dir = TempDir::new("train-signal-twice").unwrap();
+    let local = dir.path().join("local-sandboxes");
+    let marks = dir.path().join("marks");
+    std::fs::create_dir_all(&marks).unwrap();
+    let (mut child, _run) = start_long_run(
+        dir.path(),
+        &local,
+        &[
+            ("ARCTICD_FAULT_PAUSE", Path::new("checkpoint_write")),
+            ("ARCTICD_FAULT_DIR", &marks),
+        ],
     );
-    let left: Vec<String> = std::fs::read_dir(&local)
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().to_string())
-        .filter(|n| n.starts_with("arcticd-"))
-        .collect();
-    assert!(left.is_empty(), "sandboxes left behind: {left:?}");
+    signal(&child, "-INT");
+    let t0 = Instant::now();
+    while !marks.join("paused-checkpoint_write").exists() {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the run ended ({status}) before its checkpoint");
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "no checkpoint began"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    signal(&child, "-INT");
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            child.kill().unwrap();
+            panic!("the second signal was swallowed: still running after 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(130), "{status}");
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("SIGINT again: stopped at once"), "{err}");
 }

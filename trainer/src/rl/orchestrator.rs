@@ -177,6 +177,47 @@ fn split_by_tokens(examples: &[PgExample], n: usize) -> Vec<&[PgExample]> {
         .collect()
 }
 
+/// The run's answer to SIGINT and SIGTERM (what Ctrl-C, `kill`, `docker
+/// stop`, service managers and cluster schedulers send): the first asks
+/// the loop to stop after the update under way, with a checkpoint; a
+/// second ends the process at once with status 130, since the orderly stop
+/// can wait minutes on the rollouts in flight. Nothing is lost that a
+/// resume does not expect: a checkpoint is moved into place whole or not
+/// at all, and sandboxes die with the process (bubblewrap's
+/// `--die-with-parent`; their folders are reaped at the next start).
+async fn watch_signals(cancel: Arc<AtomicBool>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (mut int, mut term) = match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(i), Ok(t)) => (i, t),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::warn!("cannot listen for SIGINT and SIGTERM ({e}): a signal ends the run without a checkpoint");
+            return;
+        }
+    };
+    async fn next(
+        int: &mut tokio::signal::unix::Signal,
+        term: &mut tokio::signal::unix::Signal,
+    ) -> &'static str {
+        tokio::select! {
+            _ = int.recv() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+        }
+    }
+    let first = next(&mut int, &mut term).await;
+    tracing::warn!(
+        "{first}: finishing this update, then checkpoint and stop (a second Ctrl-C or SIGTERM stops at once, without that checkpoint)"
+    );
+    cancel.store(true, Ordering::Release);
+    let second = next(&mut int, &mut term).await;
+    eprintln!(
+        "arcticd train: {second} again: stopped at once; --resume continues from the last complete checkpoint"
+    );
+    std::process::exit(130);
+}
+
 /// Test hook for crash tests: with `ARCTICD_FAULT_PAUSE=<point>` (and
 /// `ARCTICD_FAULT_DIR=<dir>`), the process writes `<dir>/paused-<point>`
 /// and sleeps when it reaches that point, so a test can SIGKILL it exactly
@@ -765,15 +806,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         recipe.clone(),
         group_tx,
     ));
-    {
-        let cancel = opts.cancel.clone();
-        rt.spawn(async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                tracing::warn!("interrupted: finishing this update, then checkpoint and stop");
-                cancel.store(true, Ordering::Release);
-            }
-        });
-    }
+    rt.spawn(watch_signals(opts.cancel.clone()));
 
     let (side_tx, side_rx) = mpsc::channel::<SideJob>();
     let mut side_pending = 0usize;
