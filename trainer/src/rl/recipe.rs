@@ -439,15 +439,6 @@ impl Recipe {
         if !self.replicas.is_multiple_of(self.ranks) {
             return bad("replicas must be a multiple of ranks (each rank's weights are read by its own replicas)");
         }
-        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
-            return bad("min_lr must be a finite number between 0 and lr");
-        }
-        if self.decay_steps > 0 && self.decay_steps <= self.warmup {
-            return bad("decay_steps must be past warmup (0 = steps)");
-        }
-        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
-            return bad("grad_clip must be a finite number >= 0 (0 = off)");
-        }
         // The checks the rollouts and the optimizer make themselves, now.
         let recipe = |prefix: &'static str| {
             move |e: Error| match e {
@@ -457,6 +448,15 @@ impl Recipe {
         };
         self.rollout.check().map_err(recipe("rollout."))?;
         self.train_config().optimizer.check().map_err(recipe(""))?;
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return bad("min_lr must be a finite number between 0 and lr");
+        }
+        if self.decay_steps > 0 && self.decay_steps <= self.warmup {
+            return bad("decay_steps must be past warmup (0 = steps)");
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            return bad("grad_clip must be a finite number >= 0 (0 = off)");
+        }
         if !(self.clip_low.is_finite() && (0.0..1.0).contains(&self.clip_low)) {
             return bad("clip_low must be in [0, 1) (the ratio's floor is 1 - clip_low)");
         }
@@ -763,7 +763,7 @@ mod tests {
             ("rollout.test_timeout_secs=0.0", "rollout.test_timeout_secs"),
             ("rollout.max_new_tokens=0", "rollout.max_new_tokens"),
             ("rollout.temperature=-1.0", "rollout.temperature"),
-            ("lr=nan", "lr"),
+            ("lr=nan", "AdamW: lr must be a finite number"),
             ("beta1=1.0", "beta1"),
             ("beta2=1.5", "beta2"),
             ("eps=0.0", "eps"),
