@@ -346,6 +346,10 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
     if let Some(why) = &summary.stopped {
         anyhow::bail!("the run stopped early: {why}");
     }
+    if summary.cancelled {
+        // Stopped by a signal, with its checkpoint: not a finished run.
+        std::process::exit(arcticd_trainer::interrupt::status().unwrap_or(130));
+    }
     Ok(())
 }
 

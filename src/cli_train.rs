@@ -6,6 +6,9 @@
 //! unless `--grad-clip`. Prints one JSON line per step on stdout (progress
 //! goes to stderr: a bar on a terminal, periodic plain lines otherwise) and
 //! writes the final checkpoint, with optimizer state for resume, to `--out`.
+//! Ctrl-C or SIGTERM ends the step under way, writes the checkpoint of the
+//! steps done and exits with the signal's status (130, 143); a second
+//! signal stops at once.
 
 use crate::progress::Progress;
 use anyhow::{Context, Result};
@@ -132,9 +135,23 @@ fn sft_loop<D: StepDevice>(
     data: &[arcticd_trainer::step::SftExample],
     mut trainer: Trainer<D>,
 ) -> Result<()> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let _signals = arcticd_trainer::interrupt::watch(
+        stop.clone(),
+        arcticd_trainer::interrupt::Stops {
+            command: "sft",
+            first: "finishing this step, then the checkpoint of the steps done",
+            kept: "no checkpoint written",
+        },
+    )?;
     let mut progress = Progress::new(Some(args.steps as u64), "sft");
     let mut stdout = std::io::stdout().lock();
+    let mut done = 0;
     for step in 0..args.steps {
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
         let m = trainer.sft_step(&batch_for_step(data, step, args.batch_size))?;
         let line = serde_json::json!({
             "step": step + 1,
@@ -155,6 +172,7 @@ fn sft_loop<D: StepDevice>(
         }
         progress.set_message(format!("loss {:.4}", m.loss));
         progress.inc(1);
+        done = step + 1;
     }
     progress.finish(format!("writing checkpoint {}", args.out.display()));
     trainer.sync_host()?;
@@ -162,6 +180,16 @@ fn sft_loop<D: StepDevice>(
     let model = trainer.store().read();
     save_checkpoint(&args.out, &model, &args.model, Some(&optimizer))
         .with_context(|| format!("writing checkpoint {}", args.out.display()))?;
+    if let Some(status) = arcticd_trainer::interrupt::status().filter(|_| done < args.steps) {
+        // Stopped by a signal: the checkpoint holds the steps done, and the
+        // status says the run did not finish.
+        eprintln!(
+            "arcticd sft: stopped after {done} of {} steps; {} holds them",
+            args.steps,
+            args.out.display()
+        );
+        std::process::exit(status);
+    }
     Ok(())
 }
 

@@ -72,7 +72,13 @@ enum Command {
 fn main() {
     arcticd_kernels::host::retain_freed_memory();
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        // Warnings are shown unless RUST_LOG says otherwise: they are what a
+        // user must see (a resume's losses, a failed evaluation, an ablation
+        // on, a skipped step).
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();

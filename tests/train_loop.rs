@@ -579,6 +579,85 @@ fn a_run_that_solves_and_trains_nothing_stops_and_says_why() {
     assert!(run.join("checkpoints/step-000002/run_state.json").is_file());
 }
 
+/// A resume reads the pool's records by position, so a task file whose
+/// tasks were reordered (same count) is refused, not misapplied.
+#[test]
+fn resume_refuses_a_reordered_task_file() {
+    if !local_ready() {
+        return;
+    }
+    let dir = TempDir::new("train-reorder").unwrap();
+    let recipe = setup(dir.path(), "");
+    let run = dir.path().join("run");
+    ok(
+        arcticd()
+            .args(["train", "--recipe"])
+            .arg(&recipe)
+            .arg("--out")
+            .arg(&run)
+            .args(["--set", "steps=1"])
+            .output()
+            .unwrap(),
+        "train",
+    );
+    let tasks = dir.path().join("toy/tasks.jsonl");
+    let text = std::fs::read_to_string(&tasks).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines.reverse();
+    std::fs::write(&tasks, lines.join("\n") + "\n").unwrap();
+    let out = arcticd()
+        .args(["train", "--resume"])
+        .arg(&run)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the task file changed since the run started: 4 of 4 tasks"),
+        "{stderr}"
+    );
+}
+
+/// A run whose every task retires ends with a checkpoint of its last
+/// update and says why (it ended with neither).
+#[test]
+fn a_run_whose_tasks_all_retire_checkpoints_and_says_why() {
+    if !local_ready() {
+        return;
+    }
+    let dir = TempDir::new("train-retired").unwrap();
+    // A fresh tiny model solves nothing: each task retires as hopeless
+    // after its first visit.
+    let recipe = setup(dir.path(), "");
+    let run = dir.path().join("run");
+    let out = arcticd()
+        .args(["train", "--recipe"])
+        .arg(&recipe)
+        .arg("--out")
+        .arg(&run)
+        .args(["--set", "steps=50", "--set", "drop_after=1"])
+        .args([
+            "--set",
+            "stop_after_dead_updates=0",
+            "--set",
+            "checkpoint_every=0",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("every task is retired"), "{stderr}");
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(summary["stopped"].as_str().is_some(), "{summary}");
+    let last = *steps_of(&run).last().unwrap();
+    assert!(last < 50, "{last}");
+    assert!(
+        run.join(format!("checkpoints/step-{last:06}/run_state.json"))
+            .is_file(),
+        "no checkpoint of the last update {last}"
+    );
+}
+
 /// Starts a long run (no periodic checkpoint) with its sandboxes under
 /// `local`, and waits for its first update.
 fn start_long_run(
@@ -622,20 +701,24 @@ fn signal(child: &std::process::Child, sig: &str) {
 }
 
 /// Ctrl-C and SIGTERM (what `kill`, `docker stop` and schedulers send)
-/// alike: the update under way ends, a checkpoint of it is written, the
-/// sandboxes are gone, exit 0.
+/// alike: said at once, the update under way ends, a checkpoint of it is
+/// written, the sandboxes are gone, and the status is the signal's (130,
+/// 143), not a finished run's 0.
 #[test]
 fn ctrl_c_or_sigterm_checkpoints_and_leaves_no_sandbox() {
     if !local_ready() {
         return;
     }
-    for sig in ["-INT", "-TERM"] {
+    for (sig, status) in [("-INT", 130), ("-TERM", 143)] {
         let dir = TempDir::new("train-signal").unwrap();
         let local = dir.path().join("local-sandboxes");
         let (child, run) = start_long_run(dir.path(), &local, &[]);
         signal(&child, sig);
         let out = child.wait_with_output().unwrap();
-        let out = ok(out, &format!("train after kill {sig}"));
+        let err = String::from_utf8_lossy(&out.stderr);
+        // Not a finished run: the shell's status for the signal.
+        assert_eq!(out.status.code(), Some(status), "{sig}: {err}");
+        assert!(err.contains("then checkpoint and stop"), "{sig}: {err}");
         let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(summary["cancelled"], Value::Bool(true), "{sig}: {summary}");
         let last = *steps_of(&run).last().unwrap();

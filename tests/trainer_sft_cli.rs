@@ -176,3 +176,44 @@ fn bad_data_lines_are_named() {
     assert!(!dir.join("out").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// SIGTERM (or Ctrl-C) mid-run: the step under way ends, the checkpoint of
+/// the steps done is written and loads, and the status is the signal's
+/// (the run was killed with nothing written before).
+#[test]
+fn a_signal_mid_run_writes_the_steps_done() {
+    use std::io::{BufRead, BufReader};
+    let fx = root().join("tests/fixtures/grads");
+    let dir = tmpdir("signal");
+    let data = dir.join("data.jsonl");
+    std::fs::write(&data, "{\"tokens\":[1,2,3,4],\"loss_mask\":[0,1,1,1]}\n").unwrap();
+    let out = dir.join("out");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .arg("sft")
+        .args(["--model", fx.join("mqa_tied").to_str().unwrap()])
+        .args(["--data", data.to_str().unwrap()])
+        .args(["--out", out.to_str().unwrap()])
+        .args(["--steps", "100000", "--batch-size", "1", "--lr", "1e-3"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.contains("\"step\":1"), "{first}");
+    assert!(Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let steps = lines.map_while(|l| l.ok()).count() + 1;
+    let res = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert_eq!(res.status.code(), Some(143), "{err}");
+    assert!(
+        err.contains(&format!("stopped after {steps} of 100000 steps")),
+        "{steps}: {err}"
+    );
+    arcticd_engine::Qwen3_5::load(&out).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}

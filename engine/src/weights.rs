@@ -222,12 +222,29 @@ pub fn save_safetensors_encoded(
     let mut meta = HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
     let tmp = temp_beside(path);
-    safetensors::serialize_to_file(views, &Some(meta), &tmp)
-        .map_err(|e| werr(format!("writing {}: {e}", tmp.display())))?;
-    File::open(&tmp)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| Error::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+    let written = safetensors::serialize_to_file(views, &Some(meta), &tmp)
+        .map_err(|e| match e {
+            // The io error itself ("No space left on device"), not its
+            // debug form.
+            safetensors::SafeTensorError::IoError(e) => Error::io(&tmp, e),
+            e => werr(format!("writing {}: {e}", tmp.display())),
+        })
+        .and_then(|()| {
+            File::open(&tmp)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| Error::io(&tmp, e))
+        });
+    finish_temp(&tmp, path, written)
+}
+
+/// Renames the written temporary `tmp` to `path`, or, when the write
+/// failed (a full disk), removes it, so a failure leaves nothing behind.
+fn finish_temp(tmp: &Path, path: &Path, written: Result<()>) -> Result<()> {
+    let done = written.and_then(|()| std::fs::rename(tmp, path).map_err(|e| Error::io(path, e)));
+    if done.is_err() {
+        let _ = std::fs::remove_file(tmp);
+    }
+    done
 }
 
 /// The temporary name beside `path` that [`write_atomic`] writes first.
@@ -243,16 +260,37 @@ fn temp_beside(path: &Path) -> PathBuf {
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
     let tmp = temp_beside(path);
-    let mut f = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    f.write_all(bytes).map_err(|e| Error::io(&tmp, e))?;
-    f.sync_all().map_err(|e| Error::io(&tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+    let written = File::create(&tmp)
+        .and_then(|mut f| {
+            f.write_all(bytes)?;
+            f.sync_all()
+        })
+        .map_err(|e| Error::io(&tmp, e));
+    finish_temp(&tmp, path, written)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use safetensors::tensor::TensorView;
+
+    /// A write that fails leaves no temporary file behind (a full disk
+    /// stays full otherwise); here the rename fails, onto a folder.
+    #[test]
+    fn a_failed_atomic_write_leaves_nothing_behind() {
+        let dir = std::env::temp_dir().join(format!("arcticd-atomic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let target = dir.join("metrics.jsonl");
+        std::fs::create_dir(&target).unwrap();
+        std::fs::write(target.join("inside"), b"x").unwrap();
+        assert!(write_atomic(&target, b"{}\n").is_err());
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(names, vec!["metrics.jsonl".to_string()]);
+    }
 
     #[test]
     fn a_truncated_file_is_said_to_be_one() {

@@ -13,6 +13,38 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 
+/// Snapshot folders in the temp folder are named this, then their owner
+/// process (`pid-start`), so those of a process that is gone can be found.
+const SNAPSHOT_PREFIX: &str = "arcticd-snapshot-";
+
+/// Removes the snapshot folders in `dir` whose owner process is gone
+/// (killed, or ended with snapshots still cached: a process that exits
+/// does not drop its caches). Called once per process, before its first
+/// snapshot. Returns how many it removed.
+pub fn reap_orphans(dir: &Path) -> usize {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut n = 0;
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix(SNAPSHOT_PREFIX) else {
+            continue;
+        };
+        // `pid-start-random`: an owner this machine can check.
+        let mut parts = rest.splitn(3, '-');
+        let (Some(pid), Some(start), Some(_)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        if !crate::procs::owner_alive(&format!("{pid}-{start}"))
+            && std::fs::remove_dir_all(e.path()).is_ok()
+        {
+            n += 1;
+        }
+    }
+    n
+}
+
 /// A staged repository: the working tree plus a `.git` holding exactly one
 /// commit. Deleted from disk when dropped.
 #[derive(Debug)]
@@ -33,8 +65,12 @@ impl Snapshot {
                 src.display()
             )));
         }
+        static REAPED: std::sync::Once = std::sync::Once::new();
+        REAPED.call_once(|| {
+            reap_orphans(&std::env::temp_dir());
+        });
         let dir = tempfile::Builder::new()
-            .prefix("arcticd-snapshot-")
+            .prefix(&format!("{SNAPSHOT_PREFIX}{}-", crate::procs::self_owner()))
             .tempdir()
             .map_err(|e| Error::io("creating the snapshot folder", e))?;
         copy_tree(src, dir.path())?;
@@ -396,6 +432,29 @@ fn commit_root(dir: &Path) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Snapshot folders of a process that is gone are removed; this
+    /// process's, and folders of other names, are kept.
+    #[test]
+    fn orphaned_snapshot_folders_are_reaped() {
+        let dir = tempfile::tempdir().unwrap();
+        let mine = format!("{SNAPSHOT_PREFIX}{}-abc", crate::procs::self_owner());
+        // No process has the pid u32::MAX: gone.
+        let gone = format!("{SNAPSHOT_PREFIX}{}-1-abc", u32::MAX);
+        let old_style = format!("{SNAPSHOT_PREFIX}0V9S1r");
+        for name in [&mine, &gone, &old_style, &"other".to_string()] {
+            std::fs::create_dir(dir.path().join(name)).unwrap();
+        }
+        assert_eq!(reap_orphans(dir.path()), 1);
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        let mut want = vec![mine, old_style, "other".to_string()];
+        want.sort();
+        assert_eq!(left, want);
+    }
 
     /// The stamp moves with a file's size or time, a new file or a
     /// renamed one, and ignores `.git`.

@@ -23,8 +23,9 @@ pub enum Error {
     /// A recipe that does not parse or does not make sense.
     #[error("recipe: {0}")]
     Recipe(String),
-    /// A run directory that cannot be used or resumed.
-    #[error("run directory: {0}")]
+    /// A training run that cannot start or go on: its directory cannot be
+    /// used or resumed, its batches stopped coming, it stopped early.
+    #[error("run: {0}")]
     Run(String),
     /// A collective between data-parallel ranks that could not complete
     /// (a rank failed or left, ranks disagree, weights diverged).

@@ -15,6 +15,7 @@ pub mod device;
 pub mod error;
 pub mod grads;
 pub mod harness;
+pub mod interrupt;
 pub mod loss;
 pub mod memory;
 pub mod model;

@@ -177,47 +177,6 @@ fn split_by_tokens(examples: &[PgExample], n: usize) -> Vec<&[PgExample]> {
         .collect()
 }
 
-/// The run's answer to SIGINT and SIGTERM (what Ctrl-C, `kill`, `docker
-/// stop`, service managers and cluster schedulers send): the first asks
-/// the loop to stop after the update under way, with a checkpoint; a
-/// second ends the process at once with status 130, since the orderly stop
-/// can wait minutes on the rollouts in flight. Nothing is lost that a
-/// resume does not expect: a checkpoint is moved into place whole or not
-/// at all, and sandboxes die with the process (bubblewrap's
-/// `--die-with-parent`; their folders are reaped at the next start).
-async fn watch_signals(cancel: Arc<AtomicBool>) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (mut int, mut term) = match (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) {
-        (Ok(i), Ok(t)) => (i, t),
-        (Err(e), _) | (_, Err(e)) => {
-            tracing::warn!("cannot listen for SIGINT and SIGTERM ({e}): a signal ends the run without a checkpoint");
-            return;
-        }
-    };
-    async fn next(
-        int: &mut tokio::signal::unix::Signal,
-        term: &mut tokio::signal::unix::Signal,
-    ) -> &'static str {
-        tokio::select! {
-            _ = int.recv() => "SIGINT",
-            _ = term.recv() => "SIGTERM",
-        }
-    }
-    let first = next(&mut int, &mut term).await;
-    tracing::warn!(
-        "{first}: finishing this update, then checkpoint and stop (a second Ctrl-C or SIGTERM stops at once, without that checkpoint)"
-    );
-    cancel.store(true, Ordering::Release);
-    let second = next(&mut int, &mut term).await;
-    eprintln!(
-        "arcticd train: {second} again: stopped at once; --resume continues from the last complete checkpoint"
-    );
-    std::process::exit(130);
-}
-
 /// Test hook for crash tests: with `ARCTICD_FAULT_PAUSE=<point>` (and
 /// `ARCTICD_FAULT_DIR=<dir>`), the process writes `<dir>/paused-<point>`
 /// and sleeps when it reaches that point, so a test can SIGKILL it exactly
@@ -301,10 +260,20 @@ impl DeadStreak {
             0
         };
         (self.limit > 0 && self.run >= self.limit).then(|| {
+            // Masked attempts (Termination::masked) are never graded.
+            let why = if termination
+                .keys()
+                .all(|k| k == "infra" || k == "policy_error")
+            {
+                "no attempt was graded: every one was masked as a failure of the sandbox, \
+                 the model or rollout_timeout_secs"
+            } else {
+                "every graded attempt failed"
+            };
             format!(
-                "the last {} updates solved nothing and trained nothing (every graded \
-                 attempt failed; how the last update's attempts ended: {termination:?}): the \
-                 weights can no longer change (stop_after_dead_updates = {})",
+                "the last {} updates solved nothing and trained nothing ({why}; how the last \
+                 update's attempts ended: {termination:?}): the weights can no longer change \
+                 (stop_after_dead_updates = {})",
                 self.run, self.limit
             )
         })
@@ -636,10 +605,17 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         recipe.rollout.clone(),
     )?);
 
-    // Fresh run or resume.
+    // Fresh run or resume, the directory held by this process throughout.
+    let _held;
     let mut state = if opts.resume {
-        resume_state(&run_dir, &recipe, tasks.len())?
+        if run_dir.recipe().is_file() {
+            _held = run_dir.lock()?;
+        }
+        let ids: Vec<&str> = tasks.iter().map(|t| t.instance_id.as_str()).collect();
+        resume_state(&run_dir, &recipe, &ids)?
     } else {
+        std::fs::create_dir_all(&run_dir.root).map_err(|e| Error::io(&run_dir.root, e))?;
+        _held = run_dir.lock()?;
         run_dir.create()?;
         std::fs::write(run_dir.recipe(), recipe.to_toml()?)
             .map_err(|e| Error::io(run_dir.recipe(), e))?;
@@ -749,11 +725,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     // work each replica did in between.
     let mut tokens_before = router.generated_tokens();
     if let Some((_, s, lost)) = state.take() {
-        if s.pool.tasks.len() != tasks.len() {
-            return Err(Error::Run(
-                "the checkpoint's task pool does not match the task file".into(),
-            ));
-        }
+        // resume_state checked the pool against the task file.
         pool.state = s.pool;
         totals = s.totals;
         totals.lost_on_resume += lost;
@@ -806,7 +778,14 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         recipe.clone(),
         group_tx,
     ));
-    rt.spawn(watch_signals(opts.cancel.clone()));
+    let _signals = crate::interrupt::watch(
+        opts.cancel.clone(),
+        crate::interrupt::Stops {
+            command: "train",
+            first: "finishing this update, then checkpoint and stop",
+            kept: "--resume continues from the last complete checkpoint",
+        },
+    )?;
 
     let (side_tx, side_rx) = mpsc::channel::<SideJob>();
     let mut side_pending = 0usize;
@@ -883,7 +862,9 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                             && shared.groups_started.load(Ordering::Acquire)
                                 == consumed + carry.len() as u64
                         {
-                            tracing::warn!("every task is retired: stopping early");
+                            let why = "every task is retired (mastered or hopeless)";
+                            tracing::warn!("stopping at update {step}: {why}");
+                            stopped = Some(why.to_string());
                             return Ok(());
                         }
                     }
@@ -1195,17 +1176,23 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             let wait_all = is_last && side_pending > 0;
             let t_side = Instant::now();
             while side_pending > 0 {
+                // The final wait ends early on a stop signal.
                 let job = if wait_all {
-                    match side_rx.recv_timeout(Duration::from_secs_f64(recipe.batch_timeout_secs)) {
-                        Ok(j) => j,
-                        Err(_) => break,
+                    let deadline = t_side + Duration::from_secs_f64(recipe.batch_timeout_secs);
+                    loop {
+                        if opts.cancel.load(Ordering::Acquire) || Instant::now() > deadline {
+                            break None;
+                        }
+                        match side_rx.recv_timeout(Duration::from_millis(250)) {
+                            Ok(j) => break Some(j),
+                            Err(mpsc::RecvTimeoutError::Timeout) => {}
+                            Err(mpsc::RecvTimeoutError::Disconnected) => break None,
+                        }
                     }
                 } else {
-                    match side_rx.try_recv() {
-                        Ok(j) => j,
-                        Err(_) => break,
-                    }
+                    side_rx.try_recv().ok()
                 };
+                let Some(job) = job else { break };
                 side_pending -= 1;
                 match job {
                     SideJob::Eval { step: at, scores } => match scores {
@@ -1378,13 +1365,18 @@ fn checkpoint(
         .join(format!(".step-{step:06}.partial"));
     {
         let m = trainer.store().read();
-        save_checkpoint_with(
+        let saved = save_checkpoint_with(
             &partial,
             &m,
             model_dir,
             Some(&*trainer.optimizer()?),
             &[("run_state.json", json)],
-        )?;
+        );
+        if let Err(e) = saved {
+            // A full disk: free what the partial write took at once.
+            let _ = std::fs::remove_dir_all(&partial);
+            return Err(e);
+        }
     }
     fault_point("checkpoint_write");
     std::fs::rename(&partial, &dir).map_err(|e| Error::io(&dir, e))?;
@@ -1405,7 +1397,7 @@ fn checkpoint(
 fn resume_state(
     run_dir: &RunDir,
     recipe: &Recipe,
-    n_tasks: usize,
+    ids: &[&str],
 ) -> Result<Option<(PathBuf, RunState, u64)>> {
     if !run_dir.recipe().is_file() {
         return Err(Error::Run(format!(
@@ -1427,16 +1419,35 @@ fn resume_state(
         .sum();
     let Some((dir, s)) = latest else {
         tracing::warn!(
-            "no complete checkpoint in {}: starting over",
-            run_dir.root.display()
+            "no complete checkpoint in {}: the run starts over from its first update \
+             ({} logged updates had no checkpoint and were discarded)",
+            run_dir.root.display(),
+            removed.len()
         );
         return Ok(None);
     };
-    if s.pool.tasks.len() != n_tasks {
+    if s.pool.tasks.len() != ids.len() {
         return Err(Error::Run(format!(
-            "{}: {} tasks in the checkpoint, {n_tasks} in the task file",
+            "{}: {} tasks in the checkpoint, {} in the task file",
             dir.display(),
-            s.pool.tasks.len()
+            s.pool.tasks.len(),
+            ids.len()
+        )));
+    }
+    // The pool's records are by position: the same tasks in the same order.
+    let moved: Vec<usize> = (0..ids.len())
+        .filter(|&i| s.pool.tasks[i].id != ids[i])
+        .collect();
+    if let Some(&i) = moved.first() {
+        return Err(Error::Run(format!(
+            "{}: the task file changed since the run started: {} of {} tasks differ or \
+             moved (task {i} is {:?} in the checkpoint, {:?} in the file); resume with the \
+             task file the run started with",
+            dir.display(),
+            moved.len(),
+            ids.len(),
+            s.pool.tasks[i].id,
+            ids[i]
         )));
     }
     let in_flight = s.groups_started.saturating_sub(s.groups_consumed) * recipe.group_size as u64;
@@ -1506,6 +1517,11 @@ mod tests {
             why.contains("last 3 updates") && why.contains("invalid_format"),
             "{why}"
         );
+        // Nothing graded: said as such, not as failed attempts.
+        let masked: std::collections::BTreeMap<String, usize> = [("infra".to_string(), 8)].into();
+        let mut d = DeadStreak { limit: 1, run: 0 };
+        let why = d.after(false, 0.0, &masked).unwrap();
+        assert!(why.contains("no attempt was graded"), "{why}");
         let mut never = DeadStreak { limit: 0, run: 0 };
         assert!((0..100).all(|_| never.after(false, 0.0, &ended).is_none()));
     }

@@ -60,6 +60,10 @@ pub struct Totals {
     pub extra_groups: u64,
 }
 
+/// A run directory held by this process ([`RunDir::lock`]).
+#[derive(Debug)]
+pub struct RunLock(#[allow(dead_code)] std::fs::File);
+
 /// Paths of a run directory.
 #[derive(Debug, Clone)]
 pub struct RunDir {
@@ -98,6 +102,42 @@ impl RunDir {
     }
     pub fn checkpoint(&self, step: u64) -> PathBuf {
         self.checkpoints().join(format!("step-{step:06}"))
+    }
+
+    /// Holds the run directory (which exists) for this process until the
+    /// value is dropped or the process ends: a second `train` on the same
+    /// directory, fresh or resumed, is refused instead of interleaving its
+    /// updates with this one's. An advisory lock on `.lock`, which names
+    /// the holder's pid.
+    pub fn lock(&self) -> Result<RunLock> {
+        use std::io::{Read, Seek};
+        let p = self.root.join(".lock");
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&p)
+            .map_err(io(&p))?;
+        match f.try_lock() {
+            Ok(()) => {
+                f.set_len(0).map_err(io(&p))?;
+                f.rewind().map_err(io(&p))?;
+                writeln!(f, "{}", std::process::id()).map_err(io(&p))?;
+                Ok(RunLock(f))
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut pid = String::new();
+                let _ = f.read_to_string(&mut pid);
+                Err(Error::Run(format!(
+                    "{} is in use by another arcticd train (pid {}); one process at a time \
+                     trains in a run directory",
+                    self.root.display(),
+                    pid.trim()
+                )))
+            }
+            Err(std::fs::TryLockError::Error(e)) => Err(Error::io(&p, e)),
+        }
     }
 
     /// Makes a new run directory; refuses one that already holds a run.
@@ -140,15 +180,30 @@ impl RunDir {
         Ok(out)
     }
 
-    /// The newest complete checkpoint and its run state.
+    /// The newest complete checkpoint that can be resumed from (its run
+    /// state and its weights read) and its run state. Newer ones that
+    /// cannot (damaged after they were written) are removed, each with a
+    /// warning: the run redoes their updates, and a checkpoint left under a
+    /// redone update's name would be taken for that update's.
     pub fn latest_checkpoint(&self) -> Result<Option<(PathBuf, RunState)>> {
         for (_, dir) in self.complete_checkpoints()?.into_iter().rev() {
             let p = dir.join("run_state.json");
             let text = std::fs::read(&p).map_err(io(&p))?;
-            match serde_json::from_slice::<RunState>(&text) {
-                Ok(s) => return Ok(Some((dir, s))),
-                Err(e) => tracing::warn!("{}: unreadable run state, skipped: {e}", p.display()),
-            }
+            let why = match serde_json::from_slice::<RunState>(&text) {
+                Ok(s) => match arcticd_engine::weights::Checkpoint::open(&dir) {
+                    Ok(_) => return Ok(Some((dir, s))),
+                    // Damage, not a failure to read (a permission, a
+                    // missing file: said, nothing removed).
+                    Err(e @ arcticd_engine::Error::Io { .. }) => return Err(e.into()),
+                    Err(e) => format!("its weights cannot be read: {e}"),
+                },
+                Err(e) => format!("its run state cannot be read: {e}"),
+            };
+            tracing::warn!(
+                "{}: {why}; removed, the run resumes from an earlier checkpoint",
+                dir.display()
+            );
+            std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
         }
         Ok(None)
     }
@@ -305,5 +360,58 @@ mod tests {
         assert_eq!(all.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2]);
         r.remove_partial_checkpoints().unwrap();
         assert_eq!(std::fs::read_dir(r.checkpoints()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn one_holder_of_a_run_directory_at_a_time() {
+        let d = tempfile::tempdir().unwrap();
+        let r = RunDir::new(d.path());
+        let held = r.lock().unwrap();
+        let e = r.lock().unwrap_err().to_string();
+        let pid = std::process::id();
+        assert!(
+            e.contains(&format!("in use by another arcticd train (pid {pid})")),
+            "{e}"
+        );
+        drop(held);
+        r.lock().unwrap();
+    }
+
+    /// A damaged newest checkpoint (run state or weights) is passed over
+    /// and removed; the one before it is resumed from.
+    #[test]
+    fn a_damaged_newest_checkpoint_is_removed_and_the_one_before_used() {
+        let d = tempfile::tempdir().unwrap();
+        let r = RunDir::new(d.path());
+        r.create().unwrap();
+        let state = |step: u64| RunState {
+            step,
+            weight_version: step,
+            pool: crate::rl::pool::PoolState {
+                tasks: vec![],
+                order: vec![],
+                cursor: 0,
+                epoch: 0,
+                rng: 0,
+            },
+            groups_consumed: 0,
+            groups_started: 0,
+            elapsed_s: 0.0,
+            totals: Totals::default(),
+        };
+        for step in [1u64, 2, 3] {
+            let p = r.checkpoint(step);
+            arcticd_engine::init::init_model(arcticd_engine::init::TINY, &p, 0).unwrap();
+            let json = serde_json::to_vec(&state(step)).unwrap();
+            std::fs::write(p.join("run_state.json"), json).unwrap();
+        }
+        // 3: truncated weights; 2: a torn run state.
+        let w = r.checkpoint(3).join("model.safetensors");
+        let bytes = std::fs::read(&w).unwrap();
+        std::fs::write(&w, &bytes[..bytes.len() / 2]).unwrap();
+        std::fs::write(r.checkpoint(2).join("run_state.json"), "{").unwrap();
+        let (dir, s) = r.latest_checkpoint().unwrap().expect("step 1 is whole");
+        assert_eq!((dir, s.step), (r.checkpoint(1), 1));
+        assert!(!r.checkpoint(2).exists() && !r.checkpoint(3).exists());
     }
 }
