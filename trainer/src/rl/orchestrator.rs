@@ -733,6 +733,14 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         step = s.step;
         consumed = s.groups_consumed;
         elapsed0 = s.elapsed_s;
+        if step >= recipe.steps {
+            tracing::warn!(
+                "the run is at update {step} and its recipe asks for {} (steps): nothing to \
+                 train; raise steps in {} to go on",
+                recipe.steps,
+                run_dir.recipe().display()
+            );
+        }
     }
 
     let rt = tokio::runtime::Builder::new_multi_thread()
