@@ -227,6 +227,56 @@ both_backends!(runs_commands_and_moves_files, |ctx| {
     Ok(())
 });
 
+// The sandbox's user may be the host's root without capabilities (bwrap
+// run by root): host-wide kernel settings stay unwritable, descriptors the
+// launching process holds do not reach it, and the local sandboxes' folder
+// is private (the agent's files, set-uid bits included, are the host
+// user's).
+both_backends!(cannot_touch_host_settings_or_inherited_files, |ctx| {
+    let repo = fixture_repo()?;
+    let (_snap, sb) = ctx.start(repo.path(), &Policy::default()).await?;
+    let before = std::fs::read_to_string("/proc/sys/kernel/core_pattern")?;
+    let r = sb
+        .exec(sh("echo arcticd-test > /proc/sys/kernel/core_pattern"))
+        .await?;
+    let after = std::fs::read_to_string("/proc/sys/kernel/core_pattern")?;
+    if after != before {
+        // Put the host back before failing.
+        let _ = std::fs::write("/proc/sys/kernel/core_pattern", before.trim_end());
+    }
+    ensure!(
+        after == before,
+        "the sandbox wrote the host's core_pattern: {r:?}"
+    );
+    ensure!(!r.success(), "{r:?}");
+    // A descriptor without close-on-exec, as a launcher may leave one.
+    let dir = TempDir::new("inherited-fd")?;
+    let leak = dir.path().join("leak");
+    let file = std::fs::File::create(&leak)?;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+    // SAFETY: flags of a descriptor this test owns.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFD);
+        libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+    }
+    let r = sb.exec(sh(&format!("echo escaped >&{fd}"))).await?;
+    drop(file);
+    ensure!(
+        std::fs::read_to_string(&leak)?.is_empty(),
+        "the sandbox wrote through an inherited descriptor: {r:?}"
+    );
+    if ctx.kind == Kind::Local {
+        use std::os::unix::fs::PermissionsExt;
+        let state = std::env::var_os("ARCTICD_LOCAL_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| std::env::temp_dir().join("arcticd-local"));
+        let mode = std::fs::metadata(&state)?.permissions().mode();
+        ensure!(mode & 0o077 == 0, "{} has mode {mode:o}", state.display());
+    }
+    sb.close().await?;
+    Ok(())
+});
+
 both_backends!(has_no_network, |ctx| {
     let repo = fixture_repo()?;
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;

@@ -57,6 +57,34 @@ pub struct LocalBackend {
     snapshots: SnapshotCache,
 }
 
+/// Checks that `dir` is a folder of this process's user, not a link (a
+/// predictable name in a shared temp folder could be planted by another
+/// user), and makes it private (0700): sandboxes write files there as the
+/// user that runs them, set-uid bits included, which no other host user
+/// may reach.
+fn private_dir(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::symlink_metadata(dir)
+        .map_err(|e| Error::io(format!("reading {}", dir.display()), e))?;
+    // /proc/self belongs to this process's effective user.
+    let me = std::fs::metadata("/proc/self")
+        .map_err(|e| Error::io("reading /proc/self", e))?
+        .uid();
+    if !meta.is_dir() || meta.uid() != me {
+        return Err(Error::Unavailable(format!(
+            "{} is not a folder of this user (uid {me}; a link, or owned by uid {}): \
+             set ARCTICD_LOCAL_DIR to a folder of your own",
+            dir.display(),
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| Error::io(format!("making {} private", dir.display()), e))?;
+    }
+    Ok(())
+}
+
 impl LocalBackend {
     /// Checks bubblewrap and cgroups are usable and, once per process, reaps
     /// sandbox folders and cgroups of dead owners. Sandbox folders live under
@@ -77,6 +105,7 @@ impl LocalBackend {
             .unwrap_or_else(|| std::env::temp_dir().join("arcticd-local"));
         std::fs::create_dir_all(&state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
+        private_dir(&state_dir)?;
         let cgroups = find_cgroups()?;
         let backend = LocalBackend {
             state_dir,
@@ -508,6 +537,12 @@ impl LocalSandbox {
             "/tmp".into(),
             "--proc".into(),
             "/proc".into(),
+            // The sandbox's user is the host user that runs it (root, when
+            // arcticd runs as root) without capabilities, and the kernel
+            // lets that user write host-wide settings (/proc/sys,
+            // /proc/sysrq-trigger): the whole of /proc is read-only.
+            "--remount-ro".into(),
+            "/proc".into(),
             "--dev".into(),
             "/dev".into(),
             "--remount-ro".into(),
@@ -526,6 +561,35 @@ impl LocalSandbox {
             workdir.to_string(),
         ]);
         Ok(a)
+    }
+}
+
+/// Marks every descriptor from `first` on close-on-exec (close_range,
+/// Linux 5.11; before it, each descriptor below the limit in turn). Only
+/// system calls: safe between fork and exec.
+fn close_on_exec_from(first: i32) {
+    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+    // SAFETY: plain system calls on descriptor numbers.
+    unsafe {
+        if libc::syscall(
+            libc::SYS_close_range,
+            first as libc::c_uint,
+            libc::c_uint::MAX,
+            CLOSE_RANGE_CLOEXEC,
+        ) == 0
+        {
+            return;
+        }
+        let limit = match libc::sysconf(libc::_SC_OPEN_MAX) {
+            n if n > 0 => n.min(1 << 20) as i32,
+            _ => 1024,
+        };
+        for fd in first..limit {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
     }
 }
 
@@ -579,6 +643,16 @@ impl Sandbox for LocalSandbox {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
+        // Descriptors this process holds without close-on-exec (opened by
+        // whoever started it: log files, pipes, sockets) must not reach the
+        // sandbox: every one past stderr closes at the exec.
+        // SAFETY: the closure makes only system calls, no allocation.
+        unsafe {
+            cmd.pre_exec(|| {
+                close_on_exec_from(3);
+                Ok(())
+            });
+        }
         let t0 = Instant::now();
         let mut child = cmd.spawn().map_err(|e| Error::io("starting bwrap", e))?;
         if let (Some(data), Some(mut stdin)) = (req.stdin, child.stdin.take()) {
