@@ -274,6 +274,23 @@ both_backends!(every_gate_ends_the_rollout_with_reward_zero, |backend| {
         .unwrap_or_default()
         .starts_with("trailing_text"));
 
+    // A correct fix whose working copy the agent then made unreadable
+    // (its .git removed): a failed submission, not a masked infra error
+    // (which would hide the failure from the reward).
+    let t = roll(
+        &h,
+        b,
+        task,
+        vec![
+            fix[1].clone(),
+            render_call("bash", &[("command", "rm -rf .git")]),
+            fix[3].clone(),
+        ],
+    )
+    .await?;
+    expect(&t, Termination::Submitted, 0.0)?;
+    ensure!(!t.masked && t.grade.is_none(), "{}", t.detail);
+
     // Exact repeat of a call.
     let t = roll(
         &h,

@@ -107,6 +107,11 @@ pub enum Error {
     TooLarge { what: String, limit: u64 },
     #[error("sandbox: {0}")]
     Sandbox(String),
+    /// The working copy cannot be read back (its `.git` removed or broken
+    /// by the commands run in it): the agent's doing, not the
+    /// infrastructure's.
+    #[error("working copy: {0}")]
+    Workspace(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

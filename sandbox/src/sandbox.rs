@@ -153,7 +153,7 @@ pub trait Sandbox: Send + Sync {
             });
         }
         if !r.success() {
-            return Err(Error::Sandbox(format!(
+            return Err(Error::Workspace(format!(
                 "git diff failed: {}",
                 r.stderr.text().trim()
             )));

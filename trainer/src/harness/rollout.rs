@@ -346,6 +346,22 @@ impl Harness {
         let outcome = match (result, diff) {
             (Err(e), _) => return e,
             (Ok(()), Some(Ok(diff))) => diff,
+            // A working copy the agent made unreadable (its .git removed)
+            // or too large to diff is a failed submission, not a masked
+            // infrastructure error: masking would let an agent hide its
+            // failures from the reward.
+            (
+                Ok(()),
+                Some(Err(
+                    e @ (arcticd_sandbox::Error::Workspace(_)
+                    | arcticd_sandbox::Error::TooLarge { .. }),
+                )),
+            ) => {
+                return (
+                    Termination::Submitted,
+                    format!("submitted, but the diff cannot be taken (reward 0): {e}"),
+                )
+            }
             (Ok(()), Some(Err(e))) => return (Termination::Infra, format!("taking the diff: {e}")),
             (Ok(()), None) => return (Termination::Infra, "no diff".into()),
         };
