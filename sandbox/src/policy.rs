@@ -83,6 +83,16 @@ impl Policy {
         if !self.workdir.starts_with('/') || self.workdir.contains("..") || self.workdir == "/" {
             return bad("workdir must be an absolute path below /");
         }
+        // Folders the sandbox mounts itself: the repository would be
+        // hidden under them, or every command would fail to start there.
+        let top = self
+            .workdir
+            .split('/')
+            .find(|c| !c.is_empty())
+            .unwrap_or("");
+        if matches!(top, "tmp" | "proc" | "dev" | "sys") {
+            return bad("workdir must not be in /tmp, /proc, /dev or /sys (the sandbox mounts its own there)");
+        }
         Ok(())
     }
 }
@@ -120,11 +130,20 @@ mod tests {
             assert!(p.validate().is_err(), "{secs}");
         }
         assert!(crate::limit(1e300).is_err() && crate::limit(f64::NAN).is_err());
-        let p = Policy {
-            workdir: "/".into(),
-            ..Policy::default()
-        };
-        assert!(p.validate().is_err());
+        for w in ["/", "/tmp", "/tmp/repo", "/proc/x", "//dev/shm/x", "/sys"] {
+            let p = Policy {
+                workdir: w.into(),
+                ..Policy::default()
+            };
+            assert!(p.validate().is_err(), "{w}");
+        }
+        for w in ["/testbed", "/usr/src/app", "/tmpfiles"] {
+            let p = Policy {
+                workdir: w.into(),
+                ..Policy::default()
+            };
+            assert!(p.validate().is_ok(), "{w}");
+        }
     }
 
     #[test]
