@@ -139,9 +139,11 @@ impl ExecRequest {
     }
 }
 
-/// What happened to one command. Exactly one of: it exited (`exit_code`
-/// set), it was killed at its timeout (`timed_out`), or it was killed for
-/// memory (`memory_exceeded`, with the exit code of the kill).
+/// What happened to one command: it exited (`exit_code` set) or was killed
+/// at its timeout (`timed_out`). `memory_exceeded` says a process of the
+/// command was killed for memory: the command itself (then with the exit
+/// code of the kill), or a child of it, after which the command may have
+/// gone on to exit with a code of its own.
 #[derive(Debug, Clone, Serialize)]
 pub struct ExecResult {
     /// Exit status; 128+N when killed by signal N; `None` when timed out.
