@@ -10,8 +10,14 @@
 //! Layout of one sandbox: an empty tmpfs root, remounted read-only, with the
 //! image's top-level folders bound read-only into it; the sandbox's own copy
 //! of the repository bound read-write at the workdir and a private folder at
-//! `/tmp`; a fresh `/proc` and a minimal `/dev`; a new network namespace with
-//! only loopback. Each command is one bubblewrap run (its pid namespace dies
+//! `/tmp`; a fresh `/proc`, read-only, and a minimal `/dev`; a new network
+//! namespace with only loopback. The sandbox's user is the host user that
+//! runs arcticd, without capabilities (bubblewrap maps it so): when that is
+//! root, the read-only `/proc` keeps host-wide kernel settings out of reach,
+//! the sandboxes' folder is private (0700) so that no other host user can
+//! run what an agent wrote there, and no descriptor of the launching process
+//! crosses the exec. Running arcticd as an ordinary user is the stronger
+//! setting. Each command is one bubblewrap run (its pid namespace dies
 //! with it, so nothing outlives a command) entered into the sandbox's cgroups
 //! (memory without swap, pids, CPU) by a tiny host shell before it execs
 //! bubblewrap. Needs `bwrap` on PATH and a writable cgroup (v1 controllers
