@@ -570,30 +570,38 @@ impl LocalSandbox {
     }
 }
 
-/// Marks every descriptor from `first` on close-on-exec (close_range,
-/// Linux 5.11; before it, each descriptor below the limit in turn). Only
-/// system calls: safe between fork and exec.
+/// Marks every descriptor of this process from `first` on close-on-exec:
+/// one close_range call (Linux 5.11), else each open one in
+/// /proc/self/fd.
 fn close_on_exec_from(first: i32) {
     const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
-    // SAFETY: plain system calls on descriptor numbers.
-    unsafe {
-        if libc::syscall(
+    // SAFETY: a system call on descriptor numbers; it changes only their
+    // close-on-exec flag.
+    let done = unsafe {
+        libc::syscall(
             libc::SYS_close_range,
             first as libc::c_uint,
             libc::c_uint::MAX,
             CLOSE_RANGE_CLOEXEC,
         ) == 0
-        {
-            return;
-        }
-        let limit = match libc::sysconf(libc::_SC_OPEN_MAX) {
-            n if n > 0 => n.min(1 << 20) as i32,
-            _ => 1024,
-        };
-        for fd in first..limit {
-            let flags = libc::fcntl(fd, libc::F_GETFD);
-            if flags >= 0 {
-                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+    };
+    if done {
+        return;
+    }
+    let Ok(rd) = std::fs::read_dir("/proc/self/fd") else {
+        return;
+    };
+    for fd in rd
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+    {
+        if fd >= first {
+            // SAFETY: as above, on one descriptor (a closed one errs).
+            unsafe {
+                let flags = libc::fcntl(fd, libc::F_GETFD);
+                if flags >= 0 {
+                    libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+                }
             }
         }
     }
@@ -649,16 +657,13 @@ impl Sandbox for LocalSandbox {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        // Descriptors this process holds without close-on-exec (opened by
-        // whoever started it: log files, pipes, sockets) must not reach the
-        // sandbox: every one past stderr closes at the exec.
-        // SAFETY: the closure makes only system calls, no allocation.
-        unsafe {
-            cmd.pre_exec(|| {
-                close_on_exec_from(3);
-                Ok(())
-            });
-        }
+        // Descriptors this process holds without close-on-exec (inherited
+        // from whoever started it: log files, pipes, sockets) must not reach
+        // the sandbox: every one past stderr is marked to close at an exec,
+        // here in this process (what this process opens itself is marked
+        // already). Not in a pre-exec hook: that would make every spawn a
+        // full fork of this large process instead of a vfork.
+        close_on_exec_from(3);
         let t0 = Instant::now();
         let mut child = cmd.spawn().map_err(|e| Error::io("starting bwrap", e))?;
         if let (Some(data), Some(mut stdin)) = (req.stdin, child.stdin.take()) {
