@@ -32,6 +32,20 @@ pub fn owner_alive(owner: &str) -> bool {
     start_time(pid) == Some(start)
 }
 
+/// Whether `name` is `prefix` then an owner (`pid-start`, optionally
+/// followed by `-anything`) that is no longer running: a leftover of a
+/// process that is gone. Names without an owner are never orphans.
+pub fn orphaned(name: &str, prefix: &str) -> bool {
+    let Some(rest) = name.strip_prefix(prefix) else {
+        return false;
+    };
+    let mut parts = rest.splitn(3, '-');
+    match (parts.next(), parts.next()) {
+        (Some(pid), Some(start)) => !owner_alive(&format!("{pid}-{start}")),
+        _ => false,
+    }
+}
+
 /// This machine's name, so a reaper only touches sandboxes made here when
 /// several hosts share a Docker daemon.
 pub fn host_name() -> String {
@@ -50,5 +64,16 @@ mod tests {
         let pid = std::process::id();
         assert!(!owner_alive(&format!("{pid}-1")));
         assert!(owner_alive("garbage"));
+    }
+
+    #[test]
+    fn only_named_leftovers_of_gone_owners_are_orphans() {
+        let pid = std::process::id();
+        assert!(!orphaned(&format!("x-{}-abc", self_owner()), "x-"));
+        assert!(orphaned(&format!("x-{pid}-1-abc"), "x-"));
+        assert!(orphaned(&format!("x-{pid}-1"), "x-"));
+        assert!(!orphaned(&format!("y-{pid}-1-abc"), "x-"));
+        assert!(!orphaned("x-", "x-"));
+        assert!(!orphaned("x-notapid-1", "x-"));
     }
 }

@@ -28,15 +28,7 @@ pub fn reap_orphans(dir: &Path) -> usize {
     let mut n = 0;
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix(SNAPSHOT_PREFIX) else {
-            continue;
-        };
-        // `pid-start-random`: an owner this machine can check.
-        let mut parts = rest.splitn(3, '-');
-        let (Some(pid), Some(start), Some(_)) = (parts.next(), parts.next(), parts.next()) else {
-            continue;
-        };
-        if !crate::procs::owner_alive(&format!("{pid}-{start}"))
+        if crate::procs::orphaned(&name, SNAPSHOT_PREFIX)
             && std::fs::remove_dir_all(e.path()).is_ok()
         {
             n += 1;
