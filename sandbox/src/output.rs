@@ -74,14 +74,42 @@ impl CappedOutput {
         if !self.truncated() {
             return String::from_utf8_lossy(&self.bytes()).into_owned();
         }
-        let dropped = self.total_bytes - (self.head.len() + self.tail.len()) as u64;
+        // The cut falls anywhere: a character split across it is dropped
+        // whole (and counted), not shown as replacement characters.
+        let head = &self.head[..self.head.len() - split_char_at_end(&self.head)];
         let tail: Vec<u8> = self.tail.iter().copied().collect();
+        let skip = tail
+            .iter()
+            .take(3)
+            .take_while(|&&b| b & 0xC0 == 0x80)
+            .count();
+        let tail = &tail[skip..];
+        let dropped = self.total_bytes - (head.len() + tail.len()) as u64;
         format!(
             "{}\n[... {dropped} bytes truncated ...]\n{}",
-            String::from_utf8_lossy(&self.head),
-            String::from_utf8_lossy(&tail)
+            String::from_utf8_lossy(head),
+            String::from_utf8_lossy(tail)
         )
     }
+}
+
+/// How many bytes at the end of `b` begin a UTF-8 character that `b` does
+/// not finish (0 to 3).
+fn split_char_at_end(b: &[u8]) -> usize {
+    for back in 1..=b.len().min(3) {
+        let lead = b[b.len() - back];
+        if lead & 0xC0 == 0x80 {
+            continue; // a continuation byte: look further back
+        }
+        let need = match lead {
+            0xC0..=0xDF => 2,
+            0xE0..=0xEF => 3,
+            0xF0..=0xF7 => 4,
+            _ => 1,
+        };
+        return if need > back { back } else { 0 };
+    }
+    0
 }
 
 impl Serialize for CappedOutput {
@@ -213,6 +241,23 @@ mod tests {
         assert!(c
             .text()
             .starts_with("012\n[... 8 bytes truncated ...]\nbcd"));
+    }
+
+    #[test]
+    fn a_character_split_by_the_cut_is_dropped_whole() {
+        // "é" is 2 bytes, "€" 3: the head's cap ends inside an "é", the
+        // tail's begins inside a "€".
+        let mut c = CappedOutput::new(10);
+        c.push("abcdé".as_bytes()); // head keeps "abcd" + half of é
+        c.push(&[b'x'; 20]);
+        c.push("€€".as_bytes()); // tail keeps the last 5: 2 bytes of € + €
+        let text = c.text();
+        assert!(!text.contains('\u{FFFD}'), "{text:?}");
+        assert!(
+            text.starts_with("abcd\n[... 25 bytes truncated ...]\n€"),
+            "{text:?}"
+        );
+        assert!(text.ends_with('€'));
     }
 
     #[test]
