@@ -41,9 +41,10 @@
 //! Not isolated, and out of scope: the kernel itself (both backends share the
 //! host kernel, so a kernel exploit escapes; use gVisor or VMs behind the same
 //! trait when that matters), CPU side channels, disk space and inodes used
-//! inside a sandbox (bounded only by the host's file system: one rollout can
-//! fill the disk the run's checkpoints go to), and timing (commands see the real
-//! clock). Processes a command leaves in the background are killed when it
+//! inside a Docker sandbox (bounded only by the daemon's storage: one rollout
+//! can fill the disk the run's checkpoints go to; the local backend bounds
+//! them, [`Policy::disk_bytes`], when it runs as root), and timing (commands
+//! see the real clock). Processes a command leaves in the background are killed when it
 //! ends (Docker: its process group; local: its pid namespace), except, under
 //! Docker, one that starts a session of its own, which lives until the
 //! sandbox closes (bounded by the pids and memory limits).

@@ -10,7 +10,11 @@
 //! Layout of one sandbox: an empty tmpfs root, remounted read-only, with the
 //! image's top-level folders bound read-only into it; the sandbox's own copy
 //! of the repository bound read-write at the workdir and a private folder at
-//! `/tmp`; a fresh `/proc`, read-only, and a minimal `/dev`; a new network
+//! `/tmp`, both on the sandbox's own tmpfs of `Policy::disk_bytes` and
+//! `disk_inodes` (a full one gives ENOSPC, as a full disk does; its pages
+//! count against the sandbox's memory limit; without the right to mount it
+//! is a plain folder and a warning says disk use is unbounded); a fresh
+//! `/proc`, read-only, and a minimal `/dev`; a new network
 //! namespace with only loopback. The sandbox's user is the host user that
 //! runs arcticd, without capabilities (bubblewrap maps it so): when that is
 //! root, the read-only `/proc` keeps host-wide kernel settings out of reach,
@@ -128,19 +132,11 @@ impl LocalBackend {
     /// Removes sandbox folders and cgroups whose owner process is gone.
     pub fn reap_orphans(&self) -> usize {
         let mut n = 0;
-        let dead = |name: &str| -> bool {
-            let name = name.strip_prefix(PREFIX).unwrap_or(name);
-            let mut parts = name.splitn(3, '-');
-            match (parts.next(), parts.next()) {
-                (Some(pid), Some(start)) => !procs::owner_alive(&format!("{pid}-{start}")),
-                _ => false,
-            }
-        };
         if let Ok(rd) = std::fs::read_dir(&self.state_dir) {
             for e in rd.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
-                if name.starts_with(PREFIX) && dead(&name) {
-                    let _ = std::fs::remove_dir_all(e.path());
+                if procs::orphaned(&name, PREFIX) {
+                    let _ = remove_sandbox_dir(&e.path());
                     n += 1;
                 }
             }
@@ -149,7 +145,7 @@ impl LocalBackend {
             if let Ok(rd) = std::fs::read_dir(&base) {
                 for e in rd.flatten() {
                     let name = e.file_name().to_string_lossy().into_owned();
-                    if name.starts_with(PREFIX) && dead(&name) {
+                    if procs::orphaned(&name, PREFIX) {
                         kill_cgroup(&e.path());
                         let _ = std::fs::remove_dir(e.path());
                     }
@@ -186,8 +182,65 @@ fn own_cgroup(controller: &str) -> Option<String> {
     })
 }
 
+fn c_path(p: &Path) -> std::io::Result<std::ffi::CString> {
+    std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+}
+
+/// Mounts a tmpfs of `policy.disk_bytes` and `policy.disk_inodes` on the
+/// new, empty sandbox folder `dir`, so a command cannot fill the host's
+/// disk (it gets ENOSPC, as on a full disk). Without the right to mount
+/// (not root), warns once and leaves the folder on the host's file system.
+fn bound_disk(dir: &Path, policy: &Policy) -> Result<()> {
+    let opts = format!(
+        "size={},nr_inodes={},mode=0700",
+        policy.disk_bytes, policy.disk_inodes
+    );
+    let io = |e| Error::io(format!("mounting a tmpfs on {}", dir.display()), e);
+    let target = c_path(dir).map_err(io)?;
+    let opts =
+        std::ffi::CString::new(opts).map_err(|_| Error::InvalidInput("disk limits".into()))?;
+    // SAFETY: every pointer is a valid NUL-terminated string for the call.
+    let rc = unsafe {
+        libc::mount(
+            c"tmpfs".as_ptr(),
+            target.as_ptr(),
+            c"tmpfs".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            opts.as_ptr().cast(),
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EPERM) {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!(
+                "local sandboxes: disk use is not bounded (mounting a tmpfs needs root): \
+                 a command can fill the file system of {}",
+                dir.parent().unwrap_or(dir).display()
+            )
+        });
+        return Ok(());
+    }
+    Err(io(e))
+}
+
+/// Removes a sandbox folder: its tmpfs, when it has one (detached, so
+/// a process still holding a file there cannot keep it busy), then the
+/// folder and whatever is left in it.
+fn remove_sandbox_dir(dir: &Path) -> std::io::Result<()> {
+    let target = c_path(dir)?;
+    // SAFETY: `target` is a valid NUL-terminated path for the call. A folder
+    // that is not a mount point gives EINVAL, which changes nothing.
+    unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH | libc::UMOUNT_NOFOLLOW) };
+    std::fs::remove_dir_all(dir)
+}
+
 fn writable_dir(p: &Path) -> bool {
-    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
+    let Ok(c) = c_path(p) else {
         return false;
     };
     // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
@@ -397,6 +450,7 @@ impl Backend for LocalBackend {
         let setup = tokio::task::spawn_blocking(move || -> Result<LocalSandbox> {
             std::fs::create_dir(&dir)
                 .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+            bound_disk(&dir, &policy)?;
             // The value owns the folder from here: an error below removes it.
             let mut sb = LocalSandbox {
                 name,
@@ -788,7 +842,7 @@ impl Sandbox for LocalSandbox {
                 kill_cgroup(d);
                 let _ = std::fs::remove_dir(d);
             }
-            std::fs::remove_dir_all(&dir)
+            remove_sandbox_dir(&dir)
                 .map_err(|e| Error::io(format!("removing {}", dir.display()), e))
         });
         with_timeout(
@@ -812,7 +866,7 @@ impl Drop for LocalSandbox {
             }
         }
         if !self.closed.swap(true, Ordering::SeqCst) {
-            let _ = std::fs::remove_dir_all(&self.dir);
+            let _ = remove_sandbox_dir(&self.dir);
         }
     }
 }

@@ -22,6 +22,15 @@ pub struct Policy {
     pub max_file_bytes: u64,
     /// Memory limit, bytes; swap is disabled. Default 2 GiB.
     pub memory_bytes: u64,
+    /// Disk limit of the working copy and `/tmp` together, bytes. Default
+    /// 1 GiB. The local backend holds them on a file system of this size in
+    /// memory (tmpfs), so what a command writes also counts against
+    /// `memory_bytes`; it needs the right to mount (root). The Docker
+    /// backend does not enforce it (its storage driver decides).
+    pub disk_bytes: u64,
+    /// Limit on files and folders in the working copy and `/tmp` together
+    /// (local backend, as `disk_bytes`). Default 262,144.
+    pub disk_inodes: u64,
     /// CPU limit in cores. Default 1.0.
     pub cpus: f64,
     /// Maximum number of processes and threads. Default 256.
@@ -41,6 +50,8 @@ impl Default for Policy {
             output_cap_bytes: 64 * 1024,
             max_file_bytes: 16 * 1024 * 1024,
             memory_bytes: 2 * 1024 * 1024 * 1024,
+            disk_bytes: 1024 * 1024 * 1024,
+            disk_inodes: 262_144,
             cpus: 1.0,
             pids_limit: 256,
             user: "1000:1000".to_string(),
@@ -73,6 +84,12 @@ impl Policy {
         }
         if self.memory_bytes < 16 * 1024 * 1024 {
             return bad("memory_bytes must be at least 16 MiB");
+        }
+        if self.disk_bytes < 16 * 1024 * 1024 {
+            return bad("disk_bytes must be at least 16 MiB");
+        }
+        if self.disk_inodes < 1024 {
+            return bad("disk_inodes must be at least 1024");
         }
         if self.pids_limit < 8 {
             return bad("pids_limit must be at least 8");
