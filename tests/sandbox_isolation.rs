@@ -249,23 +249,25 @@ both_backends!(cannot_touch_host_settings_or_inherited_files, |ctx| {
         "the sandbox wrote the host's core_pattern: {r:?}"
     );
     ensure!(!r.success(), "{r:?}");
-    // A descriptor without close-on-exec, as a launcher may leave one.
-    let dir = TempDir::new("inherited-fd")?;
-    let leak = dir.path().join("leak");
-    let file = std::fs::File::create(&leak)?;
-    let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
-    // SAFETY: flags of a descriptor this test owns.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFD);
-        libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
-    }
-    let r = sb.exec(sh(&format!("echo escaped >&{fd}"))).await?;
-    drop(file);
-    ensure!(
-        std::fs::read_to_string(&leak)?.is_empty(),
-        "the sandbox wrote through an inherited descriptor: {r:?}"
-    );
+    // Docker's commands are started by the daemon, never by this process,
+    // so only the local backend can pass a descriptor on.
     if ctx.kind == Kind::Local {
+        // A descriptor without close-on-exec, as a launcher may leave one.
+        let dir = TempDir::new("inherited-fd")?;
+        let leak = dir.path().join("leak");
+        let file = std::fs::File::create(&leak)?;
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+        // SAFETY: flags of a descriptor this test owns.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC);
+        }
+        let r = sb.exec(sh(&format!("echo escaped >&{fd}"))).await?;
+        drop(file);
+        ensure!(
+            std::fs::read_to_string(&leak)?.is_empty(),
+            "the sandbox wrote through an inherited descriptor: {r:?}"
+        );
         use std::os::unix::fs::PermissionsExt;
         let state = std::env::var_os("ARCTICD_LOCAL_DIR")
             .map(std::path::PathBuf::from)
