@@ -385,6 +385,9 @@ pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
         let id = format!("toy-{:04}-{}", i, bug.family);
         let repo_rel = format!("repos/{id}");
         let repo = out.join(&repo_rel);
+        // A pool made here before (another seed or package) may have left
+        // files in this task's folder: the repository is this task's only.
+        remove_toy_repo(&repo)?;
 
         // Two distractors, one before and one after the buggy function.
         let d1 = rng.below(DISTRACTORS.len());
@@ -482,7 +485,28 @@ pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
         tasks.push(task);
     }
     write(&out.join("tasks.jsonl"), &lines)?;
+    // Task folders of a larger pool made here before are not this pool's.
+    if let Ok(rd) = std::fs::read_dir(out.join("repos")) {
+        let ids: std::collections::HashSet<&str> =
+            tasks.iter().map(|t| t.instance_id.as_str()).collect();
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("toy-") && !ids.contains(name.as_str()) {
+                remove_toy_repo(&e.path())?;
+            }
+        }
+    }
     Ok(tasks)
+}
+
+fn remove_toy_repo(repo: &Path) -> Result<()> {
+    match std::fs::remove_dir_all(repo) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io(
+            format!("removing the earlier {}", repo.display()),
+            e,
+        )),
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -516,6 +540,41 @@ mod tests {
             super::super::load_tasks(&a.path().join("tasks.jsonl"), super::super::Format::Auto)
                 .unwrap();
         assert_eq!(loaded, ta);
+    }
+
+    #[test]
+    fn a_pool_made_over_an_earlier_one_holds_only_its_own_files() {
+        let out = tempfile::tempdir().unwrap();
+        let cfg = |count, seed| ToyConfig {
+            count,
+            seed,
+            loose_share: 0.25,
+            package: None,
+        };
+        generate(&cfg(6, 1), out.path()).unwrap();
+        let tasks = generate(&cfg(3, 2), out.path()).unwrap();
+        let fresh = tempfile::tempdir().unwrap();
+        generate(&cfg(3, 2), fresh.path()).unwrap();
+        let listing = |root: &Path| {
+            let mut v: Vec<String> = walk(root)
+                .into_iter()
+                .map(|p| p.strip_prefix(root).unwrap().display().to_string())
+                .collect();
+            v.sort();
+            v
+        };
+        fn walk(p: &Path) -> Vec<std::path::PathBuf> {
+            let mut v = vec![];
+            for e in std::fs::read_dir(p).unwrap().flatten() {
+                v.push(e.path());
+                if e.file_type().unwrap().is_dir() {
+                    v.extend(walk(&e.path()));
+                }
+            }
+            v
+        }
+        assert_eq!(tasks.len(), 3);
+        assert_eq!(listing(out.path()), listing(fresh.path()));
     }
 
     #[test]
