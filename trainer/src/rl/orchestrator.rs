@@ -1378,7 +1378,10 @@ fn checkpoint(
             &m,
             model_dir,
             Some(&*trainer.optimizer()?),
-            &[("run_state.json", json)],
+            &[
+                ("run_state.json", json),
+                ("recipe.toml", recipe.to_toml()?.into_bytes()),
+            ],
         );
         if let Err(e) = saved {
             // A full disk: free what the partial write took at once.
@@ -1457,6 +1460,20 @@ fn resume_state(
             s.pool.tasks[i].id,
             ids[i]
         )));
+    }
+    // The recipe the checkpoint was made with (checkpoints of older
+    // versions have none): a setting edited, or removed (so it takes its
+    // default), in the run's recipe.toml since then is said, not silent.
+    if let Ok(earlier) = std::fs::read_to_string(dir.join("recipe.toml")) {
+        let changes = recipe.changes_from(&earlier)?;
+        if !changes.is_empty() {
+            tracing::warn!(
+                "{} resumes with a recipe that differs from the one step {} was made with: {}",
+                run_dir.root.display(),
+                s.step,
+                changes.join("; ")
+            );
+        }
     }
     let in_flight = s.groups_started.saturating_sub(s.groups_consumed) * recipe.group_size as u64;
     let lost = in_flight + cut_rollouts;

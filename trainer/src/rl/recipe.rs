@@ -424,6 +424,50 @@ impl Recipe {
         toml::to_string(self).map_err(|e| Error::Recipe(format!("writing the recipe: {e}")))
     }
 
+    /// What differs from `earlier` (a recipe as TOML, written by
+    /// [`to_toml`](Self::to_toml)), one `key: old -> new` per setting, in
+    /// key order; a key the earlier recipe lacks shows as `(none)`.
+    pub fn changes_from(&self, earlier: &str) -> Result<Vec<String>> {
+        fn flat(
+            prefix: &str,
+            v: &toml::Value,
+            out: &mut std::collections::BTreeMap<String, String>,
+        ) {
+            match v {
+                toml::Value::Table(t) => {
+                    for (k, v) in t {
+                        let key = if prefix.is_empty() {
+                            k.clone()
+                        } else {
+                            format!("{prefix}.{k}")
+                        };
+                        flat(&key, v, out);
+                    }
+                }
+                other => {
+                    out.insert(prefix.to_string(), other.to_string());
+                }
+            }
+        }
+        let parse = |text: &str| -> Result<std::collections::BTreeMap<String, String>> {
+            let v: toml::Value = toml::from_str(text)
+                .map_err(|e| Error::Recipe(format!("an earlier recipe: {e}")))?;
+            let mut out = std::collections::BTreeMap::new();
+            flat("", &v, &mut out);
+            Ok(out)
+        };
+        let (old, new) = (parse(earlier)?, parse(&self.to_toml()?)?);
+        let none = "(none)".to_string();
+        let keys: std::collections::BTreeSet<&String> = old.keys().chain(new.keys()).collect();
+        Ok(keys
+            .into_iter()
+            .filter_map(|k| {
+                let (a, b) = (old.get(k).unwrap_or(&none), new.get(k).unwrap_or(&none));
+                (a != b).then(|| format!("{k}: {a} -> {b}"))
+            })
+            .collect())
+    }
+
     /// Rejects values the loop cannot run with.
     pub fn checked(self) -> Result<Self> {
         let bad = |m: &str| Err(Error::Recipe(m.to_string()));
@@ -600,6 +644,35 @@ impl Recipe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn changes_from_names_edited_and_removed_settings() {
+        let sets = ["steps=7".to_string(), "rollout.max_turns=3".to_string()];
+        let first = Recipe::from_toml_with("", "test", &sets).unwrap();
+        let text = first.to_toml().unwrap();
+        assert!(first.changes_from(&text).unwrap().is_empty());
+        // A user's edit of RUN_DIR/recipe.toml: one key removed, one changed.
+        let edited: String = text
+            .lines()
+            .filter(|l| !l.starts_with("steps ="))
+            .map(|l| {
+                if l.starts_with("max_turns =") {
+                    "max_turns = 5\n".to_string()
+                } else {
+                    format!("{l}\n")
+                }
+            })
+            .collect();
+        let now = Recipe::from_toml_with(&edited, "test", &[]).unwrap();
+        let default_steps = Recipe::default().steps;
+        assert_eq!(
+            now.changes_from(&text).unwrap(),
+            vec![
+                "rollout.max_turns: 3 -> 5".to_string(),
+                format!("steps: 7 -> {default_steps}"),
+            ]
+        );
+    }
 
     #[test]
     fn ablations_are_off_by_default_and_named_when_on() {
