@@ -31,6 +31,20 @@ fn arcticd() -> Command {
     Command::new(env!("CARGO_BIN_EXE_arcticd"))
 }
 
+/// `arcticd train --recipe RECIPE --out RUN`, with `--set` for each of
+/// `sets` (`key=value`).
+fn train(recipe: &Path, run: &Path, sets: &[&str]) -> Command {
+    let mut cmd = arcticd();
+    cmd.args(["train", "--recipe"])
+        .arg(recipe)
+        .arg("--out")
+        .arg(run);
+    for kv in sets {
+        cmd.args(["--set", kv]);
+    }
+    cmd
+}
+
 fn ok(out: Output, what: &str) -> Output {
     assert!(
         out.status.success(),
@@ -261,16 +275,7 @@ fn honest_run(extra: &str) -> Option<(TempDir, PathBuf)> {
     let dir = TempDir::new("train-loop").unwrap();
     let recipe = setup(dir.path(), extra);
     let run = dir.path().join("run");
-    ok(
-        arcticd()
-            .args(["train", "--recipe"])
-            .arg(&recipe)
-            .arg("--out")
-            .arg(&run)
-            .output()
-            .unwrap(),
-        "train",
-    );
+    ok(train(&recipe, &run, &[]).output().unwrap(), "train");
     let metrics = read_jsonl(&run.join("metrics.jsonl"));
     assert_eq!(steps_of(&run), vec![1, 2, 3, 4]);
     let mut same_version_tokens = 0;
@@ -373,11 +378,7 @@ fn honest_run(extra: &str) -> Option<(TempDir, PathBuf)> {
 
 /// Runs until the fault point's marker appears, then SIGKILLs.
 fn kill_at(recipe: &Path, run: &Path, point: &str, hit: u32, marks: &Path) {
-    let mut child = arcticd()
-        .args(["train", "--recipe"])
-        .arg(recipe)
-        .arg("--out")
-        .arg(run)
+    let mut child = train(recipe, run, &[])
         .env("ARCTICD_FAULT_PAUSE", point)
         .env("ARCTICD_FAULT_HIT", hit.to_string())
         .env("ARCTICD_FAULT_DIR", marks)
@@ -471,20 +472,18 @@ fn dynamic_sampling_refills_up_to_its_cap_and_counts_the_refills() {
     let recipe = setup(dir.path(), "");
     let run = dir.path().join("run");
     ok(
-        arcticd()
-            .args(["train", "--recipe"])
-            .arg(&recipe)
-            .arg("--out")
-            .arg(&run)
-            .args(["--set", "steps=3", "--set", "dynamic_sampling=true"])
-            .args([
-                "--set",
+        train(
+            &recipe,
+            &run,
+            &[
+                "steps=3",
+                "dynamic_sampling=true",
                 "dynamic_max_groups=4",
-                "--set",
                 "checkpoint_every=0",
-            ])
-            .output()
-            .unwrap(),
+            ],
+        )
+        .output()
+        .unwrap(),
         "train",
     );
     let metrics = read_jsonl(&run.join("metrics.jsonl"));
@@ -515,11 +514,7 @@ fn bad_recipes_and_inputs_are_clear_errors() {
     for (i, (text, needle)) in cases.iter().enumerate() {
         let r = dir.path().join(format!("bad{i}.toml"));
         std::fs::write(&r, text).unwrap();
-        let out = arcticd()
-            .args(["train", "--recipe"])
-            .arg(&r)
-            .arg("--out")
-            .arg(dir.path().join(format!("run{i}")))
+        let out = train(&r, &dir.path().join(format!("run{i}")), &[])
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
@@ -552,20 +547,18 @@ fn a_run_that_solves_and_trains_nothing_stops_and_says_why() {
     // updates the run ends, checkpointed, with a non-zero exit.
     let recipe = setup(dir.path(), "");
     let run = dir.path().join("run");
-    let out = arcticd()
-        .args(["train", "--recipe"])
-        .arg(&recipe)
-        .arg("--out")
-        .arg(&run)
-        .args(["--set", "steps=20", "--set", "filter_zero_variance=true"])
-        .args([
-            "--set",
+    let out = train(
+        &recipe,
+        &run,
+        &[
+            "steps=20",
+            "filter_zero_variance=true",
             "stop_after_dead_updates=2",
-            "--set",
             "checkpoint_every=0",
-        ])
-        .output()
-        .unwrap();
+        ],
+    )
+    .output()
+    .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(
@@ -580,9 +573,11 @@ fn a_run_that_solves_and_trains_nothing_stops_and_says_why() {
 }
 
 /// A resume reads the pool's records by position, so a task file whose
-/// tasks were reordered (same count) is refused, not misapplied.
+/// tasks were reordered (same count) is refused, not misapplied. With the
+/// file put back, a resume after the run's recipe was edited (steps raised,
+/// as the finished run says to, and a key removed) says what changed.
 #[test]
-fn resume_refuses_a_reordered_task_file() {
+fn resume_refuses_a_reordered_task_file_and_names_recipe_edits() {
     if !local_ready() {
         return;
     }
@@ -590,14 +585,7 @@ fn resume_refuses_a_reordered_task_file() {
     let recipe = setup(dir.path(), "");
     let run = dir.path().join("run");
     ok(
-        arcticd()
-            .args(["train", "--recipe"])
-            .arg(&recipe)
-            .arg("--out")
-            .arg(&run)
-            .args(["--set", "steps=1"])
-            .output()
-            .unwrap(),
+        train(&recipe, &run, &["steps=1"]).output().unwrap(),
         "train",
     );
     let tasks = dir.path().join("toy/tasks.jsonl");
@@ -616,6 +604,33 @@ fn resume_refuses_a_reordered_task_file() {
         stderr.contains("the task file changed since the run started: 4 of 4 tasks"),
         "{stderr}"
     );
+    std::fs::write(&tasks, &text).unwrap();
+    let saved = std::fs::read_to_string(run.join("recipe.toml")).unwrap();
+    let edited: String = saved
+        .lines()
+        .filter(|l| !l.starts_with("entropy_coef ="))
+        .map(|l| match l.starts_with("steps =") {
+            true => "steps = 2\n".to_string(),
+            false => format!("{l}\n"),
+        })
+        .collect();
+    std::fs::write(run.join("recipe.toml"), edited).unwrap();
+    let out = ok(
+        arcticd()
+            .args(["train", "--resume"])
+            .arg(&run)
+            .output()
+            .unwrap(),
+        "resume",
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("differs from the one step 1 was made with")
+            && stderr.contains("steps: 1 -> 2")
+            && stderr.contains("entropy_coef: 0.05 -> 0.0"),
+        "{stderr}"
+    );
+    assert_eq!(steps_of(&run), vec![1, 2]);
 }
 
 /// A run whose every task retires ends with a checkpoint of its last
@@ -630,20 +645,18 @@ fn a_run_whose_tasks_all_retire_checkpoints_and_says_why() {
     // after its first visit.
     let recipe = setup(dir.path(), "");
     let run = dir.path().join("run");
-    let out = arcticd()
-        .args(["train", "--recipe"])
-        .arg(&recipe)
-        .arg("--out")
-        .arg(&run)
-        .args(["--set", "steps=50", "--set", "drop_after=1"])
-        .args([
-            "--set",
+    let out = train(
+        &recipe,
+        &run,
+        &[
+            "steps=50",
+            "drop_after=1",
             "stop_after_dead_updates=0",
-            "--set",
             "checkpoint_every=0",
-        ])
-        .output()
-        .unwrap();
+        ],
+    )
+    .output()
+    .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("every task is retired"), "{stderr}");
@@ -668,13 +681,8 @@ fn start_long_run(
     let recipe = setup(dir, "");
     let run = dir.join("run");
     std::fs::create_dir_all(local).unwrap();
-    let mut cmd = arcticd();
-    cmd.args(["train", "--recipe"])
-        .arg(&recipe)
-        .arg("--out")
-        .arg(&run)
-        .args(["--set", "steps=1000", "--set", "checkpoint_every=0"])
-        .env("ARCTICD_LOCAL_DIR", local)
+    let mut cmd = train(&recipe, &run, &["steps=1000", "checkpoint_every=0"]);
+    cmd.env("ARCTICD_LOCAL_DIR", local)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
     for (k, v) in env {
