@@ -481,69 +481,75 @@ both_backends!(kills_a_memory_hog, |ctx| {
     Ok(())
 });
 
-/// The local backend bounds the working copy and /tmp with a tmpfs: a
-/// command that writes past `disk_bytes` or `disk_inodes` gets ENOSPC, the
-/// sandbox goes on, and closing it leaves no mount behind. (Docker does not
-/// enforce these limits: its storage driver decides.)
-#[test]
-fn local_disk_use_is_bounded() {
-    run_on(
-        Kind::Local,
-        Box::new(|ctx| {
-            Box::pin(async move {
-                let repo = fixture_repo()?;
-                let policy = Policy {
-                    disk_bytes: 32 << 20,
-                    disk_inodes: 2048,
-                    ..Policy::default()
-                };
-                let (_snap, sb) = ctx.start(repo.path(), &policy).await?;
-                let mounted = |id: &str| {
-                    std::fs::read_to_string("/proc/self/mountinfo")
-                        .unwrap_or_default()
-                        .contains(id)
-                };
-                if !mounted(sb.id()) {
-                    // Not root: said at start-up as a warning.
-                    unavailable(ctx.kind, "no right to mount a tmpfs (not root)");
-                    return sb.close().await.map_err(Into::into);
-                }
-                for place in [".", "/tmp"] {
-                    let r = sb
-                        .exec(sh(&format!(
-                            "dd if=/dev/zero of={place}/big bs=1M count=64 2>&1; rm -f {place}/big"
-                        )))
-                        .await?;
-                    ensure!(
-                        r.stdout.text().contains("No space left on device"),
-                        "{place}: 64 MiB written past a 32 MiB limit: {r:?}"
-                    );
-                }
-                let r = sb
-                    .exec(sh("mkdir many && cd many && for i in $(seq 4000); do touch f$i || exit 3; done"))
-                    .await?;
-                ensure!(
-                    r.exit_code == Some(3) && r.stderr.text().contains("No space left on device"),
-                    "4,000 files past 2,048 inodes: {r:?}"
-                );
-                let r = sb
-                    .exec(sh("rm -rf many && echo fine > note && cat note"))
-                    .await?;
-                ensure!(
-                    r.stdout.text().trim() == "fine",
-                    "the sandbox did not recover: {r:?}"
-                );
-                let id = sb.id().to_string();
-                sb.close().await?;
-                ensure!(
-                    !mounted(&id),
-                    "the tmpfs of {id} is still mounted after close"
-                );
-                Ok(())
-            })
-        }),
+// The working copy and /tmp are bounded (a tmpfs of their own): a command
+// that writes past `disk_bytes` or `disk_inodes` gets ENOSPC, and the
+// sandbox goes on. Nothing else is writable. A local sandbox leaves no
+// mount behind when closed.
+both_backends!(bounds_disk_use, |ctx| {
+    let repo = fixture_repo()?;
+    let policy = Policy {
+        disk_bytes: 32 << 20,
+        disk_inodes: 2048,
+        ..Policy::default()
+    };
+    let (_snap, sb) = ctx.start(repo.path(), &policy).await?;
+    let mounted = |id: &str| {
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .contains(id)
+    };
+    if ctx.kind == Kind::Local && !mounted(sb.id()) {
+        // Not root: said at start-up as a warning.
+        unavailable(ctx.kind, "no right to mount a tmpfs (not root)");
+        return sb.close().await.map_err(Into::into);
+    }
+    for place in [".", "/tmp"] {
+        let r = sb
+            .exec(sh(&format!(
+                "dd if=/dev/zero of={place}/big bs=1M count=64 2>&1; rm -f {place}/big"
+            )))
+            .await?;
+        ensure!(
+            r.stdout.text().contains("No space left on device"),
+            "{place}: 64 MiB written past a 32 MiB limit: {r:?}"
+        );
+    }
+    let r = sb
+        .exec(sh(
+            "mkdir many && cd many && for i in $(seq 4000); do touch f$i || exit 3; done",
+        ))
+        .await?;
+    ensure!(
+        r.exit_code == Some(3) && r.stderr.text().contains("No space left on device"),
+        "4,000 files past 2,048 inodes: {r:?}"
     );
-}
+    let r = sb
+        .exec(sh("rm -rf many && echo fine > note && cat note"))
+        .await?;
+    ensure!(
+        r.stdout.text().trim() == "fine",
+        "the sandbox did not recover: {r:?}"
+    );
+    // Files move in and out of both bounded places.
+    for path in ["/tmp/moved.txt", "moved.txt"] {
+        sb.write_file(path, b"moved").await?;
+        ensure!(sb.read_file(path).await? == b"moved", "{path}");
+    }
+    let r = sb
+        .exec(sh("touch /var/tmp/x || touch /home/x || touch /x"))
+        .await?;
+    ensure!(
+        !r.success(),
+        "a folder outside the limits is writable: {r:?}"
+    );
+    let id = sb.id().to_string();
+    sb.close().await?;
+    ensure!(
+        !mounted(&id),
+        "the tmpfs of {id} is still mounted after close"
+    );
+    Ok(())
+});
 
 fn host_processes_with(needle: &str) -> usize {
     let Ok(rd) = std::fs::read_dir("/proc") else {

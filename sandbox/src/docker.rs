@@ -13,7 +13,8 @@
 //! into a [`Snapshot`] ([`Backend::snapshot_from_image`]); every sandbox
 //! gets an empty anonymous volume at the workdir (removed with the
 //! container), so the image's own copy there, `.git` and all, is hidden
-//! and the image's history never reaches the agent. Not for building
+//! and the image's history never reaches the agent. That volume and `/tmp`
+//! are tmpfs of `Policy::disk_bytes`; the image's file system is read-only. Not for building
 //! images (see [`crate::image`]). The image must have `sh`, util-linux
 //! `setsid`, `find` and `git`.
 
@@ -27,7 +28,10 @@ use crate::{
 use async_trait::async_trait;
 use bollard::container::LogOutput;
 use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
-use bollard::models::{ContainerCreateBody, HostConfig, Mount, MountType, MountVolumeOptions};
+use bollard::models::{
+    ContainerCreateBody, HostConfig, Mount, MountType, MountVolumeOptions,
+    MountVolumeOptionsDriverConfig,
+};
 use bollard::query_parameters::{
     CreateContainerOptionsBuilder, DownloadFromContainerOptionsBuilder,
     ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, UploadToContainerOptionsBuilder,
@@ -73,6 +77,36 @@ pub async fn connect() -> Result<Docker> {
     })
     .await?;
     Ok(docker)
+}
+
+/// Where a command's process group id is written, so the group can be
+/// killed when the command ends or times out: a small tmpfs of its own,
+/// apart from `/tmp`, so an agent that fills `/tmp` does not also leave its
+/// later commands' groups unkillable.
+const PIDFILE_DIR: &str = "/run/arcticd";
+
+/// An empty anonymous volume at `target` (removed with its container),
+/// held in memory by the local driver's tmpfs with mount options `o`.
+fn tmpfs_volume(target: &str, o: String) -> Mount {
+    Mount {
+        target: Some(target.to_string()),
+        typ: Some(MountType::VOLUME),
+        volume_options: Some(MountVolumeOptions {
+            // Docker must not seed the volume from the image's folder.
+            no_copy: Some(true),
+            labels: Some(labels()),
+            driver_config: Some(MountVolumeOptionsDriverConfig {
+                name: Some("local".into()),
+                options: Some(HashMap::from([
+                    ("type".to_string(), "tmpfs".to_string()),
+                    ("device".to_string(), "tmpfs".to_string()),
+                    ("o".to_string(), o),
+                ])),
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
 }
 
 /// Removes every labelled container on this host whose owning process is
@@ -390,13 +424,15 @@ impl Backend for DockerBackend {
         let docker = self.docker.clone();
         let op_timeout = policy.op_timeout_secs;
         with_timeout("starting a docker sandbox", op_timeout, async move {
-            let prefix = policy.workdir.trim_start_matches('/').to_string();
+            // Entries relative to the workdir, uploaded into it: the image's
+            // file system, where its parent is, is read-only.
             let snap = snapshot.clone();
-            let tar = tokio::task::spawn_blocking(move || snap.to_tar(&prefix, uid, gid))
+            let tar = tokio::task::spawn_blocking(move || snap.to_tar(".", uid, gid))
                 .await
                 .map_err(|e| Error::Sandbox(format!("snapshot archiver failed: {e}")))??;
 
             let name = format!("arcticd-{}-{}", procs::self_owner(), next_token());
+            let disk = format!("size={},nr_inodes={}", policy.disk_bytes, policy.disk_inodes);
             let memory = i64::try_from(policy.memory_bytes)
                 .map_err(|_| Error::InvalidInput("memory_bytes too large".into()))?;
             let body = ContainerCreateBody {
@@ -415,18 +451,25 @@ impl Backend for DockerBackend {
                     network_mode: Some("none".into()),
                     // The snapshot goes into an empty volume: whatever the
                     // image holds at the workdir (a task image's repository
-                    // with its history) stays hidden below it. `no_copy`
-                    // keeps Docker from seeding the volume from the image.
-                    mounts: Some(vec![Mount {
-                        target: Some(policy.workdir.clone()),
-                        typ: Some(MountType::VOLUME),
-                        volume_options: Some(MountVolumeOptions {
-                            no_copy: Some(true),
-                            labels: Some(labels()),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    }]),
+                    // with its history) stays hidden below it. It and /tmp
+                    // are volumes in memory (tmpfs) of the disk limits, so
+                    // a full one gives ENOSPC, not a full host disk;
+                    // volumes, not Docker's tmpfs mounts, since only a
+                    // volume takes files through the archive API.
+                    mounts: Some(vec![
+                        tmpfs_volume(
+                            &policy.workdir,
+                            format!("{disk},uid={uid},gid={gid},mode=0755"),
+                        ),
+                        tmpfs_volume("/tmp", format!("{disk},mode=1777")),
+                    ]),
+                    // Nothing else is writable, but the small folder of
+                    // the exec wrapper's pid files.
+                    readonly_rootfs: Some(true),
+                    tmpfs: Some(HashMap::from([(
+                        PIDFILE_DIR.to_string(),
+                        "size=1m,nr_inodes=4096,mode=1777".to_string(),
+                    )])),
                     memory: Some(memory),
                     memory_swap: Some(memory),
                     nano_cpus: Some((policy.cpus * 1e9) as i64),
@@ -471,7 +514,11 @@ impl Backend for DockerBackend {
             docker
                 .upload_to_container(
                     &sandbox.id,
-                    Some(UploadToContainerOptionsBuilder::new().path("/").build()),
+                    Some(
+                        UploadToContainerOptionsBuilder::new()
+                            .path(&sandbox.policy.workdir)
+                            .build(),
+                    ),
                     bollard::body_full(tar.into()),
                 )
                 .await?;
@@ -671,7 +718,7 @@ impl Sandbox for DockerSandbox {
             Some(w) => resolve_path(&self.policy, w)?,
             None => self.policy.workdir.clone(),
         };
-        let pidfile = format!("/tmp/.arcticd-exec-{}.pid", next_token());
+        let pidfile = format!("{PIDFILE_DIR}/exec-{}.pid", next_token());
         // The outer shell stays outside the command's session: it waits for
         // the command (a session and process group leader, whose id it
         // records), then kills whatever the command left in its group, so no
@@ -681,7 +728,7 @@ impl Sandbox for DockerSandbox {
             "sh".into(),
             "-c".into(),
             r#"f=$1; shift
-setsid -w sh -c 'echo $$ > "$0"; exec "$@"' "$f" "$@"; rc=$?
+setsid -w sh -c '{ echo $$ > "$0"; } 2>/dev/null; exec "$@"' "$f" "$@"; rc=$?
 if p=$(cat "$f" 2>/dev/null); then i=0; while kill -9 -"$p" 2>/dev/null && [ $i -lt 200 ]; do i=$((i+1)); done; fi
 rm -f "$f"; exit $rc"#
                 .into(),

@@ -25,9 +25,13 @@
 //! - **Hidden tests**: the task's test patch never enters the agent's sandbox.
 //!   [`grading::grade`] applies only the agent's diff, plus the test patch, in
 //!   a fresh sandbox from the same snapshot, and throws it away.
-//! - **Host files**: the root file system is the image (read-only for the
-//!   local backend, unprivileged user for Docker); the host's home, the
+//! - **Host files**: the root file system is the image (read-only for both
+//!   backends, and an unprivileged user under Docker); the host's home, the
 //!   repository checkout and everything else on the host is not mounted.
+//! - **Disk**: the working copy and `/tmp` are in-memory file systems of
+//!   [`Policy::disk_bytes`] and `disk_inodes`, the rest read-only, so a
+//!   rollout cannot fill the disk the run's checkpoints go to (the local
+//!   backend needs root to mount them, and warns without it).
 //! - **Resources**: memory (no swap), pids and CPU are limited per sandbox; a
 //!   memory kill is reported as `memory_exceeded`; every call has a timeout
 //!   and kills the command's whole process group (Docker) or pid namespace
@@ -40,11 +44,8 @@
 //!
 //! Not isolated, and out of scope: the kernel itself (both backends share the
 //! host kernel, so a kernel exploit escapes; use gVisor or VMs behind the same
-//! trait when that matters), CPU side channels, disk space and inodes used
-//! inside a Docker sandbox (bounded only by the daemon's storage: one rollout
-//! can fill the disk the run's checkpoints go to; the local backend bounds
-//! them, [`Policy::disk_bytes`], when it runs as root), and timing (commands
-//! see the real clock). Processes a command leaves in the background are killed when it
+//! trait when that matters), CPU side channels, and timing (commands see
+//! the real clock). Processes a command leaves in the background are killed when it
 //! ends (Docker: its process group; local: its pid namespace), except, under
 //! Docker, one that starts a session of its own, which lives until the
 //! sandbox closes (bounded by the pids and memory limits).

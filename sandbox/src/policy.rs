@@ -22,14 +22,16 @@ pub struct Policy {
     pub max_file_bytes: u64,
     /// Memory limit, bytes; swap is disabled. Default 2 GiB.
     pub memory_bytes: u64,
-    /// Disk limit of the working copy and `/tmp` together, bytes. Default
-    /// 1 GiB. The local backend holds them on a file system of this size in
-    /// memory (tmpfs), so what a command writes also counts against
-    /// `memory_bytes`; it needs the right to mount (root). The Docker
-    /// backend does not enforce it (its storage driver decides).
+    /// Disk limit of the working copy and `/tmp`, bytes. Default 1 GiB.
+    /// Both live in memory (tmpfs), so what a command writes there also
+    /// counts against `memory_bytes`; a full one gives ENOSPC, as a full
+    /// disk does, and nothing else in the sandbox is writable. The local
+    /// backend holds the two on one tmpfs and needs the right to mount
+    /// (root; without it, a warning says disk use is unbounded); Docker
+    /// gives each its own.
     pub disk_bytes: u64,
-    /// Limit on files and folders in the working copy and `/tmp` together
-    /// (local backend, as `disk_bytes`). Default 262,144.
+    /// Limit on files and folders in the working copy and `/tmp`, as
+    /// `disk_bytes`. Default 262,144.
     pub disk_inodes: u64,
     /// CPU limit in cores. Default 1.0.
     pub cpus: f64,
