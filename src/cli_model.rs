@@ -63,6 +63,20 @@ pub fn score(args: ScoreArgs) -> Result<()> {
         }
         Device::Cuda(ordinal) => score_on_cuda(&args, ordinal, &input.sequences)?,
     };
+    // JSON has no NaN or infinity (they would print as null, like the
+    // first token's, which has no log-prob): a model that gives them is
+    // refused with where, not written as if scored.
+    let bad = lps.iter().enumerate().find_map(|(i, seq)| {
+        seq.iter()
+            .position(|lp| lp.is_some_and(|v| !v.is_finite()))
+            .map(|j| (i, j, seq[j]))
+    });
+    if let Some((i, j, Some(v))) = bad {
+        bail!(
+            "sequence {i}, token {j}: the model gives the log-prob {v}, which JSON cannot hold; \
+             its weights or its configuration are likely broken (NaN or infinite values)"
+        );
+    }
     let out = serde_json::json!({ "logprobs": lps });
     let mut stdout = std::io::stdout().lock();
     serde_json::to_writer(&mut stdout, &out)?;

@@ -224,6 +224,52 @@ fn init_score_generate_and_bad_input() {
     std::fs::remove_dir_all(&other).ok();
 }
 
+/// A checkpoint whose final norm holds NaN: `score` refuses it and says
+/// where, instead of printing its NaN log-probs as JSON nulls (which read
+/// like the first token's "no log-prob").
+#[test]
+fn score_refuses_non_finite_log_probs() {
+    let dir = tmpdir("nan");
+    init_tiny(&dir);
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let (name, info) = header
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.ends_with("norm.weight") && !k.contains("layers."))
+        .expect("a final norm");
+    let offsets = &info["data_offsets"];
+    let (a, b) = (
+        offsets[0].as_u64().unwrap() as usize,
+        offsets[1].as_u64().unwrap() as usize,
+    );
+    // All-ones bits are a NaN in bf16 and in f32 alike.
+    bytes[8 + n + a..8 + n + b].fill(0xFF);
+    std::fs::write(&path, bytes).unwrap();
+    let input = dir.join("in.json");
+    std::fs::write(&input, r#"{"sequences": [[5, 17, 300]]}"#).unwrap();
+    let out = arcticd(&[
+        "score",
+        "--model",
+        dir.to_str().unwrap(),
+        "--input",
+        input.to_str().unwrap(),
+    ]);
+    assert_clean_error(
+        &out,
+        "sequence 0, token 1: the model gives the log-prob NaN",
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "{name}: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// `arcticd plan`: Qwen3.5-4B at 32k tokens on one 141 GB GPU fits only
 /// with layer recomputation; a plan that does not fit is a clean error
 /// that names the biggest use; bad input is refused.
