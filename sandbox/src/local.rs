@@ -450,7 +450,6 @@ impl Backend for LocalBackend {
         let setup = tokio::task::spawn_blocking(move || -> Result<LocalSandbox> {
             std::fs::create_dir(&dir)
                 .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-            bound_disk(&dir, &policy)?;
             // The value owns the folder from here: an error below removes it.
             let mut sb = LocalSandbox {
                 name,
@@ -464,6 +463,7 @@ impl Backend for LocalBackend {
                 closed: AtomicBool::new(false),
                 oom_kills_seen: AtomicU64::new(0),
             };
+            bound_disk(&dir, &sb.policy)?;
             let work = dir.join("work");
             let tmp = dir.join("tmp");
             for d in [&work, &tmp] {
