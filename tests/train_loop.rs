@@ -45,6 +45,15 @@ fn train(recipe: &Path, run: &Path, sets: &[&str]) -> Command {
     cmd
 }
 
+/// `arcticd train --resume RUN`, run to its end.
+fn resume(run: &Path) -> Output {
+    arcticd()
+        .args(["train", "--resume"])
+        .arg(run)
+        .output()
+        .unwrap()
+}
+
 fn ok(out: Output, what: &str) -> Output {
     assert!(
         out.status.success(),
@@ -522,11 +531,7 @@ fn bad_recipes_and_inputs_are_clear_errors() {
         assert!(err.contains(needle), "{text:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
     }
-    let out = arcticd()
-        .args(["train", "--resume"])
-        .arg(dir.path())
-        .output()
-        .unwrap();
+    let out = resume(dir.path());
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a run directory"));
     let out = arcticd()
@@ -593,11 +598,7 @@ fn resume_refuses_a_reordered_task_file_and_names_recipe_edits() {
     let mut lines: Vec<&str> = text.lines().collect();
     lines.reverse();
     std::fs::write(&tasks, lines.join("\n") + "\n").unwrap();
-    let out = arcticd()
-        .args(["train", "--resume"])
-        .arg(&run)
-        .output()
-        .unwrap();
+    let out = resume(&run);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(
@@ -615,14 +616,7 @@ fn resume_refuses_a_reordered_task_file_and_names_recipe_edits() {
         })
         .collect();
     std::fs::write(run.join("recipe.toml"), edited).unwrap();
-    let out = ok(
-        arcticd()
-            .args(["train", "--resume"])
-            .arg(&run)
-            .output()
-            .unwrap(),
-        "resume",
-    );
+    let out = ok(resume(&run), "resume");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("differs from the one step 1 was made with")
@@ -631,6 +625,26 @@ fn resume_refuses_a_reordered_task_file_and_names_recipe_edits() {
         "{stderr}"
     );
     assert_eq!(steps_of(&run), vec![1, 2]);
+    // A checkpoint whose copy of the recipe no longer parses still
+    // resumes: only the comparison is lost, and that is said.
+    std::fs::write(
+        run.join("checkpoints/step-000002/recipe.toml"),
+        "steps = [unclosed\n",
+    )
+    .unwrap();
+    let recipe_now = std::fs::read_to_string(run.join("recipe.toml")).unwrap();
+    std::fs::write(
+        run.join("recipe.toml"),
+        recipe_now.replace("steps = 2\n", "steps = 3\n"),
+    )
+    .unwrap();
+    let out = ok(resume(&run), "resume past a corrupt recipe copy");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("cannot say whether the recipe changed since step 2"),
+        "{stderr}"
+    );
+    assert_eq!(steps_of(&run), vec![1, 2, 3]);
 }
 
 /// A run whose every task retires ends with a checkpoint of its last

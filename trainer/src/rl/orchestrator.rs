@@ -1464,15 +1464,22 @@ fn resume_state(
     // The recipe the checkpoint was made with (checkpoints of older
     // versions have none): a setting edited, or removed (so it takes its
     // default), in the run's recipe.toml since then is said, not silent.
+    // A copy that no longer parses only loses that comparison: the
+    // checkpoint itself is whole (its recipe is a record, not an input).
     if let Ok(earlier) = std::fs::read_to_string(dir.join("recipe.toml")) {
-        let changes = recipe.changes_from(&earlier)?;
-        if !changes.is_empty() {
-            tracing::warn!(
+        match recipe.changes_from(&earlier) {
+            Ok(changes) if !changes.is_empty() => tracing::warn!(
                 "{} resumes with a recipe that differs from the one step {} was made with: {}",
                 run_dir.root.display(),
                 s.step,
                 changes.join("; ")
-            );
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(
+                "{}: cannot say whether the recipe changed since step {}: {e}",
+                dir.join("recipe.toml").display(),
+                s.step
+            ),
         }
     }
     let in_flight = s.groups_started.saturating_sub(s.groups_consumed) * recipe.group_size as u64;
