@@ -136,8 +136,13 @@ impl LocalBackend {
             for e in rd.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
                 if procs::orphaned(&name, PREFIX) {
-                    let _ = remove_sandbox_dir(&e.path());
-                    n += 1;
+                    match remove_sandbox_dir(&e.path()) {
+                        Ok(()) => n += 1,
+                        Err(err) => tracing::warn!(
+                            "cannot remove the leftover sandbox folder {}: {err}",
+                            e.path().display()
+                        ),
+                    }
                 }
             }
         }
