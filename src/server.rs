@@ -20,7 +20,12 @@
 //! as one `tool_calls` delta when its `</tool_call>` arrives (`ToolStream`).
 //!
 //! Log-probabilities are the engine's: of each sampled token under the
-//! distribution it was sampled from, after temperature (`sampler.rs`).
+//! distribution it was sampled from, after temperature (`sampler.rs`). A
+//! completion with `echo` and `logprobs` also gets its prompt's tokens
+//! scored, under the model's own distribution (temperature 1), by a full
+//! forward of the prompt on the engine thread (`EngineHandle::score_prompt`);
+//! the first token has none (`null`). At temperature 0 or 1 a generated
+//! token sent back in a prompt scores exactly as it was generated.
 //!
 //! A client that disconnects drops its event receiver, and the engine frees
 //! the request's sequences before its next step.
@@ -568,6 +573,10 @@ async fn completions(
     let stream = req.sampling.stream.unwrap_or(false);
     let return_ids = req.sampling.return_token_ids.unwrap_or(false);
     let echo = req.echo.unwrap_or(false);
+    // `echo` with `max_tokens: 0` asks only for the prompt back (with its
+    // log-probs, the way evaluation harnesses score a text): nothing is
+    // generated.
+    let echo_only = echo && params.max_tokens == 0;
     let requests: Vec<Request> = prompts
         .iter()
         .map(|p| Request {
@@ -575,7 +584,7 @@ async fn completions(
             params: params.clone(),
         })
         .collect();
-    for r in &requests {
+    for r in requests.iter().filter(|_| !echo_only) {
         s.inner.router.validate(r)?;
     }
     let id = s.request_id("cmpl");
@@ -610,7 +619,12 @@ async fn completions(
                 text,
                 tokens,
             } => {
-                let lp = want_lp.then(|| completion_logprobs(&st, &tokens, 0));
+                let lp = want_lp.then(|| {
+                    let items = tokens
+                        .into_iter()
+                        .map(|(t, lp, top)| (t, Some(lp), Some(top)));
+                    completion_logprobs(&st, items, 0)
+                });
                 chunk(index, text, lp, None)
             }
             StreamItem::Finish { index, reason, .. } => {
@@ -628,7 +642,34 @@ async fn completions(
     let n = params.n;
     for (pi, (r, prompt)) in requests.into_iter().zip(&prompts).enumerate() {
         prompt_tokens += prompt.len();
-        let choices = s.run(r).await?;
+        // With echo and logprobs the prompt's tokens come first, scored by
+        // the model (the first has no log-prob: nothing comes before it).
+        let prompt_lp = match (echo, logprobs) {
+            (true, Some(k)) => {
+                let scores = s.inner.router.score_prompt(prompt.clone(), k).await?;
+                let first = (prompt[0], None, None);
+                let rest = prompt[1..].iter().zip(scores.tokens).map(|(&t, sc)| {
+                    debug_assert_eq!(t, sc.token);
+                    (t, Some(sc.logprob), Some(sc.top))
+                });
+                Some(completion_logprobs(
+                    &s,
+                    std::iter::once(first).chain(rest),
+                    0,
+                ))
+            }
+            _ => None,
+        };
+        let choices = match echo_only {
+            true => vec![
+                Choice {
+                    finish_reason: Some(FinishReason::Length),
+                    ..Choice::default()
+                };
+                n
+            ],
+            false => s.run(r).await?,
+        };
         for (ci, c) in choices.into_iter().enumerate() {
             completion_tokens += c.tokens.len();
             let mut text = cut_at_stop(&s.decode(&c.tokens)?, &params.stop);
@@ -640,10 +681,17 @@ async fn completions(
                 offset = shown.len();
                 text = shown + &text;
             }
+            let lp = logprobs.map(|_| {
+                let generated = completion_logprobs_full(&s, &c, offset);
+                match &prompt_lp {
+                    Some(p) => joined_logprobs(p, &generated),
+                    None => generated,
+                }
+            });
             let mut choice = json!({
                 "index": pi * n + ci,
                 "text": text,
-                "logprobs": logprobs.map(|_| completion_logprobs_full(&s, &c, offset)),
+                "logprobs": lp,
                 "finish_reason": finish_str(&c.finish_reason),
             });
             if return_ids {
@@ -672,35 +720,59 @@ async fn completions(
 /// Legacy completions `logprobs` object for generated tokens, their text
 /// offsets counted from `offset` in the returned text.
 fn completion_logprobs_full(s: &AppState, c: &Choice, offset: usize) -> Value {
-    let items: Vec<TokenLp> = c
+    let items = c
         .tokens
         .iter()
         .zip(&c.logprobs)
         .zip(&c.top_logprobs)
-        .map(|((&t, &lp), top)| (t, lp, top.clone()))
-        .collect();
-    completion_logprobs(s, &items, offset)
+        .map(|((&t, &lp), top)| (t, Some(lp), Some(top.clone())));
+    completion_logprobs(s, items, offset)
 }
 
-fn completion_logprobs(s: &AppState, items: &[TokenLp], offset: usize) -> Value {
+/// Legacy completions `logprobs` object: per token its text, log-prob and
+/// alternatives (`null` for a token that has none: a prompt's first) and
+/// its text offset, counted from `offset`.
+fn completion_logprobs(
+    s: &AppState,
+    items: impl IntoIterator<Item = (u32, Option<f32>, Option<Vec<(u32, f32)>>)>,
+    offset: usize,
+) -> Value {
     let mut tokens = Vec::new();
     let mut lps = Vec::new();
     let mut tops = Vec::new();
     let mut offsets = Vec::new();
     let mut off = offset;
     for (t, lp, top) in items {
-        let text = s.token_text(*t);
+        let text = s.token_text(t);
         offsets.push(off);
         off += text.len();
         tokens.push(text);
-        lps.push(*lp);
-        let mut m = Map::new();
-        for (a, alp) in top {
-            m.insert(s.token_text(*a), json!(alp));
-        }
-        tops.push(Value::Object(m));
+        lps.push(json!(lp));
+        tops.push(match top {
+            Some(top) => Value::Object(
+                top.into_iter()
+                    .map(|(a, alp)| (s.token_text(a), json!(alp)))
+                    .collect(),
+            ),
+            None => Value::Null,
+        });
     }
     json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+}
+
+/// Two legacy `logprobs` objects, `a`'s tokens then `b`'s.
+fn joined_logprobs(a: &Value, b: &Value) -> Value {
+    let mut out = Map::new();
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        let items: Vec<Value> = [a, b]
+            .iter()
+            .filter_map(|v| v[key].as_array())
+            .flatten()
+            .cloned()
+            .collect();
+        out.insert(key.into(), Value::Array(items));
+    }
+    Value::Object(out)
 }
 
 // ---------------------------------------------------------------- chat
@@ -1398,16 +1470,20 @@ mod tests {
         }
     }
 
-    /// A wrong method and a body past the size limit get OpenAI's JSON
-    /// error shape like every other bad request (405 came empty and 413 as
-    /// plain text).
-    /// With echo, the text starts with the prompt and each generated
-    /// token's text_offset points at that token in the returned text.
+    /// With echo, the text starts with the prompt and every token's
+    /// text_offset points at it in the returned text. With logprobs too,
+    /// the prompt's tokens come first, scored by the model (the first with
+    /// no log-prob), as an evaluation harness reads them; `max_tokens: 0`
+    /// gives only those.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn echoed_completions_offset_their_tokens_past_the_prompt() {
-        let app = app(state());
+    async fn echoed_completions_score_the_prompt_and_offset_every_token() {
+        let state = state();
+        let prompt_ids = state.inner.tokenizer.encode("hello there").unwrap();
+        let np = prompt_ids.len();
+        assert!(np >= 2, "{prompt_ids:?}");
+        let app = app(state);
         let ask = json!({"model": "tiny", "prompt": "hello there", "max_tokens": 6,
-                         "temperature": 0, "ignore_eos": true, "echo": true, "logprobs": 1});
+                         "temperature": 0, "ignore_eos": true, "echo": true, "logprobs": 2});
         let (st, v) = call_json(&app, "/v1/completions", ask.clone()).await;
         assert_eq!(st, StatusCode::OK, "{v}");
         let text = v["choices"][0]["text"].as_str().unwrap();
@@ -1415,8 +1491,28 @@ mod tests {
         let lp = &v["choices"][0]["logprobs"];
         let tokens = lp["tokens"].as_array().unwrap();
         let offsets = lp["text_offset"].as_array().unwrap();
-        assert_eq!(tokens.len(), 6);
-        assert_eq!(offsets[0].as_u64().unwrap() as usize, "hello there".len());
+        let lps = lp["token_logprobs"].as_array().unwrap();
+        let tops = lp["top_logprobs"].as_array().unwrap();
+        assert_eq!(tokens.len(), np + 6, "{lp}");
+        assert_eq!(
+            (offsets.len(), lps.len(), tops.len()),
+            (np + 6, np + 6, np + 6)
+        );
+        assert_eq!(offsets[0], 0);
+        assert_eq!(offsets[np].as_u64().unwrap() as usize, "hello there".len());
+        assert!(lps[0].is_null() && tops[0].is_null(), "{lp}");
+        for i in 1..np + 6 {
+            let l = lps[i].as_f64().unwrap();
+            assert!(l <= 0.0, "{lp}");
+            let alts = tops[i].as_object().unwrap();
+            assert!(!alts.is_empty() && alts.len() <= 2, "{lp}");
+            // The most likely token's log-prob is at least this one's.
+            let best = alts
+                .values()
+                .map(|x| x.as_f64().unwrap())
+                .fold(f64::MIN, f64::max);
+            assert!(best >= l - 1e-6, "{lp}");
+        }
         for (tok, off) in tokens.iter().zip(offsets) {
             let (tok, off) = (tok.as_str().unwrap(), off.as_u64().unwrap() as usize);
             assert_eq!(
@@ -1425,6 +1521,27 @@ mod tests {
                 "{text:?} at {off}"
             );
         }
+
+        // Only the prompt: nothing generated, the same scores.
+        let mut only = ask.clone();
+        only["max_tokens"] = json!(0);
+        let (st, w) = call_json(&app, "/v1/completions", only).await;
+        assert_eq!(st, StatusCode::OK, "{w}");
+        assert_eq!(w["choices"][0]["text"], "hello there");
+        assert_eq!(w["choices"][0]["finish_reason"], "length");
+        assert_eq!(w["usage"]["completion_tokens"], 0);
+        let wlp = &w["choices"][0]["logprobs"];
+        for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            let whole = lp[key].as_array().unwrap();
+            assert_eq!(wlp[key].as_array().unwrap()[..], whole[..np], "{key}");
+        }
+        // Without echo, max_tokens 0 is still refused.
+        let mut zero = ask.clone();
+        zero["max_tokens"] = json!(0);
+        zero["echo"] = json!(false);
+        let (st, z) = call_json(&app, "/v1/completions", zero).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{z}");
+
         let mut streamed = ask;
         streamed["stream"] = json!(true);
         let (st, v) = call_json(&app, "/v1/completions", streamed).await;
@@ -1451,6 +1568,9 @@ mod tests {
         }
     }
 
+    /// A wrong method and a body past the size limit get OpenAI's JSON
+    /// error shape like every other bad request (405 came empty and 413 as
+    /// plain text).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn wrong_methods_and_huge_bodies_get_json_errors() {
         let app = app(state());

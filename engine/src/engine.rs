@@ -28,13 +28,17 @@
 //! weights before any new token. Every token is tagged with the version
 //! that produced it.
 //!
+//! A prompt's log-probs ([`EngineHandle::score_prompt`], for `echo` with
+//! `logprobs`) are a full forward of the prompt on fresh state, run by the
+//! same thread between two steps, under the weights of that moment.
+//!
 //! Not for: HTTP or text (the server), routing across replicas (`router.rs`).
 
 use crate::error::Failure;
 use crate::kv_cache::{fit_slots, CacheLayout, PagedKvCache, Placement};
 use crate::model::{LinearPacks, PagedPast, PrefillForm, Qwen3_5, SeqCache, SeqInput, WeightDType};
 use crate::params::ParamStore;
-use crate::sampler::{Sampled, Sampler, SamplingParams};
+use crate::sampler::{Sampled, Sampler, SamplingParams, MAX_TOP_LOGPROBS};
 use crate::scheduler::{Limits, Scheduled, Scheduler, Sequence};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -241,6 +245,20 @@ pub struct Request {
     pub params: SamplingParams,
 }
 
+/// A prompt's tokens as the model scores them ([`EngineHandle::score_prompt`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptScores {
+    /// Every token after the first: its log-prob under the model
+    /// (temperature 1) given the tokens before it, and the requested
+    /// alternatives at its place. The first token has none.
+    pub tokens: Vec<Sampled>,
+    /// Version of the weights that scored them.
+    pub weight_version: u64,
+}
+
+/// Where a prompt's scores arrive ([`EngineHandle::submit_score`]).
+pub type ScoreReceiver = tokio::sync::oneshot::Receiver<Result<PromptScores>>;
+
 /// One finished choice, collected from the events.
 #[derive(Debug, Clone, Default)]
 pub struct Choice {
@@ -293,10 +311,19 @@ enum Command {
         /// Hold each choice's token events until it finishes.
         collected: bool,
     },
+    Score(ScoreJob),
     Abort(u64),
     Pause(mpsc::SyncSender<()>),
     Resume,
     Shutdown,
+}
+
+/// A prompt to score, waiting for the engine thread to be between steps.
+struct ScoreJob {
+    tokens: Vec<u32>,
+    top: usize,
+    load: u64,
+    reply: tokio::sync::oneshot::Sender<Result<PromptScores>>,
 }
 
 /// Shared between the handle clones and the engine thread.
@@ -353,31 +380,80 @@ impl EngineHandle {
     /// the client.
     pub fn validate(&self, request: &Request) -> Result<()> {
         request.params.validate()?;
+        self.check_prompt(&request.prompt, request.params.max_tokens)
+    }
+
+    /// A prompt that is not empty, holds only ids of the vocabulary and
+    /// leaves room for `max_tokens` more in the context.
+    fn check_prompt(&self, prompt: &[u32], max_tokens: usize) -> Result<()> {
         let info = &self.shared.info;
-        if request.prompt.is_empty() {
+        if prompt.is_empty() {
             return Err(Error::Input("the prompt is empty".into()));
         }
-        if let Some(&bad) = request
-            .prompt
-            .iter()
-            .find(|&&t| t as usize >= info.vocab_size)
-        {
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= info.vocab_size) {
             return Err(Error::Input(format!(
                 "token id {bad} is not below the vocabulary size {}",
                 info.vocab_size
             )));
         }
-        let total = request.prompt.len() + request.params.max_tokens;
+        let total = prompt.len() + max_tokens;
         let limit = info.max_model_len.min(info.capacity_tokens);
         if total > limit {
             return Err(Error::Input(format!(
                 "this model's maximum context length is {limit} tokens; the prompt has {} and \
-                 max_tokens is {} ({total} in all)",
-                request.prompt.len(),
-                request.params.max_tokens
+                 max_tokens is {max_tokens} ({total} in all)",
+                prompt.len(),
             )));
         }
         Ok(())
+    }
+
+    /// Score a prompt: each token after the first with its log-prob under
+    /// the model and the `top` most likely tokens at its place (see
+    /// [`PromptScores`]). The engine runs it between two steps, after any
+    /// weight update in progress.
+    pub async fn score_prompt(&self, tokens: Vec<u32>, top: usize) -> Result<PromptScores> {
+        Self::scored(self.submit_score(tokens, top)?).await
+    }
+
+    /// Queue a prompt to score ([`score_prompt`](Self::score_prompt)); the
+    /// answer comes on the receiver, to be awaited with
+    /// [`scored`](Self::scored).
+    pub fn submit_score(&self, tokens: Vec<u32>, top: usize) -> Result<ScoreReceiver> {
+        if top > MAX_TOP_LOGPROBS {
+            return Err(Error::Input(format!(
+                "logprobs must be at most {MAX_TOP_LOGPROBS}, got {top}"
+            )));
+        }
+        self.check_prompt(&tokens, 0)?;
+        let load = tokens.len() as u64;
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.shared.metrics.load.fetch_add(load, Ordering::Relaxed);
+        let job = ScoreJob {
+            tokens,
+            top,
+            load,
+            reply,
+        };
+        if self.tx.send(Command::Score(job)).is_err() {
+            self.shared.metrics.load.fetch_sub(load, Ordering::Relaxed);
+            return Err(Error::Unavailable("the engine has stopped".into()));
+        }
+        Ok(answer)
+    }
+
+    /// [`score_prompt`](Self::score_prompt), blocking (not for async code).
+    pub fn score_prompt_blocking(&self, tokens: Vec<u32>, top: usize) -> Result<PromptScores> {
+        self.submit_score(tokens, top)?
+            .blocking_recv()
+            .map_err(|_| Error::Unavailable("the engine stopped".into()))?
+    }
+
+    /// The answer to a [`submit_score`](Self::submit_score).
+    pub async fn scored(answer: ScoreReceiver) -> Result<PromptScores> {
+        answer
+            .await
+            .map_err(|_| Error::Unavailable("the engine stopped".into()))?
     }
 
     /// Queue a request; events arrive on the returned receiver.
@@ -662,6 +738,7 @@ pub fn start(
         prefill: config.prefill,
         rebuild_caches: config.rebuild_caches,
         gpu,
+        scores: Vec::new(),
     };
     std::thread::Builder::new()
         .name("arcticd-engine".into())
@@ -687,6 +764,8 @@ struct EngineLoop {
     rebuild_caches: bool,
     /// The model on a GPU, when the engine runs there.
     gpu: Option<GpuReplica>,
+    /// Prompts to score before the next step (held while paused).
+    scores: Vec<ScoreJob>,
 }
 
 /// One run's rows of logits (in plan order) and the greedy picks made
@@ -741,6 +820,9 @@ impl EngineLoop {
                     Err(mpsc::TryRecvError::Disconnected) => break 'outer,
                 }
             }
+            if !paused {
+                self.run_scores();
+            }
             if !paused && !self.scheduler.is_idle() {
                 self.step();
             }
@@ -780,6 +862,7 @@ impl EngineLoop {
                     },
                 );
             }
+            Command::Score(job) => self.scores.push(job),
             Command::Abort(id) => self.drop_request(id),
             Command::Pause(ack) => {
                 *paused = true;
@@ -832,6 +915,46 @@ impl EngineLoop {
         m.prefix_hit_tokens
             .store(s.prefix_hit_tokens, Ordering::Relaxed);
         m.preemptions.store(s.preemptions, Ordering::Relaxed);
+    }
+
+    /// Score the prompts waiting, each under the weights of now. A failure
+    /// is the job's own (its reply carries it); the engine goes on.
+    fn run_scores(&mut self) {
+        for job in std::mem::take(&mut self.scores) {
+            let store = self.store.clone();
+            let model = store.read();
+            let version = store.weight_version();
+            let scored = if job.reply.is_closed() {
+                None
+            } else if let Some(gpu) = &mut self.gpu {
+                Some(gpu.score_top((&store, &model), version, &job.tokens, job.top))
+            } else {
+                Some(store.check_host_current().and_then(|()| {
+                    let packs = store.packs(&model, version);
+                    model.score_top(&job.tokens, Some(packs.as_ref()), job.top)
+                }))
+            };
+            self.shared
+                .metrics
+                .load
+                .fetch_sub(job.load, Ordering::Relaxed);
+            let Some(scored) = scored else {
+                continue;
+            };
+            let answer = scored
+                .map(|tokens| PromptScores {
+                    tokens,
+                    weight_version: version,
+                })
+                .map_err(|e| match e {
+                    e @ Error::Input(_) => e,
+                    e => {
+                        tracing::error!("scoring a prompt failed: {e}");
+                        Error::Internal(Failure::from(e))
+                    }
+                });
+            let _ = job.reply.send(answer);
+        }
     }
 
     /// One scheduler step: plan, forward, sample, reply.
@@ -1350,16 +1473,17 @@ impl GpuReplica {
         })
     }
 
-    fn forward(
+    /// Runs `f` on the replica's weights at `version` (loaded first when
+    /// they moved) and its own device handle.
+    fn with_model<R>(
         &mut self,
         (store, host): (&ParamStore, &Qwen3_5),
         version: u64,
-        sched: &mut Scheduler,
-        plan: &[Scheduled],
-        prefill: PrefillForm,
-    ) -> Result<StepOut> {
-        use crate::model::cuda::CudaModel;
-        use crate::model::paged_batch::PagedSeq;
+        f: impl FnOnce(
+            &crate::model::cuda::CudaModel,
+            &Arc<arcticd_kernels::cuda::device::CudaDevice>,
+        ) -> Result<R>,
+    ) -> Result<R> {
         if version != self.version {
             // The old weights go first: the two never coexist.
             self.model = None;
@@ -1372,20 +1496,54 @@ impl GpuReplica {
             )?);
             self.version = version;
         }
-        let shared;
-        let model: &CudaModel = match &self.model {
-            Some(ReplicaWeights::Own(m)) => m,
+        match &self.model {
+            Some(ReplicaWeights::Own(m)) => f(m, &self.dev),
             Some(ReplicaWeights::Shared(s)) => {
-                shared = s.read().unwrap_or_else(|e| e.into_inner());
-                &shared
+                f(&s.read().unwrap_or_else(|e| e.into_inner()), &self.dev)
             }
-            None => {
-                return Err(Error::Invariant(
-                    "the GPU replica lost its weights in a failed reload".into(),
-                ))
-            }
-        };
-        let vocab = host.config.vocab_size;
+            None => Err(Error::Invariant(
+                "the GPU replica lost its weights in a failed reload".into(),
+            )),
+        }
+    }
+
+    /// [`Qwen3_5::score_top`] on the replica's weights at `version`.
+    fn score_top(
+        &mut self,
+        weights: (&ParamStore, &Qwen3_5),
+        version: u64,
+        tokens: &[u32],
+        top: usize,
+    ) -> Result<Vec<Sampled>> {
+        self.with_model(weights, version, |model, dev| {
+            model.score_top_on(dev, tokens, top)
+        })
+    }
+
+    fn forward(
+        &mut self,
+        weights: (&ParamStore, &Qwen3_5),
+        version: u64,
+        sched: &mut Scheduler,
+        plan: &[Scheduled],
+        prefill: PrefillForm,
+    ) -> Result<StepOut> {
+        let vocab = weights.1.config.vocab_size;
+        self.with_model(weights, version, |model, dev| {
+            Self::forward_on(model, dev, vocab, sched, plan, prefill)
+        })
+    }
+
+    /// One step's forward with `model` through `dev`.
+    fn forward_on(
+        model: &crate::model::cuda::CudaModel,
+        dev: &arcticd_kernels::cuda::device::CudaDevice,
+        vocab: usize,
+        sched: &mut Scheduler,
+        plan: &[Scheduled],
+        prefill: PrefillForm,
+    ) -> Result<StepOut> {
+        use crate::model::paged_batch::PagedSeq;
         // Sampled rows whose sampler can draw where the logits are (no
         // truncation, no alternatives, no forks waiting to sample the same
         // row) are drawn on the device; only the others' logits travel.
@@ -1422,8 +1580,8 @@ impl GpuReplica {
         let cache = sched.cache.device_mut().ok_or_else(|| {
             Error::Invariant("the GPU model was given a cache in host memory".into())
         })?;
-        let hidden = model.forward_batch_on(&self.dev, cache, &seqs, prefill)?;
-        let (logits, picks) = model.picks_or_logits(&self.dev, &hidden, &rows, &draws)?;
+        let hidden = model.forward_batch_on(dev, cache, &seqs, prefill)?;
+        let (logits, picks) = model.picks_or_logits(dev, &hidden, &rows, &draws)?;
         let mut next = 0;
         let at = picks
             .iter()
@@ -1456,6 +1614,16 @@ impl GpuReplica {
         _: &[Scheduled],
         _: PrefillForm,
     ) -> Result<StepOut> {
+        match *self {}
+    }
+
+    fn score_top(
+        &mut self,
+        _: (&ParamStore, &Qwen3_5),
+        _: u64,
+        _: &[u32],
+        _: usize,
+    ) -> Result<Vec<Sampled>> {
         match *self {}
     }
 }

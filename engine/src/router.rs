@@ -8,7 +8,7 @@
 //! added when a request is submitted, so a burst of requests arriving
 //! between two engine steps still spreads out.
 
-use crate::engine::{self, EngineConfig, EngineHandle, Request, Submitted};
+use crate::engine::{self, EngineConfig, EngineHandle, PromptScores, Request, Submitted};
 use crate::params::ParamStore;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -111,6 +111,17 @@ impl Router {
             self.replicas[i].submit(request)?
         };
         Ok((i, sub))
+    }
+
+    /// Score a prompt on the least-loaded replica (see
+    /// `EngineHandle::score_prompt`).
+    pub async fn score_prompt(&self, tokens: Vec<u32>, top: usize) -> Result<PromptScores> {
+        let answer = {
+            let _guard = self.pick.lock().unwrap_or_else(|e| e.into_inner());
+            let i = self.least_loaded();
+            self.replicas[i].submit_score(tokens, top)?
+        };
+        EngineHandle::scored(answer).await
     }
 
     /// Submit to replica `replica` whatever its load (pinned routing, an

@@ -122,6 +122,39 @@ pub struct Sampled {
     pub top: Vec<(u32, f32)>,
 }
 
+/// Each of `targets` as its row of `logits` (`[targets, vocab]`) scores it
+/// under the model's own distribution (temperature 1), with the `top` most
+/// likely tokens there, pushed to `out`: what a prompt's tokens are given
+/// when a client asks for the prompt's log-probs (`echo` with `logprobs`).
+/// `logp` is scratch.
+pub fn score_rows(
+    logits: &[f32],
+    targets: &[u32],
+    top: usize,
+    logp: &mut Vec<f32>,
+    out: &mut Vec<Sampled>,
+) -> Result<()> {
+    if targets.is_empty() {
+        return Ok(());
+    }
+    let vocab = logits.len() / targets.len();
+    logp.resize(vocab, 0.0);
+    for (row, &token) in logits.chunks_exact(vocab).zip(targets) {
+        log_softmax_forward(logp, row, 1, vocab)?;
+        let logprob = *logp.get(token as usize).ok_or_else(|| {
+            Error::Input(format!(
+                "token id {token} is not below the vocabulary size {vocab}"
+            ))
+        })?;
+        out.push(Sampled {
+            token,
+            logprob,
+            top: top_k_of(logp, top),
+        });
+    }
+    Ok(())
+}
+
 /// Per-sequence sampler: the parameters and the sequence's RNG.
 #[derive(Debug, Clone)]
 pub struct Sampler {

@@ -5,8 +5,9 @@
 //! weight update mid-generation continues exactly as a fresh engine with the
 //! new weights would; a collected request gets a streamed request's events,
 //! all at its end. The two engine ablations of the recipe (bf16 state, caches
-//! kept across an update) move the log-probs off `score`, by design. All on
-//! the tiny preset.
+//! kept across an update) move the log-probs off `score`, by design. A
+//! prompt's scores equal the log-probs the engine gave the same tokens when
+//! it generated them. All on the tiny preset.
 
 use arcticd_engine::engine::{self, Choice, EngineConfig, FinishReason, Request, StateDtype};
 use arcticd_engine::model::PrefillForm;
@@ -166,6 +167,75 @@ fn greedy_equals_full_forward_argmax_and_logprobs_match_score() {
     // log-probs are the one-call forward's exactly.
     assert_eq!(worst_score, 0.0, "engine vs score");
     assert_eq!(worst_incremental, 0.0);
+}
+
+/// A prompt's scores (`echo` with `logprobs`) are the model's own: on a
+/// prompt that is an earlier generation, each token's log-prob and
+/// alternatives are, bit for bit, what the engine reported when it
+/// generated it, and the prompt's part is `score`'s. A prompt sent while
+/// the engine is paused for a weight update waits for the resume.
+#[test]
+fn prompt_scores_equal_the_generated_tokens_log_probs() {
+    let dir = tiny_model("prompt-scores", 9);
+    let model = Qwen3_5::load(&dir).unwrap();
+    let store = ParamStore::new(model.clone());
+    let eng = engine::start(store, None, small_config()).unwrap();
+    let p = prompt(70, 4);
+    let mut ask = greedy(p.clone(), 16);
+    ask.params.top_logprobs = 3;
+    let c = eng.generate_blocking(ask).unwrap().remove(0);
+    let mut full = p.clone();
+    full.extend(&c.tokens);
+    let scores = eng.score_prompt_blocking(full.clone(), 3).unwrap();
+    assert_eq!(scores.weight_version, c.weight_versions[0]);
+    assert_eq!(scores.tokens.len(), full.len() - 1);
+    for (i, sc) in scores.tokens.iter().enumerate() {
+        assert_eq!(sc.token, full[i + 1], "position {}", i + 1);
+        assert_eq!(sc.top.len(), 3);
+        assert!(sc.top.windows(2).all(|w| w[0].1 >= w[1].1));
+    }
+    let generated = &scores.tokens[p.len() - 1..];
+    let lps: Vec<f32> = generated.iter().map(|s| s.logprob).collect();
+    assert_eq!(lps, c.logprobs, "prompt scores vs the engine's own");
+    let tops: Vec<Vec<(u32, f32)>> = generated.iter().map(|s| s.top.clone()).collect();
+    assert_eq!(tops, c.top_logprobs);
+    // Greedy tokens are each their row's most likely.
+    assert!(generated.iter().all(|s| s.top[0].0 == s.token));
+    let reference = model.score(std::slice::from_ref(&full)).unwrap();
+    let prompt_part: Vec<Option<f32>> = scores.tokens[..p.len() - 1]
+        .iter()
+        .map(|s| Some(s.logprob))
+        .collect();
+    assert_eq!(prompt_part, reference[0][1..p.len()].to_vec());
+
+    // Bad input is the caller's: said, and the engine goes on.
+    for (tokens, top, says) in [
+        (vec![], 1, "empty"),
+        (vec![1, 1_000_000], 1, "vocabulary"),
+        (vec![1, 2], 21, "at most 20"),
+        (vec![1; 5000], 0, "maximum context length"),
+    ] {
+        let e = eng.score_prompt_blocking(tokens, top).unwrap_err();
+        assert!(
+            matches!(e, arcticd_engine::Error::Input(_)) && e.to_string().contains(says),
+            "{e}"
+        );
+    }
+    // A one-token prompt has nothing to score.
+    assert!(eng
+        .score_prompt_blocking(vec![7], 2)
+        .unwrap()
+        .tokens
+        .is_empty());
+
+    eng.pause().unwrap();
+    let mut waiting = eng.submit_score(p.clone(), 0).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(waiting.try_recv().is_err(), "scored while paused");
+    eng.resume();
+    let later = waiting.blocking_recv().unwrap().unwrap();
+    assert_eq!(later.tokens.len(), p.len() - 1);
+    assert!(later.tokens.iter().all(|s| s.top.is_empty()));
 }
 
 fn run_all(eng: &engine::EngineHandle, reqs: &[Request]) -> Vec<Choice> {

@@ -127,6 +127,22 @@ def main():
     assert tids is not None and len(tids) == 5, c.model_extra
     summary["completion"] = c.text
 
+    # Scoring a text the way evaluation harnesses do: echo the prompt with
+    # its log-probs and generate nothing. The completion above, sent back
+    # as token ids after its prompt, gets the log-probs it was generated
+    # with.
+    ids = c.model_extra["prompt_token_ids"] + tids
+    e = client.completions.create(
+        model=m, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0,
+    ).choices[0]
+    elp = e.logprobs
+    assert len(elp.tokens) == len(elp.text_offset) == len(elp.top_logprobs) == len(ids)
+    assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None, elp
+    assert all(x <= 0 for x in elp.token_logprobs[1:]), elp
+    assert elp.token_logprobs[-5:] == c.logprobs.token_logprobs, (elp, c.logprobs)
+    assert e.text.startswith("The quick brown fox"), e.text
+    summary["echo_prompt_logprobs"] = len(elp.token_logprobs)
+
     def ask_one(i):
         msgs = [{"role": "user", "content": f"Request number {i}: count to {i % 7 + 2}."}]
         out = client.chat.completions.create(

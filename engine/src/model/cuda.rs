@@ -31,6 +31,7 @@ use super::saved::{Keep, Kept, LayerActs};
 use super::{logit_rows_per_chunk, PrefillForm};
 use crate::config::{LayerType, ModelConfig};
 use crate::kv_cache::{CacheLayout, SlotId};
+use crate::sampler::{score_rows, Sampled};
 use crate::{Error, Result};
 use arcticd_kernels::cuda::cudarc::driver::CudaSlice;
 use arcticd_kernels::cuda::device::{CudaDevice, Mat, MatMut};
@@ -503,24 +504,75 @@ impl CudaModel {
         let dev = &*self.dev;
         let mut out = Vec::with_capacity(sequences.len());
         for seq in sequences {
-            let mut cache = self.new_cache(seq.len())?;
-            let hidden = self.forward(&mut cache, seq)?;
             let mut row = vec![None];
-            let scored = seq.len() - 1;
-            let per_chunk = logit_rows_per_chunk(vocab);
-            let mut r0 = 0;
-            while r0 < scored {
-                let n = per_chunk.min(scored - r0);
-                let logits = self.logits(&hidden, r0, n)?;
-                let targets = dev.upload(&seq[r0 + 1..r0 + 1 + n])?;
+            self.scored_logits(&self.dev, seq, |logits, targets| {
+                let n = targets.len();
+                let targets = dev.upload(targets)?;
                 let mut lp = dev.zeros::<f32>(n)?;
-                dev.logprob_gather_forward(&mut lp, &logits, &targets, vocab, 1.0)?;
+                dev.logprob_gather_forward(&mut lp, logits, &targets, vocab, 1.0)?;
                 row.extend(dev.download(&lp)?.into_iter().map(Some));
-                r0 += n;
-            }
+                Ok(())
+            })?;
             out.push(row);
         }
         Ok(out)
+    }
+
+    /// [`Qwen3_5::score_top`] on the device, launched through `dev` (a
+    /// handle of this GPU owned by the caller's thread, as in
+    /// [`forward_batch_on`](Self::forward_batch_on)): the rows' logits come
+    /// to the host, where the same log-softmax and top-k as the CPU's rank
+    /// them.
+    pub fn score_top_on(
+        &self,
+        dev: &Arc<CudaDevice>,
+        tokens: &[u32],
+        top: usize,
+    ) -> Result<Vec<Sampled>> {
+        let vocab = self.model.config.vocab_size;
+        super::qwen3_5::check_ids(&[tokens.to_vec()], vocab)?;
+        let mut out = Vec::with_capacity(tokens.len() - 1);
+        let mut logp = Vec::new();
+        self.scored_logits(dev, tokens, |logits, targets| {
+            score_rows(&dev.download(logits)?, targets, top, &mut logp, &mut out)
+        })?;
+        Ok(out)
+    }
+
+    /// The forward of `seq` from position 0 with fresh state, launched
+    /// through `dev`, then the logits of every row but the last handed to
+    /// `each` with the rows' target tokens, a bounded number of rows at a
+    /// time.
+    fn scored_logits(
+        &self,
+        dev: &Arc<CudaDevice>,
+        seq: &[u32],
+        mut each: impl FnMut(&CudaSlice<f32>, &[u32]) -> Result<()>,
+    ) -> Result<()> {
+        let vocab = self.model.config.vocab_size;
+        let layout = CacheLayout::new(&self.model.config);
+        let blocks = seq.len().div_ceil(KV_BLOCK).max(1);
+        let mut cache = DeviceCache::new(dev.clone(), &layout, KV_BLOCK, blocks, 1)?;
+        let table: Vec<u32> = (0..blocks as u32).collect();
+        let paged = PagedSeq {
+            tokens: seq,
+            past: 0,
+            slot: 0,
+            blocks: &table,
+        };
+        let hidden = self.forward_batch_on(dev, &mut cache, &[paged], PrefillForm::Recurrent)?;
+        let scored = seq.len() - 1;
+        let per_chunk = logit_rows_per_chunk(vocab);
+        let mut r0 = 0;
+        while r0 < scored {
+            let n = per_chunk.min(scored - r0);
+            each(
+                &self.logits_on(dev, &hidden, r0, n)?,
+                &seq[r0 + 1..r0 + 1 + n],
+            )?;
+            r0 += n;
+        }
+        Ok(())
     }
 }
 

@@ -21,6 +21,7 @@ use super::ops::{take, LayerOps};
 use super::saved::{FullActs, Keep, Kept, LayerActs, LinearActs, MixerActs, Trace};
 use super::PrefillForm;
 use crate::config::{LayerType, ModelConfig};
+use crate::sampler::{score_rows, Sampled};
 use crate::weights::Checkpoint;
 use crate::{Error, Result};
 use arcticd_kernels::cpu::{
@@ -591,19 +592,58 @@ impl Qwen3_5 {
         packs: Option<&LinearPacks>,
     ) -> Result<Vec<Vec<Option<f32>>>> {
         let vsz = self.config.vocab_size;
+        let mut lps = Vec::new();
+        self.scored_logits(sequences, packs, |logits, targets| {
+            let mut lp = vec![0.0f32; targets.len()];
+            logprob_gather_forward(&mut lp, logits, targets, targets.len(), vsz)?;
+            lps.extend(lp);
+            Ok(())
+        })?;
+        let mut it = lps.into_iter();
+        Ok(sequences
+            .iter()
+            .map(|seq| {
+                std::iter::once(None)
+                    .chain((1..seq.len()).map(|_| it.next()))
+                    .collect()
+            })
+            .collect())
+    }
+
+    /// Each token of `tokens` after the first with its log-prob under the
+    /// model (temperature 1) and the `top` most likely tokens at its place,
+    /// as the sampler reports a generated token: a prompt's log-probs.
+    pub fn score_top(
+        &self,
+        tokens: &[u32],
+        packs: Option<&LinearPacks>,
+        top: usize,
+    ) -> Result<Vec<Sampled>> {
+        let mut out = Vec::with_capacity(tokens.len().saturating_sub(1));
+        let mut logp = Vec::new();
+        self.scored_logits(&[tokens.to_vec()], packs, |logits, targets| {
+            score_rows(logits, targets, top, &mut logp, &mut out)
+        })?;
+        Ok(out)
+    }
+
+    /// The full forward of `sequences` (each from position 0, fresh
+    /// state), then the logits of every scored row (all but the last
+    /// position of each sequence) handed to `each` with the rows' target
+    /// tokens, a bounded number of rows at a time, so a real 248k-token
+    /// vocabulary does not need `tokens x vocab` floats at once.
+    fn scored_logits(
+        &self,
+        sequences: &[Vec<u32>],
+        packs: Option<&LinearPacks>,
+        mut each: impl FnMut(&[f32], &[u32]) -> Result<()>,
+    ) -> Result<()> {
+        let vsz = self.config.vocab_size;
         check_ids(sequences, vsz)?;
         let mut caches: Vec<SeqCache> = sequences.iter().map(|_| self.new_cache()).collect();
-        let mut batch: Vec<SeqInput<'_>> = sequences
-            .iter()
-            .zip(caches.iter_mut())
-            .map(|(s, c)| SeqInput {
-                tokens: s,
-                cache: c,
-            })
-            .collect();
-        let hidden = self.forward_with(&mut batch, packs)?;
+        let seqs: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
+        let hidden = self.forward_with(&mut fresh_batch(&seqs, &mut caches), packs)?;
         let h = self.config.hidden_size;
-        // Rows whose next token is scored: all but the last of each sequence.
         let mut rows = Vec::new();
         let mut targets = Vec::new();
         let mut start = 0;
@@ -615,7 +655,6 @@ impl Qwen3_5 {
             start += seq.len();
         }
         let rows_per_chunk = logit_rows_per_chunk(vsz);
-        let mut lps = Vec::with_capacity(rows.len());
         for (rchunk, tchunk) in rows
             .chunks(rows_per_chunk)
             .zip(targets.chunks(rows_per_chunk))
@@ -624,21 +663,9 @@ impl Qwen3_5 {
             for &r in rchunk {
                 hsel.extend_from_slice(&hidden[r * h..(r + 1) * h]);
             }
-            let logits = self.logits_with(&hsel, packs)?;
-            let mut lp = vec![0.0f32; rchunk.len()];
-            logprob_gather_forward(&mut lp, &logits, tchunk, rchunk.len(), vsz)?;
-            lps.extend(lp);
+            each(&self.logits_with(&hsel, packs)?, tchunk)?;
         }
-        let mut out = Vec::with_capacity(sequences.len());
-        let mut it = lps.into_iter();
-        for seq in sequences {
-            let mut row = vec![None];
-            for _ in 1..seq.len() {
-                row.push(it.next());
-            }
-            out.push(row);
-        }
-        Ok(out)
+        Ok(())
     }
 }
 
