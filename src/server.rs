@@ -584,8 +584,11 @@ async fn completions(
             params: params.clone(),
         })
         .collect();
-    for r in requests.iter().filter(|_| !echo_only) {
-        s.inner.router.validate(r)?;
+    for r in &requests {
+        match echo_only {
+            true => s.inner.router.validate_prompt(&r.prompt)?,
+            false => s.inner.router.validate(r)?,
+        }
     }
     let id = s.request_id("cmpl");
     let created = unix_now();
@@ -1535,6 +1538,17 @@ mod tests {
             let whole = lp[key].as_array().unwrap();
             assert_eq!(wlp[key].as_array().unwrap()[..], whole[..np], "{key}");
         }
+        // A prompt only echoed is checked like any other.
+        let bad = json!({"model": "tiny", "prompt": [1, 999_999], "max_tokens": 0, "echo": true});
+        let (st, b) = call_json(&app, "/v1/completions", bad).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{b}");
+        assert!(
+            b["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("vocabulary"),
+            "{b}"
+        );
         // Without echo, max_tokens 0 is still refused.
         let mut zero = ask.clone();
         zero["max_tokens"] = json!(0);

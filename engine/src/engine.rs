@@ -385,7 +385,7 @@ impl EngineHandle {
 
     /// A prompt that is not empty, holds only ids of the vocabulary and
     /// leaves room for `max_tokens` more in the context.
-    fn check_prompt(&self, prompt: &[u32], max_tokens: usize) -> Result<()> {
+    pub fn check_prompt(&self, prompt: &[u32], max_tokens: usize) -> Result<()> {
         let info = &self.shared.info;
         if prompt.is_empty() {
             return Err(Error::Input("the prompt is empty".into()));

@@ -142,6 +142,12 @@ impl Router {
         self.replicas[0].validate(request)
     }
 
+    /// Checks a prompt that is only scored, never continued (see
+    /// `EngineHandle::check_prompt`).
+    pub fn validate_prompt(&self, prompt: &[u32]) -> Result<()> {
+        self.replicas[0].check_prompt(prompt, 0)
+    }
+
     /// Abort request `id` on replica `replica`.
     pub fn abort(&self, replica: usize, id: u64) {
         if let Some(r) = self.replicas.get(replica) {
