@@ -118,7 +118,11 @@ if [ -n "${BIN_ONLY:-}" ]; then
   rm -rf "$stage/demo.tar.xz" "$stage/demo"
   if [ -n "${DEMO:-}" ]; then
     cache=${XDG_CACHE_HOME:-$HOME/.cache}
-    images=$(cd "$cache" && ls -d arcticd/images/*/rootfs 2> /dev/null || true)
+    # Images are where arcticd puts them: under XDG_CACHE_HOME, else, for
+    # root, /var/cache (sandbox/src/image.rs).
+    img_base=$cache
+    if [ -z "${XDG_CACHE_HOME:-}" ] && [ "$(id -u)" = 0 ]; then img_base=/var/cache; fi
+    images=$(cd "$img_base" && ls -d arcticd/images/*/rootfs 2> /dev/null || true)
     if [ -z "$images" ] || [ ! -d "$cache/arcticd/demo" ] || ! command -v bwrap > /dev/null; then
       echo "DEMO=1: run \`arcticd train\` once first (it builds the sandbox image and the" \
         "demo's inputs) on a machine with bubblewrap" >&2
@@ -129,7 +133,7 @@ if [ -n "${BIN_ONLY:-}" ]; then
     # git apply, add and diff do), and the warm start's inputs, base model
     # and optimizer moments (the cached model is all the demo reads).
     # shellcheck disable=SC2086
-    tar -C "$cache" -c --exclude='*/usr/share/locale' --exclude='*/usr/share/doc' \
+    tar -c --exclude='*/usr/share/locale' --exclude='*/usr/share/doc' \
       --exclude='*/usr/share/man' --exclude='*/usr/share/info' --exclude='*/usr/share/perl' \
       --exclude='*/usr/share/zoneinfo' --exclude='*/usr/lib/x86_64-linux-gnu/perl*' \
       --exclude='*/usr/lib/x86_64-linux-gnu/libperl*' --exclude='*/usr/lib/x86_64-linux-gnu/gconv' \
@@ -141,7 +145,8 @@ if [ -n "${BIN_ONLY:-}" ]; then
       --exclude='*/var/cache' --exclude='*/var/lib/apt' --exclude='*/var/lib/dpkg' \
       --exclude='*.pyc' --exclude=__pycache__ --exclude='*/lock' \
       --exclude='*/warm-start/base' --exclude='*/warm-start/demos*' \
-      --exclude='optimizer.safetensors' $images arcticd/demo | xz -T0 -9 > "$stage/demo.tar.xz"
+      --exclude='optimizer.safetensors' -C "$img_base" $images -C "$cache" arcticd/demo |
+      xz -T0 -9 > "$stage/demo.tar.xz"
     mkdir -p "$stage/demo/bin" "$stage/demo/lib"
     cp "$(command -v bwrap)" "$stage/demo/bin/"
     ldd "$(command -v bwrap)" | awk '$3 ~ /^\// && $1 !~ /^libc\.so/ { print $3 }' |

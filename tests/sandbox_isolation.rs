@@ -227,11 +227,11 @@ both_backends!(runs_commands_and_moves_files, |ctx| {
     Ok(())
 });
 
-// The sandbox's user may be the host's root without capabilities (bwrap
-// run by root): host-wide kernel settings stay unwritable, descriptors the
-// launching process holds do not reach it, and the local sandboxes' folder
-// is private (the agent's files, set-uid bits included, are the host
-// user's).
+// Whoever the sandbox's host user is (host root without capabilities
+// where bubblewrap cannot start as `nobody`): host-wide kernel settings
+// stay unwritable, descriptors the launching process holds do not reach
+// it, and the local sandboxes' folder is private (the agent's files,
+// set-uid bits included, are that user's).
 both_backends!(cannot_touch_host_settings_or_inherited_files, |ctx| {
     let repo = fixture_repo()?;
     let (_snap, sb) = ctx.start(repo.path(), &Policy::default()).await?;
@@ -272,8 +272,52 @@ both_backends!(cannot_touch_host_settings_or_inherited_files, |ctx| {
         let state = std::env::var_os("ARCTICD_LOCAL_DIR")
             .map(std::path::PathBuf::from)
             .unwrap_or_else(|| std::env::temp_dir().join("arcticd-local"));
+        // Private: no other user lists it or writes there (0711 lets the
+        // sandboxes' host user pass through to its own folders).
         let mode = std::fs::metadata(&state)?.permissions().mode();
-        ensure!(mode & 0o077 == 0, "{} has mode {mode:o}", state.display());
+        ensure!(mode & 0o066 == 0, "{} has mode {mode:o}", state.display());
+    }
+    sb.close().await?;
+    Ok(())
+});
+
+// The sandbox's processes are an unprivileged user on the host, even when
+// this process is root. Local: the host's /proc shows the uid of a command
+// while it runs (a sandbox's own uid_map cannot tell: bubblewrap nests a
+// second user namespace inside the one it starts in). Docker runs commands
+// as the policy's user, with no user namespace, so `id` there is the host's.
+both_backends!(runs_as_an_unprivileged_host_user, |ctx| {
+    let repo = fixture_repo()?;
+    let (_snap, sb) = ctx.start(repo.path(), &Policy::default()).await?;
+    let uid = sb.exec(sh("id -u")).await?;
+    ensure!(uid.success() && uid.stdout.text().trim() != "0", "{uid:?}");
+    if ctx.kind == Kind::Local {
+        // A command no other process runs, found by its exact arguments.
+        let argv = b"sleep\x002.4817\x00";
+        let find = async {
+            for _ in 0..200 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                for e in std::fs::read_dir("/proc")?.flatten() {
+                    let p = e.path();
+                    if std::fs::read(p.join("cmdline")).is_ok_and(|c| c == argv) {
+                        let status = std::fs::read_to_string(p.join("status"))?;
+                        return Ok(status
+                            .lines()
+                            .find(|l| l.starts_with("Uid:"))
+                            .map(str::to_string));
+                    }
+                }
+            }
+            Ok::<_, std::io::Error>(None)
+        };
+        let (r, found) = tokio::join!(sb.exec(sh("sleep 2.4817")), find);
+        ensure!(r?.success());
+        let line = found?.ok_or_else(|| anyhow::anyhow!("the sandbox's sleep was not seen"))?;
+        let host: Vec<&str> = line.split_whitespace().skip(1).collect();
+        ensure!(
+            !host.is_empty() && host.iter().all(|u| *u != "0"),
+            "the sandbox's command runs as host root: {line}"
+        );
     }
     sb.close().await?;
     Ok(())

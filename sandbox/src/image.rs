@@ -22,13 +22,19 @@ const PACKAGES: &str = "python3,python3-pytest,git,ca-certificates";
 const MARKER: &str = ".arcticd-image-complete";
 
 /// Where image folders live: `$ARCTICD_IMAGE_DIR`, else
-/// `$XDG_CACHE_HOME/arcticd/images`, else `~/.cache/arcticd/images`.
+/// `$XDG_CACHE_HOME/arcticd/images`, else, for root,
+/// `/var/cache/arcticd/images` (where the unprivileged user its local
+/// sandboxes run as can reach them; `/root` is private), else
+/// `~/.cache/arcticd/images`.
 pub fn cache_root() -> PathBuf {
     if let Some(d) = std::env::var_os("ARCTICD_IMAGE_DIR") {
         return PathBuf::from(d);
     }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
     let base = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
+        .or_else(|| root.then(|| PathBuf::from("/var/cache")))
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
         .unwrap_or_else(std::env::temp_dir);
     base.join("arcticd").join("images")

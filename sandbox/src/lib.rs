@@ -26,8 +26,13 @@
 //!   [`grading::grade`] applies only the agent's diff, plus the test patch, in
 //!   a fresh sandbox from the same snapshot, and throws it away.
 //! - **Host files**: the root file system is the image (read-only for both
-//!   backends, and an unprivileged user under Docker); the host's home, the
-//!   repository checkout and everything else on the host is not mounted.
+//!   backends); the host's home, the repository checkout and everything
+//!   else on the host is not mounted.
+//! - **Host user**: commands run as an unprivileged host user without
+//!   capabilities: the policy's user under Docker; under bubblewrap the
+//!   user that runs arcticd or, for root, `nobody` ([`local::HOST_USER`]),
+//!   unless that cannot work (a warning says why; the user is then host
+//!   root without capabilities, with `/proc` read-only).
 //! - **Disk**: the working copy and `/tmp` are in-memory file systems of
 //!   [`Policy::disk_bytes`] and `disk_inodes`, the rest read-only, so a
 //!   rollout cannot fill the disk the run's checkpoints go to (the local

@@ -15,13 +15,20 @@
 //! count against the sandbox's memory limit; without the right to mount it
 //! is a plain folder and a warning says disk use is unbounded); a fresh
 //! `/proc`, read-only, and a minimal `/dev`; a new network
-//! namespace with only loopback. The sandbox's user is the host user that
-//! runs arcticd, without capabilities (bubblewrap maps it so): when that is
-//! root, the read-only `/proc` keeps host-wide kernel settings out of reach,
-//! the sandboxes' folder is private (0700) so that no other host user can
-//! run what an agent wrote there, and no descriptor of the launching process
-//! crosses the exec. Running arcticd as an ordinary user is the stronger
-//! setting. Each command is one bubblewrap run (its pid namespace dies
+//! namespace with only loopback. The sandbox's user is, on the host, an
+//! unprivileged user without capabilities (bubblewrap maps it so): the
+//! user that runs arcticd, or, when that is root, the user `nobody`
+//! ([`HOST_USER`]): bubblewrap itself is started as that user
+//! (`setpriv`), and the sandbox's folder and working copy are given to it.
+//! Where that cannot work (no `setpriv`, user namespaces closed to
+//! unprivileged users, or an image folder that user cannot reach, such as
+//! one under `/root`) a warning says so and the sandbox's user is host root
+//! without capabilities, as a user that runs arcticd as root may choose:
+//! then the read-only `/proc` keeps host-wide kernel settings out of reach.
+//! Either way the sandboxes' folder is private (0700, or 0711 with each
+//! sandbox's own folder 0700 and owned by `nobody`) so that no other host
+//! user can run what an agent wrote there, and no descriptor of the
+//! launching process crosses the exec. Each command is one bubblewrap run (its pid namespace dies
 //! with it, so nothing outlives a command) entered into the sandbox's cgroups
 //! (memory without swap, pids, CPU) by a tiny host shell before it execs
 //! bubblewrap. Needs `bwrap` on PATH and a writable cgroup (v1 controllers
@@ -46,6 +53,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 
 const PREFIX: &str = "arcticd-";
 
+/// The unprivileged host user (uid, gid) that sandboxes of an arcticd run
+/// by root run as: `nobody`/`nogroup`.
+pub const HOST_USER: (u32, u32) = (65534, 65534);
+
 /// Where a sandbox's limits live.
 #[derive(Debug, Clone)]
 enum Cgroups {
@@ -65,14 +76,18 @@ pub struct LocalBackend {
     state_dir: PathBuf,
     cgroups: Cgroups,
     snapshots: SnapshotCache,
+    /// The host user sandboxes run as when it is not this process's own
+    /// ([`HOST_USER`], for a process run by root that can drop to it).
+    host_user: Option<(u32, u32)>,
 }
 
 /// Checks that `dir` is a folder of this process's user, not a link (a
 /// predictable name in a shared temp folder could be planted by another
-/// user), and makes it private (0700): sandboxes write files there as the
-/// user that runs them, set-uid bits included, which no other host user
-/// may reach.
-fn private_dir(dir: &Path) -> Result<()> {
+/// user), and makes it private (`mode`: 0700, or 0711 when each sandbox's
+/// own folder below is private to the sandbox's host user): sandboxes
+/// write files there, set-uid bits included, which no other host user may
+/// reach.
+fn private_dir(dir: &Path, mode: u32) -> Result<()> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let meta = std::fs::symlink_metadata(dir)
         .map_err(|e| Error::io(format!("reading {}", dir.display()), e))?;
@@ -88,9 +103,89 @@ fn private_dir(dir: &Path) -> Result<()> {
             meta.uid()
         )));
     }
-    if meta.mode() & 0o077 != 0 {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+    if meta.mode() & 0o777 != mode {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
             .map_err(|e| Error::io(format!("making {} private", dir.display()), e))?;
+    }
+    Ok(())
+}
+
+/// The effective user of this process.
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// The command prefix that starts what follows as `user`, with no
+/// supplementary groups (util-linux `setpriv`).
+fn as_user((uid, gid): (u32, u32)) -> [String; 5] {
+    [
+        "setpriv".into(),
+        format!("--reuid={uid}"),
+        format!("--regid={gid}"),
+        "--clear-groups".into(),
+        "--".into(),
+    ]
+}
+
+/// For a process run by root: whether bubblewrap starts as [`HOST_USER`]
+/// (`setpriv` present, user namespaces open to unprivileged users). When
+/// not, says why once; sandboxes then run as host root without
+/// capabilities.
+async fn probe_host_user() -> Option<(u32, u32)> {
+    let user = HOST_USER;
+    let out = tokio::process::Command::new(&as_user(user)[0])
+        .args(&as_user(user)[1..])
+        .args([
+            "bwrap",
+            "--unshare-all",
+            "--unshare-user",
+            "--die-with-parent",
+        ])
+        .args(["--ro-bind", "/", "/", "--", "true"])
+        .stdin(Stdio::null())
+        .output()
+        .await;
+    let why = match out {
+        Ok(o) if o.status.success() => return Some(user),
+        Ok(o) => String::from_utf8_lossy(&o.stderr).trim().to_string(),
+        Err(e) => format!("setpriv: {e}"),
+    };
+    tracing::warn!(
+        "local sandboxes run as host root without capabilities: bubblewrap cannot start as \
+         uid {} ({why}); running arcticd as an ordinary user is the stronger setting",
+        user.0
+    );
+    None
+}
+
+/// Whether `user` can reach `path`: every folder from the root down to it
+/// searchable by that user (by owner, group or other bits).
+fn reachable_by(path: &Path, (uid, gid): (u32, u32)) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    path.ancestors().all(|p| {
+        std::fs::metadata(p).is_ok_and(|m| {
+            let bit = if m.uid() == uid {
+                0o100
+            } else if m.gid() == gid {
+                0o010
+            } else {
+                0o001
+            };
+            m.mode() & bit != 0
+        })
+    })
+}
+
+/// Gives `dir` and everything below it (links themselves, not followed)
+/// to `user`.
+fn give_tree(dir: &Path, user: (u32, u32)) -> Result<()> {
+    let io = |e| Error::io(format!("giving {} to the sandbox user", dir.display()), e);
+    std::os::unix::fs::lchown(dir, Some(user.0), Some(user.1)).map_err(io)?;
+    if std::fs::symlink_metadata(dir).map_err(io)?.is_dir() {
+        for entry in std::fs::read_dir(dir).map_err(io)? {
+            give_tree(&entry.map_err(io)?.path(), user)?;
+        }
     }
     Ok(())
 }
@@ -115,12 +210,18 @@ impl LocalBackend {
             .unwrap_or_else(|| std::env::temp_dir().join("arcticd-local"));
         std::fs::create_dir_all(&state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
-        private_dir(&state_dir)?;
+        let host_user = match euid() {
+            0 => probe_host_user().await,
+            _ => None,
+        };
+        // The host user must pass through the folder to its sandbox's own.
+        private_dir(&state_dir, if host_user.is_some() { 0o711 } else { 0o700 })?;
         let cgroups = find_cgroups()?;
         let backend = LocalBackend {
             state_dir,
             cgroups,
             snapshots: SnapshotCache::default(),
+            host_user,
         };
         static REAPED: std::sync::Once = std::sync::Once::new();
         REAPED.call_once(|| {
@@ -442,6 +543,19 @@ impl Backend for LocalBackend {
         policy.validate()?;
         let (uid, gid) = policy.uid_gid()?;
         let rootfs = crate::image::resolve_rootfs(image)?;
+        let host_user = self.host_user.filter(|&u| {
+            let ok = reachable_by(&rootfs, u);
+            if !ok {
+                tracing::warn!(
+                    "local sandboxes of {} run as host root without capabilities: uid {} \
+                     cannot reach that folder (put images where it can, e.g. with \
+                     ARCTICD_IMAGE_DIR)",
+                    rootfs.display(),
+                    u.0
+                );
+            }
+            ok
+        });
         let name = format!(
             "{PREFIX}{}-{}",
             procs::self_owner(),
@@ -463,6 +577,7 @@ impl Backend for LocalBackend {
                 policy,
                 uid,
                 gid,
+                host_user,
                 commit: snap.commit().to_string(),
                 cgroups: None,
                 closed: AtomicBool::new(false),
@@ -476,6 +591,13 @@ impl Backend for LocalBackend {
                     .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
             }
             copy_staged(snap.path(), &work)?;
+            if let Some(user) = host_user {
+                give_tree(&dir, user)?;
+                // Private to that user (a folder not on its own tmpfs was
+                // made with the default mode).
+                std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+                    .map_err(|e| Error::io(format!("making {} private", dir.display()), e))?;
+            }
             sb.cgroups = Some(SandboxCgroups::create(&cgroups, &sb.name, &sb.policy)?);
             Ok(sb)
         });
@@ -521,6 +643,8 @@ pub struct LocalSandbox {
     policy: Policy,
     uid: u32,
     gid: u32,
+    /// The host user bubblewrap starts as, when not this process's own.
+    host_user: Option<(u32, u32)>,
     commit: String,
     cgroups: Option<SandboxCgroups>,
     closed: AtomicBool,
@@ -602,10 +726,10 @@ impl LocalSandbox {
             "/tmp".into(),
             "--proc".into(),
             "/proc".into(),
-            // The sandbox's user is the host user that runs it (root, when
-            // arcticd runs as root) without capabilities, and the kernel
-            // lets that user write host-wide settings (/proc/sys,
-            // /proc/sysrq-trigger): the whole of /proc is read-only.
+            // The sandbox's user may be host root without capabilities
+            // (see the module note), and the kernel lets that user write
+            // host-wide settings (/proc/sys, /proc/sysrq-trigger): the
+            // whole of /proc is read-only.
             "--remount-ro".into(),
             "/proc".into(),
             "--dev".into(),
@@ -700,7 +824,8 @@ impl Sandbox for LocalSandbox {
             Some(w) => resolve_path(&self.policy, w)?,
             None => self.policy.workdir.clone(),
         };
-        // The host shell joins the sandbox's cgroups, then becomes bwrap, so
+        // The host shell joins the sandbox's cgroups, then becomes bwrap (as
+        // the sandbox's host user, when that is not this process's), so
         // every sandbox process is born inside the limits.
         let mut cmd = tokio::process::Command::new("/bin/sh");
         cmd.arg("-c")
@@ -708,6 +833,7 @@ impl Sandbox for LocalSandbox {
             .arg("arcticd-enter")
             .args(cgroups.procs_files())
             .arg("--")
+            .args(self.host_user.map(as_user).into_iter().flatten())
             .arg("bwrap")
             .args(self.bwrap_args(&workdir)?)
             .arg("--")
