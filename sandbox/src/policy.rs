@@ -35,7 +35,10 @@ pub struct Policy {
     pub disk_inodes: u64,
     /// CPU limit in cores. Default 1.0.
     pub cpus: f64,
-    /// Maximum number of processes and threads. Default 256.
+    /// Maximum number of processes and threads. Default 256. Under the
+    /// local backend a finished command's pids are released by the kernel
+    /// up to about two seconds after it ends, so hundreds of commands a
+    /// second (never an agent's pace) can reach the limit.
     pub pids_limit: i64,
     /// Numeric `uid:gid` that commands run as; files of the snapshot are owned
     /// by it. Default `1000:1000` (non-root).
