@@ -28,9 +28,10 @@
 //! Either way the sandboxes' folder is private (0700, or 0711 with each
 //! sandbox's own folder 0700 and owned by `nobody`) so that no other host
 //! user can run what an agent wrote there, and no descriptor of the
-//! launching process crosses the exec. Each command is one bubblewrap run (its pid namespace dies
-//! with it, so nothing outlives a command) entered into the sandbox's cgroups
-//! (memory without swap, pids, CPU) by a tiny host shell before it execs
+//! launching process crosses the exec. Each command is one bubblewrap run
+//! (its pid namespace dies with it, so nothing outlives a command) entered
+//! into the sandbox's cgroups (memory without swap, pids, CPU) by a tiny
+//! host shell before it execs
 //! bubblewrap. Needs `bwrap` on PATH and a writable cgroup (v1 controllers
 //! or a v2 subtree with memory and pids delegated; root has both).
 //! Not for Docker images: the image is a root file system folder, as made by
@@ -160,9 +161,13 @@ async fn probe_host_user() -> Option<(u32, u32)> {
 }
 
 /// Whether `user` can reach `path`: every folder from the root down to it
-/// searchable by that user (by owner, group or other bits).
+/// (links resolved) searchable by that user (by owner, group or other
+/// bits).
 fn reachable_by(path: &Path, (uid, gid): (u32, u32)) -> bool {
     use std::os::unix::fs::MetadataExt;
+    let Ok(path) = std::fs::canonicalize(path) else {
+        return false;
+    };
     path.ancestors().all(|p| {
         std::fs::metadata(p).is_ok_and(|m| {
             let bit = if m.uid() == uid {
@@ -545,7 +550,10 @@ impl Backend for LocalBackend {
         let rootfs = crate::image::resolve_rootfs(image)?;
         let host_user = self.host_user.filter(|&u| {
             let ok = reachable_by(&rootfs, u);
-            if !ok {
+            // Said once per image folder, not once per sandbox.
+            static WARNED: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+            let mut warned = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+            if !ok && !warned.contains(&rootfs) {
                 tracing::warn!(
                     "local sandboxes of {} run as host root without capabilities: uid {} \
                      cannot reach that folder (put images where it can, e.g. with \
@@ -553,6 +561,7 @@ impl Backend for LocalBackend {
                     rootfs.display(),
                     u.0
                 );
+                warned.push(rootfs.clone());
             }
             ok
         });
