@@ -135,8 +135,9 @@ fn as_user((uid, gid): (u32, u32)) -> [String; 5] {
 /// capabilities.
 async fn probe_host_user() -> Option<(u32, u32)> {
     let user = HOST_USER;
-    let out = tokio::process::Command::new(&as_user(user)[0])
-        .args(&as_user(user)[1..])
+    let [setpriv, rest @ ..] = as_user(user);
+    let out = tokio::process::Command::new(setpriv)
+        .args(rest)
         .args([
             "bwrap",
             "--unshare-all",
