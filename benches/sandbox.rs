@@ -52,9 +52,10 @@ fn bench(c: &mut Criterion) {
     // The kernel releases a finished local command's pids up to about two
     // seconds after it ends (its pid namespace is torn down later), so
     // commands back to back at a few hundred a second, as here, reach the
-    // default pids limit of 256 and fail to fork ("Can't fork for pid 1").
-    // An agent's commands come seconds apart; the limit is raised for this
-    // burst only.
+    // default pids limit of 256, and a command then waits for pids to come
+    // free before it starts: the burst would time the kernel, not the
+    // sandbox. An agent's commands come seconds apart; the limit is raised
+    // for this burst only.
     let policy = Policy {
         pids_limit: 4096,
         ..Policy::default()

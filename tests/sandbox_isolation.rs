@@ -498,6 +498,84 @@ both_backends!(contains_a_fork_bomb, |ctx| {
     Ok(())
 });
 
+// A local command that bubblewrap cannot start for want of pids (a local
+// sandbox's finished commands release theirs up to ~2 s late) is started
+// again once they are free, instead of coming back as if the command had
+// failed with exit 1. One that cannot start within its time limit is an
+// error of the sandbox, not the command's. The command never holds the
+// descriptor bubblewrap reports on.
+#[test]
+fn a_local_start_refused_for_pids_waits_for_them() {
+    run_on(
+        Kind::Local,
+        Box::new(|ctx| {
+            Box::pin(async move {
+                let repo = fixture_repo()?;
+                let policy = Policy {
+                    pids_limit: 8,
+                    ..Policy::default()
+                };
+                let (_snap, sb) = ctx.start(repo.path(), &policy).await?;
+                let sb: Arc<dyn Sandbox> = sb.into();
+                // The shell's own descriptors, while `ls` runs.
+                let fds = sb.exec(sh("ls -l /proc/$$/fd")).await?;
+                let listing = fds.stdout.text();
+                let open: Vec<&str> = listing
+                    .lines()
+                    .filter_map(|l| l.split_once(" -> ")?.0.rsplit(' ').next())
+                    .collect();
+                ensure!(open == ["0", "1", "2"], "{fds:?}");
+                // Holds every pid the sandbox has for `secs`: forks until
+                // the limit refuses, then the children and itself sleep.
+                let hold = |secs: f64| {
+                    let sb = sb.clone();
+                    let script = format!(
+                        "import os, time\n\
+                         while True:\n\
+                         \x20   try:\n\
+                         \x20       pid = os.fork()\n\
+                         \x20   except OSError:\n\
+                         \x20       break\n\
+                         \x20   if pid == 0:\n\
+                         \x20       time.sleep({secs})\n\
+                         \x20       os._exit(0)\n\
+                         time.sleep({secs})\n"
+                    );
+                    tokio::spawn(async move {
+                        sb.exec(ExecRequest::argv(["python3", "-c", &script])).await
+                    })
+                };
+                let hog = hold(1.5);
+                tokio_sleep(500).await;
+                let t0 = Instant::now();
+                let r = sb.exec(sh("echo started")).await?;
+                ensure!(
+                    r.success() && r.stdout.text().trim() == "started",
+                    "a start refused for pids came back as the command's result: {r:?}"
+                );
+                ensure!(
+                    t0.elapsed() > Duration::from_millis(300),
+                    "the pids were not all in use ({:?}): the test proves nothing",
+                    t0.elapsed()
+                );
+                hog.await??;
+                tokio_sleep(3000).await;
+                let hog = hold(6.0);
+                tokio_sleep(500).await;
+                let r = sb.exec(sh("echo started").timeout(1.5)).await;
+                ensure!(
+                    matches!(&r, Err(arcticd_sandbox::Error::Sandbox(m))
+                        if m.contains("Resource temporarily unavailable")),
+                    "a command that could not start in its time: {r:?}"
+                );
+                hog.await??;
+                sb.close().await?;
+                Ok(())
+            })
+        }),
+    );
+}
+
 async fn tokio_sleep(ms: u64) {
     arcticd_sandbox::tokio::time::sleep(Duration::from_millis(ms)).await;
 }

@@ -32,7 +32,10 @@
 //! (its pid namespace dies with it, so nothing outlives a command) entered
 //! into the sandbox's cgroups (memory without swap, pids, CPU) by a tiny
 //! host shell before it execs
-//! bubblewrap. Needs `bwrap` on PATH and a writable cgroup (v1 controllers
+//! bubblewrap. Bubblewrap reports the command's exit on a status pipe, so a
+//! failure of its own setup is told apart from the command's exit 1: a
+//! start refused for want of pids (a finished command's are released up to
+//! about two seconds late) is tried again, as the command never ran. Needs `bwrap` on PATH and a writable cgroup (v1 controllers
 //! or a v2 subtree with memory and pids delegated; root has both).
 //! Not for Docker images: the image is a root file system folder, as made by
 //! [`crate::image`].
@@ -196,6 +199,21 @@ fn give_tree(dir: &Path, user: (u32, u32)) -> Result<()> {
     Ok(())
 }
 
+/// Whether the bubblewrap of `version` (its `--version` line) writes the
+/// command's exit code to its status descriptor (0.3.2 and later).
+fn reports_exit_codes(version: &str) -> bool {
+    let numbers: Vec<u32> = version
+        .trim()
+        .rsplit(' ')
+        .next()
+        .unwrap_or("")
+        .split('.')
+        .map_while(|n| n.parse().ok())
+        .collect();
+    let part = |i: usize| numbers.get(i).copied().unwrap_or(0);
+    numbers.len() >= 2 && (part(0), part(1), part(2)) >= (0, 3, 2)
+}
+
 impl LocalBackend {
     /// Checks bubblewrap and cgroups are usable and, once per process, reaps
     /// sandbox folders and cgroups of dead owners. Sandbox folders live under
@@ -210,6 +228,14 @@ impl LocalBackend {
             })?;
         if !out.status.success() {
             return Err(Error::Unavailable("bwrap --version failed".into()));
+        }
+        let said = String::from_utf8_lossy(&out.stdout);
+        if !reports_exit_codes(&said) {
+            return Err(Error::Unavailable(format!(
+                "{} is too old: bubblewrap 0.3.2 or newer reports a command's exit apart \
+                 from its own failures (--json-status-fd)",
+                said.trim()
+            )));
         }
         let state_dir = std::env::var_os("ARCTICD_LOCAL_DIR")
             .map(PathBuf::from)
@@ -761,6 +787,191 @@ impl LocalSandbox {
         ]);
         Ok(a)
     }
+
+    /// Runs the command once, within `limit`.
+    async fn run_once(
+        &self,
+        req: &ExecRequest,
+        stdin: Option<Arc<[u8]>>,
+        workdir: &str,
+        limit: Duration,
+    ) -> Result<Attempt> {
+        let cgroups = self.cgroups.as_ref().ok_or(Error::Closed)?;
+        let cap = req.output_cap_bytes.unwrap_or(self.policy.output_cap_bytes);
+        let status = StatusPipe::new()?;
+        // The host shell joins the sandbox's cgroups, opens the status
+        // pipe, then becomes bwrap (as the sandbox's host user, when that
+        // is not this process's), so every sandbox process is born inside
+        // the limits. Exit 125 is the shell's own failure.
+        let mut cmd = tokio::process::Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg(r#"while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; command exec 3>"$2" || exit 125; shift 2; exec "$@""#)
+            .arg("arcticd-enter")
+            .args(cgroups.procs_files())
+            .arg("--")
+            .arg(status.path())
+            .args(self.host_user.map(as_user).into_iter().flatten())
+            .arg("bwrap")
+            .args(["--json-status-fd", "3"])
+            .args(self.bwrap_args(workdir)?)
+            .arg("--")
+            .args(&req.argv)
+            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        // Descriptors this process holds without close-on-exec (inherited
+        // from whoever started it: log files, pipes, sockets) must not reach
+        // the sandbox: every one past stderr is marked to close at an exec,
+        // here in this process (what this process opens itself is marked
+        // already). Not in a pre-exec hook: that would make every spawn a
+        // full fork of this large process instead of a vfork.
+        close_on_exec_from(3);
+        let t0 = Instant::now();
+        let mut child = cmd.spawn().map_err(|e| Error::io("starting bwrap", e))?;
+        if let (Some(data), Some(mut stdin)) = (stdin, child.stdin.take()) {
+            tokio::spawn(async move {
+                // A command that ignores its input closes the pipe early.
+                let _ = stdin.write_all(&data).await;
+                let _ = stdin.shutdown().await;
+            });
+        }
+        let out_task = child
+            .stdout
+            .take()
+            .map(|r| tokio::spawn(drain(r, CappedOutput::new(cap))));
+        let err_task = child
+            .stderr
+            .take()
+            .map(|r| tokio::spawn(drain(r, CappedOutput::new(cap))));
+        let (exit_code, timed_out) = match tokio::time::timeout(limit, child.wait()).await {
+            Ok(status) => {
+                let status = status.map_err(|e| Error::io("waiting for bwrap", e))?;
+                let code = status.code().map(i64::from).or_else(|| {
+                    std::os::unix::process::ExitStatusExt::signal(&status)
+                        .map(|s| 128 + i64::from(s))
+                });
+                (code, false)
+            }
+            Err(_) => {
+                // Killing bwrap kills its pid-1 child (die-with-parent),
+                // and the kernel then kills the whole pid namespace.
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                (None, true)
+            }
+        };
+        let started = status.started();
+        // The pipes close once the namespace is gone; bound the wait anyway.
+        let collect = |t: Option<tokio::task::JoinHandle<CappedOutput>>| async move {
+            match t {
+                Some(t) => tokio::time::timeout(Duration::from_secs(10), t)
+                    .await
+                    .ok()
+                    .and_then(|r| r.ok())
+                    .unwrap_or_else(|| CappedOutput::new(cap)),
+                None => CappedOutput::new(cap),
+            }
+        };
+        let stdout = collect(out_task).await;
+        let stderr = collect(err_task).await;
+        if !started && !timed_out && exit_code == Some(125) {
+            return Err(Error::Sandbox(format!(
+                "starting the command: {}",
+                stderr.text().trim()
+            )));
+        }
+        // Any other failure of bwrap itself (a missing program, a workdir
+        // that is not there) shows as exit 1 with its message on stderr,
+        // as the command's own failure would.
+        let count = cgroups.oom_kills();
+        let before = self.oom_kills_seen.fetch_max(count, Ordering::SeqCst);
+        Ok(Attempt {
+            result: ExecResult::new(
+                exit_code,
+                stdout,
+                stderr,
+                timed_out,
+                count > before,
+                t0.elapsed(),
+            ),
+            started,
+        })
+    }
+}
+
+/// One bubblewrap run of a command, and whether the command itself ran.
+struct Attempt {
+    result: ExecResult,
+    /// Bubblewrap reported the command's exit (see [`StatusPipe`]).
+    started: bool,
+}
+
+impl Attempt {
+    /// When bubblewrap could not start the command because the sandbox's
+    /// pids were all in use (its clone or fork failed with EAGAIN), its
+    /// message. The command never ran, so what its stderr holds is
+    /// bubblewrap's alone: a command cannot pass its own failure off as
+    /// this one.
+    fn refused_for_pids(&self) -> Option<String> {
+        let r = &self.result;
+        let err = r.stderr.text();
+        let refused = !self.started
+            && !r.timed_out
+            && r.exit_code == Some(1)
+            && err.starts_with("bwrap: ")
+            && err.contains("Resource temporarily unavailable");
+        refused.then(|| err.trim().to_string())
+    }
+}
+
+/// The pipe bubblewrap reports on (`--json-status-fd`). It writes the
+/// command's exit code there only when the command was started, so a
+/// failure of bubblewrap's own setup is told apart from the command's
+/// exit 1. Both ends stay close-on-exec in this process (no spawn of
+/// another sandbox can inherit them); the host shell opens the write end
+/// by its `/proc` path as descriptor 3, and bubblewrap closes it before
+/// the command starts.
+struct StatusPipe {
+    read: std::fs::File,
+    write: std::os::fd::OwnedFd,
+}
+
+impl StatusPipe {
+    fn new() -> Result<Self> {
+        use std::os::fd::FromRawFd;
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 writes two new descriptors into the array.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(Error::io("creating a status pipe", e));
+        }
+        // SAFETY: both descriptors are new and owned by nothing else.
+        let (read, write) = unsafe {
+            (
+                std::fs::File::from_raw_fd(fds[0]),
+                std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+            )
+        };
+        Ok(StatusPipe { read, write })
+    }
+
+    /// The write end's path for another process of this user.
+    fn path(&self) -> String {
+        use std::os::fd::AsRawFd;
+        format!("/proc/{}/fd/{}", std::process::id(), self.write.as_raw_fd())
+    }
+
+    /// Whether bubblewrap reported the command's exit. Read once bubblewrap
+    /// has exited: what it wrote is in the pipe, and the read does not wait
+    /// for more (this process still holds the write end).
+    fn started(mut self) -> bool {
+        use std::io::Read;
+        let mut said = Vec::new();
+        let _ = self.read.read_to_end(&mut said);
+        drop(self.write);
+        String::from_utf8_lossy(&said).contains("\"exit-code\"")
+    }
 }
 
 /// Marks every descriptor of this process from `first` on close-on-exec:
@@ -827,99 +1038,34 @@ impl Sandbox for LocalSandbox {
     async fn exec(&self, req: ExecRequest) -> Result<ExecResult> {
         self.check_open()?;
         crate::docker::validate_request(&req)?;
-        let cgroups = self.cgroups.as_ref().ok_or(Error::Closed)?;
         let timeout = req.timeout_secs.unwrap_or(self.policy.exec_timeout_secs);
-        let cap = req.output_cap_bytes.unwrap_or(self.policy.output_cap_bytes);
+        let limit = crate::limit(timeout)?;
         let workdir = match &req.workdir {
             Some(w) => resolve_path(&self.policy, w)?,
             None => self.policy.workdir.clone(),
         };
-        // The host shell joins the sandbox's cgroups, then becomes bwrap (as
-        // the sandbox's host user, when that is not this process's), so
-        // every sandbox process is born inside the limits.
-        let mut cmd = tokio::process::Command::new("/bin/sh");
-        cmd.arg("-c")
-            .arg(r#"while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@""#)
-            .arg("arcticd-enter")
-            .args(cgroups.procs_files())
-            .arg("--")
-            .args(self.host_user.map(as_user).into_iter().flatten())
-            .arg("bwrap")
-            .args(self.bwrap_args(&workdir)?)
-            .arg("--")
-            .args(&req.argv)
-            .stdin(if req.stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        // Descriptors this process holds without close-on-exec (inherited
-        // from whoever started it: log files, pipes, sockets) must not reach
-        // the sandbox: every one past stderr is marked to close at an exec,
-        // here in this process (what this process opens itself is marked
-        // already). Not in a pre-exec hook: that would make every spawn a
-        // full fork of this large process instead of a vfork.
-        close_on_exec_from(3);
+        let stdin = req.stdin.clone().map(Arc::<[u8]>::from);
+        // A start refused for want of pids is tried again: the command
+        // never ran, so running it again repeats nothing. The pids of
+        // finished commands come free within a few seconds.
         let t0 = Instant::now();
-        let mut child = cmd.spawn().map_err(|e| Error::io("starting bwrap", e))?;
-        if let (Some(data), Some(mut stdin)) = (req.stdin, child.stdin.take()) {
-            tokio::spawn(async move {
-                // A command that ignores its input closes the pipe early.
-                let _ = stdin.write_all(&data).await;
-                let _ = stdin.shutdown().await;
-            });
-        }
-        let out_task = child
-            .stdout
-            .take()
-            .map(|r| tokio::spawn(drain(r, CappedOutput::new(cap))));
-        let err_task = child
-            .stderr
-            .take()
-            .map(|r| tokio::spawn(drain(r, CappedOutput::new(cap))));
-        let (exit_code, timed_out) =
-            match tokio::time::timeout(crate::limit(timeout)?, child.wait()).await {
-                Ok(status) => {
-                    let status = status.map_err(|e| Error::io("waiting for bwrap", e))?;
-                    let code = status.code().map(i64::from).or_else(|| {
-                        std::os::unix::process::ExitStatusExt::signal(&status)
-                            .map(|s| 128 + i64::from(s))
-                    });
-                    (code, false)
-                }
-                Err(_) => {
-                    // Killing bwrap kills its pid-1 child (die-with-parent),
-                    // and the kernel then kills the whole pid namespace.
-                    let _ = child.start_kill();
-                    let _ = child.wait().await;
-                    (None, true)
-                }
+        let mut pause = Duration::from_millis(25);
+        loop {
+            let left = limit.saturating_sub(t0.elapsed());
+            let run = self.run_once(&req, stdin.clone(), &workdir, left).await?;
+            let Some(why) = run.refused_for_pids() else {
+                let mut r = run.result;
+                r.duration_ms = t0.elapsed().as_millis() as u64;
+                return Ok(r);
             };
-        // The pipes close once the namespace is gone; bound the wait anyway.
-        let collect = |t: Option<tokio::task::JoinHandle<CappedOutput>>| async move {
-            match t {
-                Some(t) => tokio::time::timeout(Duration::from_secs(10), t)
-                    .await
-                    .ok()
-                    .and_then(|r| r.ok())
-                    .unwrap_or_else(|| CappedOutput::new(cap)),
-                None => CappedOutput::new(cap),
+            if t0.elapsed() + pause >= limit {
+                return Err(Error::Sandbox(format!(
+                    "the command could not start in its {timeout} s: {why}"
+                )));
             }
-        };
-        let stdout = collect(out_task).await;
-        let stderr = collect(err_task).await;
-        // A failure of bwrap itself shows as exit 1 with its message on
-        // stderr; it is not told apart from the command's own exit 1, so a
-        // command cannot turn its failure into an infrastructure error.
-        let count = cgroups.oom_kills();
-        let before = self.oom_kills_seen.fetch_max(count, Ordering::SeqCst);
-        Ok(ExecResult::new(
-            exit_code,
-            stdout,
-            stderr,
-            timed_out,
-            count > before,
-            t0.elapsed(),
-        ))
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
     }
 
     async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
@@ -1008,6 +1154,32 @@ impl Drop for LocalSandbox {
         }
         if !self.closed.swap(true, Ordering::SeqCst) {
             let _ = remove_sandbox_dir(&self.dir);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bubblewrap_versions_that_report_exit_codes() {
+        for v in [
+            "bubblewrap 0.8.0\n",
+            "bubblewrap 0.3.2",
+            "bubblewrap 0.11",
+            "bubblewrap 1.0.0",
+        ] {
+            assert!(reports_exit_codes(v), "{v}");
+        }
+        for v in [
+            "bubblewrap 0.3.1",
+            "bubblewrap 0.2.1",
+            "bubblewrap",
+            "",
+            "bubblewrap x.y",
+        ] {
+            assert!(!reports_exit_codes(v), "{v}");
         }
     }
 }

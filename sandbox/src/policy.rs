@@ -38,7 +38,10 @@ pub struct Policy {
     /// Maximum number of processes and threads. Default 256. Under the
     /// local backend a finished command's pids are released by the kernel
     /// up to about two seconds after it ends, so hundreds of commands a
-    /// second (never an agent's pace) can reach the limit.
+    /// second (never an agent's pace) can reach the limit. A command that
+    /// cannot start for want of pids waits for them, within its time
+    /// limit, and is then an error of the sandbox, never the command's own
+    /// failure.
     pub pids_limit: i64,
     /// Numeric `uid:gid` that commands run as; files of the snapshot are owned
     /// by it. Default `1000:1000` (non-root).
