@@ -269,9 +269,7 @@ both_backends!(cannot_touch_host_settings_or_inherited_files, |ctx| {
             "the sandbox wrote through an inherited descriptor: {r:?}"
         );
         use std::os::unix::fs::PermissionsExt;
-        let state = std::env::var_os("ARCTICD_LOCAL_DIR")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(|| std::env::temp_dir().join("arcticd-local"));
+        let state = local_state_dir();
         // Private: no other user lists it or writes there (0711 lets the
         // sandboxes' host user pass through to its own folders).
         let mode = std::fs::metadata(&state)?.permissions().mode();
@@ -526,7 +524,10 @@ fn a_local_start_refused_for_pids_waits_for_them() {
                     .collect();
                 ensure!(open == ["0", "1", "2"], "{fds:?}");
                 // Holds every pid the sandbox has for `secs`: forks until
-                // the limit refuses, then the children and itself sleep.
+                // the limit refuses, leaves a file in /tmp, then the
+                // children and itself sleep. Returns once the file is seen
+                // from the host.
+                let full = local_state_dir().join(sb.id()).join("tmp/full");
                 let hold = |secs: f64| {
                     let sb = sb.clone();
                     let script = format!(
@@ -539,14 +540,25 @@ fn a_local_start_refused_for_pids_waits_for_them() {
                          \x20   if pid == 0:\n\
                          \x20       time.sleep({secs})\n\
                          \x20       os._exit(0)\n\
+                         open('/tmp/full', 'w').close()\n\
                          time.sleep({secs})\n"
                     );
-                    tokio::spawn(async move {
+                    let _ = std::fs::remove_file(&full);
+                    let hog = tokio::spawn(async move {
                         sb.exec(ExecRequest::argv(["python3", "-c", &script])).await
-                    })
+                    });
+                    let full = full.clone();
+                    async move {
+                        for _ in 0..200 {
+                            if full.exists() {
+                                return Ok(hog);
+                            }
+                            tokio_sleep(50).await;
+                        }
+                        anyhow::bail!("the pids were never all in use")
+                    }
                 };
-                let hog = hold(1.5);
-                tokio_sleep(500).await;
+                let hog = hold(1.5).await?;
                 let t0 = Instant::now();
                 let r = sb.exec(sh("echo started")).await?;
                 ensure!(
@@ -559,9 +571,7 @@ fn a_local_start_refused_for_pids_waits_for_them() {
                     t0.elapsed()
                 );
                 hog.await??;
-                tokio_sleep(3000).await;
-                let hog = hold(6.0);
-                tokio_sleep(500).await;
+                let hog = hold(6.0).await?;
                 let r = sb.exec(sh("echo started").timeout(1.5)).await;
                 ensure!(
                     matches!(&r, Err(arcticd_sandbox::Error::Sandbox(m))
@@ -574,6 +584,13 @@ fn a_local_start_refused_for_pids_waits_for_them() {
             })
         }),
     );
+}
+
+/// Where the local backend keeps its sandboxes' folders.
+fn local_state_dir() -> std::path::PathBuf {
+    std::env::var_os("ARCTICD_LOCAL_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("arcticd-local"))
 }
 
 async fn tokio_sleep(ms: u64) {
