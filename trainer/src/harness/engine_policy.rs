@@ -9,13 +9,13 @@
 
 use super::policy::{Completion, FinishReason, GenerateRequest, Policy};
 use super::Harness;
-use crate::{Error, Result};
+use crate::Result;
 use arcticd_engine::engine::{
     apply_event, Choice, EngineConfig, FinishReason as EngineFinish, Request,
 };
 use arcticd_engine::router::Router;
 use arcticd_engine::sampler::SamplingParams;
-use arcticd_engine::{ParamStore, Qwen3_5};
+use arcticd_engine::{Error as EngineError, ParamStore, Qwen3_5};
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -127,17 +127,19 @@ impl Policy for EnginePolicy {
                         break;
                     }
                 }
-                None => return Err(Error::Input("the engine stopped".into())),
+                None => return Err(EngineError::Unavailable("the engine stopped".into()).into()),
             }
         }
         let Some(c) = choices.pop() else {
-            return Err(Error::Input("the engine returned no choice".into()));
+            return Err(EngineError::Invariant("the engine returned no choice".into()).into());
         };
         let finish_reason = match c.finish_reason {
             Some(EngineFinish::Stop { .. }) => FinishReason::Stop,
             Some(EngineFinish::Length) => FinishReason::Length,
             Some(EngineFinish::Abort) | None => {
-                return Err(Error::Input("the engine aborted the request".into()))
+                return Err(
+                    EngineError::Unavailable("the engine aborted the request".into()).into(),
+                )
             }
         };
         Ok(Completion {
