@@ -31,12 +31,13 @@
 //! launching process crosses the exec. Each command is one bubblewrap run
 //! (its pid namespace dies with it, so nothing outlives a command) entered
 //! into the sandbox's cgroups (memory without swap, pids, CPU) by a tiny
-//! host shell before it execs
-//! bubblewrap. Bubblewrap reports the command's exit on a status pipe, so a
-//! failure of its own setup is told apart from the command's exit 1: a
-//! start refused for want of pids (a finished command's are released up to
-//! about two seconds late) is tried again, as the command never ran. Needs `bwrap` on PATH and a writable cgroup (v1 controllers
-//! or a v2 subtree with memory and pids delegated; root has both).
+//! host shell before it execs bubblewrap. Bubblewrap reports the command's
+//! exit on a status pipe, so a failure of its own setup is told apart from
+//! the command's exit 1: a start refused for want of pids (a finished
+//! command's are released up to about two seconds late) is tried again, as
+//! the command never ran. Needs `bwrap` on PATH and a writable cgroup (v1
+//! controllers or a v2 subtree with memory and pids delegated; root has
+//! both).
 //! Not for Docker images: the image is a root file system folder, as made by
 //! [`crate::image`].
 
