@@ -793,7 +793,7 @@ impl LocalSandbox {
     async fn run_once(
         &self,
         req: &ExecRequest,
-        stdin: Option<Arc<[u8]>>,
+        stdin: Option<Arc<Vec<u8>>>,
         workdir: &str,
         limit: Duration,
     ) -> Result<Attempt> {
@@ -1036,7 +1036,7 @@ impl Sandbox for LocalSandbox {
         &self.commit
     }
 
-    async fn exec(&self, req: ExecRequest) -> Result<ExecResult> {
+    async fn exec(&self, mut req: ExecRequest) -> Result<ExecResult> {
         self.check_open()?;
         crate::docker::validate_request(&req)?;
         let timeout = req.timeout_secs.unwrap_or(self.policy.exec_timeout_secs);
@@ -1045,7 +1045,8 @@ impl Sandbox for LocalSandbox {
             Some(w) => resolve_path(&self.policy, w)?,
             None => self.policy.workdir.clone(),
         };
-        let stdin = req.stdin.clone().map(Arc::<[u8]>::from);
+        // Moved out, not copied: every attempt writes the same bytes.
+        let stdin = req.stdin.take().map(Arc::new);
         // A start refused for want of pids is tried again: the command
         // never ran, so running it again repeats nothing. The pids of
         // finished commands come free within a few seconds.

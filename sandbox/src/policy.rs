@@ -7,8 +7,11 @@
 use serde::{Deserialize, Serialize};
 
 /// Limits applied to one sandbox and to every call on it.
+///
+/// Unknown keys are refused when read: a mistyped limit (`memory_byte`)
+/// would otherwise leave the default in force without a word.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct Policy {
     /// Wall-clock limit of one command, seconds; the whole process group is
     /// killed when it fires. Default 60.
@@ -176,5 +179,7 @@ mod tests {
         let p: Policy = serde_json::from_str(r#"{"cpus": 2.0}"#).unwrap();
         assert_eq!(p.cpus, 2.0);
         assert_eq!(p.pids_limit, 256);
+        let e = serde_json::from_str::<Policy>(r#"{"memory_byte": 67108864}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `memory_byte`"), "{e}");
     }
 }
