@@ -120,6 +120,9 @@ async fn selected_pool(
     let summary = run_eval(&harness, &policy_for, backend, &all, &cfg, &records, None).await;
     engine.router.shutdown();
     let summary = summary?;
+    if let Some(why) = summary.ungraded() {
+        bail!("choosing the training pool: {why} ({})", records.display());
+    }
     let kept = select_solved(&all, &summary, 1, POOL_SIZE);
     if kept.is_empty() {
         bail!(

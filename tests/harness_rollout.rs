@@ -581,6 +581,35 @@ fn eval_command_is_resumable_and_traj_show_prints_it() -> Result<()> {
     let again: serde_json::Value = serde_json::from_str(&arcticd(&args)?)?;
     ensure!(again["attempts"] == 4 && again["pass_at_1"] == 0.5);
     ensure!(std::fs::read_to_string(&out)?.lines().count() == 4);
+    // A run that stopped while writing its last record: the torn line is
+    // cut off, that attempt runs again, and the file reads back whole.
+    let text = std::fs::read_to_string(&out)?;
+    let last = text.lines().last().unwrap_or_default();
+    let torn = format!(
+        "{}{}",
+        &text[..text.len() - last.len() - 1],
+        &last[..last.len() / 2]
+    );
+    std::fs::write(&out, &torn)?;
+    let resumed: serde_json::Value = serde_json::from_str(&arcticd(&args)?)?;
+    ensure!(resumed == again, "{resumed} against {again}");
+    let text = std::fs::read_to_string(&out)?;
+    ensure!(text.lines().count() == 4 && text.ends_with('\n'), "{text}");
+    // A file that is not an evaluation's records is refused before any
+    // attempt runs, and left as it was.
+    let notes = dir.0.join("notes.txt");
+    std::fs::write(&notes, "my notes, not JSON")?;
+    let mut refused = args.map(str::to_string);
+    refused[12] = p(&notes);
+    let r = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .args(&refused)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    ensure!(
+        !r.status.success() && stderr.contains("not an attempt record"),
+        "{stderr}"
+    );
+    ensure!(std::fs::read_to_string(&notes)? == "my notes, not JSON");
     let shown = arcticd(&["traj", "show", &p(&traj), "--task", &tasks[0].instance_id])?;
     ensure!(
         shown.contains("reward 1")
@@ -637,6 +666,31 @@ fn eval_command_is_resumable_and_traj_show_prints_it() -> Result<()> {
             "behaviour log-probs recorded"
         );
     }
+
+    // An evaluation that graded nothing (a policy no attempt could reach)
+    // is an error that says why, not a pass@1 of 0.
+    let r = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .args([
+            "eval",
+            "--tasks",
+            &p(&task_file),
+            "--model",
+            "m",
+            "--tokenizer",
+        ])
+        .arg(&f.model)
+        .args(["--endpoint", "http://127.0.0.1:9", "--attempts", "1"])
+        .args(["--backend", "local", "--out"])
+        .arg(dir.0.join("eval-unreachable.jsonl"))
+        .output()?;
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    ensure!(
+        !r.status.success()
+            && r.stdout.is_empty()
+            && stderr.contains("graded no attempt")
+            && stderr.contains("2 policy_error"),
+        "{stderr}"
+    );
     Ok(())
 }
 

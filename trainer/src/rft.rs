@@ -217,6 +217,12 @@ async fn sample(
             r?
         }
     };
+    if let Some(why) = summary.ungraded() {
+        return Err(Error::Run(format!(
+            "{why} (attempts in {})",
+            records.display()
+        )));
+    }
     Ok((SampleStats::from(&summary), latest_trajectories(&trajs)?))
 }
 
@@ -248,6 +254,8 @@ pub async fn run_rft(
             "rft needs attempts >= 1 and rounds >= 1".into(),
         ));
     }
+    // Before the first round's sampling, not after it.
+    cfg.sft.check()?;
     if tasks.is_empty() {
         return Err(Error::Input("rft: the task file holds no task".into()));
     }

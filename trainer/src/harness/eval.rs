@@ -112,32 +112,126 @@ pub struct EvalSummary {
     pub stderr: f64,
     pub terminations: BTreeMap<String, usize>,
     pub per_task: Vec<TaskResult>,
+    /// Why the first masked attempt was not graded (its termination and
+    /// detail), when one was: what to tell a user whose evaluation graded
+    /// nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_masked: Option<String>,
+}
+
+impl EvalSummary {
+    /// Why no attempt was graded (every one masked, or none made), when
+    /// none was: a pass@1 of nothing is not a result.
+    pub fn ungraded(&self) -> Option<String> {
+        if self.tasks > 0 {
+            return None;
+        }
+        Some(match &self.first_masked {
+            Some(w) => format!(
+                "the evaluation graded no attempt: all {} were masked ({}); the first: {w}",
+                self.attempts,
+                self.terminations
+                    .iter()
+                    .map(|(k, n)| format!("{n} {k}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            None => "the evaluation made no attempt".to_string(),
+        })
+    }
 }
 
 /// Reads the attempts already in `path` (missing file: none). A torn last
-/// line (a crash mid-write) is ignored.
+/// line (a crash mid-write: an unterminated fragment of a record) is
+/// ignored; any other line that is not an attempt record is an error.
 pub fn read_records(path: &Path) -> Result<Vec<AttemptRecord>> {
-    let text = match std::fs::read_to_string(path) {
+    Ok(scan_records(path)?.0)
+}
+
+/// How an attempts file ends.
+#[derive(Debug, PartialEq)]
+enum Tail {
+    /// Empty, or its last line ends with a newline.
+    Clean,
+    /// A complete record with no newline after it.
+    Unterminated,
+    /// An unterminated fragment of a record from byte offset `.0` on.
+    Torn(u64),
+}
+
+/// The records of `path` and how the file ends.
+fn scan_records(path: &Path) -> Result<(Vec<AttemptRecord>, Tail)> {
+    let text = match std::fs::read(path) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((vec![], Tail::Clean)),
         Err(e) => return Err(Error::io(path, e)),
     };
-    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    let mut out = Vec::new();
-    for (i, l) in lines.iter().enumerate() {
-        match serde_json::from_str(l) {
-            Ok(r) => out.push(r),
-            Err(_) if i + 1 == lines.len() => {}
-            Err(e) => {
-                return Err(Error::Input(format!(
-                    "{}:{}: not an attempt record: {e}",
-                    path.display(),
-                    i + 1
-                )))
+    let not_ours = |line: usize, why: String| {
+        Error::Input(format!(
+            "{}:{line}: not an attempt record ({why}), so not an evaluation's records; \
+             nothing was written to it",
+            path.display()
+        ))
+    };
+    let (mut out, mut tail, mut start) = (Vec::new(), Tail::Clean, 0usize);
+    for (i, raw) in text.split_inclusive(|&b| b == b'\n').enumerate() {
+        let offset = start;
+        start += raw.len();
+        let terminated = raw.ends_with(b"\n");
+        let Ok(line) = std::str::from_utf8(raw) else {
+            return Err(not_ours(i + 1, "not UTF-8".into()));
+        };
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<AttemptRecord>(line) {
+            Ok(r) => {
+                out.push(r);
+                if !terminated {
+                    tail = Tail::Unterminated;
+                }
             }
+            // Records are written whole, field `task_id` first: a crash
+            // mid-write leaves an unterminated start of one.
+            Err(_) if !terminated && line.starts_with("{\"task_id\"") => {
+                tail = Tail::Torn(offset as u64);
+            }
+            Err(e) => return Err(not_ours(i + 1, e.to_string())),
         }
     }
-    Ok(out)
+    Ok((out, tail))
+}
+
+/// Reads the attempts already in `path` and readies it for appending: a
+/// torn last line is cut off (with a warning) and a last record with no
+/// newline gets one, so the next record starts a line of its own.
+fn open_records(path: &Path) -> Result<(Vec<AttemptRecord>, std::fs::File)> {
+    let (records, tail) = scan_records(path)?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| Error::io(path, e))?;
+    match tail {
+        Tail::Clean => {}
+        Tail::Unterminated => f.write_all(b"\n").map_err(|e| Error::io(path, e))?,
+        Tail::Torn(at) => {
+            tracing::warn!(
+                "{}: its last line is a torn record (a run stopped while writing it); cut off",
+                path.display()
+            );
+            f.set_len(at).map_err(|e| Error::io(path, e))?;
+        }
+    }
+    Ok((records, f))
+}
+
+/// A termination's name, as in the records (`invalid_format`).
+fn name(t: Termination) -> String {
+    serde_json::to_value(t)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
 }
 
 /// Summarizes attempt records for `tasks` (records of other tasks ignored;
@@ -151,6 +245,7 @@ pub fn summarize(tasks: &[Task], records: &[AttemptRecord]) -> EvalSummary {
     let mut per_task = Vec::new();
     let mut means = Vec::new();
     let mut attempts = 0;
+    let mut first_masked = None;
     for task in tasks {
         let rs: Vec<&&AttemptRecord> = latest
             .iter()
@@ -158,13 +253,15 @@ pub fn summarize(tasks: &[Task], records: &[AttemptRecord]) -> EvalSummary {
             .map(|(_, r)| r)
             .collect();
         for r in &rs {
-            let key = serde_json::to_value(r.termination)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_default();
-            *terminations.entry(key).or_insert(0) += 1;
+            *terminations.entry(name(r.termination)).or_insert(0) += 1;
         }
         attempts += rs.len();
+        if first_masked.is_none() {
+            first_masked = rs.iter().find(|r| r.masked).map(|r| {
+                let term = name(r.termination);
+                format!("{} attempt {}: {term}: {}", r.task_id, r.attempt, r.detail)
+            });
+        }
         let unmasked: Vec<&&&AttemptRecord> = rs.iter().filter(|r| !r.masked).collect();
         let solved = unmasked.iter().filter(|r| r.reward >= 1.0).count();
         let p = (!unmasked.is_empty())
@@ -198,6 +295,7 @@ pub fn summarize(tasks: &[Task], records: &[AttemptRecord]) -> EvalSummary {
         stderr,
         terminations,
         per_task,
+        first_masked,
     }
 }
 
@@ -242,7 +340,8 @@ pub async fn run_eval(
     traj_out: Option<&Path>,
 ) -> Result<EvalSummary> {
     cfg.check()?;
-    let done: HashSet<(String, usize)> = read_records(out)?
+    let (records, mut out_file) = open_records(out)?;
+    let done: HashSet<(String, usize)> = records
         .into_iter()
         .filter(|r| !r.masked)
         .map(|r| (r.task_id, r.attempt))
@@ -259,7 +358,6 @@ pub async fn run_eval(
             .open(p)
             .map_err(|e| Error::io(p, e))
     };
-    let mut out_file = open(out)?;
     let mut traj_file = match traj_out {
         Some(p) => Some(open(p)?),
         None => None,
@@ -270,13 +368,18 @@ pub async fn run_eval(
     }))
     .buffer_unordered(cfg.concurrency.max(1));
     while let Some(traj) = stream.next().await {
-        let line = serde_json::to_string(&AttemptRecord::from(&traj))
+        // One write per record, newline included, so that a crash leaves
+        // at most one torn line, the last.
+        let mut line = serde_json::to_string(&AttemptRecord::from(&traj))
             .map_err(|e| Error::Input(e.to_string()))?;
-        writeln!(out_file, "{line}").map_err(|e| Error::io(out, e))?;
-        out_file.flush().map_err(|e| Error::io(out, e))?;
+        line.push('\n');
+        out_file
+            .write_all(line.as_bytes())
+            .map_err(|e| Error::io(out, e))?;
         if let (Some(f), Some(p)) = (traj_file.as_mut(), traj_out) {
-            let line = serde_json::to_string(&traj).map_err(|e| Error::Input(e.to_string()))?;
-            writeln!(f, "{line}").map_err(|e| Error::io(p, e))?;
+            let mut line = serde_json::to_string(&traj).map_err(|e| Error::Input(e.to_string()))?;
+            line.push('\n');
+            f.write_all(line.as_bytes()).map_err(|e| Error::io(p, e))?;
         }
     }
     Ok(summarize(tasks, &read_records(out)?))
@@ -373,5 +476,84 @@ mod tests {
         assert_eq!(read_records(&p).unwrap().len(), 1);
         std::fs::write(&p, format!("oops\n{line}\n")).unwrap();
         assert!(read_records(&p).is_err());
+    }
+
+    /// Appends one record the way `run_eval` does, after `open_records`.
+    fn append(p: &Path, r: &AttemptRecord) -> Vec<AttemptRecord> {
+        let (before, mut f) = open_records(p).unwrap();
+        let mut line = serde_json::to_string(r).unwrap();
+        line.push('\n');
+        f.write_all(line.as_bytes()).unwrap();
+        drop(f);
+        assert_eq!(read_records(p).unwrap().len(), before.len() + 1);
+        before
+    }
+
+    /// A resumed evaluation after a crash mid-record: the torn line is cut
+    /// off before the next record, which starts a line of its own, and the
+    /// file reads back whole (it used to glue the new record onto the torn
+    /// one and make every later read fail).
+    #[test]
+    fn a_resume_cuts_the_torn_line_before_appending() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("e.jsonl");
+        let a = serde_json::to_string(&rec("a", 0, 1.0, Termination::Submitted)).unwrap();
+        let b = rec("b", 0, 0.0, Termination::Submitted);
+        std::fs::write(&p, format!("{a}\n{}", &a[..a.len() / 2])).unwrap();
+        assert_eq!(append(&p, &b).len(), 1);
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert_eq!(text.lines().count(), 2, "{text}");
+        assert!(
+            text.starts_with(&format!("{a}\n{{\"task_id\":\"b\"")),
+            "{text}"
+        );
+        // A last record written whole but for its newline keeps its place.
+        std::fs::write(&p, &a).unwrap();
+        assert_eq!(append(&p, &b).len(), 1);
+        assert_eq!(read_records(&p).unwrap().len(), 2);
+        // Blank lines are not records, and not errors.
+        std::fs::write(&p, format!("\n{a}\n\n")).unwrap();
+        assert_eq!(append(&p, &b).len(), 1);
+    }
+
+    /// A file that is not an evaluation's records (a note, a task file) is
+    /// refused before anything runs, and left as it was: even when its
+    /// only line is its last.
+    #[test]
+    fn a_file_that_is_not_records_is_refused_untouched() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("notes.txt");
+        for text in [
+            "my important notes, not JSON\n",
+            "my important notes, no newline",
+            "{\"instance_id\": \"t\"}",
+            "{\"task_id\": \"a\"}\n",
+        ] {
+            std::fs::write(&p, text).unwrap();
+            let err = open_records(&p).unwrap_err().to_string();
+            assert!(err.contains("not an attempt record"), "{text}: {err}");
+            assert_eq!(std::fs::read_to_string(&p).unwrap(), text);
+        }
+    }
+
+    #[test]
+    fn an_evaluation_that_graded_nothing_says_why() {
+        let tasks = [task("a"), task("b")];
+        let mut masked = rec("a", 0, 0.0, Termination::Infra);
+        masked.detail = "no root file system".into();
+        let s = summarize(
+            &tasks,
+            &[masked, rec("b", 0, 0.0, Termination::PolicyError)],
+        );
+        let why = s.ungraded().unwrap();
+        assert!(why.contains("all 2 were masked"), "{why}");
+        assert!(
+            why.contains("a attempt 0: infra: no root file system"),
+            "{why}"
+        );
+        assert!(why.contains("1 infra, 1 policy_error"), "{why}");
+        assert!(summarize(&tasks, &[]).ungraded().is_some());
+        let s = summarize(&tasks, &[rec("a", 0, 0.0, Termination::Submitted)]);
+        assert_eq!(s.ungraded(), None);
     }
 }
