@@ -135,7 +135,7 @@ pub fn check_format(a: CheckFormatArgs) -> Result<()> {
                 json!({"index": i, "verdict": "invalid", "reason": v.code, "detail": v.detail})
             }
         };
-        println!("{verdict}");
+        outln!("{verdict}")?;
     }
     Ok(())
 }
@@ -151,7 +151,7 @@ pub fn traj(a: TrajArgs) -> Result<()> {
                 {
                     continue;
                 }
-                println!("{}", trajectory::show(t));
+                outln!("{}", trajectory::show(t))?;
                 shown += 1;
             }
             if shown == 0 {
@@ -179,9 +179,14 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     };
     cfg.image = a.image.clone();
     let tasks = tasks::load_tasks(&a.tasks, a.format.parse::<Format>()?)?;
+    if tasks.is_empty() {
+        bail!("no tasks in {}", a.tasks.display());
+    }
     let tok_dir = match (&a.tokenizer, &a.endpoint) {
         (Some(d), _) => d.clone(),
         (None, None) => PathBuf::from(&a.model),
+        // As --tokenizer says: the model's folder, when --model is one.
+        (None, Some(_)) if Path::new(&a.model).is_dir() => PathBuf::from(&a.model),
         (None, Some(_)) => {
             bail!("--endpoint needs --tokenizer DIR (the model's tokenizer and chat template)")
         }
@@ -241,6 +246,11 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         .await?;
         anyhow::Ok(s)
     })?;
-    println!("{}", serde_json::to_string_pretty(&summary)?);
+    // Nothing graded is an error, not a pass@1 of 0 (the records keep
+    // every attempt's reason).
+    if let Some(why) = summary.ungraded() {
+        bail!("{why} (every attempt is recorded in {})", a.out.display());
+    }
+    outln!("{}", serde_json::to_string_pretty(&summary)?)?;
     Ok(())
 }

@@ -251,7 +251,23 @@ pub struct InitModelArgs {
 
 pub fn init_model(args: InitModelArgs) -> Result<()> {
     let preset = arcticd_engine::init::preset(&args.preset)?;
-    let report = arcticd_engine::init::init_model(preset, &args.out, args.seed)?;
+    // A new folder or an empty one: random weights written over a trained
+    // checkpoint (or beside its optimizer state) would lose it, or mix it.
+    let out = &args.out;
+    if out.exists() && !out.is_dir() {
+        bail!(
+            "{} is a file; --out names the folder of the new model",
+            out.display()
+        );
+    }
+    if std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_some()) {
+        bail!(
+            "{} is not empty; init-model writes a new model into a new or empty folder \
+             (remove it first to replace what is there)",
+            out.display()
+        );
+    }
+    let report = arcticd_engine::init::init_model(preset, out, args.seed)?;
     eprintln!(
         "wrote {} ({} preset): {} parameters, vocabulary {}",
         args.out.display(),
@@ -326,7 +342,7 @@ pub fn bench_forward(args: BenchForwardArgs) -> Result<()> {
         "median_s": median,
         "tokens_per_s": tokens as f64 / median,
     });
-    println!("{out}");
+    outln!("{out}")?;
     Ok(())
 }
 
@@ -546,7 +562,7 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
             out["hbm_fraction"] =
                 serde_json::json!(steps_per_s * step_bytes as f64 / (args.hbm_tb_s * 1e12));
         }
-        println!("{out}");
+        outln!("{out}")?;
     }
     eng.shutdown();
     Ok(())

@@ -52,7 +52,7 @@ pub fn plot(args: PlotArgs) -> Result<()> {
         None => args.runs[0].join("plots"),
     };
     for path in plot_runs(&args.runs, &out, args.smooth)? {
-        println!("{}", path.display());
+        outln!("{}", path.display())?;
     }
     Ok(())
 }

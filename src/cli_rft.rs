@@ -123,6 +123,6 @@ pub fn rft(a: RftArgs) -> Result<()> {
         report.after.pass_at_1,
         report.final_model.display()
     );
-    println!("{}", serde_json::to_string_pretty(&report)?);
+    outln!("{}", serde_json::to_string_pretty(&report)?)?;
     Ok(())
 }

@@ -97,7 +97,7 @@ pub fn replay(args: ReplayArgs) -> Result<()> {
         &probes,
         args.attribute,
     )? {
-        println!("{}", serde_json::to_string(&r)?);
+        outln!("{}", serde_json::to_string(&r)?)?;
     }
     Ok(())
 }
@@ -179,10 +179,13 @@ pub fn prometheus_text(rec: &Value) -> String {
     out
 }
 
-fn serve_metrics(port: u16, latest: Arc<Mutex<String>>) -> Result<()> {
+/// Serves the latest metrics record on 127.0.0.1:`port` (0: any free
+/// port); returns the port it listens on.
+fn serve_metrics(port: u16, latest: Arc<Mutex<String>>) -> Result<u16> {
     let listener = std::net::TcpListener::bind(("127.0.0.1", port))
         .with_context(|| format!("--metrics-port {port}: cannot listen"))?;
     listener.set_nonblocking(true)?;
+    let port = listener.local_addr()?.port();
     std::thread::Builder::new()
         .name("metrics".into())
         .spawn(move || {
@@ -214,7 +217,7 @@ fn serve_metrics(port: u16, latest: Arc<Mutex<String>>) -> Result<()> {
                 }
             });
         })?;
-    Ok(())
+    Ok(port)
 }
 
 pub fn train(mut a: TrainArgs) -> Result<()> {
@@ -264,7 +267,7 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
     }
     let latest = Arc::new(Mutex::new(String::new()));
     if let Some(port) = a.metrics_port {
-        serve_metrics(port, latest.clone())?;
+        let port = serve_metrics(port, latest.clone())?;
         eprintln!("metrics: http://127.0.0.1:{port}/metrics");
     }
     eprintln!(
@@ -320,7 +323,7 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
     let plots = crate::cli_plot::plot_runs(std::slice::from_ref(&out), &out.join("plots"), 10)
         .map_err(|e| tracing::warn!("plotting: {e:#}"))
         .unwrap_or_default();
-    println!("{}", serde_json::to_string_pretty(&summary)?);
+    outln!("{}", serde_json::to_string_pretty(&summary)?)?;
     eprintln!(
         "{} after {} updates; run directory {}{}",
         if summary.cancelled || summary.stopped.is_some() {

@@ -82,7 +82,7 @@ pub fn main(args: SandboxArgs) -> Result<()> {
         SandboxCommand::Run(a) => rt.block_on(run(a)),
         SandboxCommand::BuildImage(a) => rt.block_on(async {
             let report = image::build_base_image(&a.tag, !a.no_docker, a.force).await?;
-            println!("{}", serde_json::to_string_pretty(&report)?);
+            outln!("{}", serde_json::to_string_pretty(&report)?)?;
             Ok(())
         }),
     }
@@ -142,6 +142,6 @@ async fn run(a: RunArgs) -> Result<()> {
     };
     let result = result?;
     closed?;
-    println!("{}", serde_json::to_string_pretty(&result)?);
+    outln!("{}", serde_json::to_string_pretty(&result)?)?;
     Ok(())
 }

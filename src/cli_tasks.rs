@@ -269,7 +269,7 @@ fn select(a: SelectArgs) -> Result<()> {
     }
     let kept: Vec<Task> = kept.into_iter().cloned().collect();
     tasks::write_tasks(&a.out, &kept)?;
-    println!(
+    outln!(
         "{}",
         serde_json::json!({
             "tasks": all.len(),
@@ -277,7 +277,7 @@ fn select(a: SelectArgs) -> Result<()> {
             "kept": kept.len(),
             "file": a.out,
         })
-    );
+    )?;
     Ok(())
 }
 
@@ -293,14 +293,14 @@ pub fn main(args: TasksArgs) -> Result<()> {
             };
             let tasks = toy::generate(&cfg, &a.out)?;
             let loose = tasks.iter().filter(|t| t.toy_loose() == Some(true)).count();
-            println!(
+            outln!(
                 "{}",
                 serde_json::json!({
                     "tasks": tasks.len(),
                     "loose": loose,
                     "file": a.out.join("tasks.jsonl"),
                 })
-            );
+            )?;
             Ok(())
         }
         TasksCommand::Validate(a) => {
@@ -310,7 +310,7 @@ pub fn main(args: TasksArgs) -> Result<()> {
                 let verdicts =
                     validate::validate_tasks(backend.as_ref(), &tasks, &policy, &cfg).await;
                 for v in &verdicts {
-                    println!("{}", serde_json::to_string(v)?);
+                    outln!("{}", serde_json::to_string(v)?)?;
                 }
                 Ok(())
             })
@@ -354,6 +354,14 @@ pub fn main(args: TasksArgs) -> Result<()> {
                     sa.as_ref(),
                 )
                 .await;
+                if report.undecided > 0 {
+                    tracing::warn!(
+                        "{} of {} tasks undecided: no wrong patch passed, but some could not \
+                         be graded (their infra_errors); left out of any curated set",
+                        report.undecided,
+                        report.tasks
+                    );
+                }
                 if let Some(out) = &a.out {
                     let keep: Vec<Task> = tasks
                         .iter()
@@ -370,12 +378,13 @@ pub fn main(args: TasksArgs) -> Result<()> {
                         let summary = serde_json::json!({
                             "tasks": report.tasks, "invalid": report.invalid,
                             "loose": report.loose, "tight": report.tight,
+                            "undecided": report.undecided,
                             "strengthened": report.strengthened,
                             "precision": report.precision, "recall": report.recall,
                         });
-                        println!("{summary}");
+                        outln!("{summary}")?;
                     }
-                    None => println!("{text}"),
+                    None => outln!("{text}")?,
                 }
                 Ok(())
             })
@@ -404,12 +413,14 @@ async fn setup(
     if tasks.is_empty() {
         bail!("{} holds no tasks", a.tasks.display());
     }
-    let backend = backend(a.backend).await?;
     let cfg = validate::ValidateConfig {
         image: a.image.clone(),
         test_timeout_secs: a.test_timeout,
         repeats: a.repeats,
         concurrency: a.concurrency,
     };
+    cfg.check()
+        .context("--test-timeout, --repeats, --concurrency")?;
+    let backend = backend(a.backend).await?;
     Ok((backend, tasks, Policy::default(), cfg))
 }

@@ -72,7 +72,10 @@ pub struct SftArgs {
 }
 
 pub fn sft(args: SftArgs) -> Result<()> {
-    anyhow::ensure!(args.batch_size > 0, "--batch-size must be positive");
+    anyhow::ensure!(
+        args.batch_size > 0 && args.steps > 0,
+        "--batch-size and --steps must be positive (0 steps would write the model back unchanged)"
+    );
     arcticd_trainer::checkpoint::check_checkpoint_out(&args.out).context("--out")?;
     let model_config = ModelConfig::from_dir(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
@@ -337,13 +340,13 @@ pub fn plan(args: PlanArgs) -> Result<()> {
     );
     // A plan that does not fit is shown by its error.
     plan.check(available)?;
-    println!("{plan}");
+    outln!("{plan}")?;
     if let Some(a) = available {
-        println!(
+        outln!(
             "fits: {:.1} GB of {:.1} GB",
             plan.total() as f64 / 1e9,
             a as f64 / 1e9
-        );
+        )?;
     }
     Ok(())
 }
@@ -474,6 +477,6 @@ pub fn bench_train(args: BenchTrainArgs) -> Result<()> {
     if let Some(peak) = args.peak_tflops {
         out["mfu"] = serde_json::json!(tflops / peak);
     }
-    println!("{out}");
+    outln!("{out}")?;
     Ok(())
 }

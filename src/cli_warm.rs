@@ -35,6 +35,8 @@ pub fn warm_start(a: WarmStartArgs) -> Result<()> {
         Some(j) => serde_json::from_str(j).context("parsing --rollout")?,
         None => warm_start::demo_rollout_config(),
     };
+    // Before the base image is built or a demonstration runs.
+    cfg.check().context("--config")?;
     let rt = arcticd_sandbox::runtime()?;
     let report = rt.block_on(async {
         // The toy tasks run in the base image: built once, cached by tag.
@@ -45,6 +47,6 @@ pub fn warm_start(a: WarmStartArgs) -> Result<()> {
             warm_start::build_warm_start(&cfg, &rollout, backend.as_ref(), &a.out, None).await?;
         anyhow::Ok(r)
     })?;
-    println!("{}", serde_json::to_string_pretty(&report)?);
+    outln!("{}", serde_json::to_string_pretty(&report)?)?;
     Ok(())
 }

@@ -2,6 +2,16 @@
 
 use clap::{Parser, Subcommand};
 
+/// `println!` that returns the write's error (`io::Result<()>`) instead of
+/// panicking when standard output is gone (`arcticd ... | head`); `main`
+/// ends quietly on a closed pipe.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*)
+    }};
+}
+
 mod cli_harness;
 mod cli_model;
 mod cli_plot;
@@ -106,7 +116,23 @@ fn main() {
         Command::BenchTrain(args) => cli_train::bench_train(args),
     };
     if let Err(e) = result {
+        if closed_pipe(&e) {
+            // The reader went away (`| head`): quiet, with the status a
+            // shell gives a program that SIGPIPE ended.
+            std::process::exit(141);
+        }
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// Whether `e` comes from writing to a pipe whose reader has closed it.
+fn closed_pipe(e: &anyhow::Error) -> bool {
+    use std::io::ErrorKind::BrokenPipe;
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == BrokenPipe)
+            || c.downcast_ref::<serde_json::Error>()
+                .is_some_and(|j| j.io_error_kind() == Some(BrokenPipe))
+    })
 }

@@ -219,6 +219,15 @@ fn init_score_generate_and_bad_input() {
         &arcticd(&["init-model", "--preset", "huge", "--out", o]),
         "huge",
     );
+    // A folder that holds a model is not written over.
+    assert_clean_error(
+        &arcticd(&["init-model", "--preset", "tiny", "--out", o]),
+        "is not empty",
+    );
+    assert_eq!(
+        std::fs::read(other.join("model.safetensors")).unwrap(),
+        b"not a safetensors file"
+    );
 
     std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_dir_all(&other).ok();
@@ -329,6 +338,49 @@ fn plan_sizes_a_real_shape_and_refuses_what_does_not_fit() {
         "holds no tasks",
     );
     std::fs::remove_file(&empty).ok();
+}
+
+/// Output into a pipe whose reader has gone (`arcticd ... | head`) ends
+/// the command quietly with 141, the status of a program SIGPIPE ended:
+/// not a panic (it was exit 101 with "failed printing to stdout").
+#[test]
+fn a_closed_stdout_ends_the_command_quietly() {
+    let dir = tmpdir("closed-stdout");
+    init_tiny(&dir);
+    let m = dir.to_str().unwrap();
+    let input = dir.join("score.json");
+    std::fs::write(&input, r#"{"sequences": [[1, 2, 3]]}"#).unwrap();
+    for args in [
+        vec![
+            "bench-forward",
+            "--model",
+            m,
+            "--batch",
+            "1",
+            "--seq-len",
+            "4",
+            "--iters",
+            "1",
+        ],
+        vec!["score", "--model", m, "--input", input.to_str().unwrap()],
+    ] {
+        // The read end is closed before the command starts: its first
+        // write fails, whenever it comes.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+            .args(&args)
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("error"),
+            "{args:?}: {stderr}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// `arcticd bench-decode`: one JSON line per batch size, every sequence's

@@ -53,6 +53,46 @@ impl Default for SftSettings {
     }
 }
 
+impl SftSettings {
+    /// The trainer's settings: AdamW at `lr`, warmup then cosine to 0 at
+    /// `steps`, the clip (0: none).
+    fn train_config(&self) -> TrainConfig {
+        TrainConfig {
+            optimizer: AdamWConfig {
+                lr: self.lr,
+                weight_decay: self.weight_decay,
+                ..AdamWConfig::default()
+            },
+            schedule: LrSchedule::Cosine {
+                warmup: self.warmup,
+                total: self.steps as u64,
+                floor: 0.0,
+            },
+            grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
+            ..TrainConfig::default()
+        }
+    }
+
+    /// Rejects settings no SFT run can use: checked where they arrive (the
+    /// command line, before any sampling or image build), and again here.
+    pub fn check(&self) -> Result<()> {
+        if self.steps == 0 || self.batch_size == 0 {
+            return Err(Error::Input(format!(
+                "SFT needs at least 1 step and 1 trajectory per step, got steps {} and \
+                 batch_size {}",
+                self.steps, self.batch_size
+            )));
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            return Err(Error::Input(format!(
+                "SFT grad_clip must be a finite number >= 0 (0: off), got {}",
+                self.grad_clip
+            )));
+        }
+        self.train_config().optimizer.check()
+    }
+}
+
 /// SFT examples of the trajectories that earned reward 1: every token as
 /// context, the generated ones (loss mask 1) as targets.
 pub fn sft_examples(trajectories: &[Trajectory]) -> Vec<SftExample> {
@@ -82,23 +122,10 @@ pub fn train_sft(
     if examples.is_empty() {
         return Err(Error::Input("no SFT examples".into()));
     }
+    cfg.check()?;
     crate::checkpoint::check_checkpoint_out(out)?;
     let model = Qwen3_5::load(base)?;
-    let config = TrainConfig {
-        optimizer: AdamWConfig {
-            lr: cfg.lr,
-            weight_decay: cfg.weight_decay,
-            ..AdamWConfig::default()
-        },
-        schedule: LrSchedule::Cosine {
-            warmup: cfg.warmup,
-            total: cfg.steps as u64,
-            floor: 0.0,
-        },
-        grad_clip: (cfg.grad_clip > 0.0).then_some(cfg.grad_clip),
-        ..TrainConfig::default()
-    };
-    let mut trainer = Trainer::new(ParamStore::new(model), config)?;
+    let mut trainer = Trainer::new(ParamStore::new(model), cfg.train_config())?;
     // A seeded order, reshuffled every pass over the data.
     let mut rng = cfg.shuffle_seed ^ 0x57A2_7E11;
     let mut next = || {
@@ -113,7 +140,7 @@ pub fn train_sft(
     let t0 = Instant::now();
     for step in 0..cfg.steps {
         let mut batch = Vec::with_capacity(cfg.batch_size);
-        while batch.len() < cfg.batch_size.max(1) {
+        while batch.len() < cfg.batch_size {
             if order.is_empty() {
                 order = (0..examples.len()).collect();
                 for i in (1..order.len()).rev() {

@@ -116,6 +116,31 @@ pub struct WarmStartConfig {
     pub sft: SftSettings,
 }
 
+impl WarmStartConfig {
+    /// Rejects settings no warm start can use (a preset that is not one,
+    /// no demonstration, none at once, a give-up share outside [0, 1], bad
+    /// SFT settings) before any image build or rollout.
+    pub fn check(&self) -> Result<()> {
+        if self.base_model.is_none() {
+            arcticd_engine::init::preset(&self.preset)?;
+        }
+        if self.demos == 0 || self.concurrency == 0 {
+            return Err(Error::Input(format!(
+                "a warm start needs at least 1 demonstration and 1 at once, got demos {} and \
+                 concurrency {}",
+                self.demos, self.concurrency
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.give_up_share) {
+            return Err(Error::Input(format!(
+                "give_up_share is a share of the demonstrations, in [0, 1], got {}",
+                self.give_up_share
+            )));
+        }
+        self.sft.check()
+    }
+}
+
 impl Default for WarmStartConfig {
     fn default() -> Self {
         WarmStartConfig {
@@ -299,6 +324,7 @@ pub async fn build_warm_start(
     out_dir: &Path,
     progress: Option<SftProgress>,
 ) -> Result<WarmStartReport> {
+    cfg.check()?;
     let t0 = Instant::now();
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io(out_dir, e))?;
     let rollout_path = out_dir.join("rollout.json");
@@ -427,6 +453,28 @@ pub async fn build_warm_start(
 mod tests {
     use super::*;
     use crate::harness::{check_format, tools::tool_schemas};
+
+    /// Settings no warm start can use are refused by `check`, which the
+    /// command runs before building an image or a demonstration.
+    #[test]
+    fn unusable_settings_are_refused_up_front() {
+        WarmStartConfig::default().check().unwrap();
+        type Edit = fn(&mut WarmStartConfig);
+        let cases: [(&str, Edit); 6] = [
+            ("bogus", |c| c.preset = "bogus".into()),
+            ("demos 0", |c| c.demos = 0),
+            ("concurrency 0", |c| c.concurrency = 0),
+            ("give_up_share", |c| c.give_up_share = 5.0),
+            ("lr must be", |c| c.sft.lr = -1.0),
+            ("steps 0", |c| c.sft.steps = 0),
+        ];
+        for (says, edit) in cases {
+            let mut c = WarmStartConfig::default();
+            edit(&mut c);
+            let e = c.check().unwrap_err().to_string();
+            assert!(e.contains(says), "{says}: {e}");
+        }
+    }
 
     #[test]
     fn the_teacher_gives_up_on_an_even_share() {

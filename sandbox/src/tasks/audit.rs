@@ -553,8 +553,9 @@ impl Default for AuditConfig {
 pub struct AuditResult {
     pub instance_id: String,
     /// `loose`, `tight`, `invalid` (validation failed; see `validation`),
-    /// or `strengthened` (was loose; new tests made it tight, see
-    /// `strengthening`).
+    /// `strengthened` (was loose; new tests made it tight, see
+    /// `strengthening`), or `undecided` (no wrong patch passed, but some
+    /// could not be graded: `infra_errors`; not curated).
     pub verdict: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub validation: Option<Verdict>,
@@ -644,6 +645,11 @@ pub async fn audit_task(
             Err(_) => result.infra_errors += 1,
         }
     }
+    // Tight claims that every wrong patch was graded and failed: one that
+    // could not be graded leaves the question open.
+    if result.verdict == "tight" && result.infra_errors > 0 {
+        result.verdict = "undecided";
+    }
     result
 }
 
@@ -656,6 +662,8 @@ pub struct AuditReport {
     pub tight: usize,
     /// Loose tasks whose strengthened tests made them tight.
     pub strengthened: usize,
+    /// Tasks no wrong patch passed but some could not be graded.
+    pub undecided: usize,
     /// Of the tasks flagged loose (strengthened ones included: the audit
     /// flagged them first), the share that truly are (toy tasks only;
     /// null without ground truth or flags).
@@ -688,7 +696,7 @@ pub fn report(results: Vec<AuditResult>) -> AuditReport {
     let count = |v: &str| results.iter().filter(|r| r.verdict == v).count();
     let judged: Vec<&AuditResult> = results
         .iter()
-        .filter(|r| r.verdict != "invalid" && r.expected_loose.is_some())
+        .filter(|r| !matches!(r.verdict, "invalid" | "undecided") && r.expected_loose.is_some())
         .collect();
     let flagged_loose = |r: &&&AuditResult| matches!(r.verdict, "loose" | "strengthened");
     let tp = judged
@@ -707,6 +715,7 @@ pub fn report(results: Vec<AuditResult>) -> AuditReport {
         loose: count("loose"),
         tight: count("tight"),
         strengthened: count("strengthened"),
+        undecided: count("undecided"),
         precision: (flagged > 0).then(|| tp as f64 / flagged as f64),
         recall: (truly > 0).then(|| tp as f64 / truly as f64),
         results,
@@ -807,10 +816,18 @@ mod tests {
             r("b", "loose", true),
             r("c", "tight", false),
             r("d", "tight", true),
+            // Undecided is no verdict: not in precision or recall.
+            r("e", "undecided", true),
         ]);
         assert_eq!(
-            (rep.loose, rep.tight, rep.strengthened, rep.invalid),
-            (1, 2, 1, 0)
+            (
+                rep.loose,
+                rep.tight,
+                rep.strengthened,
+                rep.invalid,
+                rep.undecided
+            ),
+            (1, 2, 1, 0, 1)
         );
         assert_eq!(rep.precision, Some(1.0));
         assert_eq!(rep.recall, Some(2.0 / 3.0));

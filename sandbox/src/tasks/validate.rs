@@ -45,6 +45,28 @@ impl Default for ValidateConfig {
     }
 }
 
+impl ValidateConfig {
+    /// A test time limit of some seconds, at least one run of each
+    /// condition and one task at a time: checked before any sandbox starts,
+    /// so a bad setting is one error, not every task's `infra` verdict.
+    pub fn check(&self) -> Result<()> {
+        let t = self.test_timeout_secs;
+        if t.is_nan() || t <= 0.0 || crate::limit(t).is_err() {
+            return Err(Error::InvalidInput(format!(
+                "the test time limit must be a number of seconds above 0, got {t}"
+            )));
+        }
+        if self.repeats == 0 || self.concurrency == 0 {
+            return Err(Error::InvalidInput(format!(
+                "validation needs at least 1 run of each condition and 1 task at once, \
+                 got repeats {} and concurrency {}",
+                self.repeats, self.concurrency
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// The verdict on one task.
 #[derive(Debug, Clone, Serialize)]
 pub struct Verdict {

@@ -468,11 +468,12 @@ enum SideJob {
     },
 }
 
-fn load_task_file(path: &Path) -> Result<Vec<Arc<Task>>> {
+/// The tasks of the recipe's `key` (`tasks` or `eval_tasks`) at `path`.
+fn load_task_file(key: &str, path: &Path) -> Result<Vec<Arc<Task>>> {
     let tasks = load_tasks(path, Format::Auto)
-        .map_err(|e| Error::Recipe(format!("tasks {}: {e}", path.display())))?;
+        .map_err(|e| Error::Recipe(format!("{key} {}: {e}", path.display())))?;
     if tasks.is_empty() {
-        return Err(Error::Recipe(format!("{}: no tasks", path.display())));
+        return Err(Error::Recipe(format!("{key} {}: no tasks", path.display())));
     }
     Ok(tasks.into_iter().map(Arc::new).collect())
 }
@@ -589,9 +590,9 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             Error::Recipe(format!("device = \"{}\", rank {rank}: {e}", recipe.device))
         })?;
     }
-    let tasks = Arc::new(load_task_file(&tasks_path)?);
+    let tasks = Arc::new(load_task_file("tasks", &tasks_path)?);
     let eval_tasks = match &recipe.eval_tasks {
-        Some(p) => load_task_file(p)?,
+        Some(p) => load_task_file("eval_tasks", p)?,
         None => Vec::new(),
     };
     let tokenizer = Arc::new(

@@ -471,6 +471,9 @@ impl Recipe {
     /// Rejects values the loop cannot run with.
     pub fn checked(self) -> Result<Self> {
         let bad = |m: &str| Err(Error::Recipe(m.to_string()));
+        if self.steps == 0 {
+            return bad("steps must be at least 1 (a run of 0 updates trains nothing)");
+        }
         if self.group_size < 2 {
             return bad("group_size must be at least 2 (advantages are relative to the group)");
         }
@@ -844,6 +847,7 @@ mod tests {
             ("clip_low=2.0", "clip_low"),
             ("clip_high=-1.0", "clip_high"),
             ("tis_cap=0.0", "tis_cap"),
+            ("steps=0", "steps must be at least 1"),
         ] {
             let e = Recipe::from_toml_with("", "r", &[set.to_string()])
                 .unwrap_err()
