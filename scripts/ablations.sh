@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # The short ablation runs of docs/ablations.md: the built-in demo (its cached
 # warm start, pool and seed) with one recipe key changed per run, two engine
-# replicas, no held-out evaluation. Run directories go to runs/abl-NAME;
+# replicas, no held-out evaluation. Run directories go to runs/abl-NAME
+# (runs/abl-NAME-sN with SEED=N, the task order's seed; the demo's is 0);
 # `arcticd plot runs/abl-*` overlays them.
 #
 #   bash scripts/ablations.sh            # all runs, 12 updates each
 #   STEPS=40 bash scripts/ablations.sh bf16 pinned
+#   STEPS=40 SEED=1 bash scripts/ablations.sh full nogates
 set -u
 cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release/arcticd}
 STEPS=${STEPS:-12}
 [ -x "$BIN" ] || cargo build --release --bin arcticd
+SEED=${SEED:-}
 common=(--set "steps=$STEPS" --set eval_every=0 --set replicas=2)
+suffix=""
+if [ -n "$SEED" ]; then
+  common+=(--set "seed=$SEED")
+  suffix="-s$SEED"
+fi
 mkdir -p runs
 declare -A sets=(
   [full]=""
@@ -28,8 +36,9 @@ for name in "${names[@]}"; do
   [ -n "${sets[$name]+x}" ] || { echo "unknown run $name (one of ${!sets[*]})" >&2; exit 2; }
   extra=()
   for kv in ${sets[$name]}; do extra+=(--set "$kv"); done
-  rm -rf "runs/abl-$name"
-  echo "=== $name: ${sets[$name]:-the full recipe} ($(date +%T))"
-  "$BIN" train --out "runs/abl-$name" "${common[@]}" "${extra[@]}" > "runs/abl-$name.log" 2>&1
-  echo "=== $name: exit $? ($(date +%T))"
+  out="runs/abl-$name$suffix"
+  rm -rf "$out"
+  echo "=== $name$suffix: ${sets[$name]:-the full recipe} ($(date +%T))"
+  "$BIN" train --out "$out" "${common[@]}" "${extra[@]}" > "$out.log" 2>&1
+  echo "=== $name$suffix: exit $? ($(date +%T))"
 done
