@@ -303,6 +303,31 @@ pub fn bench_forward(args: BenchForwardArgs) -> Result<()> {
     }
     let model = Qwen3_5::load(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
+    // Every position's logits and one layer's activations at the least: a
+    // size far past memory is refused, not an abort on allocation.
+    let c = &model.config;
+    let need = args
+        .batch
+        .checked_mul(args.seq_len)
+        .and_then(|t| t.checked_mul(c.vocab_size + 4 * c.hidden_size + 3 * c.intermediate_size))
+        .and_then(|n| n.checked_mul(4));
+    let available = arcticd_trainer::memory::host_memory_available();
+    match (need, available) {
+        (None, _) => bail!(
+            "--batch {} x --seq-len {} is too large",
+            args.batch,
+            args.seq_len
+        ),
+        (Some(n), Some(a)) if n as u64 > a => bail!(
+            "--batch {} x --seq-len {} needs at least {} MiB (every position's logits and one \
+             layer's activations), more than the {} MiB of memory available",
+            args.batch,
+            args.seq_len,
+            n >> 20,
+            a >> 20
+        ),
+        _ => {}
+    }
     let mut rng = StdRng::seed_from_u64(0);
     let vocab = model.config.vocab_size as u32;
     let seqs: Vec<Vec<u32>> = (0..args.batch)

@@ -347,7 +347,7 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
         }
     );
     if let Some(why) = &summary.stopped {
-        anyhow::bail!("the run stopped early: {why}");
+        anyhow::bail!("the run failed: {why}");
     }
     if summary.cancelled {
         // Stopped by a signal, with its checkpoint: not a finished run.

@@ -228,6 +228,14 @@ fn init_score_generate_and_bad_input() {
         std::fs::read(other.join("model.safetensors")).unwrap(),
         b"not a safetensors file"
     );
+    // A forward far past memory is refused before it allocates.
+    let m = dir.to_str().unwrap();
+    for (n, says) in [("100000", "memory available"), ("10000000000", "too large")] {
+        assert_clean_error(
+            &arcticd(&["bench-forward", "--model", m, "--batch", n, "--seq-len", n]),
+            says,
+        );
+    }
 
     std::fs::remove_dir_all(&dir).ok();
     std::fs::remove_dir_all(&other).ok();

@@ -567,7 +567,7 @@ fn a_run_that_solves_and_trains_nothing_stops_and_says_why() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(
-        stderr.contains("stopped early") && stderr.contains("stop_after_dead_updates = 2"),
+        stderr.contains("the run failed") && stderr.contains("stop_after_dead_updates = 2"),
         "{stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
@@ -575,6 +575,27 @@ fn a_run_that_solves_and_trains_nothing_stops_and_says_why() {
     let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(summary["stopped"].as_str().is_some(), "{summary}");
     assert!(run.join("checkpoints/step-000002/run_state.json").is_file());
+
+    // A run shorter than the limit, every update of it dead, fails too (it
+    // ended with exit 0, having trained nothing).
+    let short = dir.path().join("short");
+    let out = train(
+        &recipe,
+        &short,
+        &[
+            "steps=1",
+            "filter_zero_variance=true",
+            "stop_after_dead_updates=10",
+        ],
+    )
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the run failed: all 1 updates of this run solved nothing"),
+        "{stderr}"
+    );
 }
 
 /// A resume reads the pool's records by position, so a task file whose

@@ -240,43 +240,85 @@ pub struct RunSummary {
 
 /// Updates in a row that solved nothing and trained nothing: the run's
 /// weights are stuck where they are (`stop_after_dead_updates`).
+#[derive(Default)]
 struct DeadStreak {
     limit: u64,
     run: u64,
+    /// Why the streak's first masked attempt was masked, when one was.
+    first_masked: Option<String>,
 }
 
 impl DeadStreak {
-    /// After an update that `trained` (or not) at `pass_rate`: why the run
-    /// should stop, once `limit` such updates came in a row.
+    fn new(limit: u64) -> Self {
+        DeadStreak {
+            limit,
+            ..DeadStreak::default()
+        }
+    }
+
+    /// After an update that `trained` (or not) at `pass_rate`, whose
+    /// attempts ended as `termination` and whose first masked attempt (if
+    /// any) was masked for `masked`: why the run should stop, once `limit`
+    /// such updates came in a row.
     fn after(
         &mut self,
         trained: bool,
         pass_rate: f64,
         termination: &std::collections::BTreeMap<String, usize>,
+        masked: Option<&str>,
     ) -> Option<String> {
-        self.run = if !trained && pass_rate == 0.0 {
-            self.run + 1
+        if !trained && pass_rate == 0.0 {
+            self.run += 1;
+            if self.first_masked.is_none() {
+                self.first_masked = masked.map(str::to_string);
+            }
         } else {
-            0
-        };
+            self.run = 0;
+            self.first_masked = None;
+        }
         (self.limit > 0 && self.run >= self.limit).then(|| {
-            // Masked attempts (Termination::masked) are never graded.
-            let why = if termination
-                .keys()
-                .all(|k| k == "infra" || k == "policy_error")
-            {
-                "no attempt was graded: every one was masked as a failure of the sandbox, \
-                 the model or rollout_timeout_secs"
-            } else {
-                "every graded attempt failed"
-            };
             format!(
-                "the last {} updates solved nothing and trained nothing ({why}; how the last \
-                 update's attempts ended: {termination:?}): the weights can no longer change \
-                 (stop_after_dead_updates = {})",
-                self.run, self.limit
+                "the last {} updates solved nothing and trained nothing ({}): the weights can \
+                 no longer change (stop_after_dead_updates = {})",
+                self.run,
+                self.why(termination),
+                self.limit
             )
         })
+    }
+
+    /// At the end of a run of `updates` updates that the limit did not
+    /// stop: why it failed, when every one of them was dead (a run shorter
+    /// than the limit that trained nothing is no success either).
+    fn whole_run(
+        &self,
+        updates: u64,
+        termination: &std::collections::BTreeMap<String, usize>,
+    ) -> Option<String> {
+        (updates > 0 && self.run >= updates).then(|| {
+            format!(
+                "all {updates} updates of this run solved nothing and trained nothing ({})",
+                self.why(termination)
+            )
+        })
+    }
+
+    fn why(&self, termination: &std::collections::BTreeMap<String, usize>) -> String {
+        // Masked attempts (Termination::masked) are never graded.
+        let what = if termination
+            .keys()
+            .all(|k| k == "infra" || k == "policy_error")
+        {
+            "no attempt was graded: every one was masked as a failure of the sandbox, the \
+             model or rollout_timeout_secs"
+        } else {
+            "every graded attempt failed"
+        };
+        let first = match &self.first_masked {
+            Some(m) => format!("; the first masked attempt: {m}"),
+            None => String::new(),
+        };
+        format!("{what}; how the last update's attempts ended: {termination:?}{first}")
     }
 }
 
@@ -824,10 +866,8 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     let mut evals: Vec<(u64, f64)> = Vec::new();
     let mut cancelled = false;
     let mut stopped: Option<String> = None;
-    let mut dead = DeadStreak {
-        limit: recipe.stop_after_dead_updates,
-        run: 0,
-    };
+    let mut dead = DeadStreak::new(recipe.stop_after_dead_updates);
+    let (first_step, mut last_termination) = (step, Default::default());
     let mut carry: Vec<Group> = Vec::new();
     let b = recipe.groups_per_step;
     let mut rollouts_mark = (0u64, Instant::now());
@@ -986,6 +1026,11 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             }
             let s = &batch.stats;
             let (pass_rate, termination) = (s.pass_rate, s.termination.clone());
+            let first_masked = batch
+                .dropped
+                .iter()
+                .find(|(t, _)| t.masked || t.termination.masked())
+                .map(|(_, why)| why.clone());
             totals.rollouts += s.trajectories as u64;
             totals.stale_dropped += s.stale_dropped as u64;
             totals.masked_infra += s.masked_infra as u64;
@@ -1287,11 +1332,18 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 cancelled = true;
                 return Ok(());
             }
-            if let Some(why) = dead.after(trained, pass_rate, &termination) {
+            if let Some(why) = dead.after(trained, pass_rate, &termination, first_masked.as_deref())
+            {
                 tracing::warn!("stopping at update {step}: {why}");
                 stopped = Some(why);
                 return Ok(());
             }
+            last_termination = termination;
+        }
+        // A run that ended before its limit could fire, and trained nothing
+        // in any update, failed all the same.
+        if !cancelled {
+            stopped = dead.whole_run(step - first_step, &last_termination);
         }
         Ok(())
     })();
@@ -1535,28 +1587,61 @@ mod tests {
     fn a_dead_streak_stops_the_run_at_its_limit() {
         let ended: std::collections::BTreeMap<String, usize> =
             [("invalid_format".to_string(), 8)].into();
-        let mut d = DeadStreak { limit: 3, run: 0 };
-        assert!(d.after(false, 0.0, &ended).is_none());
-        assert!(d.after(false, 0.0, &ended).is_none());
+        let mut d = DeadStreak::new(3);
+        assert!(d.after(false, 0.0, &ended, None).is_none());
+        assert!(d.after(false, 0.0, &ended, None).is_none());
         // A solve (nothing trained: every group solved alike) resets it.
-        assert!(d.after(false, 1.0, &ended).is_none());
-        assert!(d.after(false, 0.0, &ended).is_none());
+        assert!(d.after(false, 1.0, &ended, None).is_none());
+        assert!(d.after(false, 0.0, &ended, None).is_none());
         // So does an update that trained.
-        assert!(d.after(true, 0.0, &ended).is_none());
-        assert!(d.after(false, 0.0, &ended).is_none());
-        assert!(d.after(false, 0.0, &ended).is_none());
-        let why = d.after(false, 0.0, &ended).unwrap();
+        assert!(d.after(true, 0.0, &ended, None).is_none());
+        assert!(d.after(false, 0.0, &ended, None).is_none());
+        assert!(d.after(false, 0.0, &ended, None).is_none());
+        let why = d.after(false, 0.0, &ended, None).unwrap();
         assert!(
             why.contains("last 3 updates") && why.contains("invalid_format"),
             "{why}"
         );
         // Nothing graded: said as such, not as failed attempts.
         let masked: std::collections::BTreeMap<String, usize> = [("infra".to_string(), 8)].into();
-        let mut d = DeadStreak { limit: 1, run: 0 };
-        let why = d.after(false, 0.0, &masked).unwrap();
+        let mut d = DeadStreak::new(1);
+        let why = d
+            .after(
+                false,
+                0.0,
+                &masked,
+                Some("masked: Infra: no root file system"),
+            )
+            .unwrap();
         assert!(why.contains("no attempt was graded"), "{why}");
-        let mut never = DeadStreak { limit: 0, run: 0 };
-        assert!((0..100).all(|_| never.after(false, 0.0, &ended).is_none()));
+        assert!(
+            why.contains("the first masked attempt: masked: Infra: no root"),
+            "{why}"
+        );
+        let mut never = DeadStreak::new(0);
+        assert!((0..100).all(|_| never.after(false, 0.0, &ended, None).is_none()));
+    }
+
+    /// A run shorter than the limit whose every update was dead failed; one
+    /// with a live update among them, or with no update, did not.
+    #[test]
+    fn a_run_whose_every_update_was_dead_failed() {
+        let masked: std::collections::BTreeMap<String, usize> = [("infra".to_string(), 2)].into();
+        let mut d = DeadStreak::new(10);
+        assert!(d
+            .after(false, 0.0, &masked, Some("masked: Infra: x"))
+            .is_none());
+        assert!(d.after(false, 0.0, &masked, None).is_none());
+        let why = d.whole_run(2, &masked).unwrap();
+        assert!(
+            why.contains("all 2 updates") && why.contains("masked: Infra: x"),
+            "{why}"
+        );
+        assert!(d.whole_run(3, &masked).is_none());
+        assert!(DeadStreak::new(10).whole_run(0, &masked).is_none());
+        let mut live = DeadStreak::new(10);
+        live.after(true, 0.0, &masked, None);
+        assert!(live.whole_run(1, &masked).is_none());
     }
 
     #[test]

@@ -182,9 +182,10 @@ impl RunDir {
 
     /// The newest complete checkpoint that can be resumed from (its run
     /// state and its weights read) and its run state. Newer ones that
-    /// cannot (damaged after they were written) are removed, each with a
-    /// warning: the run redoes their updates, and a checkpoint left under a
-    /// redone update's name would be taken for that update's.
+    /// cannot (damaged after they were written) are moved aside to
+    /// `damaged-step-N` (kept: what is in them may still be wanted), each
+    /// with a warning: the run redoes their updates, and a checkpoint left
+    /// under a redone update's name would be taken for that update's.
     pub fn latest_checkpoint(&self) -> Result<Option<(PathBuf, RunState)>> {
         for (_, dir) in self.complete_checkpoints()?.into_iter().rev() {
             let p = dir.join("run_state.json");
@@ -199,13 +200,32 @@ impl RunDir {
                 },
                 Err(e) => format!("its run state cannot be read: {e}"),
             };
+            let aside = self.aside(&dir);
+            std::fs::rename(&dir, &aside).map_err(io(&dir))?;
             tracing::warn!(
-                "{}: {why}; removed, the run resumes from an earlier checkpoint",
-                dir.display()
+                "{}: {why}; moved aside to {}, the run resumes from an earlier checkpoint",
+                dir.display(),
+                aside.display()
             );
-            std::fs::remove_dir_all(&dir).map_err(io(&dir))?;
         }
         Ok(None)
+    }
+
+    /// A free name for the damaged checkpoint `dir` beside it:
+    /// `damaged-step-N`, then `damaged-step-N.2`, ... (no name the
+    /// checkpoint listing, pruning or debris removal looks at).
+    fn aside(&self, dir: &Path) -> PathBuf {
+        let name = dir.file_name().map(|n| n.to_string_lossy().to_string());
+        let base = self
+            .checkpoints()
+            .join(format!("damaged-{}", name.unwrap_or_default()));
+        let mut p = base.clone();
+        let mut k = 1;
+        while p.exists() {
+            k += 1;
+            p = PathBuf::from(format!("{}.{k}", base.display()));
+        }
+        p
     }
 
     /// Removes hidden debris of interrupted checkpoint writes.
@@ -378,9 +398,9 @@ mod tests {
     }
 
     /// A damaged newest checkpoint (run state or weights) is passed over
-    /// and removed; the one before it is resumed from.
+    /// and moved aside, whole; the one before it is resumed from.
     #[test]
-    fn a_damaged_newest_checkpoint_is_removed_and_the_one_before_used() {
+    fn a_damaged_newest_checkpoint_is_moved_aside_and_the_one_before_used() {
         let d = tempfile::tempdir().unwrap();
         let r = RunDir::new(d.path());
         r.create().unwrap();
@@ -413,5 +433,22 @@ mod tests {
         let (dir, s) = r.latest_checkpoint().unwrap().expect("step 1 is whole");
         assert_eq!((dir, s.step), (r.checkpoint(1), 1));
         assert!(!r.checkpoint(2).exists() && !r.checkpoint(3).exists());
+        let aside = |name: &str| r.checkpoints().join(name);
+        assert_eq!(
+            std::fs::read_to_string(aside("damaged-step-000002").join("run_state.json")).unwrap(),
+            "{"
+        );
+        assert!(aside("damaged-step-000003/model.safetensors").is_file());
+        // Listing, pruning and debris removal leave them alone.
+        assert_eq!(r.complete_checkpoints().unwrap().len(), 1);
+        r.remove_partial_checkpoints().unwrap();
+        r.prune_checkpoints(Some(1)).unwrap();
+        assert!(aside("damaged-step-000002").is_dir() && aside("damaged-step-000003").is_dir());
+        // The same update damaged again, after it was redone: a new name.
+        let p = r.checkpoint(2);
+        arcticd_engine::init::init_model(arcticd_engine::init::TINY, &p, 0).unwrap();
+        std::fs::write(p.join("run_state.json"), "{").unwrap();
+        r.latest_checkpoint().unwrap();
+        assert!(aside("damaged-step-000002.2/run_state.json").is_file());
     }
 }
