@@ -101,7 +101,7 @@ pub struct EvalArgs {
     #[arg(long)]
     pub traj: Option<PathBuf>,
     /// Engine replicas for an in-process model (--model DIR, no --endpoint).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::at_least_one)]
     pub replicas: usize,
     /// Rollout settings as JSON (see RolloutConfig), e.g. '{"max_turns": 20}'.
     #[arg(long)]

@@ -118,7 +118,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub prompt: String,
     /// Most tokens to generate.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::at_least_one)]
     pub max_tokens: usize,
     /// `cpu`, or `cuda:N` in a build with the `cuda` feature.
     #[arg(long, default_value = "cpu")]
@@ -396,7 +396,7 @@ pub struct BenchDecodeArgs {
     pub weights: WeightDType,
     /// On CUDA, the memory bandwidth in TB/s that `hbm_fraction` is a
     /// fraction of (the H200's by default).
-    #[arg(long, default_value_t = 4.8)]
+    #[arg(long, default_value_t = 4.8, value_parser = crate::positive_number)]
     pub hbm_tb_s: f64,
     /// On CUDA, the deterministic mode's products (see `serve`).
     #[arg(long)]

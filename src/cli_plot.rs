@@ -42,7 +42,7 @@ pub struct PlotArgs {
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Window (in steps) of the moving mean drawn over noisy curves; 1 = raw only.
-    #[arg(long, default_value_t = 10, value_name = "N")]
+    #[arg(long, default_value_t = 10, value_name = "N", value_parser = crate::at_least_one)]
     pub smooth: usize,
 }
 

@@ -60,7 +60,7 @@ pub struct SelectArgs {
     #[arg(long)]
     pub eval: PathBuf,
     /// Solved attempts a task needs to be kept (masked attempts never count).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::at_least_one)]
     pub min_solved: usize,
     /// Most tasks kept, in file order; 0 = all.
     #[arg(long, default_value_t = 0)]

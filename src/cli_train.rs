@@ -56,14 +56,14 @@ pub struct SftArgs {
     #[arg(long, default_value_t = 1e-8)]
     pub eps: f64,
     /// Clip the global gradient norm to this (torch clip_grad_norm_); off by default.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::positive_number)]
     pub grad_clip: Option<f64>,
     /// Linear warmup steps: step k (0-based) uses lr * k / warmup while k < warmup
     /// (transformers' get_constant_schedule_with_warmup); 0 = constant.
     #[arg(long, default_value_t = 0)]
     pub warmup: u64,
     /// Tokens per micro-batch (gradient accumulation inside a step).
-    #[arg(long, default_value_t = 16384)]
+    #[arg(long, default_value_t = 16384, value_parser = crate::at_least_one)]
     pub micro_batch_tokens: usize,
     /// `cpu`, or `cuda:N` in a build with the `cuda` feature: the whole
     /// step on the GPU (f32 weights as the masters; the same trainer code).
@@ -368,7 +368,7 @@ pub struct BenchTrainArgs {
     #[arg(long, default_value_t = 3)]
     pub steps: usize,
     /// Tokens per micro-batch; the whole step in one by default.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::at_least_one)]
     pub micro_batch_tokens: Option<usize>,
     /// Keep only each layer's input in the forward, recompute in the backward.
     #[arg(long)]
@@ -379,7 +379,7 @@ pub struct BenchTrainArgs {
     pub device: arcticd_kernels::Device,
     /// The device's peak in TFLOP/s for the products' precision, to report
     /// model FLOPs utilization (`mfu`); omitted without it.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::positive_number)]
     pub peak_tflops: Option<f64>,
 }
 

@@ -2,6 +2,23 @@
 
 use clap::{Parser, Subcommand};
 
+/// clap's parser of a count that must be at least 1 (a 0 was clamped or
+/// ran nothing).
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s} is not a whole number of at least 1")),
+    }
+}
+
+/// clap's parser of a finite number above 0.
+fn positive_number(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("{s} is not a finite number above 0")),
+    }
+}
+
 /// `println!` that returns the write's error (`io::Result<()>`) instead of
 /// panicking when standard output is gone (`arcticd ... | head`); `main`
 /// ends quietly on a closed pipe.

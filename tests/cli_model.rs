@@ -228,8 +228,34 @@ fn init_score_generate_and_bad_input() {
         std::fs::read(other.join("model.safetensors")).unwrap(),
         b"not a safetensors file"
     );
-    // A forward far past memory is refused before it allocates.
     let m = dir.to_str().unwrap();
+    // Counts of 0 and numbers that are not finite are refused when read,
+    // not clamped or run; a device name that names none says so.
+    for (args, says) in [
+        (
+            vec![
+                "generate",
+                "--model",
+                m,
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "0",
+            ],
+            "0 is not a whole number of at least 1",
+        ),
+        (
+            vec!["bench-decode", "--model", m, "--hbm-tb-s", "NaN"],
+            "NaN is not a finite number above 0",
+        ),
+        (
+            vec!["score", "--model", m, "--input", "x", "--device", "gpu"],
+            "\"gpu\" is not a device: expected cpu, cuda or cuda:N",
+        ),
+    ] {
+        assert_clean_error(&arcticd(&args), says);
+    }
+    // A forward far past memory is refused before it allocates.
     for (n, says) in [("100000", "memory available"), ("10000000000", "too large")] {
         assert_clean_error(
             &arcticd(&["bench-forward", "--model", m, "--batch", n, "--seq-len", n]),

@@ -399,9 +399,16 @@ impl EngineHandle {
         let total = prompt.len() + max_tokens;
         let limit = info.max_model_len.min(info.capacity_tokens);
         if total > limit {
+            // OpenAI's wording (clients look for it), and where the limit
+            // comes from when it is the cache's, not the model's.
+            let from_cache = if info.capacity_tokens < info.max_model_len {
+                " (all the engine's cache holds: a larger cache memory raises it)"
+            } else {
+                ""
+            };
             return Err(Error::Input(format!(
-                "this model's maximum context length is {limit} tokens; the prompt has {} and \
-                 max_tokens is {max_tokens} ({total} in all)",
+                "this model's maximum context length is {limit} tokens{from_cache}; the prompt \
+                 has {} and max_tokens is {max_tokens} ({total} in all)",
                 prompt.len(),
             )));
         }

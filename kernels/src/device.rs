@@ -41,8 +41,8 @@ impl std::str::FromStr for Device {
     /// `cpu`, `cuda` (device 0) or `cuda:N`.
     fn from_str(s: &str) -> Result<Self> {
         let bad = || {
-            crate::Error::Index(format!(
-                "device {s:?}: expected cpu, cuda or cuda:N (N a device ordinal)"
+            crate::Error::DeviceName(format!(
+                "{s:?} is not a device: expected cpu, cuda or cuda:N (N a device ordinal)"
             ))
         };
         match s.trim() {

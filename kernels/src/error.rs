@@ -15,6 +15,9 @@ pub enum Error {
     Released(String),
     #[error("index out of range: {0}")]
     Index(String),
+    /// A device name that names none (`gpu`, `cuda:x`).
+    #[error("{0}")]
+    DeviceName(String),
     /// NVRTC rejected a kernel module; `log` is its compiler output.
     #[error("CUDA kernel module {module} did not compile:\n{log}")]
     Compile { module: String, log: String },

@@ -336,6 +336,14 @@ fn write(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text).map_err(|e| Error::io(format!("writing {}", path.display()), e))
 }
 
+/// Python 3's keywords: no package can be named by one.
+const PYTHON_KEYWORDS: [&str; 35] = [
+    "False", "None", "True", "and", "as", "assert", "async", "await", "break", "class", "continue",
+    "def", "del", "elif", "else", "except", "finally", "for", "from", "global", "if", "import",
+    "in", "is", "lambda", "nonlocal", "not", "or", "pass", "raise", "return", "try", "while",
+    "with", "yield",
+];
+
 /// Generates the pool under `out`: `out/repos/<id>/` per task and
 /// `out/tasks.jsonl` (repo paths relative to it). Returns the tasks with
 /// absolute repo paths.
@@ -359,7 +367,20 @@ pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
             && p.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
         if !ok {
             return Err(Error::InvalidInput(format!(
-                "package {p:?} is not a Python identifier"
+                "package {p:?} is not a Python identifier (ASCII letters, digits and _, not \
+                 starting with a digit)"
+            )));
+        }
+        // `from class.core import ...` is a syntax error, and the tests
+        // live in tests/.
+        if PYTHON_KEYWORDS.contains(&p.as_str()) || p == "tests" {
+            return Err(Error::InvalidInput(format!(
+                "package {p:?} cannot be imported by the tests: {}",
+                if p == "tests" {
+                    "tests/ holds the test files"
+                } else {
+                    "it is a Python keyword"
+                }
             )));
         }
     }
@@ -615,11 +636,13 @@ mod tests {
                 .exists());
         }
         assert!(ta.iter().all(|t| t.toy_loose() == Some(false)));
-        let bad = ToyConfig {
-            package: Some("no-dash".into()),
-            ..base
-        };
-        assert!(generate(&bad, a.path()).is_err());
+        for name in ["no-dash", "class", "tests", "9lives"] {
+            let bad = ToyConfig {
+                package: Some(name.into()),
+                ..base.clone()
+            };
+            assert!(generate(&bad, a.path()).is_err(), "{name}");
+        }
     }
 
     #[test]
