@@ -120,6 +120,10 @@ pub fn check_format(a: CheckFormatArgs) -> Result<()> {
         .with_context(|| format!("{}: expected a JSON list of tool schemas", p.display()))?,
         None => tools::tool_schemas(),
     };
+    if let Some(p) = &a.tools {
+        arcticd_engine::tool_call::check_tools(&schemas)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+    }
     for (i, item) in items.iter().enumerate() {
         let raw = match item {
             Value::String(s) => s.as_str(),

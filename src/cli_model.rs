@@ -465,10 +465,12 @@ fn memory_now() -> Option<(u64, u64)> {
 /// paged caches, the scheduler) with `batch` sequences at once; prints one
 /// JSON line per batch size with generated tokens/s (prefill of the
 /// prompts included, after a warm-up run; the weights are loaded packed,
-/// as `arcticd serve` loads them), the time of the same batch asked for
-/// one token each (`prefill_seconds`) and the rate of the tokens after the
-/// first without it (`decode_tokens_per_s`, what a long prompt would
-/// otherwise hide), and the process's memory. On a GPU (`--device cuda:N`) each line also has
+/// as `arcticd serve` loads them), the time until every sequence of the
+/// batch had its first token (`prefill_seconds`, of the same run, so never
+/// past `seconds`) and the rate of the tokens after the first from then on
+/// (`decode_tokens_per_s`, what a long prompt would otherwise hide; when
+/// the prompts take more than one step, the tokens the first sequences
+/// made meanwhile are counted in it too), and the process's memory. On a GPU (`--device cuda:N`) each line also has
 /// the bytes a decode step moves (the weights as held on the device, and
 /// per sequence its state slot read and written and its keys and values
 /// read) and that traffic's fraction of `--hbm-tb-s`, the roofline.
@@ -518,7 +520,9 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
         },
     )?;
     let mut rng = StdRng::seed_from_u64(0);
-    let mut run = |batch: usize, new_tokens: usize| -> Result<f64> {
+    // Seconds until every sequence has its first token (the prompts'
+    // prefill), and until every one is done, of the same run.
+    let mut run = |batch: usize, new_tokens: usize| -> Result<(f64, f64)> {
         let start = std::time::Instant::now();
         let mut subs = Vec::with_capacity(batch);
         for _ in 0..batch {
@@ -533,7 +537,18 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
                 },
             })?);
         }
-        for mut s in subs {
+        // Each sequence's events wait in its channel, so reading every
+        // first event before the rest times the last first token.
+        let mut done = vec![false; batch];
+        for (s, done) in subs.iter_mut().zip(&mut done) {
+            let event = s
+                .events
+                .blocking_recv()
+                .context("the engine stopped mid-request")?;
+            *done = engine::apply_event(&mut [Choice::default()], event)? > 0;
+        }
+        let first = start.elapsed().as_secs_f64();
+        for (mut s, _) in subs.into_iter().zip(done).filter(|(_, done)| !done) {
             let mut choices = vec![Choice::default()];
             loop {
                 let event = s
@@ -545,14 +560,11 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
                 }
             }
         }
-        Ok(start.elapsed().as_secs_f64())
+        Ok((first, start.elapsed().as_secs_f64()))
     };
     run(1, args.new_tokens)?;
     for &batch in &args.batch {
-        // The same batch with one new token each first: its time is the
-        // prefill's (and the first token's), which the decode rate leaves out.
-        let prefill_seconds = run(batch, 1)?;
-        let seconds = run(batch, args.new_tokens)?;
+        let (prefill_seconds, seconds) = run(batch, args.new_tokens)?;
         let (rss, peak) = memory_now().unwrap_or((0, 0));
         let tokens_per_s = (batch * args.new_tokens) as f64 / seconds;
         let mut out = serde_json::json!({

@@ -31,7 +31,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
     /// Name clients use in "model" (default: the directory's name).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::non_blank)]
     pub served_model_name: Option<String>,
     /// Engine replicas sharing the weights.
     #[arg(long, default_value_t = 1)]
@@ -51,9 +51,10 @@ pub struct ServeArgs {
     /// Most tokens in one engine step.
     #[arg(long, default_value_t = 1024)]
     pub max_batched_tokens: usize,
-    /// Longest prompt plus completion.
-    #[arg(long, default_value_t = 32768)]
-    pub max_model_len: usize,
+    /// Longest prompt plus completion [default: 32768, or the model's
+    /// max_position_embeddings when lower; a larger value is refused].
+    #[arg(long, value_parser = crate::at_least_one)]
+    pub max_model_len: Option<usize>,
     /// Completion length of a chat request that sets no max_tokens.
     #[arg(long, default_value_t = 512)]
     pub default_max_tokens: usize,
@@ -179,11 +180,21 @@ fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) 
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
     });
+    let max_positions = store.read().config.max_positions;
+    let max_model_len = match (args.max_model_len, max_positions) {
+        (Some(n), Some(p)) if n > p => anyhow::bail!(
+            "--max-model-len {n} is past the {p} positions the model was trained for \
+             (max_position_embeddings in its config.json)"
+        ),
+        (Some(n), _) => n,
+        // The engine lowers it to the model's positions.
+        (None, _) => EngineConfig::default().max_model_len,
+    };
     let config = EngineConfig {
         cache_memory,
         max_num_seqs: args.max_num_seqs,
         max_batched_tokens: args.max_batched_tokens,
-        max_model_len: args.max_model_len,
+        max_model_len,
         enable_prefix_cache: !args.no_prefix_cache,
         device: args.device,
         weights: args.weights,

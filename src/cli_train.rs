@@ -91,6 +91,15 @@ pub fn sft(args: SftArgs) -> Result<()> {
         _ => None,
     };
     let data = read_sft_jsonl(&args.data, vocab, chat.as_ref())?;
+    if args.batch_size > data.len() {
+        eprintln!(
+            "arcticd sft: warning: --batch-size {} is more than the {} examples of {}, so every \
+             step holds some examples more than once (weighted as many times)",
+            args.batch_size,
+            data.len(),
+            args.data.display()
+        );
+    }
     // What the run will hold, before the weights are loaded: a micro-batch
     // is at most the budget (or one longer sequence), of at most a batch's
     // sequences.

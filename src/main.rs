@@ -11,6 +11,15 @@ fn at_least_one(s: &str) -> Result<usize, String> {
     }
 }
 
+/// clap's parser of a name that is not empty or only spaces.
+fn non_blank(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        Err("a name is needed, not an empty string".into())
+    } else {
+        Ok(s.to_string())
+    }
+}
+
 /// clap's parser of a finite number above 0.
 fn positive_number(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {

@@ -803,6 +803,9 @@ enum ToolMode {
 }
 
 fn tool_mode(tools: &Option<Vec<Value>>, choice: &Option<Value>) -> AppResult<ToolMode> {
+    if let Some(t) = tools {
+        arcticd_engine::tool_call::check_tools(t).map_err(|e| AppError::bad(e).param("tools"))?;
+    }
     let names: Vec<&str> = tools
         .iter()
         .flatten()
@@ -1633,9 +1636,19 @@ mod tests {
                 json!({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}).to_string(),
                 StatusCode::BAD_REQUEST,
             ),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
             ("/v1/completions", json!({"prompt": ""}).to_string(), StatusCode::BAD_REQUEST),
             ("/v1/completions", json!({"prompt": [5, 99999]}).to_string(), StatusCode::BAD_REQUEST),
             ("/v1/completions", json!({"prompt": "x", "top_p": 0}).to_string(), StatusCode::BAD_REQUEST),
+            (
+                "/v1/completions",
+                json!({"prompt": "x", "stop_token_ids": [4_000_000_000u32]}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
             ("/v1/nothing", "{}".into(), StatusCode::NOT_FOUND),
         ];
         for (uri, body, want) in cases {

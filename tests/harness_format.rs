@@ -108,5 +108,26 @@ fn check_format_command_gives_the_same_verdicts() -> Result<()> {
         .args(["check-format", "--input", "/nonexistent/arcticd.json"])
         .output()?;
     ensure!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("error:"));
+    // Tool schemas that name no function are refused, not read as no tools.
+    let bad_tools =
+        std::env::temp_dir().join(format!("arcticd-bad-tools-{}.json", std::process::id()));
+    std::fs::write(
+        &bad_tools,
+        r#"[{"type": "function", "function": {"parameters": {}}}]"#,
+    )?;
+    let out = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .args(["check-format", "--input"])
+        .arg(dir.join("valid.json"))
+        .arg("--tools")
+        .arg(&bad_tools)
+        .output()?;
+    std::fs::remove_file(&bad_tools).ok();
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success()
+            && err.contains("tools[0] has no function name")
+            && out.stdout.is_empty(),
+        "{err}"
+    );
     Ok(())
 }

@@ -74,6 +74,7 @@ fn sft_matches_pytorch_adamw_steps() {
         "{}",
         String::from_utf8_lossy(&res.stderr)
     );
+    assert!(!String::from_utf8_lossy(&res.stderr).contains("more than the"));
     let stdout = String::from_utf8(res.stdout).unwrap();
     let losses: Vec<f64> = stdout
         .lines()
@@ -174,6 +175,19 @@ fn bad_data_lines_are_named() {
     assert!(!res.status.success() && err.contains("cuda:0"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(!dir.join("out").exists());
+    // A batch larger than the data runs, and says that it repeats examples.
+    let res = sft(
+        &fx.join("mqa_tied"),
+        &data,
+        &dir.join("out"),
+        &["--steps", "1", "--batch-size", "3", "--lr", "0.1"],
+    );
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "{err}");
+    assert!(
+        err.contains("--batch-size 3 is more than the 1 examples"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -58,6 +58,9 @@ pub struct HfTextConfig {
     /// Used when `layer_types` is absent. Default 4.
     pub full_attention_interval: Option<usize>,
     pub eos_token_id: Option<Value>,
+    /// The longest sequence the model was trained for; it bounds prompt
+    /// plus completion. Absent: no bound from the model.
+    pub max_position_embeddings: Option<usize>,
     /// MoE checkpoints carry this; refused.
     pub num_experts: Option<usize>,
     /// Storage dtype transformers records (`torch_dtype` in older files).
@@ -93,6 +96,9 @@ pub struct ModelConfig {
     pub linear_num_value_heads: usize,
     pub layer_types: Vec<LayerType>,
     pub eos_token_ids: Vec<u32>,
+    /// `max_position_embeddings`: the longest prompt plus completion the
+    /// model was trained for, when the config gives one.
+    pub max_positions: Option<usize>,
     /// Where the text model's tensors live: `model.` or `model.language_model.`.
     pub weight_prefix: String,
     /// The raw text config, kept so checkpoints can be written back as read.
@@ -333,6 +339,10 @@ impl ModelConfig {
             linear_num_value_heads: nv,
             layer_types,
             eos_token_ids,
+            max_positions: match hf.max_position_embeddings {
+                Some(0) => return Err(cfg_err("max_position_embeddings must be positive")),
+                n => n,
+            },
             weight_prefix: prefix.to_string(),
             raw_text_config: raw,
         })

@@ -292,7 +292,12 @@ pub struct EngineMetrics {
 #[derive(Debug, Clone)]
 pub struct EngineInfo {
     pub vocab_size: usize,
+    /// The configured limit, or the model's `max_position_embeddings` when
+    /// that is lower.
     pub max_model_len: usize,
+    /// `max_model_len` is the model's `max_position_embeddings`, lower
+    /// than the configured limit.
+    pub limit_is_model: bool,
     /// Positions the KV pool holds; one sequence can never exceed it.
     pub capacity_tokens: usize,
     /// Sequences that run at once: `max_num_seqs`, or fewer when the cache
@@ -380,6 +385,17 @@ impl EngineHandle {
     /// the client.
     pub fn validate(&self, request: &Request) -> Result<()> {
         request.params.validate()?;
+        let vocab = self.shared.info.vocab_size;
+        if let Some(&bad) = request
+            .params
+            .stop_token_ids
+            .iter()
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(Error::Input(format!(
+                "stop token id {bad} is not below the vocabulary size {vocab}, so it could never stop"
+            )));
+        }
         self.check_prompt(&request.prompt, request.params.max_tokens)
     }
 
@@ -401,13 +417,15 @@ impl EngineHandle {
         if total > limit {
             // OpenAI's wording (clients look for it), and where the limit
             // comes from when it is the cache's, not the model's.
-            let from_cache = if info.capacity_tokens < info.max_model_len {
+            let from = if info.capacity_tokens < info.max_model_len {
                 " (all the engine's cache holds: a larger cache memory raises it)"
+            } else if info.limit_is_model {
+                " (the model's max_position_embeddings)"
             } else {
                 ""
             };
             return Err(Error::Input(format!(
-                "this model's maximum context length is {limit} tokens{from_cache}; the prompt \
+                "this model's maximum context length is {limit} tokens{from}; the prompt \
                  has {} and max_tokens is {max_tokens} ({total} in all)",
                 prompt.len(),
             )));
@@ -646,8 +664,13 @@ pub fn start(
             Placement::Host
         }
     };
-    let (cache, fit, vocab_size, mut eos, gpu) = {
+    let (cache, fit, vocab_size, mut eos, gpu, max_model_len) = {
         let model = store.read();
+        // No sequence runs past the positions the model was trained for.
+        let max_model_len = model
+            .config
+            .max_positions
+            .map_or(config.max_model_len, |p| config.max_model_len.min(p));
         // On a GPU the weights go first, so the cache is checked against
         // the memory they leave.
         #[cfg(feature = "cuda")]
@@ -672,8 +695,8 @@ pub fn start(
             config.prefix_snapshots,
             unit_blocks.max(1),
         )?;
-        let max_blocks = fit.running * config.max_model_len.div_ceil(config.block_size)
-            + fit.snapshots * unit_blocks;
+        let max_blocks =
+            fit.running * max_model_len.div_ceil(config.block_size) + fit.snapshots * unit_blocks;
         let cache = PagedKvCache::with_budget(
             &model.config,
             config.block_size,
@@ -687,6 +710,7 @@ pub fn start(
             model.config.vocab_size,
             model.config.eos_token_ids.clone(),
             gpu,
+            max_model_len,
         )
     };
     if fit.reduced {
@@ -711,7 +735,8 @@ pub fn start(
         metrics: EngineMetrics::default(),
         info: EngineInfo {
             vocab_size,
-            max_model_len: config.max_model_len,
+            max_model_len,
+            limit_is_model: max_model_len < config.max_model_len,
             capacity_tokens: cache.capacity_tokens(),
             max_num_seqs: fit.running,
             prefix_snapshots: fit.snapshots,
@@ -740,7 +765,7 @@ pub fn start(
         scratch: Vec::new(),
         shared: shared.clone(),
         version,
-        max_model_len: config.max_model_len,
+        max_model_len,
         state_dtype: config.state_dtype,
         prefill: config.prefill,
         rebuild_caches: config.rebuild_caches,

@@ -208,6 +208,48 @@ fn head(s: &str) -> String {
     s.chars().take(40).collect()
 }
 
+/// Checks that `tools` are schemas [`check`] can judge calls against:
+/// each an object (OpenAI's `{"type": "function", "function": {...}}` or
+/// the bare function) with a non-empty string `name`, unique among them,
+/// and `parameters`, when given, an object whose `properties` is an
+/// object and whose `required` is a list of strings. The message names
+/// the first tool that is not.
+pub fn check_tools(tools: &[Value]) -> Result<(), String> {
+    let mut seen: Vec<&str> = Vec::new();
+    for (i, t) in tools.iter().enumerate() {
+        let f = match t.get("function") {
+            Some(f) => f,
+            None => t,
+        };
+        if !f.is_object() {
+            return Err(format!(
+                "tools[{i}] is not an object with a function's name and parameters"
+            ));
+        }
+        let name = match f.get("name").and_then(Value::as_str) {
+            Some(n) if !n.trim().is_empty() => n,
+            _ => return Err(format!("tools[{i}] has no function name")),
+        };
+        if seen.contains(&name) {
+            return Err(format!("tools[{i}]: the name {name:?} is given twice"));
+        }
+        seen.push(name);
+        if let Some(p) = f.get("parameters") {
+            let ok = p.is_object()
+                && p.get("properties").is_none_or(Value::is_object)
+                && p.get("required")
+                    .is_none_or(|r| r.as_array().is_some_and(|a| a.iter().all(Value::is_string)));
+            if !ok {
+                return Err(format!(
+                    "tools[{i}] ({name}): parameters must be a JSON schema object, with \
+                     `properties` an object and `required` a list of names"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The `{"name", "parameters"}` object of `name` among `tools`.
 fn find_tool<'a>(name: &str, tools: &'a [Value]) -> Option<&'a Value> {
     tools.iter().find_map(|t| {
@@ -461,6 +503,45 @@ fn parse_function(body: &str) -> Option<RawCall> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn tool_schemas_that_cannot_judge_a_call_are_refused() {
+        check_tools(&tools()).unwrap();
+        check_tools(&[]).unwrap();
+        let wrapped = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}});
+        check_tools(&[wrapped.clone(), json!({"name": "g"})]).unwrap();
+        for (bad, says) in [
+            (vec![json!(1)], "tools[0] is not an object"),
+            (
+                vec![json!({"type": "function", "function": "f"})],
+                "tools[0] is not an object",
+            ),
+            (
+                vec![json!({"parameters": {}})],
+                "tools[0] has no function name",
+            ),
+            (vec![json!({"function": {"name": " "}})], "no function name"),
+            (
+                vec![wrapped.clone(), json!({"name": "f"})],
+                "tools[1]: the name \"f\" is given twice",
+            ),
+            (
+                vec![json!({"name": "f", "parameters": []})],
+                "tools[0] (f): parameters",
+            ),
+            (
+                vec![json!({"name": "f", "parameters": {"properties": [1]}})],
+                "parameters",
+            ),
+            (
+                vec![json!({"name": "f", "parameters": {"required": "x"}})],
+                "parameters",
+            ),
+        ] {
+            let e = check_tools(&bad).unwrap_err();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
+    }
 
     fn tools() -> Vec<Value> {
         vec![

@@ -238,6 +238,53 @@ fn prompt_scores_equal_the_generated_tokens_log_probs() {
     assert!(later.tokens.iter().all(|s| s.top.is_empty()));
 }
 
+/// The model's `max_position_embeddings` bounds prompt plus completion
+/// even when the engine is configured for more, and the refusal says
+/// where the bound comes from; a stop token id past the vocabulary is
+/// refused, not ignored.
+#[test]
+fn the_models_positions_bound_the_context() {
+    let dir = tiny_model("max-positions", 4);
+    let path = dir.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = 64.into();
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+    let eng = engine::start(store, None, small_config()).unwrap();
+    assert_eq!(eng.info().max_model_len, 64);
+    assert!(eng.info().limit_is_model);
+    let out = eng.generate_blocking(greedy(prompt(40, 1), 24)).unwrap();
+    assert_eq!(out[0].tokens.len(), 24);
+    let e = eng
+        .generate_blocking(greedy(prompt(40, 1), 25))
+        .unwrap_err();
+    assert!(
+        matches!(e, arcticd_engine::Error::Input(_))
+            && e.to_string()
+                .contains("64 tokens (the model's max_position_embeddings)"),
+        "{e}"
+    );
+    let vocab = eng.info().vocab_size as u32;
+    let mut stop_past = greedy(prompt(8, 2), 4);
+    stop_past.params.stop_token_ids = vec![3, vocab];
+    let e = eng.generate_blocking(stop_past).unwrap_err();
+    assert!(
+        matches!(e, arcticd_engine::Error::Input(_))
+            && e.to_string().contains(&format!("stop token id {vocab}")),
+        "{e}"
+    );
+    // A config without the field bounds nothing beyond the engine's limit.
+    cfg.as_object_mut()
+        .unwrap()
+        .remove("max_position_embeddings");
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    let store = ParamStore::new(Qwen3_5::load(&dir).unwrap());
+    let eng = engine::start(store, None, small_config()).unwrap();
+    assert_eq!(eng.info().max_model_len, 4096);
+    assert!(!eng.info().limit_is_model);
+}
+
 fn run_all(eng: &engine::EngineHandle, reqs: &[Request]) -> Vec<Choice> {
     let subs: Vec<_> = reqs
         .iter()

@@ -1212,7 +1212,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                         side_tx.clone(),
                     );
                     let ts: Vec<Arc<Task>> = retired.iter().map(|&i| tasks[i].clone()).collect();
-                    let k = recipe.recheck_attempts.max(1);
+                    let k = recipe.recheck_attempts;
                     side_pending += 1;
                     let at = step;
                     rt.spawn(async move {

@@ -68,7 +68,10 @@ pub enum SandboxBackend {
 
 /// How many checkpoints to keep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a number of checkpoints (at least 1) or the word \"all\""
+)]
 pub enum Keep {
     /// The newest N (at least 1).
     Count(usize),
@@ -538,6 +541,18 @@ impl Recipe {
                 return Err(Error::Recipe(format!("{name} must be a finite number")));
             }
         }
+        if !(self.unretire_below.is_finite() && (0.0..=1.0).contains(&self.unretire_below)) {
+            return bad("unretire_below must be a number in [0, 1] (a recheck's mean reward)");
+        }
+        if self.recheck_every > 0 && self.recheck_attempts == 0 {
+            return bad("recheck_attempts must be at least 1 when recheck_every is on");
+        }
+        if self.eval_every > 0 && self.eval_attempts == 0 {
+            return bad(
+                "eval_attempts must be at least 1 when eval_every is on (eval_every = 0 turns \
+                 the evaluation off)",
+            );
+        }
         if !(self.length_penalty.is_finite() && self.length_penalty >= 0.0) {
             return bad("length_penalty must be a finite number >= 0 (0 = off)");
         }
@@ -848,6 +863,16 @@ mod tests {
             ("clip_high=-1.0", "clip_high"),
             ("tis_cap=0.0", "tis_cap"),
             ("steps=0", "steps must be at least 1"),
+            (
+                "unretire_below=5.0",
+                "unretire_below must be a number in [0, 1]",
+            ),
+            ("recheck_attempts=0", "recheck_attempts must be at least 1"),
+            ("eval_attempts=0", "eval_attempts must be at least 1"),
+            (
+                "keep_checkpoints=\"some\"",
+                "a number of checkpoints (at least 1) or the word \"all\"",
+            ),
         ] {
             let e = Recipe::from_toml_with("", "r", &[set.to_string()])
                 .unwrap_err()
