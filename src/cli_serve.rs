@@ -220,7 +220,7 @@ fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) 
         let info = first.info();
         eprintln!(
             "arcticd serve: {} MiB of cache per replica: up to {} sequences at once{}, \
-             {} positions of K/V",
+             {} positions of K/V; a prompt and its completion up to {} tokens{}",
             cache_memory >> 20,
             info.max_num_seqs,
             if info.max_num_seqs < args.max_num_seqs {
@@ -231,7 +231,15 @@ fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) 
             } else {
                 String::new()
             },
-            info.capacity_tokens
+            info.capacity_tokens,
+            info.max_model_len.min(info.capacity_tokens),
+            if info.capacity_tokens < info.max_model_len {
+                " (what the cache holds)"
+            } else if info.limit_is_model {
+                " (the model's max_position_embeddings)"
+            } else {
+                ""
+            }
         );
     }
     let state = AppState::new(
