@@ -454,7 +454,10 @@ fn bench_decode_reports_each_batch_size() {
         // The time to the batch's last first token is part of the run's;
         // the decode rate where the run went on after it.
         let prefill = line["prefill_seconds"].as_f64().unwrap();
-        assert!(prefill > 0.0 && prefill <= line["seconds"].as_f64().unwrap(), "{line}");
+        assert!(
+            prefill > 0.0 && prefill <= line["seconds"].as_f64().unwrap(),
+            "{line}"
+        );
         if let Some(r) = line.get("decode_tokens_per_s") {
             assert!(r.as_f64().unwrap() > 0.0, "{line}");
         }
