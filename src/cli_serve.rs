@@ -218,6 +218,7 @@ fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) 
     }
     if let Some(first) = router.replicas().first() {
         let info = first.info();
+        let (limit, bound) = info.context_limit();
         eprintln!(
             "arcticd serve: {} MiB of cache per replica: up to {} sequences at once{}, \
              {} positions of K/V; a prompt and its completion up to {} tokens{}",
@@ -232,14 +233,8 @@ fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) 
                 String::new()
             },
             info.capacity_tokens,
-            info.max_model_len.min(info.capacity_tokens),
-            if info.capacity_tokens < info.max_model_len {
-                " (what the cache holds)"
-            } else if info.limit_is_model {
-                " (the model's max_position_embeddings)"
-            } else {
-                ""
-            }
+            limit,
+            bound.map(|b| format!(" ({b})")).unwrap_or_default(),
         );
     }
     let state = AppState::new(

@@ -238,7 +238,7 @@ async fn models(State(s): State<AppState>) -> Json<Value> {
             "object": "model",
             "created": s.inner.created,
             "owned_by": "arcticd",
-            "max_model_len": info.max_model_len.min(info.capacity_tokens),
+            "max_model_len": info.context_limit().0,
         }],
     }))
 }
@@ -327,7 +327,7 @@ async fn tokenize(
     let info = s.inner.router.replicas()[0].info();
     Ok(Json(json!({
         "count": tokens.len(),
-        "max_model_len": info.max_model_len.min(info.capacity_tokens),
+        "max_model_len": info.context_limit().0,
         "tokens": tokens,
     })))
 }
@@ -891,15 +891,13 @@ async fn chat_completions(
     text.push_str(&forced);
     let prompt = s.inner.tokenizer.encode(&text)?;
     let info = s.inner.router.replicas()[0].info();
-    let room = info
-        .max_model_len
-        .min(info.capacity_tokens)
-        .saturating_sub(prompt.len());
+    let limit = info.context_limit().0;
+    let room = limit.saturating_sub(prompt.len());
     if room == 0 {
         return Err(AppError::bad(format!(
             "the conversation is {} tokens, which fills this model's maximum context length of {}",
             prompt.len(),
-            info.max_model_len.min(info.capacity_tokens)
+            limit
         ))
         .param("messages"));
     }

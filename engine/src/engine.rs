@@ -307,6 +307,27 @@ pub struct EngineInfo {
     pub prefix_snapshots: usize,
 }
 
+impl EngineInfo {
+    /// The most tokens one sequence (prompt and completion) may hold, and
+    /// what sets that bound when it is not the configured limit: the cache
+    /// or the model's trained positions.
+    pub fn context_limit(&self) -> (usize, Option<&'static str>) {
+        if self.capacity_tokens < self.max_model_len {
+            (
+                self.capacity_tokens,
+                Some("all the engine's cache holds: a larger cache memory raises it"),
+            )
+        } else if self.limit_is_model {
+            (
+                self.max_model_len,
+                Some("the model's max_position_embeddings"),
+            )
+        } else {
+            (self.max_model_len, None)
+        }
+    }
+}
+
 enum Command {
     Generate {
         id: u64,
@@ -413,17 +434,11 @@ impl EngineHandle {
             )));
         }
         let total = prompt.len() + max_tokens;
-        let limit = info.max_model_len.min(info.capacity_tokens);
+        let (limit, bound) = info.context_limit();
         if total > limit {
             // OpenAI's wording (clients look for it), and where the limit
-            // comes from when it is the cache's, not the model's.
-            let from = if info.capacity_tokens < info.max_model_len {
-                " (all the engine's cache holds: a larger cache memory raises it)"
-            } else if info.limit_is_model {
-                " (the model's max_position_embeddings)"
-            } else {
-                ""
-            };
+            // comes from when it is not the configured one.
+            let from = bound.map(|b| format!(" ({b})")).unwrap_or_default();
             return Err(Error::Input(format!(
                 "this model's maximum context length is {limit} tokens{from}; the prompt \
                  has {} and max_tokens is {max_tokens} ({total} in all)",

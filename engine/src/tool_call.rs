@@ -217,10 +217,7 @@ fn head(s: &str) -> String {
 pub fn check_tools(tools: &[Value]) -> Result<(), String> {
     let mut seen: Vec<&str> = Vec::new();
     for (i, t) in tools.iter().enumerate() {
-        let f = match t.get("function") {
-            Some(f) => f,
-            None => t,
-        };
+        let f = function_of(t);
         if !f.is_object() {
             return Err(format!(
                 "tools[{i}] is not an object with a function's name and parameters"
@@ -251,9 +248,15 @@ pub fn check_tools(tools: &[Value]) -> Result<(), String> {
 }
 
 /// The `{"name", "parameters"}` object of `name` among `tools`.
+/// The function a tool describes: OpenAI's `{"type": "function",
+/// "function": {...}}` wrapper, or the bare function object.
+fn function_of(tool: &Value) -> &Value {
+    tool.get("function").unwrap_or(tool)
+}
+
 fn find_tool<'a>(name: &str, tools: &'a [Value]) -> Option<&'a Value> {
     tools.iter().find_map(|t| {
-        let f = t.get("function").unwrap_or(t);
+        let f = function_of(t);
         (f.get("name").and_then(Value::as_str) == Some(name)).then_some(f)
     })
 }

@@ -18,6 +18,7 @@
 //! or token-level anything.
 
 pub mod audit;
+mod python_names;
 pub mod strengthen;
 pub mod toy;
 pub mod validate;

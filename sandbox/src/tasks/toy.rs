@@ -13,7 +13,7 @@
 //! Not for: benchmarking agents (the bugs are trivial); the pool feeds the
 //! built-in demo and the tests. Deterministic for a given seed.
 
-use super::{Task, DEFAULT_PYTEST_CMD};
+use super::{python_names, Task, DEFAULT_PYTEST_CMD};
 use crate::{Error, Result};
 use serde_json::{json, Map};
 use std::path::Path;
@@ -336,14 +336,6 @@ fn write(path: &Path, text: &str) -> Result<()> {
     std::fs::write(path, text).map_err(|e| Error::io(format!("writing {}", path.display()), e))
 }
 
-/// Python 3's keywords: no package can be named by one.
-const PYTHON_KEYWORDS: [&str; 35] = [
-    "False", "None", "True", "and", "as", "assert", "async", "await", "break", "class", "continue",
-    "def", "del", "elif", "else", "except", "finally", "for", "from", "global", "if", "import",
-    "in", "is", "lambda", "nonlocal", "not", "or", "pass", "raise", "return", "try", "while",
-    "with", "yield",
-];
-
 /// Generates the pool under `out`: `out/repos/<id>/` per task and
 /// `out/tasks.jsonl` (repo paths relative to it). Returns the tasks with
 /// absolute repo paths.
@@ -371,16 +363,20 @@ pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
                  starting with a digit)"
             )));
         }
-        // `from class.core import ...` is a syntax error, and the tests
-        // live in tests/.
-        if PYTHON_KEYWORDS.contains(&p.as_str()) || p == "tests" {
+        let why = if python_names::KEYWORDS.contains(&p.as_str()) {
+            Some("it is a Python keyword")
+        } else if p == "tests" {
+            Some("tests/ holds the test files")
+        } else if python_names::STDLIB.binary_search(&p.as_str()).is_ok() {
+            Some("a package of that name would hide the standard library's module of that name")
+        } else if python_names::TEST_RUNNER.binary_search(&p.as_str()).is_ok() {
+            Some("a package of that name would hide the test runner's module of that name")
+        } else {
+            None
+        };
+        if let Some(why) = why {
             return Err(Error::InvalidInput(format!(
-                "package {p:?} cannot be imported by the tests: {}",
-                if p == "tests" {
-                    "tests/ holds the test files"
-                } else {
-                    "it is a Python keyword"
-                }
+                "package {p:?} cannot be imported by the tests: {why}"
             )));
         }
     }
@@ -636,7 +632,9 @@ mod tests {
                 .exists());
         }
         assert!(ta.iter().all(|t| t.toy_loose() == Some(false)));
-        for name in ["no-dash", "class", "tests", "9lives"] {
+        for name in [
+            "no-dash", "class", "tests", "9lives", "json", "os", "pytest", "_thread",
+        ] {
             let bad = ToyConfig {
                 package: Some(name.into()),
                 ..base.clone()
