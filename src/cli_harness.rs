@@ -92,7 +92,7 @@ pub struct EvalArgs {
     #[arg(long, value_enum, default_value = "docker")]
     pub backend: BackendKind,
     /// Image for tasks with a local repository and no image of their own.
-    #[arg(long, default_value = image::DEFAULT_TAG)]
+    #[arg(long, default_value = image::DEFAULT_TAG, value_parser = crate::non_blank)]
     pub image: String,
     /// Per-attempt results (JSONL, appended; resumable).
     #[arg(long, default_value = "eval.jsonl")]
@@ -158,8 +158,15 @@ pub fn traj(a: TrajArgs) -> Result<()> {
                 outln!("{}", trajectory::show(t))?;
                 shown += 1;
             }
+            if all.is_empty() {
+                bail!("{} holds no trajectories", s.file.display());
+            }
             if shown == 0 {
-                bail!("no trajectory in {} matches", s.file.display());
+                bail!(
+                    "no trajectory in {} matches (it holds {}, indexed from 0)",
+                    s.file.display(),
+                    all.len()
+                );
             }
             Ok(())
         }
@@ -207,6 +214,23 @@ pub fn eval(a: EvalArgs) -> Result<()> {
                     p.display()
                 )
             })?;
+        // A task without turns would be attempted by an empty script and
+        // graded as a failure: a mistyped id, not a result.
+        let unscripted: Vec<&str> = tasks
+            .iter()
+            .map(|t| t.instance_id.as_str())
+            .filter(|id| !scripts.contains_key(*id))
+            .collect();
+        if let Some(first) = unscripted.first() {
+            bail!(
+                "{}: no turns for {} of the {} tasks (the first: {first:?}); its keys are task \
+                 ids of {}",
+                p.display(),
+                unscripted.len(),
+                tasks.len(),
+                a.tasks.display()
+            );
+        }
         // A fresh policy per rollout: each attempt replays its script from
         // the start.
         let tok = tokenizer.clone();

@@ -54,6 +54,17 @@ pub fn score(args: ScoreArgs) -> Result<()> {
             args.input.display()
         )
     })?;
+    let config = ModelConfig::from_dir(&args.model)
+        .with_context(|| format!("loading model from {}", args.model.display()))?;
+    let longest = input.sequences.iter().map(Vec::len).max().unwrap_or(0);
+    if let Some(p) = config.max_positions.filter(|&p| longest > p) {
+        // Scored all the same, as transformers does: the numbers are the
+        // model's, past what it was trained for.
+        eprintln!(
+            "arcticd score: warning: a sequence of {longest} tokens is past the {p} positions \
+             the model was trained for (max_position_embeddings)"
+        );
+    }
     let lps = match args.device {
         Device::Cpu => {
             // Read only: loaded packed, each weight held once (the same bits).
@@ -153,6 +164,16 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
     let prompt = tokenizer.encode(&text)?;
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
+    }
+    if let Some(p) = config.max_positions {
+        if prompt.len() + args.max_tokens > p {
+            bail!(
+                "the prompt is {} tokens and --max-tokens {}: past the {p} positions the model \
+                 was trained for (max_position_embeddings in its config.json)",
+                prompt.len(),
+                args.max_tokens
+            );
+        }
     }
     let mut stop = tokenizer.eos_token_ids();
     stop.extend(&config.eos_token_ids);

@@ -589,19 +589,18 @@ fn mean(v: &[f64]) -> Option<f64> {
     (!finite.is_empty()).then(|| finite.iter().sum::<f64>() / finite.len() as f64)
 }
 
-/// Mean of each point and the up to `window - 1` points before it.
+/// Mean of each point and the up to `window - 1` points before it. Each
+/// mean is summed afresh (windows are short): a running sum that adds and
+/// subtracts would lose the small values after a spike (1e20 then 1.1).
 fn moving_mean(points: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
     let window = window.max(1);
-    let mut sum = 0.0;
-    points
-        .iter()
-        .enumerate()
-        .map(|(i, &(x, y))| {
-            sum += y;
-            if i >= window {
-                sum -= points[i - window].1;
-            }
-            (x, sum / (i + 1).min(window) as f64)
+    (0..points.len())
+        .map(|i| {
+            let w = &points[(i + 1).saturating_sub(window)..=i];
+            (
+                points[i].0,
+                w.iter().map(|p| p.1).sum::<f64>() / w.len() as f64,
+            )
         })
         .collect()
 }
@@ -891,6 +890,11 @@ mod tests {
         let ys: Vec<f64> = m.iter().map(|p| p.1).collect();
         assert_eq!(ys, vec![1.0, 1.5, 2.5, 3.5, 4.5]);
         assert_eq!(moving_mean(&pts, 1), pts);
+        // A spike leaves the window whole: the values after it are theirs.
+        let spiky = [(1.0, 1.1), (2.0, 1e20), (3.0, 1.2), (4.0, 1.0), (5.0, 1.1)];
+        let m = moving_mean(&spiky, 2);
+        assert!((m[3].1 - 1.1).abs() < 1e-12, "{m:?}");
+        assert!((m[4].1 - 1.05).abs() < 1e-12, "{m:?}");
     }
 
     fn run(lines: &str) -> Run {

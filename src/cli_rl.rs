@@ -226,6 +226,9 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
     }
     let (mut recipe, out, resume) = if let Some(dir) = &a.resume {
         let path = dir.join("recipe.toml");
+        if !dir.is_dir() {
+            bail!("{}: no such run directory", dir.display());
+        }
         if !path.is_file() {
             bail!("{} is not a run directory (no recipe.toml)", dir.display());
         }

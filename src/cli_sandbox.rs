@@ -50,7 +50,7 @@ pub struct RunArgs {
     pub repo: PathBuf,
     /// Docker image tag, or for the local backend a tag built by
     /// `build-image` or a root file system folder.
-    #[arg(long, default_value = image::DEFAULT_TAG)]
+    #[arg(long, default_value = image::DEFAULT_TAG, value_parser = crate::non_blank)]
     pub image: String,
     /// Command timeout in seconds.
     #[arg(long, default_value_t = 60.0)]
@@ -66,7 +66,7 @@ pub struct RunArgs {
 #[derive(clap::Args)]
 pub struct BuildImageArgs {
     /// Tag of the image (Docker tag and cache folder name).
-    #[arg(long, default_value = image::DEFAULT_TAG)]
+    #[arg(long, default_value = image::DEFAULT_TAG, value_parser = crate::non_blank)]
     pub tag: String,
     /// Only build the root file system folder (for the local backend).
     #[arg(long)]

@@ -38,7 +38,7 @@ pub struct ServeArgs {
     pub replicas: usize,
     /// Cache memory per replica in MiB (KV blocks and recurrent-state
     /// slots). Default: --cache-fraction of the memory left after loading.
-    #[arg(long, conflicts_with = "cache_fraction")]
+    #[arg(long, conflicts_with = "cache_fraction", value_parser = mib)]
     pub cache_memory: Option<usize>,
     /// Size the caches as this fraction (0 < F <= 0.95) of the memory
     /// available once the model is loaded, split evenly between the
@@ -304,6 +304,16 @@ fn cache_from_fraction(fraction: f64, meminfo: &str, replicas: usize) -> Result<
     let available = arcticd_trainer::memory::parse_mem_available(meminfo)
         .context("no MemAvailable line in /proc/meminfo")?;
     fraction_of(fraction, available as usize, replicas)
+}
+
+/// clap's parser of `--cache-memory`: a count of MiB, no unit.
+fn mib(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!(
+            "{s} is not a whole number of MiB of at least 1 (no unit: 4096 is 4 GiB)"
+        )),
+    }
 }
 
 /// `--cache-memory` in bytes.

@@ -26,7 +26,7 @@ use arcticd_trainer::harness::{
     eval, strengthen, wrong_patch, Harness, RolloutConfig, ScriptedPolicy,
 };
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 #[derive(clap::Args)]
@@ -102,7 +102,7 @@ pub struct CommonArgs {
     #[arg(long, value_enum, default_value = "docker")]
     pub backend: BackendKind,
     /// Image for tasks with a local repository and no image of their own.
-    #[arg(long, default_value = image::DEFAULT_TAG)]
+    #[arg(long, default_value = image::DEFAULT_TAG, value_parser = crate::non_blank)]
     pub image: String,
     /// Tasks run at once.
     #[arg(long, default_value_t = 2)]
@@ -242,8 +242,42 @@ fn agent(a: &AuditArgs) -> Result<Option<Agent>> {
     }))
 }
 
+/// Refuses an output file that is one of the command's input files (the
+/// same file by device and inode, so through links too): writing it would
+/// replace what is being read.
+fn not_an_input(out: (&str, &Path), inputs: &[(&str, &Path)]) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(o) = std::fs::metadata(out.1) else {
+        return Ok(());
+    };
+    for (flag, path) in inputs {
+        if let Ok(i) = std::fs::metadata(path) {
+            if (i.dev(), i.ino()) == (o.dev(), o.ino()) {
+                bail!(
+                    "{} {} is the file given to {flag}: writing it would replace what is read \
+                     from it; name another file",
+                    out.0,
+                    out.1.display()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn select(a: SelectArgs) -> Result<()> {
     let format: Format = a.format.parse()?;
+    not_an_input(
+        ("--out", &a.out),
+        &[("--tasks", &a.tasks), ("--eval", &a.eval)],
+    )?;
+    // A missing file would read as an evaluation that attempted nothing.
+    if !a.eval.is_file() {
+        bail!(
+            "--eval {}: no such file (the per-attempt records an `arcticd eval --out` wrote)",
+            a.eval.display()
+        );
+    }
     let path = std::fs::canonicalize(&a.tasks)
         .with_context(|| format!("reading {}", a.tasks.display()))?;
     let all = tasks::load_tasks(&path, format)?;
@@ -312,10 +346,29 @@ pub fn main(args: TasksArgs) -> Result<()> {
                 for v in &verdicts {
                     outln!("{}", serde_json::to_string(v)?)?;
                 }
+                let invalid = verdicts.iter().filter(|v| !v.is_valid()).count();
+                if invalid > 0 {
+                    bail!(
+                        "{invalid} of {} tasks are invalid (their verdicts are above)",
+                        verdicts.len()
+                    );
+                }
                 Ok(())
             })
         }
         TasksCommand::Audit(a) => {
+            let inputs = [("--tasks", a.common.tasks.as_path())];
+            if let Some(out) = &a.out {
+                not_an_input(("--out", out), &inputs)?;
+            }
+            if let Some(report) = &a.report {
+                not_an_input(("--report", report), &inputs)?;
+                if let Some(out) = &a.out {
+                    if report == out {
+                        bail!("--report and --out name the same file, {}", out.display());
+                    }
+                }
+            }
             let agent = agent(&a)?;
             if a.strengthen && agent.is_none() {
                 bail!(
@@ -357,7 +410,8 @@ pub fn main(args: TasksArgs) -> Result<()> {
                 if report.undecided > 0 {
                     tracing::warn!(
                         "{} of {} tasks undecided: no wrong patch passed, but some could not \
-                         be graded (their infra_errors); left out of any curated set",
+                         be graded (their infra_errors) or none was tried (a --max-variants of \
+                         0 and no agent); left out of any curated set",
                         report.undecided,
                         report.tasks
                     );

@@ -76,6 +76,21 @@ pub fn sft(args: SftArgs) -> Result<()> {
         args.batch_size > 0 && args.steps > 0,
         "--batch-size and --steps must be positive (0 steps would write the model back unchanged)"
     );
+    anyhow::ensure!(
+        args.lr > 0.0,
+        "--lr must be a number above 0 (a learning rate of 0 would write the model back \
+         unchanged)"
+    );
+    if args.warmup > 0 && args.warmup >= args.steps as u64 {
+        eprintln!(
+            "arcticd sft: warning: --warmup {} is not shorter than --steps {}, so the learning \
+             rate never reaches --lr {} (the last step uses {:e})",
+            args.warmup,
+            args.steps,
+            args.lr,
+            args.lr * (args.steps - 1) as f64 / args.warmup as f64
+        );
+    }
     arcticd_trainer::checkpoint::check_checkpoint_out(&args.out).context("--out")?;
     let model_config = ModelConfig::from_dir(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
@@ -159,7 +174,7 @@ fn sft_loop<D: StepDevice>(
     )?;
     let mut progress = Progress::new(Some(args.steps as u64), "sft");
     let mut stdout = std::io::stdout().lock();
-    let mut done = 0;
+    let (mut done, mut skipped, mut last_skipped) = (0, 0, false);
     for step in 0..args.steps {
         if stop.load(Ordering::Acquire) {
             break;
@@ -181,10 +196,19 @@ fn sft_loop<D: StepDevice>(
                 "warning: step {}: non-finite loss or gradient, step skipped",
                 step + 1
             ));
+            skipped += 1;
         }
+        last_skipped = m.skipped;
         progress.set_message(format!("loss {:.4}", m.loss));
         progress.inc(1);
         done = step + 1;
+    }
+    if done > 0 && skipped == done {
+        progress.finish(String::new());
+        anyhow::bail!(
+            "every step ({done}) had a non-finite loss or gradient and was skipped: nothing was \
+             trained, no checkpoint written"
+        );
     }
     progress.finish(format!("writing checkpoint {}", args.out.display()));
     trainer.sync_host()?;
@@ -192,6 +216,16 @@ fn sft_loop<D: StepDevice>(
     let model = trainer.store().read();
     save_checkpoint(&args.out, &model, &args.model, Some(&optimizer))
         .with_context(|| format!("writing checkpoint {}", args.out.display()))?;
+    if last_skipped {
+        // Kept for a look, but not a run that finished well.
+        anyhow::bail!(
+            "the last step had a non-finite loss or gradient ({skipped} of {done} steps were \
+             skipped): the weights have likely diverged (--lr {} too high?); {} holds them as \
+             they are",
+            args.lr,
+            args.out.display()
+        );
+    }
     if let Some(status) = arcticd_trainer::interrupt::status().filter(|_| done < args.steps) {
         // Stopped by a signal: the checkpoint holds the steps done, and the
         // status says the run did not finish.

@@ -152,13 +152,54 @@ fn main() {
     }
 }
 
-/// Whether `e` comes from writing to a pipe whose reader has closed it.
+/// Whether `e` comes from writing to standard output after its reader
+/// went away: a broken pipe in the error's chain, and standard output a
+/// pipe with no reader. A broken pipe elsewhere (a sandbox's process that
+/// died, a closed socket) is an error like any other.
 fn closed_pipe(e: &anyhow::Error) -> bool {
     use std::io::ErrorKind::BrokenPipe;
-    e.chain().any(|c| {
+    let broken = e.chain().any(|c| {
         c.downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == BrokenPipe)
             || c.downcast_ref::<serde_json::Error>()
                 .is_some_and(|j| j.io_error_kind() == Some(BrokenPipe))
-    })
+    });
+    broken && reader_gone(libc::STDOUT_FILENO)
+}
+
+/// Whether `fd` is the write end of a pipe whose every reader has closed
+/// it: `poll` reports `POLLERR` on such an end at once.
+fn reader_gone(fd: libc::c_int) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: 0,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, a zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n == 1 && p.revents & libc::POLLERR != 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reader_gone;
+
+    fn pipe() -> [libc::c_int; 2] {
+        let mut fds = [0; 2];
+        // SAFETY: a two-element array for pipe(2) to fill.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        fds
+    }
+
+    #[test]
+    fn only_a_pipe_without_readers_counts_as_gone() {
+        let [r, w] = pipe();
+        assert!(!reader_gone(w), "a reader is still there");
+        // SAFETY: closing the read end this test opened.
+        unsafe { libc::close(r) };
+        assert!(reader_gone(w), "its only reader closed it");
+        unsafe { libc::close(w) };
+        let f = std::fs::File::open("Cargo.toml").unwrap();
+        assert!(!reader_gone(std::os::fd::AsRawFd::as_raw_fd(&f)), "a file");
+    }
 }

@@ -165,6 +165,7 @@ fn init_score_generate_and_bad_input() {
         ("--cache-memory", "0", "--cache-memory"),
         ("--cache-memory", "100000000000", "more than"),
         ("--cache-memory", "18446744073709551615", "--cache-memory"),
+        ("--cache-memory", "1tb", "whole number of MiB"),
     ] {
         assert_clean_error(
             &arcticd(&["serve", "--model", m, "--port", "0", flag, value]),
@@ -199,6 +200,31 @@ fn init_score_generate_and_bad_input() {
     let mut cfg: Value =
         serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
     let o = other.to_str().unwrap();
+    // A model trained for 16 positions: generate refuses more, as serve
+    // does; score scores the 70-token sequence and says it is past them.
+    let mut short = cfg.clone();
+    short["max_position_embeddings"] = Value::from(16);
+    std::fs::write(&cfg_path, short.to_string()).unwrap();
+    assert_clean_error(
+        &arcticd(&[
+            "generate",
+            "--model",
+            o,
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "20",
+        ]),
+        "past the 16 positions",
+    );
+    let scored = arcticd(&["score", "--model", o, "--input", input.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&scored.stderr);
+    assert!(scored.status.success(), "{err}");
+    assert!(
+        err.contains("a sequence of 70 tokens is past the 16 positions"),
+        "{err}"
+    );
+    assert_eq!(scored.stdout, score_stdout);
     cfg["model_type"] = Value::from("llama");
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
     assert_clean_error(

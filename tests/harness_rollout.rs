@@ -537,16 +537,36 @@ fn eval_command_is_resumable_and_traj_show_prints_it() -> Result<()> {
     }
     let f = fixture();
     let dir = TempDir::new("eval")?;
-    // Two tasks: the first solved by its script, the second given none.
+    // Two tasks: the first solved by its script, the second given an empty
+    // one.
     let tasks: Vec<Task> = f.tasks.iter().take(2).cloned().collect();
     let task_file = dir.0.join("tasks.jsonl");
     arcticd_sandbox::tasks::write_tasks(&task_file, &tasks)?;
-    let script = serde_json::json!({ tasks[0].instance_id.clone(): solving_script(&tasks[0]) });
     let script_file = dir.0.join("script.json");
+    let p = |x: &Path| x.display().to_string();
+    // A script with no entry for a task (a mistyped id) is refused before
+    // any attempt runs.
+    let partial = serde_json::json!({ tasks[0].instance_id.clone(): solving_script(&tasks[0]) });
+    std::fs::write(&script_file, partial.to_string())?;
+    let refused = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .args(["eval", "--tasks", &p(&task_file), "--model", &p(&f.model)])
+        .args(["--script", &p(&script_file), "--backend", "local"])
+        .args(["--out", &p(&dir.0.join("refused.jsonl"))])
+        .output()?;
+    let err = String::from_utf8_lossy(&refused.stderr);
+    ensure!(!refused.status.success(), "{err}");
+    ensure!(
+        err.contains("no turns for 1 of the 2 tasks") && err.contains(&tasks[1].instance_id),
+        "{err}"
+    );
+    ensure!(!dir.0.join("refused.jsonl").exists(), "an attempt ran");
+    let script = serde_json::json!({
+        tasks[0].instance_id.clone(): solving_script(&tasks[0]),
+        tasks[1].instance_id.clone(): Vec::<String>::new(),
+    });
     std::fs::write(&script_file, script.to_string())?;
     let out = dir.0.join("eval.jsonl");
     let traj = dir.0.join("traj.jsonl");
-    let p = |x: &Path| x.display().to_string();
     let args = [
         "eval",
         "--tasks",

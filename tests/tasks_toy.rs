@@ -320,6 +320,32 @@ fn tasks_command_line() -> Result<()> {
         .all(|t| t.repo.as_ref().is_some_and(|r| r.is_dir())));
     let r = select("2");
     ensure!(!r.status.success() && String::from_utf8_lossy(&r.stderr).contains("nothing written"));
+    // --out naming an input (the task file, the records) is refused, and
+    // the file is left as it was; a missing records file is named.
+    let before = std::fs::read(&file)?;
+    for (out, eval_file, says) in [
+        (&file, &eval, "is the file given to --tasks"),
+        (&eval, &eval, "is the file given to --eval"),
+        (
+            &picked,
+            &dir.0.join("no-such.jsonl"),
+            "no-such.jsonl: no such file",
+        ),
+    ] {
+        let r = arcticd(&[
+            "tasks",
+            "select",
+            "--tasks",
+            &file.display().to_string(),
+            "--eval",
+            &eval_file.display().to_string(),
+            "--out",
+            &out.display().to_string(),
+        ]);
+        let err = String::from_utf8_lossy(&r.stderr);
+        ensure!(!r.status.success() && err.contains(says), "{says}: {err}");
+    }
+    ensure!(std::fs::read(&file)? == before, "the task file changed");
     Ok(())
 }
 
@@ -375,10 +401,26 @@ fn audit_takes_agent_written_wrong_patches() -> Result<()> {
         "--max-variants",
         "0",
     ];
+    // No wrong patch tried (no variant, no agent): nothing shows the task
+    // tight, so it is undecided, and left out of a curated set.
     let r = arcticd(&base);
-    ensure!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let err = String::from_utf8_lossy(&r.stderr);
+    ensure!(r.status.success(), "{err}");
     let v: serde_json::Value = serde_json::from_slice(&r.stdout)?;
-    ensure!(v["tight"] == 1, "{v}");
+    ensure!(
+        v["undecided"] == 1 && v["tight"] == 0 && v["results"][0]["tried"] == 0,
+        "{v}"
+    );
+    ensure!(err.contains("none was tried"), "{err}");
+    // The curated set may not be written over the task file it reads.
+    let mut over: Vec<&str> = base.to_vec();
+    over.extend(["--out", &file]);
+    let r = arcticd(&over);
+    let err = String::from_utf8_lossy(&r.stderr);
+    ensure!(
+        !r.status.success() && err.contains("is the file given to --tasks"),
+        "{err}"
+    );
     let mut args: Vec<String> = base.iter().map(|s| s.to_string()).collect();
     for x in [
         "--agent-script",

@@ -207,6 +207,21 @@ fn trained_tokens_are_honest_about_their_weights() {
         assert_eq!(r["step"], m["step"]);
         assert_eq!(r["grad_norm"], m["grad_norm"], "chained: {r} vs {m}");
     }
+    // Past the run's last update: refused before any replay runs, naming
+    // the updates there are.
+    let out = arcticd()
+        .args(["replay", "--run"])
+        .arg(&run)
+        .args(["--step", "1", "--through", &(last + 3).to_string()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && out.stdout.is_empty(), "{err}");
+    assert!(
+        err.contains(&format!("recorded no batch of update {}", last + 1))
+            && err.contains(&format!("from 1 to {last}")),
+        "{err}"
+    );
     // --attribute names the parameters that carry the last update's
     // effect on the probes, largest first.
     let first = &read_jsonl(&run.join("trajectories/step-000001.jsonl"))[0];
@@ -238,15 +253,17 @@ fn trained_tokens_are_honest_about_their_weights() {
         .collect();
     assert!(!shifts.is_empty() && shifts.len() <= 12, "{r}");
     assert!(shifts.windows(2).all(|w| w[0] >= w[1]), "{r}");
+    // An update with no checkpoint before it is refused, naming those kept.
+    std::fs::remove_dir_all(run.join("checkpoints/step-000002")).unwrap();
     let out = arcticd()
         .args(["replay", "--run"])
         .arg(&run)
-        .args(["--step", "9"])
+        .args(["--step", "3"])
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("no complete checkpoint of update 8"), "{err}");
+    assert!(err.contains("no complete checkpoint of update 2"), "{err}");
 }
 
 /// Two data-parallel trainer ranks, each with its own weights and its own
@@ -534,6 +551,9 @@ fn bad_recipes_and_inputs_are_clear_errors() {
     let out = resume(dir.path());
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a run directory"));
+    let out = resume(&dir.path().join("no-such-run"));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no such run directory"));
     let out = arcticd()
         .args(["train", "--recipe", "/nonexistent/r.toml"])
         .output()
@@ -594,6 +614,16 @@ fn a_run_that_solves_and_trains_nothing_stops_and_says_why() {
     assert!(!out.status.success(), "{stderr}");
     assert!(
         stderr.contains("the run failed: all 1 updates of this run solved nothing"),
+        "{stderr}"
+    );
+    // Resumed with no update left, it fails again, saying why; it does not
+    // finish as a success.
+    let out = resume(&short);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the run failed at its last update, 1: all 1 updates")
+            && stderr.contains("no update is left to resume"),
         "{stderr}"
     );
 }

@@ -188,6 +188,59 @@ fn bad_data_lines_are_named() {
         err.contains("--batch-size 3 is more than the 1 examples"),
         "{err}"
     );
+    let _ = std::fs::remove_dir_all(dir.join("out"));
+    // A learning rate of 0 would write the model back unchanged.
+    let res = sft(
+        &fx.join("mqa_tied"),
+        &data,
+        &dir.join("out"),
+        &["--steps", "1", "--batch-size", "1", "--lr", "0"],
+    );
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(
+        !res.status.success() && err.contains("--lr must be"),
+        "{err}"
+    );
+    assert!(!dir.join("out").exists());
+    // A warmup as long as the run: it runs, and says the rate never peaks.
+    let res = sft(
+        &fx.join("mqa_tied"),
+        &data,
+        &dir.join("out"),
+        &[
+            "--steps",
+            "2",
+            "--batch-size",
+            "1",
+            "--lr",
+            "0.1",
+            "--warmup",
+            "4",
+        ],
+    );
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(res.status.success(), "{err}");
+    assert!(
+        err.contains("--warmup 4 is not shorter than --steps 2") && err.contains("2.5e-2"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(dir.join("out"));
+    // A rate so high that the weights diverge: the steps after the first
+    // are skipped, and the run ends in an error, though the weights are
+    // kept for a look.
+    let res = sft(
+        &fx.join("mqa_tied"),
+        &data,
+        &dir.join("out"),
+        &["--steps", "3", "--batch-size", "1", "--lr", "1e30"],
+    );
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success(), "{err}");
+    assert!(
+        err.contains("the last step had a non-finite loss or gradient") && err.contains("diverged"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

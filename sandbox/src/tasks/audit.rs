@@ -555,7 +555,7 @@ pub struct AuditResult {
     /// `loose`, `tight`, `invalid` (validation failed; see `validation`),
     /// `strengthened` (was loose; new tests made it tight, see
     /// `strengthening`), or `undecided` (no wrong patch passed, but some
-    /// could not be graded: `infra_errors`; not curated).
+    /// could not be graded, `infra_errors`, or none was tried; not curated).
     pub verdict: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub validation: Option<Verdict>,
@@ -645,9 +645,9 @@ pub async fn audit_task(
             Err(_) => result.infra_errors += 1,
         }
     }
-    // Tight claims that every wrong patch was graded and failed: one that
-    // could not be graded leaves the question open.
-    if result.verdict == "tight" && result.infra_errors > 0 {
+    // Tight claims that wrong patches were graded and every one failed: one
+    // that could not be graded, or none at all, leaves the question open.
+    if result.verdict == "tight" && (result.infra_errors > 0 || result.tried == 0) {
         result.verdict = "undecided";
     }
     result

@@ -163,6 +163,11 @@ impl RolloutConfig {
         if self.max_new_tokens == 0 {
             return Err(Error::Input("max_new_tokens must be at least 1".into()));
         }
+        if self.image.trim().is_empty() {
+            return Err(Error::Input(
+                "image must name a sandbox image, not be empty".into(),
+            ));
+        }
         check_secs("max_wall_secs", self.max_wall_secs, Some("no limit"))?;
         check_secs("bash_timeout_secs", self.bash_timeout_secs, None)?;
         check_secs("max_bash_timeout_secs", self.max_bash_timeout_secs, None)?;

@@ -1364,6 +1364,9 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 elapsed(&t_start),
                 &totals,
             )?;
+            if let Some(why) = &stopped {
+                record_failure(&run_dir, step, why)?;
+            }
         }
         Ok(())
     });
@@ -1416,6 +1419,7 @@ fn checkpoint(
         groups_started: shared.groups_started.load(Ordering::Acquire),
         elapsed_s,
         totals: totals.clone(),
+        failed: None,
     };
     let json = serde_json::to_vec_pretty(&state).map_err(|e| Error::Run(e.to_string()))?;
     let t0 = Instant::now();
@@ -1454,6 +1458,21 @@ fn checkpoint(
         Keep::Count(n) => Some(n),
         Keep::All(_) => None,
     })
+}
+
+/// Marks checkpoint `step` as where the run failed, for `why`: a resume
+/// with no updates left says so instead of finishing as a success.
+fn record_failure(run_dir: &RunDir, step: u64, why: &str) -> Result<()> {
+    let path = run_dir.checkpoint(step).join("run_state.json");
+    let text = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    let mut state: RunState = serde_json::from_slice(&text)
+        .map_err(|e| Error::Run(format!("{}: {e}", path.display())))?;
+    state.failed = Some(why.to_string());
+    let json = serde_json::to_vec_pretty(&state).map_err(|e| Error::Run(e.to_string()))?;
+    // Whole or not at all: written beside it, then renamed over it.
+    let tmp = path.with_extension("json.partial");
+    std::fs::write(&tmp, json).map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))
 }
 
 /// For `--resume`: the checkpoint to continue from (None: from the start),
@@ -1534,6 +1553,22 @@ fn resume_state(
                 s.step
             ),
         }
+    }
+    if let Some(why) = &s.failed {
+        if s.step >= recipe.steps {
+            return Err(Error::Run(format!(
+                "{}: the run failed at its last update, {}: {why}; no update is left to \
+                 resume (raise `steps` in {} to go on from it, or start a new run)",
+                run_dir.root.display(),
+                s.step,
+                run_dir.recipe().display()
+            )));
+        }
+        tracing::warn!(
+            "the run stopped at update {} ({why}); resuming from there, with a fresh count \
+             of dead updates",
+            s.step
+        );
     }
     let in_flight = s.groups_started.saturating_sub(s.groups_consumed) * recipe.group_size as u64;
     let lost = in_flight + cut_rollouts;

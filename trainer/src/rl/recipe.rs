@@ -537,8 +537,12 @@ impl Recipe {
             ("ref_kl_coef", self.ref_kl_coef),
             ("entropy_coef", self.entropy_coef),
         ] {
-            if !v.is_finite() {
-                return Err(Error::Recipe(format!("{name} must be a finite number")));
+            // A negative coefficient would reward drifting from the
+            // reference, or collapsing the entropy.
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(Error::Recipe(format!(
+                    "{name} must be a finite number >= 0 (0 = off)"
+                )));
             }
         }
         if !(self.unretire_below.is_finite() && (0.0..=1.0).contains(&self.unretire_below)) {

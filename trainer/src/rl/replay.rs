@@ -97,6 +97,20 @@ pub fn replay(
     }
     let dir = RunDir::new(run_dir);
     let recipe = Recipe::from_file(&dir.recipe(), sets)?.checked()?;
+    // Every update asked for was recorded: found now, not after the
+    // replays before it have run.
+    if let Some(missing) = (step..=through).find(|&s| !dir.step_trajectories(s).is_file()) {
+        let recorded = (1..)
+            .take_while(|&s| dir.step_trajectories(s).is_file())
+            .last()
+            .unwrap_or(0);
+        return Err(Error::Input(format!(
+            "{} recorded no batch of update {missing} ({} is missing); its recorded updates \
+             run from 1 to {recorded}",
+            run_dir.display(),
+            dir.step_trajectories(missing).display()
+        )));
+    }
     let (weights, version) = if step == 1 {
         let model = recipe
             .model

@@ -44,6 +44,10 @@ pub struct RunState {
     pub elapsed_s: f64,
     /// Running totals.
     pub totals: Totals,
+    /// Why the run failed here (its updates solved and trained nothing),
+    /// when it stopped for that at this checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<String>,
 }
 
 /// Counts over the whole run.
@@ -418,6 +422,7 @@ mod tests {
             groups_started: 0,
             elapsed_s: 0.0,
             totals: Totals::default(),
+            failed: None,
         };
         for step in [1u64, 2, 3] {
             let p = r.checkpoint(step);
