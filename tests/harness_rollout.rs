@@ -291,6 +291,24 @@ both_backends!(every_gate_ends_the_rollout_with_reward_zero, |backend| {
     expect(&t, Termination::Submitted, 0.0)?;
     ensure!(!t.masked && t.grade.is_none(), "{}", t.detail);
 
+    // A command no shell can run (a NUL byte in it, as a sampled turn once
+    // had): the agent's error, shown to it, not a masked infra failure
+    // (which would take the attempt out of the batch).
+    let t = roll(
+        &h,
+        b,
+        task,
+        vec![
+            render_call("bash", &[("command", "echo a\0b")]),
+            fix[1].clone(),
+            fix[3].clone(),
+        ],
+    )
+    .await?;
+    expect(&t, Termination::Submitted, 1.0)?;
+    let obs = t.turns[0].observation.as_deref().unwrap_or_default();
+    ensure!(!t.masked && obs.contains("NUL byte"), "{obs}");
+
     // Exact repeat of a call.
     let t = roll(
         &h,

@@ -149,11 +149,17 @@ impl<'a> ToolBox<'a> {
             .filter(|t| *t > 0.0)
             .unwrap_or(self.bash_timeout_secs)
             .min(self.max_bash_timeout_secs);
-        let r = self
+        let r = match self
             .sandbox
             .exec(ExecRequest::shell(command).timeout(timeout))
             .await
-            .map_err(ToolError::Infra)?;
+        {
+            Ok(r) => r,
+            // The command itself cannot be run (a NUL byte in it): the
+            // agent's doing, shown to it like any failed command.
+            Err(arcticd_sandbox::Error::InvalidInput(m)) => return Ok(format!("Error: {m}")),
+            Err(e) => return Err(ToolError::Infra(e)),
+        };
         let mut out = r.stdout.text();
         let err = r.stderr.text();
         if !err.is_empty() {
