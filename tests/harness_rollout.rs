@@ -20,7 +20,8 @@ use arcticd_sandbox::Backend;
 use arcticd_trainer::harness::format::render_call;
 use arcticd_trainer::harness::policy::{Completion, FinishReason, GenerateRequest, Policy};
 use arcticd_trainer::harness::{
-    FormatCheck, Harness, RolloutConfig, ScriptedPolicy, Termination, Trajectory,
+    EnginePolicyRouter, FormatCheck, Harness, RolloutConfig, ScriptedPolicy, Termination,
+    Trajectory,
 };
 use common::{base_image, skip, TempDir};
 use std::path::{Path, PathBuf};
@@ -337,6 +338,26 @@ both_backends!(every_gate_ends_the_rollout_with_reward_zero, |backend| {
     })?;
     let t = roll(&h3, b, task, fix.clone()).await?;
     expect(&t, Termination::ContextBudget, 0.0)?;
+
+    // The engine's context shorter than the budget (a model trained for as
+    // many positions as the prompt holds): the rollout ends on its context
+    // budget, not in a refused request masked as the policy's failure.
+    let short = TempDir::new("short-positions")?;
+    for e in std::fs::read_dir(&f.model)? {
+        let p = e?.path();
+        if p.is_file() {
+            std::fs::copy(&p, short.0.join(p.file_name().unwrap_or_default()))?;
+        }
+    }
+    let cfg_path = short.0.join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path)?)?;
+    cfg["max_position_embeddings"] = serde_json::Value::from(prompt.len());
+    std::fs::write(&cfg_path, cfg.to_string())?;
+    let engine = EnginePolicyRouter::load(&short.0, &h, 1, 0, "short")?;
+    let t = h.rollout(engine.policy.as_ref(), b, task, 0).await;
+    engine.router.shutdown();
+    expect(&t, Termination::ContextBudget, 0.0)?;
+    ensure!(!t.masked, "{}", t.detail);
 
     // Wall-time budget.
     let h4 = harness(RolloutConfig {

@@ -153,4 +153,14 @@ impl Policy for EnginePolicy {
     fn name(&self) -> String {
         self.name.clone()
     }
+
+    fn context_limit(&self) -> Option<usize> {
+        // Every replica is sized alike; the least of them bounds a request
+        // wherever it is placed.
+        self.router
+            .replicas()
+            .iter()
+            .map(|r| r.info().context_limit().0)
+            .min()
+    }
 }

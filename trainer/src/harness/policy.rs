@@ -78,6 +78,13 @@ pub trait Policy: Send + Sync {
     async fn generate(&self, req: GenerateRequest) -> Result<Completion>;
     /// A name for logs and trajectory records.
     fn name(&self) -> String;
+    /// The most tokens one sequence (prompt and completion) may hold, when
+    /// the policy knows it: a rollout that would pass it ends on its
+    /// context budget (the agent's doing) instead of in a refused request
+    /// (masked as the policy's failure).
+    fn context_limit(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Replays fixed assistant turns (raw text, encoded with the tokenizer and

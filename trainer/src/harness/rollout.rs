@@ -421,6 +421,13 @@ impl Harness {
         let mut calls: Vec<ToolCall> = Vec::new();
         let mut turn = 0usize;
         let session = session_key(&t.task_id, t.attempt);
+        // The context budget: the configured one, within what the policy
+        // can hold (0: none).
+        let budget = match (self.cfg.max_context_tokens, policy.context_limit()) {
+            (0, Some(l)) => l,
+            (b, Some(l)) => b.min(l),
+            (b, None) => b,
+        };
         loop {
             if self.cfg.max_turns > 0 && turn >= self.cfg.max_turns {
                 return Err((
@@ -433,11 +440,8 @@ impl Harness {
                 return Err((Termination::WallBudget, format!("{elapsed:.1} s elapsed")));
             }
             let mut max_new = self.cfg.max_new_tokens;
-            if self.cfg.max_context_tokens > 0 {
-                let room = self
-                    .cfg
-                    .max_context_tokens
-                    .saturating_sub(t.token_ids.len());
+            if budget > 0 {
+                let room = budget.saturating_sub(t.token_ids.len());
                 if room == 0 {
                     return Err((
                         Termination::ContextBudget,
@@ -565,7 +569,7 @@ impl Harness {
             record.observation = Some(observation);
             t.turns.push(record);
             self.push_env(t, &obs_ids);
-            if self.cfg.max_context_tokens > 0 && t.token_ids.len() >= self.cfg.max_context_tokens {
+            if budget > 0 && t.token_ids.len() >= budget {
                 return Err((
                     Termination::ContextBudget,
                     format!("{} tokens in context", t.token_ids.len()),

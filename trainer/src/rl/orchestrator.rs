@@ -728,6 +728,19 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             })
             .collect::<std::result::Result<Vec<_>, _>>()?,
     )?;
+    // Rollouts end at the engines' context when it is shorter than the
+    // recipe's budget (see `Policy::context_limit`): said, not silent.
+    if let Some(info) = router.replicas().first().map(|r| r.info()) {
+        let (limit, bound) = info.context_limit();
+        let budget = recipe.rollout.max_context_tokens;
+        if budget == 0 || limit < budget {
+            tracing::warn!(
+                "rollouts end at {limit} tokens of context ({}), not at rollout.max_context_tokens \
+                 = {budget}",
+                bound.unwrap_or("the engines' max_model_len")
+            );
+        }
+    }
     let mut comms: Vec<Option<Arc<dyn Communicator>>> = if recipe.ranks > 1 {
         LocalComm::world(recipe.ranks)?
             .into_iter()
