@@ -166,7 +166,7 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
         bail!("the prompt encodes to no tokens");
     }
     if let Some(p) = config.max_positions {
-        if prompt.len() + args.max_tokens > p {
+        if prompt.len().saturating_add(args.max_tokens) > p {
             bail!(
                 "the prompt is {} tokens and --max-tokens {}: past the {p} positions the model \
                  was trained for (max_position_embeddings in its config.json)",
@@ -195,7 +195,9 @@ pub fn generate(args: GenerateArgs) -> Result<()> {
                 Ok(argmax(&logits) as u32)
             })
         }
-        Device::Cuda(ordinal) => cuda_greedy(&args, ordinal, prompt.len() + args.max_tokens)?,
+        Device::Cuda(ordinal) => {
+            cuda_greedy(&args, ordinal, prompt.len().saturating_add(args.max_tokens))?
+        }
     };
     let mut next = prompt.clone();
     let mut out = Vec::new();

@@ -47,6 +47,7 @@ use axum::Json;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -585,9 +586,14 @@ async fn completions(
         })
         .collect();
     for r in &requests {
-        match echo_only {
-            true => s.inner.router.validate_prompt(&r.prompt)?,
-            false => s.inner.router.validate(r)?,
+        if echo_only {
+            // Nothing is generated, but n, temperature and the rest are
+            // checked as for any request (n sizes the answer).
+            let mut checked = r.clone();
+            checked.params.max_tokens = 1;
+            s.inner.router.validate(&checked)?;
+        } else {
+            s.inner.router.validate(r)?;
         }
     }
     let id = s.request_id("cmpl");
@@ -616,6 +622,8 @@ async fn completions(
         };
         let st = s.clone();
         let want_lp = logprobs.is_some();
+        // Each choice's offsets count on from its chunks before.
+        let mut next_offset: HashMap<usize, usize> = HashMap::new();
         let stream = stream_events(s.clone(), sub.events, params, move |ev| match ev {
             StreamItem::Text {
                 index,
@@ -623,10 +631,16 @@ async fn completions(
                 tokens,
             } => {
                 let lp = want_lp.then(|| {
+                    let at = next_offset.entry(index).or_insert(0);
+                    let start = *at;
+                    *at += tokens
+                        .iter()
+                        .map(|(t, _, _)| st.token_text(*t).len())
+                        .sum::<usize>();
                     let items = tokens
                         .into_iter()
                         .map(|(t, lp, top)| (t, Some(lp), Some(top)));
-                    completion_logprobs(&st, items, 0)
+                    completion_logprobs(&st, items, start)
                 });
                 chunk(index, text, lp, None)
             }
@@ -1472,6 +1486,29 @@ mod tests {
             assert_eq!(streamed, whole, "stop {stop:?}");
             assert!(!whole.contains(stop.as_str()), "stop {stop:?} in {whole:?}");
         }
+        // Streamed log-probs: each chunk's text_offset counts on from the
+        // chunks before, as in the whole answer.
+        let mut with_lp = ask(None, false);
+        with_lp["logprobs"] = json!(1);
+        let (st, v) = call_json(&app, "/v1/completions", with_lp.clone()).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let whole = v["choices"][0]["logprobs"]["text_offset"].clone();
+        with_lp["stream"] = json!(true);
+        let (st, sse) = call(&app, "POST", "/v1/completions", &with_lp.to_string()).await;
+        assert_eq!(st, StatusCode::OK, "{sse}");
+        let streamed: Vec<Value> = sse
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .flat_map(|d| {
+                let v: Value = serde_json::from_str(d).unwrap();
+                v["choices"][0]["logprobs"]["text_offset"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .collect();
+        assert_eq!(Value::from(streamed), whole);
     }
 
     /// With echo, the text starts with the prompt and every token's
@@ -1549,6 +1586,29 @@ mod tests {
                 .unwrap()
                 .contains("vocabulary"),
             "{b}"
+        );
+        // So are its sampling settings: n sizes the answer.
+        for (key, value) in [
+            ("n", json!(129)),
+            ("temperature", json!(-1)),
+            ("top_p", json!(7)),
+        ] {
+            let mut b = json!({"model": "tiny", "prompt": "hello", "max_tokens": 0, "echo": true});
+            b[key] = value;
+            let (st, v) = call_json(&app, "/v1/completions", b).await;
+            assert_eq!(st, StatusCode::BAD_REQUEST, "{key}: {v}");
+        }
+        // A max_tokens near the integer's end does not wrap past the
+        // context check.
+        let huge = json!({"model": "tiny", "prompt": "hello", "max_tokens": u64::MAX});
+        let (st, v) = call_json(&app, "/v1/completions", huge).await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("maximum context length"),
+            "{v}"
         );
         // Without echo, max_tokens 0 is still refused.
         let mut zero = ask.clone();

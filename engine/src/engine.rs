@@ -399,7 +399,11 @@ impl EngineHandle {
 
     /// The load `request` adds while it is outstanding.
     pub fn request_load(request: &Request) -> u64 {
-        (request.params.n * (request.prompt.len() + request.params.max_tokens)) as u64
+        // Saturating: a max_tokens near usize::MAX is refused by
+        // `validate`, but the load is counted before or without it.
+        (request.params.n as u64).saturating_mul(
+            (request.prompt.len() as u64).saturating_add(request.params.max_tokens as u64),
+        )
     }
 
     /// Check a request against this engine's limits; the message is for
@@ -433,7 +437,8 @@ impl EngineHandle {
                 info.vocab_size
             )));
         }
-        let total = prompt.len() + max_tokens;
+        // Saturating: max_tokens comes from the client, up to usize::MAX.
+        let total = prompt.len().saturating_add(max_tokens);
         let (limit, bound) = info.context_limit();
         if total > limit {
             // OpenAI's wording (clients look for it), and where the limit

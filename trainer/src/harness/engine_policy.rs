@@ -81,7 +81,7 @@ impl EnginePolicyRouter {
             max_model_len: harness
                 .cfg
                 .max_context_tokens
-                .max(harness.cfg.max_new_tokens + 1),
+                .max(harness.cfg.max_new_tokens.saturating_add(1)),
             ..EngineConfig::default()
         };
         if cache_mib > 0 {

@@ -604,7 +604,7 @@ impl Recipe {
             max_model_len: self
                 .rollout
                 .max_context_tokens
-                .max(self.rollout.max_new_tokens + 1)
+                .max(self.rollout.max_new_tokens.saturating_add(1))
                 .max(1024),
             state_dtype: self.state_dtype,
             rebuild_caches: self.rebuild_caches,
