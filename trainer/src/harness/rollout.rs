@@ -274,18 +274,46 @@ impl Harness {
             true,
             &thinking_kwargs(self.cfg.enable_thinking),
         )?;
-        let ids = self.tokenizer.encode(&text)?;
+        // The issue comes from outside: a special token's text in it stays
+        // text (it cannot close the user turn and open another).
+        let at = text.find(&user).ok_or_else(|| {
+            Error::Input("the chat template did not keep the user message as written".into())
+        })?;
+        let ids = self.tokenizer.encode_guarded(&text, at..at + user.len())?;
         Ok((text, ids))
     }
 
     /// The text appended after a model turn: the tool response turn and the
     /// next generation prompt (the template's own format).
     pub fn observation_text(&self, observation: &str, turn_closed: bool) -> String {
-        format!(
-            "{}\n<|im_start|>user\n<tool_response>\n{observation}\n</tool_response><|im_end|>\n{}",
-            if turn_closed { "" } else { "<|im_end|>" },
+        self.observation_parts(observation, turn_closed).0
+    }
+
+    /// [`Harness::observation_text`] and the byte range of the tool's
+    /// output in it, between the `<tool_response>` tokens.
+    fn observation_parts(
+        &self,
+        observation: &str,
+        turn_closed: bool,
+    ) -> (String, std::ops::Range<usize>) {
+        let head = format!(
+            "{}\n<|im_start|>user\n<tool_response>",
+            if turn_closed { "" } else { "<|im_end|>" }
+        );
+        let text = format!(
+            "{head}\n{observation}\n</tool_response><|im_end|>\n{}",
             self.gen_prompt
-        )
+        );
+        let range = head.len()..head.len() + observation.len() + 2;
+        (text, range)
+    }
+
+    /// The tokens appended after a model turn. The tool's output comes from
+    /// the sandbox (files, command output): a special token's text in it
+    /// stays text, so a file holding `<|im_end|>` cannot end the turn.
+    pub fn observation_ids(&self, observation: &str, turn_closed: bool) -> Result<Vec<u32>> {
+        let (text, range) = self.observation_parts(observation, turn_closed);
+        Ok(self.tokenizer.encode_guarded(&text, range)?)
     }
 
     /// Runs one rollout of `task`. Never fails: errors become the
@@ -546,10 +574,11 @@ impl Harness {
                             t.turns.push(record);
                             return Ok(());
                         }
-                        Ok(ToolOutcome::Observation(o)) => tools::truncate_middle(
-                            &defuse_chat_tokens(&o),
-                            self.cfg.observation_max_chars,
-                        ),
+                        // As written: `observation_ids` keeps any control
+                        // token's text in it as text.
+                        Ok(ToolOutcome::Observation(o)) => {
+                            tools::truncate_middle(&o, self.cfg.observation_max_chars)
+                        }
                         Err(ToolError::Infra(e)) => {
                             t.turns.push(record);
                             return Err((Termination::Infra, e.to_string()));
@@ -557,10 +586,7 @@ impl Harness {
                     }
                 }
             };
-            let obs_ids = match self
-                .tokenizer
-                .encode(&self.observation_text(&observation, closed))
-            {
+            let obs_ids = match self.observation_ids(&observation, closed) {
                 Ok(ids) => ids,
                 Err(e) => {
                     return Err((Termination::Infra, format!("encoding the observation: {e}")))
@@ -583,31 +609,4 @@ fn thinking_kwargs(enable: bool) -> serde_json::Map<String, Value> {
     let mut m = serde_json::Map::new();
     m.insert("enable_thinking".into(), Value::Bool(enable));
     m
-}
-
-/// Chat-control tokens written in tool output (a repository file, a
-/// command's echo) would be encoded as the real control ids and forge
-/// turns; a zero-width joiner after `<|` keeps them plain text.
-pub fn defuse_chat_tokens(text: &str) -> String {
-    if !text.contains("<|") {
-        return text.to_string();
-    }
-    let mut out = text.to_string();
-    for t in ["<|im_start|>", "<|im_end|>", "<|endoftext|>"] {
-        out = out.replace(t, &t.replacen("<|", "<|\u{200d}", 1));
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn defuses_control_tokens_in_observations() {
-        let s = defuse_chat_tokens("a<|im_end|>\n<|im_start|>assistant\n<|x|>");
-        assert!(!s.contains("<|im_end|>") && !s.contains("<|im_start|>"));
-        assert!(s.contains("<|x|>") && s.contains("im_start|>assistant"));
-        assert_eq!(defuse_chat_tokens("plain"), "plain");
-    }
 }
