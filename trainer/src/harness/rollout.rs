@@ -279,7 +279,9 @@ impl Harness {
         let at = text.find(&user).ok_or_else(|| {
             Error::Input("the chat template did not keep the user message as written".into())
         })?;
-        let ids = self.tokenizer.encode_guarded(&text, at..at + user.len())?;
+        let ids = self
+            .tokenizer
+            .encode_guarded(&text, std::slice::from_ref(&(at..at + user.len())))?;
         Ok((text, ids))
     }
 
@@ -313,7 +315,7 @@ impl Harness {
     /// stays text, so a file holding `<|im_end|>` cannot end the turn.
     pub fn observation_ids(&self, observation: &str, turn_closed: bool) -> Result<Vec<u32>> {
         let (text, range) = self.observation_parts(observation, turn_closed);
-        Ok(self.tokenizer.encode_guarded(&text, range)?)
+        Ok(self.tokenizer.encode_guarded(&text, &[range])?)
     }
 
     /// Runs one rollout of `task`. Never fails: errors become the
