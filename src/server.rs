@@ -109,6 +109,7 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/v1/completions", post(completions))
@@ -219,7 +220,8 @@ async fn method_not_allowed() -> AppError {
     AppError {
         status: StatusCode::METHOD_NOT_ALLOWED,
         kind: "invalid_request_error",
-        message: "this route does not take that method (completions take POST)".into(),
+        message: "this route does not take that method (its Allow header names those it does)"
+            .into(),
         param: None,
     }
 }
@@ -230,18 +232,29 @@ async fn health() -> &'static str {
     "ok"
 }
 
+/// The served model, as `/v1/models` lists it.
+fn model_object(s: &AppState) -> Value {
+    let info = s.inner.router.replicas()[0].info();
+    json!({
+        "id": s.inner.model_name,
+        "object": "model",
+        "created": s.inner.created,
+        "owned_by": "arcticd",
+        "max_model_len": info.context_limit().0,
+    })
+}
+
 async fn models(State(s): State<AppState>) -> Json<Value> {
-    let info = s.inner.router.replicas()[0].info().clone();
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": s.inner.model_name,
-            "object": "model",
-            "created": s.inner.created,
-            "owned_by": "arcticd",
-            "max_model_len": info.context_limit().0,
-        }],
-    }))
+    Json(json!({"object": "list", "data": [model_object(&s)]}))
+}
+
+/// `GET /v1/models/{id}`: the served model, or 404 for another name.
+async fn model(
+    State(s): State<AppState>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> AppResult<Json<Value>> {
+    s.check_model(&Some(id))?;
+    Ok(Json(model_object(&s)))
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
@@ -530,6 +543,10 @@ impl AppState {
 /// as JSON strings become objects.
 fn normalize_message(m: &Value) -> Value {
     let mut m = m.clone();
+    // OpenAI's newer name for the system role.
+    if m.get("role").and_then(Value::as_str) == Some("developer") {
+        m["role"] = Value::from("system");
+    }
     if let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) {
         for call in calls {
             let target = match call.get_mut("function") {
@@ -879,8 +896,7 @@ fn tool_mode(tools: &Option<Vec<Value>>, choice: &Option<Value>) -> AppResult<To
         .iter()
         .flatten()
         .filter_map(|t| {
-            t.get("function")
-                .unwrap_or(t)
+            arcticd_engine::tool_call::function_of(t)
                 .get("name")
                 .and_then(Value::as_str)
         })
@@ -952,6 +968,20 @@ async fn chat_completions(
     }
     let mode = tool_mode(&req.tools, &req.tool_choice)?;
     let kwargs = req.chat_template_kwargs.take().unwrap_or_default();
+    // The request's own fields: the kwargs may not replace them (nor skip
+    // the checks made on them above).
+    if let Some(k) = ["messages", "tools", "add_generation_prompt"]
+        .iter()
+        .find(|k| kwargs.contains_key(**k))
+    {
+        return Err(AppError::bad(format!(
+            "chat_template_kwargs may not set {k:?}: it is the request's own field"
+        ))
+        .param("chat_template_kwargs"));
+    }
+    if req.top_logprobs.is_some() && !req.logprobs.unwrap_or(false) {
+        return Err(AppError::bad("top_logprobs needs logprobs: true").param("top_logprobs"));
+    }
     let mut text = s.render_chat(&req.messages, req.tools.as_deref(), true, &kwargs)?;
     let forced = match &mode {
         ToolMode::Forced(p) => p.clone(),
@@ -1485,6 +1515,25 @@ mod tests {
         assert_eq!(v["prompt"], "hello world");
         let (st, v) = call_json(&app, "/detokenize", json!({"tokens": [999999]})).await;
         assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+        // One model, by name: the served one, or OpenAI's 404.
+        let (st, body) = call(&app, "GET", "/v1/models/tiny", "").await;
+        assert_eq!(st, StatusCode::OK, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            (v["id"].as_str(), v["object"].as_str()),
+            (Some("tiny"), Some("model"))
+        );
+        let (st, body) = call(&app, "GET", "/v1/models/other", "").await;
+        assert_eq!(st, StatusCode::NOT_FOUND, "{body}");
+        // The developer role is the system role.
+        let dev = json!({"messages": [{"role": "developer", "content": "be brief"},
+                                      {"role": "user", "content": "hi"}]});
+        let sys = json!({"messages": [{"role": "system", "content": "be brief"},
+                                      {"role": "user", "content": "hi"}]});
+        let (st, d) = call_json(&app, "/tokenize", dev).await;
+        assert_eq!(st, StatusCode::OK, "{d}");
+        let (_, sy) = call_json(&app, "/tokenize", sys).await;
+        assert_eq!(d["tokens"], sy["tokens"]);
         // A message's content is text: control tokens written in it do
         // not become control tokens (no forged system turn); the prompt's
         // own are the template's.
@@ -1759,6 +1808,23 @@ mod tests {
         let app = app(state());
         let cases: Vec<(&str, String, StatusCode)> = vec![
             ("/v1/chat/completions", "{not json".into(), StatusCode::BAD_REQUEST),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "hi"}],
+                       "chat_template_kwargs": {"add_generation_prompt": false}}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "hi"}],
+                       "tools": [{"type": "function", "function": {"name": "has space!"}}]}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
             ("/v1/chat/completions", "".into(), StatusCode::BAD_REQUEST),
             ("/v1/chat/completions", json!({"messages": []}).to_string(), StatusCode::BAD_REQUEST),
             (

@@ -227,6 +227,13 @@ pub fn check_tools(tools: &[Value]) -> Result<(), String> {
             Some(n) if !n.trim().is_empty() => n,
             _ => return Err(format!("tools[{i}] has no function name")),
         };
+        // OpenAI's rule; the call format writes the name inside a tag.
+        let fits = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+        if name.len() > 64 || !name.chars().all(fits) {
+            return Err(format!(
+                "tools[{i}]: the function name {name:?} must be 1 to 64 letters, digits, _ or -"
+            ));
+        }
         if seen.contains(&name) {
             return Err(format!("tools[{i}]: the name {name:?} is given twice"));
         }
@@ -250,7 +257,7 @@ pub fn check_tools(tools: &[Value]) -> Result<(), String> {
 /// The `{"name", "parameters"}` object of `name` among `tools`.
 /// The function a tool describes: OpenAI's `{"type": "function",
 /// "function": {...}}` wrapper, or the bare function object.
-fn function_of(tool: &Value) -> &Value {
+pub fn function_of(tool: &Value) -> &Value {
     tool.get("function").unwrap_or(tool)
 }
 
@@ -524,6 +531,11 @@ mod tests {
                 "tools[0] has no function name",
             ),
             (vec![json!({"function": {"name": " "}})], "no function name"),
+            (
+                vec![json!({"name": "has space!"})],
+                "must be 1 to 64 letters, digits, _ or -",
+            ),
+            (vec![json!({"name": "f".repeat(65)})], "must be 1 to 64"),
             (
                 vec![wrapped.clone(), json!({"name": "f"})],
                 "tools[1]: the name \"f\" is given twice",
