@@ -406,10 +406,42 @@ struct SamplingFields {
     seed: Option<u64>,
     ignore_eos: Option<bool>,
     stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
     /// Return the prompt's and each choice's token ids, and the weight
     /// version that produced each generated token.
     return_token_ids: Option<bool>,
 }
+
+#[derive(Deserialize, Default)]
+struct StreamOptions {
+    /// A last chunk, before `[DONE]`, with no choices and the usage.
+    include_usage: Option<bool>,
+}
+
+impl SamplingFields {
+    /// Whether a stream ends with a usage chunk (`stream_options`), which
+    /// only a stream may ask for.
+    fn usage_in_stream(&self) -> AppResult<bool> {
+        match &self.stream_options {
+            Some(_) if !self.stream.unwrap_or(false) => Err(AppError::bad(
+                "stream_options is only for a stream (stream: true)",
+            )
+            .param("stream_options")),
+            Some(o) => Ok(o.include_usage.unwrap_or(false)),
+            None => Ok(false),
+        }
+    }
+}
+
+/// The usage object of a response.
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens})
+}
+
+/// The last chunk of a stream that asked for its usage: a chunk of
+/// `object` with no choices.
+type UsageChunk = Box<dyn FnOnce(usize) -> Value + Send>;
 
 impl AppState {
     fn check_model(&self, model: &Option<String>) -> AppResult<()> {
@@ -670,6 +702,7 @@ async fn completions(
     }
     let id = s.request_id("cmpl");
     let created = unix_now();
+    let with_usage = req.sampling.usage_in_stream()?;
     if stream {
         if requests.len() != 1 {
             return Err(AppError::bad("streaming takes one prompt").param("prompt"));
@@ -684,8 +717,16 @@ async fn completions(
             .into_iter()
             .next()
             .ok_or_else(|| AppError::bad("no prompt"))?;
+        let prompt_tokens = request.prompt.len();
         let (_, sub) = s.inner.router.submit(request)?;
         let model = s.inner.model_name.clone();
+        let usage_chunk = with_usage.then(|| {
+            let (id, model) = (id.clone(), model.clone());
+            Box::new(move |generated| {
+                json!({"id": id, "object": "text_completion", "created": created,
+                       "model": model, "choices": [], "usage": usage(prompt_tokens, generated)})
+            }) as UsageChunk
+        });
         let chunk = move |index: usize, text: String, lp: Option<Value>, finish: Option<&str>| {
             json!({
                 "id": id, "object": "text_completion", "created": created, "model": model,
@@ -696,30 +737,36 @@ async fn completions(
         let want_lp = logprobs.is_some();
         // Each choice's offsets count on from its chunks before.
         let mut next_offset: HashMap<usize, usize> = HashMap::new();
-        let stream = stream_events(s.clone(), sub.events, params, move |ev| match ev {
-            StreamItem::Text {
-                index,
-                text,
-                tokens,
-            } => {
-                let lp = want_lp.then(|| {
-                    let at = next_offset.entry(index).or_insert(0);
-                    let start = *at;
-                    *at += tokens
-                        .iter()
-                        .map(|(t, _, _)| st.token_text(*t).len())
-                        .sum::<usize>();
-                    let items = tokens
-                        .into_iter()
-                        .map(|(t, lp, top)| (t, Some(lp), Some(top)));
-                    completion_logprobs(&st, items, start)
-                });
-                chunk(index, text, lp, None)
-            }
-            StreamItem::Finish { index, reason, .. } => {
-                chunk(index, String::new(), None, Some(reason))
-            }
-        });
+        let stream = stream_events(
+            s.clone(),
+            sub.events,
+            params,
+            usage_chunk,
+            move |ev| match ev {
+                StreamItem::Text {
+                    index,
+                    text,
+                    tokens,
+                } => {
+                    let lp = want_lp.then(|| {
+                        let at = next_offset.entry(index).or_insert(0);
+                        let start = *at;
+                        *at += tokens
+                            .iter()
+                            .map(|(t, _, _)| st.token_text(*t).len())
+                            .sum::<usize>();
+                        let items = tokens
+                            .into_iter()
+                            .map(|(t, lp, top)| (t, Some(lp), Some(top)));
+                        completion_logprobs(&st, items, start)
+                    });
+                    chunk(index, text, lp, None)
+                }
+                StreamItem::Finish { index, reason, .. } => {
+                    chunk(index, String::new(), None, Some(reason))
+                }
+            },
+        );
         return Ok(Sse::new(stream)
             .keep_alive(KeepAlive::default())
             .into_response());
@@ -797,11 +844,7 @@ async fn completions(
         "created": created,
         "model": s.inner.model_name,
         "choices": all_choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": usage(prompt_tokens, completion_tokens),
     }))
     .into_response())
 }
@@ -1017,9 +1060,17 @@ async fn chat_completions(
     let created = unix_now();
     let return_ids = req.sampling.return_token_ids.unwrap_or(false);
 
+    let with_usage = req.sampling.usage_in_stream()?;
     if req.sampling.stream.unwrap_or(false) {
         let (_, sub) = s.inner.router.submit(request)?;
         let model = s.inner.model_name.clone();
+        let usage_chunk = with_usage.then(|| {
+            let (id, model, prompt_tokens) = (id.clone(), model.clone(), prompt.len());
+            Box::new(move |generated| {
+                json!({"id": id, "object": "chat.completion.chunk", "created": created,
+                       "model": model, "choices": [], "usage": usage(prompt_tokens, generated)})
+            }) as UsageChunk
+        });
         let with_tools = !matches!(mode, ToolMode::Off);
         let st = s.clone();
         let n = params.n;
@@ -1028,7 +1079,7 @@ async fn chat_completions(
         // tool call; each call goes out as a `tool_calls` delta once it
         // closes (see `ToolStream`).
         let mut tool_streams: Vec<ToolStream> = (0..n).map(|_| ToolStream::new(&forced)).collect();
-        let stream = stream_events(s.clone(), sub.events, params, move |ev| {
+        let stream = stream_events(s.clone(), sub.events, params, usage_chunk, move |ev| {
             let (index, delta, lp, finish) = match ev {
                 StreamItem::Text {
                     index,
@@ -1109,11 +1160,7 @@ async fn chat_completions(
         "created": created,
         "model": s.inner.model_name,
         "choices": out,
-        "usage": {
-            "prompt_tokens": prompt.len(),
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt.len() + completion_tokens,
-        },
+        "usage": usage(prompt.len(), completion_tokens),
     });
     if return_ids {
         resp["prompt_token_ids"] = json!(prompt);
@@ -1343,6 +1390,7 @@ fn stream_events(
     s: AppState,
     mut events: UnboundedReceiver<Event>,
     params: SamplingParams,
+    usage_chunk: Option<UsageChunk>,
     mut shape: impl FnMut(StreamItem) -> Value + Send + 'static,
 ) -> impl futures_util::Stream<Item = Result<SseEvent, Infallible>> {
     let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
@@ -1428,6 +1476,13 @@ fn stream_events(
                 {
                     return;
                 }
+            }
+        }
+        if let Some(chunk) = usage_chunk {
+            let generated = detok.iter().map(|d| d.ids.len()).sum();
+            let body = chunk(generated).to_string();
+            if tx.send(SseEvent::default().data(body)).await.is_err() {
+                return;
             }
         }
         let _ = tx.send(SseEvent::default().data("[DONE]")).await;
@@ -1977,6 +2032,33 @@ mod tests {
             v["choices"][0]["message"]["content"].as_str().unwrap(),
             streamed
         );
+        // stream_options.include_usage: a last chunk before [DONE], with no
+        // choices and the whole answer's usage (n = 2: both choices').
+        for route in ["/v1/chat/completions", "/v1/completions"] {
+            let mut ask = json!({"max_tokens": 6, "n": 2, "stream": true, "ignore_eos": true,
+                                 "stream_options": {"include_usage": true}});
+            match route {
+                "/v1/completions" => ask["prompt"] = json!("hi"),
+                _ => ask["messages"] = json!([{"role": "user", "content": "hi"}]),
+            }
+            let (st, body) = call(&app, "POST", route, &ask.to_string()).await;
+            assert_eq!(st, StatusCode::OK, "{body}");
+            let datas: Vec<&str> = body
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .collect();
+            assert_eq!(datas.last(), Some(&"[DONE]"), "{route}");
+            let last: Value = serde_json::from_str(datas[datas.len() - 2]).unwrap();
+            assert_eq!(last["choices"], json!([]), "{route}: {last}");
+            assert_eq!(last["usage"]["completion_tokens"], 12, "{route}: {last}");
+            let p = last["usage"]["prompt_tokens"].as_u64().unwrap();
+            assert!(p > 0 && last["usage"]["total_tokens"] == p + 12, "{last}");
+            // Without a stream it is refused.
+            ask["stream"] = json!(false);
+            let (st, v) = call_json(&app, route, ask).await;
+            assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+            assert_eq!(v["error"]["param"], "stream_options", "{v}");
+        }
     }
 
     /// An engine failure is the server's fault: 500, logged, and no

@@ -2,9 +2,10 @@
 
 Usage: python openai_client_check.py --base-url http://127.0.0.1:PORT/v1 --model NAME
 
-Checks: model listing; plain chat; streaming (the streamed text equals the
-non-streamed greedy text); a forced tool call that comes back as OpenAI
-`tool_calls` with JSON arguments, and its round trip (the call and a tool
+Checks: model listing and retrieval; plain chat; streaming (the streamed
+text equals the non-streamed greedy text, and the usage chunk it asks
+for); a forced tool call that comes back as OpenAI `tool_calls` with JSON
+arguments, and its round trip (the call and a tool
 result sent back); log-probs with top alternatives; text completions with
 token ids; 32 concurrent requests each answered exactly as when sent alone;
 an empty message list rejected with a 400. Prints a JSON summary; exits
@@ -59,6 +60,21 @@ def main():
     assert finish == "length", finish
     assert "".join(parts) == plain.choices[0].message.content, (parts, plain.choices[0].message.content)
     summary["stream_chunks"] = len(parts)
+
+    # stream_options.include_usage: the client gets the usage from the last
+    # chunk, which has no choices; one model by name.
+    usage = None
+    for chunk in client.chat.completions.create(
+        model=m, messages=user, max_tokens=12, temperature=0, stream=True, extra_body=extra,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.usage is not None:
+            assert chunk.choices == [], chunk
+            usage = chunk.usage
+    assert usage is not None and usage.completion_tokens == 12, usage
+    assert usage.total_tokens == usage.prompt_tokens + 12, usage
+    summary["stream_usage"] = usage.total_tokens
+    assert client.models.retrieve(m).id == m
 
     tools = [{
         "type": "function",
