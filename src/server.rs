@@ -407,6 +407,14 @@ struct SamplingFields {
     ignore_eos: Option<bool>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
+    // OpenAI parameters this server does not implement: refused unless
+    // neutral, not ignored (see `SamplingFields::check_supported`).
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
+    logit_bias: Option<Map<String, Value>>,
+    response_format: Option<Value>,
+    best_of: Option<usize>,
+    suffix: Option<String>,
     /// Return the prompt's and each choice's token ids, and the weight
     /// version that produced each generated token.
     return_token_ids: Option<bool>,
@@ -419,6 +427,40 @@ struct StreamOptions {
 }
 
 impl SamplingFields {
+    /// Refuses an OpenAI parameter this server does not implement when it
+    /// asks for anything but the default: an answer that ignored it would
+    /// look like one that honoured it.
+    fn check_supported(&self) -> AppResult<()> {
+        let unsupported = |param: &'static str, what: &str| {
+            Err(
+                AppError::bad(format!("{param} is not supported by this server ({what})"))
+                    .param(param),
+            )
+        };
+        for (param, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if v.is_some_and(|v| v != 0.0) {
+                return unsupported(param, "only 0");
+            }
+        }
+        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+            return unsupported("logit_bias", "only an empty one");
+        }
+        let text = |f: &Value| f.get("type").and_then(Value::as_str) == Some("text");
+        if self.response_format.as_ref().is_some_and(|f| !text(f)) {
+            return unsupported("response_format", "only {\"type\": \"text\"}");
+        }
+        if self.best_of.is_some_and(|b| b > 1) {
+            return unsupported("best_of", "only 1; n gives several choices");
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return unsupported("suffix", "no insertion; only an empty one");
+        }
+        Ok(())
+    }
+
     /// Whether a stream ends with a usage chunk (`stream_options`), which
     /// only a stream may ask for.
     fn usage_in_stream(&self) -> AppResult<bool> {
@@ -661,6 +703,7 @@ async fn completions(
 ) -> AppResult<Response> {
     let mut req: CompletionRequest = parse_body(&body)?;
     s.check_model(&req.sampling.model)?;
+    req.sampling.check_supported()?;
     let prompts: Vec<Vec<u32>> = match req.prompt {
         PromptInput::Text(t) => vec![s.inner.tokenizer.encode(&t)?],
         PromptInput::Texts(ts) => ts
@@ -997,6 +1040,7 @@ async fn chat_completions(
 ) -> AppResult<Response> {
     let mut req: ChatRequest = parse_body(&body)?;
     s.check_model(&req.sampling.model)?;
+    req.sampling.check_supported()?;
     if req.messages.is_empty() {
         return Err(AppError::bad("messages must not be empty").param("messages"));
     }
@@ -1866,6 +1910,22 @@ mod tests {
             (
                 "/v1/chat/completions",
                 json!({"messages": [{"role": "user", "content": "hi"}],
+                       "response_format": {"type": "json_object"}}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/completions",
+                json!({"prompt": "hi", "presence_penalty": 1.5}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/completions",
+                json!({"prompt": "hi", "logit_bias": {"5": 100}}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "hi"}],
                        "chat_template_kwargs": {"add_generation_prompt": false}}).to_string(),
                 StatusCode::BAD_REQUEST,
             ),
@@ -2021,11 +2081,15 @@ mod tests {
             .iter()
             .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
             .collect();
+        // The same without streaming, with the neutral values of parameters
+        // the server does not implement (accepted; others are refused).
         let (_, v) = call_json(
             &app,
             "/v1/chat/completions",
             json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
-                   "ignore_eos": true, "temperature": 0}),
+                   "ignore_eos": true, "temperature": 0, "presence_penalty": 0,
+                   "frequency_penalty": 0.0, "logit_bias": {},
+                   "response_format": {"type": "text"}}),
         )
         .await;
         assert_eq!(
