@@ -128,6 +128,8 @@ pub struct AppError {
     kind: &'static str,
     message: String,
     param: Option<&'static str>,
+    /// OpenAI's `code`, where it has one for the error.
+    code: Option<&'static str>,
 }
 
 impl AppError {
@@ -137,7 +139,13 @@ impl AppError {
             kind: "invalid_request_error",
             message: message.into(),
             param: None,
+            code: None,
         }
+    }
+
+    fn code(mut self, c: &'static str) -> Self {
+        self.code = Some(c);
+        self
     }
 
     fn param(mut self, p: &'static str) -> Self {
@@ -152,6 +160,7 @@ impl AppError {
             kind: "internal_error",
             message: "internal error".into(),
             param: None,
+            code: None,
         }
     }
 }
@@ -161,11 +170,13 @@ impl From<arcticd_engine::Error> for AppError {
         use arcticd_engine::Error as E;
         match e {
             E::Input(m) => AppError::bad(m),
+            E::ContextLength(m) => AppError::bad(m).code("context_length_exceeded"),
             E::Unavailable(m) => AppError {
                 status: StatusCode::SERVICE_UNAVAILABLE,
                 kind: "service_unavailable",
                 message: m,
                 param: None,
+                code: None,
             },
             E::Template(m) => AppError::bad(format!("chat template: {m}")),
             E::Tokenizer(m) => AppError::bad(format!("tokenizer: {m}")),
@@ -180,7 +191,7 @@ impl IntoResponse for AppError {
             "message": self.message,
             "type": self.kind,
             "param": self.param,
-            "code": Value::Null,
+            "code": self.code,
         }});
         (self.status, Json(body)).into_response()
     }
@@ -200,6 +211,7 @@ fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> AppR
         kind: "invalid_request_error",
         message: format!("the request body could not be read: {}", e.body_text()),
         param: None,
+        code: None,
     })?;
     if body.is_empty() {
         return Err(AppError::bad("the request body is empty; expected JSON"));
@@ -213,6 +225,7 @@ async fn not_found() -> AppError {
         kind: "invalid_request_error",
         message: "no such route".into(),
         param: None,
+        code: None,
     }
 }
 
@@ -223,6 +236,7 @@ async fn method_not_allowed() -> AppError {
         message: "this route does not take that method (its Allow header names those it does)"
             .into(),
         param: None,
+        code: None,
     }
 }
 
@@ -496,6 +510,7 @@ impl AppState {
                     self.inner.model_name
                 ),
                 param: Some("model"),
+                code: Some("model_not_found"),
             }),
             _ => Ok(()),
         }
@@ -1085,6 +1100,7 @@ async fn chat_completions(
             prompt.len(),
             limit
         ))
+        .code("context_length_exceeded")
         .param("messages"));
     }
     let want_lp = req.logprobs.unwrap_or(false);
@@ -1624,6 +1640,8 @@ mod tests {
         );
         let (st, body) = call(&app, "GET", "/v1/models/other", "").await;
         assert_eq!(st, StatusCode::NOT_FOUND, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["error"]["code"], "model_not_found", "{v}");
         // The developer role is the system role.
         let dev = json!({"messages": [{"role": "developer", "content": "be brief"},
                                       {"role": "user", "content": "hi"}]});
@@ -1838,6 +1856,7 @@ mod tests {
         let huge = json!({"model": "tiny", "prompt": "hello", "max_tokens": u64::MAX});
         let (st, v) = call_json(&app, "/v1/completions", huge).await;
         assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
         assert!(
             v["error"]["message"]
                 .as_str()

@@ -444,7 +444,7 @@ impl EngineHandle {
             // OpenAI's wording (clients look for it), and where the limit
             // comes from when it is not the configured one.
             let from = bound.map(|b| format!(" ({b})")).unwrap_or_default();
-            return Err(Error::Input(format!(
+            return Err(Error::ContextLength(format!(
                 "this model's maximum context length is {limit} tokens{from}; the prompt \
                  has {} and max_tokens is {max_tokens} ({total} in all)",
                 prompt.len(),
@@ -999,7 +999,7 @@ impl EngineLoop {
                     weight_version: version,
                 })
                 .map_err(|e| match e {
-                    e @ Error::Input(_) => e,
+                    e @ (Error::Input(_) | Error::ContextLength(_)) => e,
                     e => {
                         tracing::error!("scoring a prompt failed: {e}");
                         Error::Internal(Failure::from(e))

@@ -16,6 +16,11 @@ pub enum Error {
     Template(String),
     #[error("input: {0}")]
     Input(String),
+    /// A request whose prompt and completion would pass the most tokens a
+    /// sequence may hold: the caller's, like `Input` (OpenAI's
+    /// `context_length_exceeded`).
+    #[error("input: {0}")]
+    ContextLength(String),
     /// A failure inside the engine (a forward or a sampling step), never the
     /// caller's fault: a server logs it and answers 500 without the details.
     /// It keeps the error that caused it (a kernel's, a device's) as a type.
