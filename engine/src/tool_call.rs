@@ -254,13 +254,13 @@ pub fn check_tools(tools: &[Value]) -> Result<(), String> {
     Ok(())
 }
 
-/// The `{"name", "parameters"}` object of `name` among `tools`.
 /// The function a tool describes: OpenAI's `{"type": "function",
 /// "function": {...}}` wrapper, or the bare function object.
 pub fn function_of(tool: &Value) -> &Value {
     tool.get("function").unwrap_or(tool)
 }
 
+/// The `{"name", "parameters"}` object of `name` among `tools`.
 fn find_tool<'a>(name: &str, tools: &'a [Value]) -> Option<&'a Value> {
     tools.iter().find_map(|t| {
         let f = function_of(t);
