@@ -6,6 +6,7 @@
 
 use anyhow::{bail, Context, Result};
 use arcticd_engine::config::ModelConfig;
+use arcticd_trainer::rl::run_dir::RunDir;
 use arcticd_trainer::rl::{self, Recipe, RunOptions};
 use clap::Args;
 use serde_json::Value;
@@ -250,14 +251,16 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
             .out
             .clone()
             .unwrap_or_else(|| PathBuf::from(format!("runs/{stem}-{}", unix_time())));
+        RunDir::new(&out).check_new()?;
         (r, out, false)
     } else {
-        let r = crate::demo::prepare(&a.sets)?;
         let out = a
             .out
             .clone()
             .unwrap_or_else(|| PathBuf::from(format!("runs/demo-{}", unix_time())));
-        (r, out, false)
+        // Before the demo builds its inputs (minutes), not after.
+        RunDir::new(&out).check_new()?;
+        (crate::demo::prepare(&a.sets)?, out, false)
     };
     if let (Some(d), true) = (a.device, resume) {
         recipe.device = d;

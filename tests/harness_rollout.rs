@@ -704,6 +704,15 @@ fn eval_command_is_resumable_and_traj_show_prints_it() -> Result<()> {
         "{stderr}"
     );
     ensure!(std::fs::read_to_string(&notes)? == "my notes, not JSON");
+    // The records are not trajectories, and `traj show` says which file is.
+    let r = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .args(["traj", "show", &p(&out)])
+        .output()?;
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    ensure!(
+        !r.status.success() && stderr.contains("eval --traj FILE"),
+        "{stderr}"
+    );
     let shown = arcticd(&["traj", "show", &p(&traj), "--task", &tasks[0].instance_id])?;
     ensure!(
         shown.contains("reward 1")

@@ -559,6 +559,33 @@ fn bad_recipes_and_inputs_are_clear_errors() {
         .output()
         .unwrap();
     assert!(!out.status.success());
+    // An --out that cannot take a new run is refused before anything is
+    // built: here the demo, which would otherwise spend minutes on its
+    // inputs first.
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "keep").unwrap();
+    let taken = dir.path().join("taken");
+    std::fs::create_dir(&taken).unwrap();
+    std::fs::write(taken.join("recipe.toml"), "steps = 1\n").unwrap();
+    for (out_dir, needle) in [
+        (&file, "is not a directory"),
+        (&taken, "already holds a run"),
+    ] {
+        let out = arcticd()
+            .args(["train", "--out"])
+            .arg(out_dir)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{}", out_dir.display());
+        assert!(err.contains(needle), "{err}");
+        assert!(!err.contains("demo:"), "the demo was built first: {err}");
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep");
+    assert_eq!(
+        std::fs::read_to_string(taken.join("recipe.toml")).unwrap(),
+        "steps = 1\n"
+    );
 }
 
 #[test]

@@ -146,6 +146,17 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Trajectory>> {
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| {
             serde_json::from_str(l).map_err(|e| {
+                // `arcticd eval` writes two files; the per-attempt records
+                // (its --out) count turns where a trajectory lists them.
+                let record = serde_json::from_str::<serde_json::Value>(l)
+                    .is_ok_and(|v| v.get("turns").is_some_and(serde_json::Value::is_u64));
+                let e = if record {
+                    "it is a per-attempt record (what `arcticd eval --out` writes); \
+                     `arcticd eval --traj FILE` writes whole trajectories"
+                        .to_string()
+                } else {
+                    e.to_string()
+                };
                 Error::Input(format!(
                     "{}:{}: not a trajectory: {e}",
                     path.display(),

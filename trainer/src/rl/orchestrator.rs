@@ -657,6 +657,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         let ids: Vec<&str> = tasks.iter().map(|t| t.instance_id.as_str()).collect();
         resume_state(&run_dir, &recipe, &ids)?
     } else {
+        run_dir.check_new()?;
         std::fs::create_dir_all(&run_dir.root).map_err(|e| Error::io(&run_dir.root, e))?;
         _held = run_dir.lock()?;
         run_dir.create()?;

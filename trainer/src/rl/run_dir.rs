@@ -144,14 +144,28 @@ impl RunDir {
         }
     }
 
-    /// Makes a new run directory; refuses one that already holds a run.
-    pub fn create(&self) -> Result<()> {
+    /// Whether a new run may start here: refuses a path that is not a
+    /// directory and one that already holds a run. `arcticd train` asks
+    /// before it builds anything, `create` again when it makes the run.
+    pub fn check_new(&self) -> Result<()> {
+        if self.root.exists() && !self.root.is_dir() {
+            return Err(Error::Run(format!(
+                "{} is not a directory: a run directory is made there; pick another --out",
+                self.root.display()
+            )));
+        }
         if self.metrics().exists() || self.recipe().exists() {
             return Err(Error::Run(format!(
                 "{} already holds a run: continue it with --resume {0}, or pick another --out",
                 self.root.display()
             )));
         }
+        Ok(())
+    }
+
+    /// Makes a new run directory; refuses one that already holds a run.
+    pub fn create(&self) -> Result<()> {
+        self.check_new()?;
         for d in [self.trajectories(), self.checkpoints()] {
             std::fs::create_dir_all(&d).map_err(io(&d))?;
         }
