@@ -409,7 +409,7 @@ pub struct BenchDecodeArgs {
     #[arg(long, default_value_t = 32)]
     pub new_tokens: usize,
     /// Engine cache memory in MiB (KV blocks and recurrent-state slots).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = crate::cli_serve::mib)]
     pub cache_memory: usize,
     /// `cpu`, or `cuda:N` in a build with the `cuda` feature.
     #[arg(long, default_value = "cpu")]
@@ -534,6 +534,11 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
         EngineConfig {
             cache_memory: args.cache_memory << 20,
             max_num_seqs: max_batch,
+            // A step holds every sequence's decode token, and a prefill
+            // chunk beside them.
+            max_batched_tokens: EngineConfig::default()
+                .max_batched_tokens
+                .max(max_batch.saturating_add(EngineConfig::default().prefix_unit)),
             max_model_len: args.prompt_len + args.new_tokens + 16,
             enable_prefix_cache: false,
             device: args.device,

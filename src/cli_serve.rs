@@ -306,12 +306,14 @@ fn cache_from_fraction(fraction: f64, meminfo: &str, replicas: usize) -> Result<
     fraction_of(fraction, available as usize, replicas)
 }
 
-/// clap's parser of `--cache-memory`: a count of MiB, no unit.
-fn mib(s: &str) -> std::result::Result<usize, String> {
+/// clap's parser of `--cache-memory` (serve, bench-decode): a count of
+/// MiB, no unit, whose bytes a `usize` holds.
+pub(crate) fn mib(s: &str) -> std::result::Result<usize, String> {
+    const MAX: usize = usize::MAX >> 20;
     match s.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
+        Ok(n) if (1..=MAX).contains(&n) => Ok(n),
         _ => Err(format!(
-            "{s} is not a whole number of MiB of at least 1 (no unit: 4096 is 4 GiB)"
+            "{s} is not a whole number of MiB from 1 to {MAX} (no unit: 4096 is 4 GiB)"
         )),
     }
 }

@@ -31,7 +31,7 @@ pub struct SftArgs {
     /// Checkpoint directory to start from (Hugging Face layout).
     #[arg(long)]
     pub model: PathBuf,
-    /// JSONL data: {"tokens": [...], "loss_mask": [...]} or {"messages": [...]} per line.
+    /// JSONL data: {"tokens": [...], "loss_mask": [...]} or {"messages": [...], "tools": [...]} per line.
     #[arg(long)]
     pub data: PathBuf,
     /// Where the final checkpoint is written (replaced atomically).
@@ -126,7 +126,12 @@ pub fn sft(args: SftArgs) -> Result<()> {
         sequences: args.batch_size,
         recompute_layers: false,
     };
-    check_plan(&model_config, shape, args.device)?;
+    check_plan(
+        &model_config,
+        shape,
+        args.device,
+        "lower --micro-batch-tokens or --batch-size",
+    )?;
     let model = Qwen3_5::load(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
     let config = TrainConfig {
@@ -248,30 +253,31 @@ fn check_plan(
     config: &ModelConfig,
     shape: PlanShape,
     device: arcticd_kernels::Device,
+    fix: &str,
 ) -> Result<()> {
     match device {
         arcticd_kernels::Device::Cpu => {
             let plan = MemoryPlan::training(config, shape);
             eprintln!("memory plan:\n{plan}");
-            Ok(plan.check(host_memory_available())?)
+            Ok(plan.check(host_memory_available(), fix)?)
         }
-        arcticd_kernels::Device::Cuda(ordinal) => check_gpu_plan(config, shape, ordinal),
+        arcticd_kernels::Device::Cuda(ordinal) => check_gpu_plan(config, shape, ordinal, fix),
     }
 }
 
 #[cfg(feature = "cuda")]
-fn check_gpu_plan(config: &ModelConfig, shape: PlanShape, ordinal: usize) -> Result<()> {
+fn check_gpu_plan(config: &ModelConfig, shape: PlanShape, ordinal: usize, fix: &str) -> Result<()> {
     let plan = MemoryPlan::training_on(config, shape, Placement::Gpu);
     eprintln!("memory plan on cuda:{ordinal}:\n{plan}");
     let dev = arcticd_kernels::cuda::device::CudaDevice::new(ordinal)?;
     let (free, _) = dev.memory_info()?;
-    Ok(plan.check(Some(free as u64))?)
+    Ok(plan.check(Some(free as u64), fix)?)
 }
 
 /// Without CUDA there is no GPU to plan for: the caller's device then
 /// fails with the build's error.
 #[cfg(not(feature = "cuda"))]
-fn check_gpu_plan(_: &ModelConfig, _: PlanShape, ordinal: usize) -> Result<()> {
+fn check_gpu_plan(_: &ModelConfig, _: PlanShape, ordinal: usize, _: &str) -> Result<()> {
     crate::cli_model::no_cuda(ordinal)
 }
 
@@ -338,6 +344,20 @@ pub struct PlanArgs {
     pub memory_gb: Option<f64>,
 }
 
+/// A micro-batch shape the memory plan can size: positive, no more
+/// sequences than tokens, and at most 2^30 tokens (past that the plan's
+/// byte counts could wrap around, and planning a sequence at a time would
+/// allocate before refusing). `sequences` names the flag that set them.
+fn check_plan_tokens(tokens: usize, sequences: usize, what: &str) -> Result<()> {
+    if tokens == 0 || sequences == 0 || sequences > tokens || tokens > 1 << 30 {
+        anyhow::bail!(
+            "--tokens and {what} must be positive, with no more sequences than tokens \
+             and at most 1073741824 tokens"
+        );
+    }
+    Ok(())
+}
+
 /// `arcticd plan`: the training memory plan of a model at a micro-batch
 /// shape, before anything is allocated; fails when it does not fit.
 pub fn plan(args: PlanArgs) -> Result<()> {
@@ -349,24 +369,18 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         }
         (None, None) => anyhow::bail!("give --model DIR or --preset NAME"),
     };
-    // Past 2^30 tokens the plan's byte counts could wrap around.
-    if args.tokens == 0
-        || args.sequences == 0
-        || args.sequences > args.tokens
-        || args.tokens > 1 << 30
-    {
-        anyhow::bail!(
-            "--tokens and --sequences must be positive, with no more sequences than tokens \
-             and at most 1073741824 tokens"
-        );
-    }
+    check_plan_tokens(args.tokens, args.sequences, "--sequences")?;
     let placement = match args.placement {
         PlacementArg::Cpu => Placement::Host,
         PlacementArg::Gpu => Placement::Gpu,
     };
     let available = match (args.memory_gb, args.placement) {
-        (Some(gb), _) if gb.is_finite() && gb > 0.0 => Some((gb * 1e9) as u64),
-        (Some(gb), _) => anyhow::bail!("--memory-gb {gb} is not a positive number"),
+        // Past 2^64 bytes the count would saturate, and "fits" would be said
+        // of a size no machine has.
+        (Some(gb), _) if gb > 0.0 && gb * 1e9 < u64::MAX as f64 => Some((gb * 1e9) as u64),
+        (Some(gb), _) => anyhow::bail!(
+            "--memory-gb {gb} is not a memory size: a positive number of GB below 1.8e10"
+        ),
         (None, PlacementArg::Cpu) => host_memory_available(),
         (None, PlacementArg::Gpu) => {
             anyhow::bail!("--placement gpu needs --memory-gb (141 for an H200)")
@@ -382,7 +396,10 @@ pub fn plan(args: PlanArgs) -> Result<()> {
         placement,
     );
     // A plan that does not fit is shown by its error.
-    plan.check(available)?;
+    plan.check(
+        available,
+        "lower --tokens or --sequences, or add --recompute-layers",
+    )?;
     outln!("{plan}")?;
     if let Some(a) = available {
         outln!(
@@ -438,16 +455,26 @@ pub fn bench_train(args: BenchTrainArgs) -> Result<()> {
         args.tokens > 0 && args.seq_len > 0 && args.steps > 0,
         "--tokens, --seq-len and --steps must be positive"
     );
+    check_plan_tokens(args.tokens, args.tokens.div_ceil(args.seq_len), "--seq-len")?;
     let model_config = ModelConfig::from_dir(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
-    let micro = args.micro_batch_tokens.unwrap_or(args.tokens).max(1);
+    // A micro-batch holds at most the step.
+    let micro = args
+        .micro_batch_tokens
+        .unwrap_or(args.tokens)
+        .clamp(1, args.tokens);
     let seq_len = args.seq_len.min(args.tokens);
     let shape = PlanShape {
         tokens: micro.max(seq_len),
         sequences: args.tokens.div_ceil(seq_len),
         recompute_layers: args.recompute_layers,
     };
-    check_plan(&model_config, shape, args.device)?;
+    check_plan(
+        &model_config,
+        shape,
+        args.device,
+        "lower --micro-batch-tokens or --tokens, or add --recompute-layers",
+    )?;
     let model = Qwen3_5::load(&args.model)
         .with_context(|| format!("loading model from {}", args.model.display()))?;
     let matrix_params: usize = model

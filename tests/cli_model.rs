@@ -365,10 +365,16 @@ fn plan_sizes_a_real_shape_and_refuses_what_does_not_fit() {
     assert!(text.contains("bf16") && text.contains("fits:"), "{text}");
     let out = arcticd(&base);
     assert_clean_error(&out, "activations kept (32768 tokens)");
+    // What to change is said in this command's flags, not recipe keys.
+    assert_clean_error(&out, "--recompute-layers");
     assert_clean_error(&arcticd(&["plan", "--preset", "qwen9"]), "unknown preset");
     assert_clean_error(
         &arcticd(&["plan", "--preset", "tiny", "--placement", "gpu"]),
         "--memory-gb",
+    );
+    assert_clean_error(
+        &arcticd(&["plan", "--preset", "tiny", "--memory-gb", "1e300"]),
+        "not a memory size",
     );
     // Byte counts that would wrap (it said "fits" for 2^64 - 1 tokens).
     assert_clean_error(
@@ -492,6 +498,17 @@ fn bench_decode_reports_each_batch_size() {
         &arcticd(&["bench-decode", "--model", o, "--batch", "0"]),
         "positive",
     );
+    // MiB whose bytes would wrap (it ran with a 1 MiB cache).
+    assert_clean_error(
+        &arcticd(&[
+            "bench-decode",
+            "--model",
+            o,
+            "--cache-memory",
+            "17592186044417",
+        ]),
+        "whole number of MiB from 1 to",
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -542,5 +559,21 @@ fn bench_train_reports_one_line() {
         &arcticd(&["bench-train", "--model", o, "--steps", "0"]),
         "positive",
     );
+    // Sizes past what the plan can count are refused, not planned (it
+    // panicked on a capacity overflow, or aborted allocating).
+    for tokens in ["18446744073709551615", "1000000000000"] {
+        assert_clean_error(
+            &arcticd(&[
+                "bench-train",
+                "--model",
+                o,
+                "--tokens",
+                tokens,
+                "--seq-len",
+                "8",
+            ]),
+            "at most 1073741824 tokens",
+        );
+    }
     std::fs::remove_dir_all(&dir).ok();
 }

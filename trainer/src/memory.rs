@@ -184,13 +184,13 @@ impl MemoryPlan {
         self.items.iter().map(|(_, b)| b).sum()
     }
 
-    /// Fails, with the plan and what to change, when it needs more than
-    /// `available` bytes; passes when `available` is unknown.
-    pub fn check(&self, available: Option<u64>) -> Result<()> {
+    /// Fails, with the plan and `fix` (what to change, in the caller's
+    /// terms: recipe keys or flags), when it needs more than `available`
+    /// bytes; passes when `available` is unknown.
+    pub fn check(&self, available: Option<u64>, fix: &str) -> Result<()> {
         match available {
             Some(a) if self.total() > a => Err(Error::Memory(format!(
-                "the run needs {} of {} but {} is available:\n{self}\nlower micro_batch_tokens, \
-                 turn on recompute_layers, or give the engines less cache",
+                "the run needs {} of {} but {} is available:\n{self}\n{fix}",
                 mib(self.total()),
                 self.device,
                 mib(a)
@@ -276,8 +276,8 @@ mod tests {
             .map(|(_, b)| *b)
             .unwrap();
         assert_eq!(scratch, 4 * 2_151_940_096, "{scratch}");
-        assert!(full.check(Some(h200)).is_err(), "{full}");
-        assert!(recompute.check(Some(h200)).is_ok(), "{recompute}");
+        assert!(full.check(Some(h200), "").is_err(), "{full}");
+        assert!(recompute.check(Some(h200), "").is_ok(), "{recompute}");
         assert!(recompute.total() < full.total());
     }
 
@@ -309,11 +309,14 @@ mod tests {
             },
         );
         assert!(small.items[4].1 < acts / 4, "{small}");
-        assert!(plan.check(None).is_ok());
-        assert!(plan.check(Some(plan.total())).is_ok());
-        let err = plan.check(Some(plan.total() - 1)).unwrap_err().to_string();
+        assert!(plan.check(None, "").is_ok());
+        assert!(plan.check(Some(plan.total()), "").is_ok());
+        let err = plan
+            .check(Some(plan.total() - 1), "lower --tokens")
+            .unwrap_err()
+            .to_string();
         assert!(
-            err.contains("AdamW moments") && err.contains("micro_batch_tokens"),
+            err.contains("AdamW moments") && err.ends_with("lower --tokens"),
             "{err}"
         );
         println!("{plan}");

@@ -673,14 +673,16 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         .map_err(|e| Error::Recipe(format!("model {}: {e}", weights_dir.display())))?;
     let plan = memory_plan(&recipe, &model_config);
     tracing::info!("memory plan:\n{plan}");
+    const FIX: &str = "lower micro_batch_tokens, turn on recompute_layers, or give the engines \
+                       less cache (recipe keys; --set KEY=VALUE changes one)";
     if recipe.device == arcticd_kernels::Device::Cpu {
-        plan.check(host_memory_available())?;
+        plan.check(host_memory_available(), FIX)?;
     } else {
         let gpu = gpu_memory_plan(&recipe, &model_config);
         tracing::info!("memory plan of each rank's GPU:\n{gpu}");
         for rank in 0..recipe.ranks {
             let device = rank_device(recipe.device, rank);
-            gpu.check(Some(free_device_memory(device)?))?;
+            gpu.check(Some(free_device_memory(device)?), FIX)?;
         }
     }
     let model = Qwen3_5::load(&weights_dir)
