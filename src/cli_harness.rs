@@ -189,6 +189,12 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         None => RolloutConfig::default(),
     };
     cfg.image = a.image.clone();
+    if let Some(traj) = &a.traj {
+        crate::not_an_input(
+            ("--traj", traj),
+            &[("--tasks", &a.tasks), ("--out", &a.out)],
+        )?;
+    }
     let tasks = tasks::load_tasks(&a.tasks, a.format.parse::<Format>()?)?;
     if tasks.is_empty() {
         bail!("no tasks in {}", a.tasks.display());

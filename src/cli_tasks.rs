@@ -26,7 +26,7 @@ use arcticd_trainer::harness::{
     eval, strengthen, wrong_patch, Harness, RolloutConfig, ScriptedPolicy,
 };
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 #[derive(clap::Args)]
@@ -242,32 +242,9 @@ fn agent(a: &AuditArgs) -> Result<Option<Agent>> {
     }))
 }
 
-/// Refuses an output file that is one of the command's input files (the
-/// same file by device and inode, so through links too): writing it would
-/// replace what is being read.
-fn not_an_input(out: (&str, &Path), inputs: &[(&str, &Path)]) -> Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(o) = std::fs::metadata(out.1) else {
-        return Ok(());
-    };
-    for (flag, path) in inputs {
-        if let Ok(i) = std::fs::metadata(path) {
-            if (i.dev(), i.ino()) == (o.dev(), o.ino()) {
-                bail!(
-                    "{} {} is the file given to {flag}: writing it would replace what is read \
-                     from it; name another file",
-                    out.0,
-                    out.1.display()
-                );
-            }
-        }
-    }
-    Ok(())
-}
-
 fn select(a: SelectArgs) -> Result<()> {
     let format: Format = a.format.parse()?;
-    not_an_input(
+    crate::not_an_input(
         ("--out", &a.out),
         &[("--tasks", &a.tasks), ("--eval", &a.eval)],
     )?;
@@ -358,11 +335,14 @@ pub fn main(args: TasksArgs) -> Result<()> {
         }
         TasksCommand::Audit(a) => {
             let inputs = [("--tasks", a.common.tasks.as_path())];
+            // Checked before the audit (hours on real tasks), not after it.
             if let Some(out) = &a.out {
-                not_an_input(("--out", out), &inputs)?;
+                crate::not_an_input(("--out", out), &inputs)?;
+                crate::can_write("--out", out)?;
             }
             if let Some(report) = &a.report {
-                not_an_input(("--report", report), &inputs)?;
+                crate::not_an_input(("--report", report), &inputs)?;
+                crate::can_write("--report", report)?;
                 if let Some(out) = &a.out {
                     if report == out {
                         bail!("--report and --out name the same file, {}", out.display());

@@ -1,6 +1,7 @@
 //! The `arcticd` command line: thin wiring over the engine, trainer and sandbox crates.
 
 use clap::{Parser, Subcommand};
+use std::path::Path;
 
 /// clap's parser of a count that must be at least 1 (a 0 was clamped or
 /// ran nothing).
@@ -103,6 +104,66 @@ enum Command {
     Plan(cli_train::PlanArgs),
     /// Time full training steps on random sequences (tokens/s, update time, model FLOPs as JSON).
     BenchTrain(cli_train::BenchTrainArgs),
+}
+
+/// Refuses an output file that is one of the command's input (or other
+/// output) files: the same file by device and inode, so through links too,
+/// or, where one does not exist yet, the same absolute path. Writing it
+/// would change what is being read, or mix two outputs in one file.
+pub(crate) fn not_an_input(out: (&str, &Path), inputs: &[(&str, &Path)]) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    let abs = |p: &Path| std::path::absolute(p).ok();
+    for (flag, path) in inputs {
+        let same = match (id(out.1), id(path)) {
+            (Some(o), Some(i)) => o == i,
+            _ => abs(out.1).is_some() && abs(out.1) == abs(path),
+        };
+        if same {
+            anyhow::bail!(
+                "{} {} is the file given to {flag}: writing it would change what is read from \
+                 it, or mix two outputs; name another file",
+                out.0,
+                out.1.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Refuses, before any work, an output file that could not be written
+/// once the work is done: a folder, a path in a missing folder, or one in a
+/// folder this process may not write in (probed by making and removing a
+/// file there).
+pub(crate) fn can_write(flag: &str, path: &Path) -> anyhow::Result<()> {
+    if path.is_dir() {
+        anyhow::bail!("{flag} {} is a folder; name a file", path.display());
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        anyhow::bail!(
+            "{flag} {}: the folder {} does not exist",
+            path.display(),
+            parent.display()
+        );
+    }
+    let probe = parent.join(format!(".arcticd-probe-{}", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{flag} {}: cannot write in {}: {e}",
+                path.display(),
+                parent.display()
+            )
+        })?;
+    std::fs::remove_file(&probe).ok();
+    Ok(())
 }
 
 fn main() {

@@ -675,6 +675,44 @@ fn eval_command_is_resumable_and_traj_show_prints_it() -> Result<()> {
     let again: serde_json::Value = serde_json::from_str(&arcticd(&args)?)?;
     ensure!(again["attempts"] == 4 && again["pass_at_1"] == 0.5);
     ensure!(std::fs::read_to_string(&out)?.lines().count() == 4);
+    // Fewer attempts asked of the same file: the summary counts those
+    // asked for, and says what it kept and left out.
+    let mut fewer = args.map(str::to_string);
+    fewer[8] = "1".into();
+    let r = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .args(&fewer)
+        .output()?;
+    let err = String::from_utf8_lossy(&r.stderr);
+    let one: serde_json::Value = serde_json::from_slice(&r.stdout)?;
+    ensure!(r.status.success() && one["attempts"] == 2, "{one} {err}");
+    ensure!(
+        err.contains("2 attempts already recorded there are kept")
+            && err.contains("2 records of attempts past the 1 per task"),
+        "{err}"
+    );
+    ensure!(std::fs::read_to_string(&out)?.lines().count() == 4);
+    // --traj naming the task file (it appended trajectories to it) or the
+    // records' file (new to both) is refused before any attempt runs.
+    let tasks_before = std::fs::read_to_string(&task_file)?;
+    let same = dir.0.join("same.jsonl");
+    for (traj_to, out_to, flag) in [
+        (&task_file, &dir.0.join("other.jsonl"), "--tasks"),
+        (&same, &same, "--out"),
+    ] {
+        let mut bad = args.map(str::to_string);
+        bad[12] = p(out_to);
+        bad[14] = p(traj_to);
+        let r = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+            .args(&bad)
+            .output()?;
+        let err = String::from_utf8_lossy(&r.stderr);
+        ensure!(
+            !r.status.success() && err.contains(&format!("is the file given to {flag}")),
+            "{err}"
+        );
+        ensure!(!out_to.exists(), "an attempt ran: {err}");
+    }
+    ensure!(std::fs::read_to_string(&task_file)? == tasks_before);
     // A run that stopped while writing its last record: the torn line is
     // cut off, that attempt runs again, and the file reads back whole.
     let text = std::fs::read_to_string(&out)?;

@@ -421,6 +421,23 @@ fn audit_takes_agent_written_wrong_patches() -> Result<()> {
         !r.status.success() && err.contains("is the file given to --tasks"),
         "{err}"
     );
+    // Nor into a folder that is not there: said before the audit runs (it
+    // ran to the end, then lost every verdict).
+    for flag in ["--out", "--report"] {
+        let mut lost: Vec<&str> = base.to_vec();
+        let nowhere = format!("{file}.d/none/x.json");
+        lost.extend([flag, &nowhere]);
+        let r = arcticd(&lost);
+        let err = String::from_utf8_lossy(&r.stderr);
+        ensure!(
+            !r.status.success() && err.contains("does not exist") && r.stdout.is_empty(),
+            "{err}"
+        );
+        ensure!(
+            !err.contains("none was tried"),
+            "the audit ran first: {err}"
+        );
+    }
     let mut args: Vec<String> = base.iter().map(|s| s.to_string()).collect();
     for x in [
         "--agent-script",

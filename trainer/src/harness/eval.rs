@@ -346,6 +346,20 @@ pub async fn run_eval(
         .filter(|r| !r.masked)
         .map(|r| (r.task_id, r.attempt))
         .collect();
+    // A resume is said, not silent: the kept attempts are an earlier run's,
+    // whatever policy made them.
+    let kept = tasks
+        .iter()
+        .flat_map(|t| (0..cfg.attempts).map(move |a| (t.instance_id.clone(), a)))
+        .filter(|k| done.contains(k))
+        .count();
+    if kept > 0 {
+        tracing::warn!(
+            "{}: {kept} attempts already recorded there are kept and not run again (to \
+             evaluate anew, remove the file or name another one)",
+            out.display()
+        );
+    }
     let todo: Vec<(&Task, usize)> = tasks
         .iter()
         .flat_map(|t| (0..cfg.attempts).map(move |a| (t, a)))
@@ -382,7 +396,22 @@ pub async fn run_eval(
             f.write_all(line.as_bytes()).map_err(|e| Error::io(p, e))?;
         }
     }
-    Ok(summarize(tasks, &read_records(out)?))
+    // The summary is of the attempts asked for: an earlier run's with more
+    // attempts per task stay in the file but not in this count.
+    let records = read_records(out)?;
+    let beyond = records.iter().filter(|r| r.attempt >= cfg.attempts).count();
+    if beyond > 0 {
+        tracing::warn!(
+            "{}: {beyond} records of attempts past the {} per task asked for are left out of the summary",
+            out.display(),
+            cfg.attempts
+        );
+    }
+    let asked: Vec<AttemptRecord> = records
+        .into_iter()
+        .filter(|r| r.attempt < cfg.attempts)
+        .collect();
+    Ok(summarize(tasks, &asked))
 }
 
 #[cfg(test)]
