@@ -109,6 +109,12 @@ struct Run {
 
 impl Run {
     fn load(dir: &Path) -> Result<Run> {
+        if dir.is_file() {
+            bail!(
+                "{} is a file; give the run directory that holds metrics.jsonl",
+                dir.display()
+            );
+        }
         anyhow::ensure!(
             dir.is_dir(),
             "run directory {} does not exist",

@@ -236,6 +236,12 @@ fn bad_input_is_a_clear_error() {
     std::fs::create_dir_all(&no_metrics).unwrap();
     let res = arcticd(&["plot", no_metrics.to_str().unwrap()]);
     assert_clean_error(&res, &["metrics.jsonl", "no such file"]);
+    // The metrics file itself, not its folder.
+    let metrics = no_metrics.join("metrics.jsonl");
+    std::fs::write(&metrics, "{\"step\": 1, \"reward_mean\": 0.1}\n").unwrap();
+    let res = arcticd(&["plot", metrics.to_str().unwrap()]);
+    assert_clean_error(&res, &["is a file", "holds metrics.jsonl"]);
+    std::fs::remove_file(&metrics).unwrap();
 
     let empty = root.join("empty");
     std::fs::create_dir_all(&empty).unwrap();

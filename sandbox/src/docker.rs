@@ -865,7 +865,7 @@ pub(crate) fn validate_request(req: &ExecRequest) -> Result<()> {
         return Err(Error::InvalidInput("command contains a NUL byte".into()));
     }
     if let Some(t) = req.timeout_secs {
-        if !(t > 0.0 && t.is_finite() && t < 1e7) {
+        if !crate::timeout_ok(t) {
             return Err(Error::InvalidInput(format!("bad timeout {t}")));
         }
     }

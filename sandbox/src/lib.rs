@@ -144,6 +144,16 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
 
 /// A time limit of `secs` seconds, or an error where it is none (NaN,
 /// negative, or past what a `Duration` holds) instead of a panic.
+/// The longest time limit a command or operation may have, in seconds
+/// (about 116 days): past it a limit is a mistake, not a wish.
+pub const MAX_TIMEOUT_SECS: f64 = 1e7;
+
+/// Whether `secs` is a time limit a sandbox takes: above 0 and below
+/// [`MAX_TIMEOUT_SECS`] (NaN is not).
+pub fn timeout_ok(secs: f64) -> bool {
+    secs > 0.0 && secs < MAX_TIMEOUT_SECS
+}
+
 pub(crate) fn limit(secs: f64) -> Result<std::time::Duration> {
     std::time::Duration::try_from_secs_f64(secs)
         .map_err(|_| Error::InvalidInput(format!("a time limit of {secs:?} s")))

@@ -83,11 +83,11 @@ impl Policy {
     pub fn validate(&self) -> crate::Result<()> {
         self.uid_gid()?;
         let bad = |what: &str| Err(crate::Error::InvalidInput(what.to_string()));
-        // Below 1e7 s (about 116 days), as a request's own timeout.
-        if !(self.exec_timeout_secs > 0.0 && self.exec_timeout_secs < 1e7) {
+        // As a request's own timeout (`timeout_ok`).
+        if !crate::timeout_ok(self.exec_timeout_secs) {
             return bad("exec_timeout_secs must be above 0 and below 1e7 seconds");
         }
-        if !(self.op_timeout_secs > 0.0 && self.op_timeout_secs < 1e7) {
+        if !crate::timeout_ok(self.op_timeout_secs) {
             return bad("op_timeout_secs must be above 0 and below 1e7 seconds");
         }
         if !(self.cpus > 0.0 && self.cpus.is_finite()) {

@@ -1,8 +1,9 @@
 //! SFT data: JSONL, one example per line, either
 //! `{"tokens": [ids], "loss_mask": [0/1 per token]}` (`loss_mask[t] = 1`:
 //! token t is a target predicted from the tokens before it; `loss_mask[0]` is
-//! ignored) or `{"messages": [...]}` rendered with the checkpoint's chat
-//! template, assistant turns as targets.
+//! ignored) or `{"messages": [...]}` (and optionally `"tools": [...]`, as in
+//! OpenAI's fine-tuning format) rendered with the checkpoint's chat
+//! template, assistant turns as targets. Any other key is an error.
 //!
 //! Every bad line is an error naming the file and line: invalid JSON, ids out
 //! of range, mismatched tokens/loss_mask lengths, no target tokens.
@@ -48,16 +49,46 @@ pub fn read_sft_jsonl(
 fn parse_line(line: &str, vocab: usize, chat: Option<&ChatRender<'_>>) -> Result<SftExample> {
     let v: Value =
         serde_json::from_str(line).map_err(|e| Error::Input(format!("invalid JSON: {e}")))?;
-    let ex = if let Some(msgs) = v.get("messages") {
-        let msgs = msgs
+    let keys = v
+        .as_object()
+        .ok_or_else(|| Error::Input("a line is a JSON object".into()))?;
+    // Every key is read: one the format does not have, or the two forms
+    // mixed, is an error rather than data silently left out.
+    const FORMS: &str =
+        "a line holds \"messages\" (with \"tools\" if any), or \"tokens\" and \"loss_mask\"";
+    if let Some(k) = keys
+        .keys()
+        .find(|k| !["messages", "tools", "tokens", "loss_mask"].contains(&k.as_str()))
+    {
+        return Err(Error::Input(format!("unknown key \"{k}\": {FORMS}")));
+    }
+    let chat_form = keys.contains_key("messages") || keys.contains_key("tools");
+    if chat_form && (keys.contains_key("tokens") || keys.contains_key("loss_mask")) {
+        return Err(Error::Input(format!("both forms on one line: {FORMS}")));
+    }
+    let ex = if chat_form {
+        let msgs = v
+            .get("messages")
+            .ok_or_else(|| Error::Input("\"tools\" without \"messages\"".into()))?
             .as_array()
             .ok_or_else(|| Error::Input("\"messages\" is not a list".into()))?;
+        let tools = match v.get("tools") {
+            None => None,
+            Some(t) => {
+                let t = t
+                    .as_array()
+                    .ok_or_else(|| Error::Input("\"tools\" is not a list".into()))?;
+                arcticd_engine::tool_call::check_tools(t)
+                    .map_err(|e| Error::Input(format!("\"tools\": {e}")))?;
+                Some(t.as_slice())
+            }
+        };
         let chat = chat.ok_or_else(|| {
             Error::Input(
                 "a \"messages\" line needs a checkpoint with a tokenizer and chat template".into(),
             )
         })?;
-        render_messages(msgs, chat)?
+        render_messages(msgs, tools, chat)?
     } else {
         let tokens: Vec<u32> = serde_json::from_value(
             v.get("tokens")
@@ -112,12 +143,16 @@ const TURN_END: &str = "<|im_end|>";
 /// Qwen3.5 drops their empty think block, so turns are found in the final
 /// text rather than rendered one by one). Pieces are tokenized separately at
 /// the turn boundaries (special tokens), so targets are exactly those turns.
-fn render_messages(msgs: &[Value], chat: &ChatRender<'_>) -> Result<SftExample> {
+fn render_messages(
+    msgs: &[Value],
+    tools: Option<&[Value]>,
+    chat: &ChatRender<'_>,
+) -> Result<SftExample> {
     let n_assistant = msgs
         .iter()
         .filter(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
         .count();
-    let all = chat.template.render(msgs, None, false)?;
+    let all = chat.template.render(msgs, tools, false)?;
     let mut pieces: Vec<(&str, bool)> = Vec::new();
     let mut rest = all.as_str();
     let mut found = 0;
@@ -218,6 +253,15 @@ mod tests {
                 ":1: no target tokens",
             ),
             ("{\"tokens\":[1,2]", ":1: invalid JSON"),
+            (
+                "{\"tokens\":[1,2],\"loss_mask\":[0,1],\"weight\":5}",
+                ":1: unknown key \"weight\"",
+            ),
+            (
+                "{\"tokens\":[1,2],\"loss_mask\":[0,1],\"messages\":[]}",
+                ":1: both forms on one line",
+            ),
+            ("[1,2]", ":1: a line is a JSON object"),
         ] {
             let (p, _g) = write(&format!(
                 "{{\"tokens\":[1,2],\"loss_mask\":[0,1]}}\n{bad}\n"

@@ -53,5 +53,27 @@ fn assistant_turns_are_the_targets() {
         .render(line["messages"].as_array().unwrap(), None, false)
         .unwrap();
     assert_eq!(tokenizer.decode(&ex.tokens, false).unwrap(), all);
+    // A line's tools are rendered with its messages (OpenAI's fine-tuning
+    // format), and its targets stay the assistant turns.
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "add",
+        "description": "adds", "parameters": {"type": "object", "properties": {}}}}]);
+    let with_tools = serde_json::json!({"messages": line["messages"], "tools": tools});
+    std::fs::write(&data, format!("{with_tools}\n")).unwrap();
+    let ex_tools = &read_sft_jsonl(&data, rep.vocab_size, Some(&chat)).unwrap()[0];
+    let all_tools = template
+        .render(
+            line["messages"].as_array().unwrap(),
+            Some(tools.as_array().unwrap()),
+            false,
+        )
+        .unwrap();
+    assert!(all_tools.contains("adds") && all_tools.len() > all.len());
+    assert_eq!(
+        tokenizer.decode(&ex_tools.tokens, false).unwrap(),
+        all_tools
+    );
+    let targets =
+        |e: &arcticd_trainer::step::SftExample| e.loss_mask.iter().filter(|m| **m == 1).count();
+    assert_eq!(targets(ex_tools), targets(ex));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -380,6 +380,7 @@ pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
             )));
         }
     }
+    check_replaceable(out)?;
     let mut rng = Rng(cfg.seed ^ 0x5EED_0FA7_C71C);
     // Exactly round(count * share) loose tasks, at seeded positions.
     let n_loose = (cfg.count as f64 * cfg.loose_share).round() as usize;
@@ -516,6 +517,39 @@ pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
     Ok(tasks)
 }
 
+/// A toy pool is made in a folder (regenerating one replaces its tasks and
+/// its task folders); refuses a file, and a folder whose `tasks.jsonl`
+/// holds anything but toy tasks, which would be lost.
+fn check_replaceable(out: &Path) -> Result<()> {
+    if out.exists() && !out.is_dir() {
+        return Err(Error::InvalidInput(format!(
+            "{} is a file; a toy pool is a folder (its tasks.jsonl and repos/)",
+            out.display()
+        )));
+    }
+    let file = out.join("tasks.jsonl");
+    let Ok(text) = std::fs::read_to_string(&file) else {
+        return Ok(());
+    };
+    let toy = |line: &str| {
+        serde_json::from_str::<serde_json::Value>(line)
+            .is_ok_and(|v| v.pointer("/meta/toy").is_some_and(|t| t.is_object()))
+    };
+    if let Some((n, _)) = text
+        .lines()
+        .enumerate()
+        .find(|(_, l)| !l.trim().is_empty() && !toy(l))
+    {
+        return Err(Error::InvalidInput(format!(
+            "{}:{} is not a toy task: making a toy pool there would replace that file; name \
+             another folder",
+            file.display(),
+            n + 1
+        )));
+    }
+    Ok(())
+}
+
 fn remove_toy_repo(repo: &Path) -> Result<()> {
     match std::fs::remove_dir_all(repo) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io(
@@ -592,6 +626,19 @@ mod tests {
         }
         assert_eq!(tasks.len(), 3);
         assert_eq!(listing(out.path()), listing(fresh.path()));
+        // A task file that is not a toy pool's is not replaced, and a file
+        // is not a pool's folder.
+        let mine = tempfile::tempdir().unwrap();
+        let file = mine.path().join("tasks.jsonl");
+        std::fs::write(&file, "{\"instance_id\": \"mine\"}\n").unwrap();
+        let e = generate(&cfg(1, 1), mine.path()).unwrap_err().to_string();
+        assert!(e.contains("tasks.jsonl:1 is not a toy task"), "{e}");
+        assert_eq!(
+            std::fs::read_to_string(&file).unwrap(),
+            "{\"instance_id\": \"mine\"}\n"
+        );
+        let e = generate(&cfg(1, 1), &file).unwrap_err().to_string();
+        assert!(e.contains("is a file"), "{e}");
     }
 
     #[test]

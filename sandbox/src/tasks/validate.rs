@@ -51,9 +51,10 @@ impl ValidateConfig {
     /// so a bad setting is one error, not every task's `infra` verdict.
     pub fn check(&self) -> Result<()> {
         let t = self.test_timeout_secs;
-        if t.is_nan() || t <= 0.0 || crate::limit(t).is_err() {
+        if !crate::timeout_ok(t) {
             return Err(Error::InvalidInput(format!(
-                "the test time limit must be a number of seconds above 0, got {t}"
+                "the test time limit must be a number of seconds above 0 and below {:e}, got {t}",
+                crate::MAX_TIMEOUT_SECS
             )));
         }
         if self.repeats == 0 || self.concurrency == 0 {
@@ -294,6 +295,21 @@ pub async fn validate_tasks(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A time limit no sandbox takes is one error up front, with the
+    /// bounds (1e7 s passed this check, then failed every task as infra).
+    #[test]
+    fn the_test_time_limit_is_bounded_both_ways() {
+        let with = |t: f64| ValidateConfig {
+            test_timeout_secs: t,
+            ..ValidateConfig::default()
+        };
+        assert!(with(300.0).check().is_ok());
+        for t in [0.0, -1.0, f64::NAN, 1e7, 1e20, f64::INFINITY] {
+            let e = with(t).check().unwrap_err().to_string();
+            assert!(e.contains("below 1e7"), "{t}: {e}");
+        }
+    }
 
     /// An unchanged folder gives the snapshot already made; a changed file
     /// gives a new one, with the new content.
