@@ -103,7 +103,8 @@ pub struct EvalArgs {
     /// Engine replicas for an in-process model (--model DIR, no --endpoint).
     #[arg(long, default_value_t = 1, value_parser = crate::at_least_one)]
     pub replicas: usize,
-    /// Rollout settings as JSON (see RolloutConfig), e.g. '{"max_turns": 20}'.
+    /// Rollout settings: a JSON object, e.g. '{"max_turns": 20}', or a JSON
+    /// file (see RolloutConfig; `arcticd warm-start` writes rollout.json).
     #[arg(long)]
     pub config: Option<String>,
 }
@@ -185,7 +186,7 @@ type PolicyFactory = Box<dyn Fn(&tasks::Task) -> Arc<dyn Policy> + Sync>;
 
 pub fn eval(a: EvalArgs) -> Result<()> {
     let mut cfg = match &a.config {
-        Some(j) => serde_json::from_str::<RolloutConfig>(j).context("parsing --config")?,
+        Some(j) => crate::json_setting::<RolloutConfig>("--config", j)?,
         None => RolloutConfig::default(),
     };
     cfg.image = a.image.clone();

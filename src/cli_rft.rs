@@ -4,7 +4,7 @@
 
 use crate::cli_sandbox::BackendKind;
 use crate::progress::Progress;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use arcticd_sandbox::tasks::{self, Format};
 use arcticd_trainer::harness::{Harness, RolloutConfig};
 use arcticd_trainer::rft::{self, RftConfig, Sampler};
@@ -56,17 +56,11 @@ pub fn rft(a: RftArgs) -> Result<()> {
         ..RftConfig::default()
     };
     if let Some(j) = &a.sft {
-        cfg.sft = serde_json::from_str(j).context("parsing --sft")?;
+        cfg.sft = crate::json_setting("--sft", j)?;
     }
     let rollout: RolloutConfig = match &a.rollout {
         None => RolloutConfig::default(),
-        Some(s) if s.trim_start().starts_with('{') => {
-            serde_json::from_str(s).context("parsing --rollout")?
-        }
-        Some(path) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
-            serde_json::from_str(&text).with_context(|| format!("parsing {path}"))?
-        }
+        Some(s) => crate::json_setting("--rollout", s)?,
     };
     let tasks = tasks::load_tasks(&a.tasks, a.format.parse::<Format>()?)?;
     let (tokenizer, template) = crate::cli_harness::load_model_files(&a.model)?;

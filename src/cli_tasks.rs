@@ -155,7 +155,7 @@ pub struct AuditArgs {
     /// Agent attempts per task.
     #[arg(long, default_value_t = 1)]
     pub agent_attempts: usize,
-    /// Agent rollout settings as JSON (see RolloutConfig).
+    /// Agent rollout settings: a JSON object or a JSON file (see RolloutConfig).
     #[arg(long)]
     pub agent_config: Option<String>,
     /// Ask the agent for extra tests for each loose task: accepted only when
@@ -192,7 +192,7 @@ fn agent(a: &AuditArgs) -> Result<Option<Agent>> {
         Ok(ChatTemplate::from_dir(dir)?.unwrap_or_else(ChatTemplate::qwen35))
     };
     let mut cfg = match &a.agent_config {
-        Some(j) => serde_json::from_str::<RolloutConfig>(j).context("parsing --agent-config")?,
+        Some(j) => crate::json_setting::<RolloutConfig>("--agent-config", j)?,
         None => RolloutConfig::default(),
     };
     cfg.image = a.common.image.clone();

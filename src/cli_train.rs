@@ -78,8 +78,9 @@ pub fn sft(args: SftArgs) -> Result<()> {
     );
     anyhow::ensure!(
         args.lr > 0.0,
-        "--lr must be a number above 0 (a learning rate of 0 would write the model back \
-         unchanged)"
+        "--lr {} is not a learning rate: give a number above 0 (at 0 the model would be \
+         written back unchanged)",
+        args.lr
     );
     if args.warmup > 0 && args.warmup >= args.steps as u64 {
         eprintln!(

@@ -131,6 +131,23 @@ pub(crate) fn not_an_input(out: (&str, &Path), inputs: &[(&str, &Path)]) -> anyh
     Ok(())
 }
 
+/// A JSON setting (`--config`, `--rollout`, `--agent-config`, `--sft`):
+/// inline when it starts with `{`, else the path of a file holding it
+/// (`arcticd warm-start` writes its rollout setting to rollout.json).
+pub(crate) fn json_setting<T: serde::de::DeserializeOwned>(
+    flag: &str,
+    value: &str,
+) -> anyhow::Result<T> {
+    use anyhow::Context;
+    if value.trim_start().starts_with('{') {
+        return serde_json::from_str(value).with_context(|| format!("parsing {flag}"));
+    }
+    let text = std::fs::read_to_string(value).with_context(|| {
+        format!("{flag} {value}: not a JSON object (starting with {{), nor a file to read")
+    })?;
+    serde_json::from_str(&text).with_context(|| format!("{flag}: parsing the file {value}"))
+}
+
 /// Refuses, before any work, an output file that could not be written
 /// once the work is done: a folder, a path in a missing folder, or one in a
 /// folder this process may not write in (probed by making and removing a
@@ -243,7 +260,51 @@ fn reader_gone(fd: libc::c_int) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::reader_gone;
+    use super::{can_write, json_setting, not_an_input, reader_gone};
+    use std::path::Path;
+
+    /// A setting inline or in a file reads the same; a path that is not a
+    /// file, or a file that is not the setting, names the flag.
+    #[test]
+    fn json_settings_come_inline_or_from_a_file() {
+        #[derive(serde::Deserialize, PartialEq, Debug)]
+        struct S {
+            max_turns: u32,
+        }
+        let dir = std::env::temp_dir().join(format!("arcticd-setting-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("s.json");
+        std::fs::write(&file, r#"{"max_turns": 7}"#).unwrap();
+        let inline: S = json_setting("--config", r#" {"max_turns": 7}"#).unwrap();
+        let from_file: S = json_setting("--config", file.to_str().unwrap()).unwrap();
+        assert_eq!(inline, from_file);
+        let e = json_setting::<S>("--config", "/nonexistent/s.json").unwrap_err();
+        assert!(
+            format!("{e:#}").contains("--config /nonexistent/s.json"),
+            "{e:#}"
+        );
+        std::fs::write(&file, "max_turns = 7").unwrap();
+        let e = json_setting::<S>("--rollout", file.to_str().unwrap()).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("--rollout: parsing the file"),
+            "{e:#}"
+        );
+        // An output: the same path as an input (existing or not), a folder,
+        // a missing folder.
+        assert!(not_an_input(("--out", &file), &[("--tasks", &file)]).is_err());
+        let new = dir.join("new.jsonl");
+        assert!(not_an_input(
+            ("--traj", &new),
+            &[("--out", &dir.join(".").join("new.jsonl"))]
+        )
+        .is_err());
+        assert!(not_an_input(("--traj", &new), &[("--out", &file)]).is_ok());
+        assert!(can_write("--out", &new).is_ok());
+        assert!(!new.exists(), "the probe left a file");
+        assert!(can_write("--out", &dir).is_err());
+        assert!(can_write("--out", Path::new("/nonexistent/dir/x.json")).is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
 
     fn pipe() -> [libc::c_int; 2] {
         let mut fds = [0; 2];

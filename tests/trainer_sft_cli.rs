@@ -198,7 +198,7 @@ fn bad_data_lines_are_named() {
     );
     let err = String::from_utf8_lossy(&res.stderr);
     assert!(
-        !res.status.success() && err.contains("--lr must be"),
+        !res.status.success() && err.contains("--lr 0 is not a learning rate"),
         "{err}"
     );
     assert!(!dir.join("out").exists());

@@ -363,6 +363,15 @@ pub fn generate(cfg: &ToyConfig, out: &Path) -> Result<Vec<Task>> {
                  starting with a digit)"
             )));
         }
+        // It names folders and files (with a task's suffix): past this a
+        // file name would be too long for most file systems.
+        const MAX_PACKAGE: usize = 64;
+        if p.len() > MAX_PACKAGE {
+            return Err(Error::InvalidInput(format!(
+                "package name of {} characters: at most {MAX_PACKAGE}",
+                p.len()
+            )));
+        }
         let why = if python_names::KEYWORDS.contains(&p.as_str()) {
             Some("it is a Python keyword")
         } else if p == "tests" {
@@ -688,6 +697,16 @@ mod tests {
             };
             assert!(generate(&bad, a.path()).is_err(), "{name}");
         }
+        // A name too long for a file name is refused before any folder is
+        // made (300 characters left a half-made pool).
+        let fresh = tempfile::tempdir().unwrap();
+        let long = ToyConfig {
+            package: Some("p".repeat(300)),
+            ..base.clone()
+        };
+        let e = generate(&long, &fresh.path().join("pool")).unwrap_err();
+        assert!(e.to_string().contains("at most 64"), "{e}");
+        assert!(!fresh.path().join("pool").exists());
     }
 
     #[test]
