@@ -222,6 +222,21 @@ fn trained_tokens_are_honest_about_their_weights() {
             && err.contains(&format!("from 1 to {last}")),
         "{err}"
     );
+    // A key the replay does not read (it made the recorded batch) is
+    // refused, not taken and ignored.
+    for set in ["rollout.max_turns=3", "tasks=other.jsonl"] {
+        let out = arcticd()
+            .args(["replay", "--run"])
+            .arg(&run)
+            .args(["--step", "1", "--set", set])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("a replay does not read it"),
+            "{set}: {err}"
+        );
+    }
     // --attribute names the parameters that carry the last update's
     // effect on the probes, largest first.
     let first = &read_jsonl(&run.join("trajectories/step-000001.jsonl"))[0];

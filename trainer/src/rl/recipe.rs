@@ -613,7 +613,8 @@ impl Recipe {
         }
     }
 
-    /// The trainer's settings.
+    /// The trainer's settings. A key read here is one `arcticd replay`
+    /// may change: list it in `replay::REPLAY_KEYS`.
     pub fn train_config(&self) -> TrainConfig {
         TrainConfig {
             optimizer: AdamWConfig {

@@ -65,6 +65,38 @@ struct Trained {
     t: Trajectory,
 }
 
+/// The recipe keys a replay reads, the only ones `--set` may change: the
+/// trainer's (`Recipe::train_config`), which recorded tokens are stale
+/// (`recorded_batch`), and `model` (the weights of update 1, and the KL
+/// reference). Everything else made the recorded batch, which is replayed
+/// as it was.
+const REPLAY_KEYS: &[&str] = &[
+    "lr",
+    "beta1",
+    "beta2",
+    "eps",
+    "weight_decay",
+    "lr_decay",
+    "warmup",
+    "decay_steps",
+    "steps",
+    "min_lr",
+    "grad_clip",
+    "micro_batch_tokens",
+    "clip_low",
+    "clip_high",
+    "tis_cap",
+    "kl_coef",
+    "ref_kl_coef",
+    "entropy_coef",
+    "min_token_prob",
+    "rollout.temperature",
+    "checksum_every",
+    "max_staleness",
+    "stale",
+    "model",
+];
+
 /// Replays updates `step..=through` of the run in `run_dir` in a chain
 /// from the checkpoint before `step`, with `sets` applied to its recipe,
 /// scoring `probes` (token sequences of at least two tokens) before and
@@ -93,6 +125,17 @@ pub fn replay(
     if let Some(i) = probes.iter().position(|p| p.len() < 2) {
         return Err(Error::Input(format!(
             "probe {i} has fewer than two tokens: nothing to score"
+        )));
+    }
+    if let Some(key) = sets
+        .iter()
+        .filter_map(|s| s.split_once('=').map(|(k, _)| k.trim()))
+        .find(|k| !REPLAY_KEYS.contains(k))
+    {
+        return Err(Error::Input(format!(
+            "--set {key}: a replay does not read it (it trains the recorded batch again); \
+             the keys it reads: {}",
+            REPLAY_KEYS.join(", ")
         )));
     }
     let dir = RunDir::new(run_dir);
