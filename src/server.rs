@@ -105,6 +105,9 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
+/// The most choices (prompts x n) one completions request may ask for.
+pub const MAX_CHOICES: usize = 4096;
+
 /// How long a request's body may take to arrive after its headers: a
 /// client that sends less than its Content-Length holds neither a
 /// connection nor a handler longer than this.
@@ -513,6 +516,17 @@ struct SamplingFields {
     response_format: Option<Value>,
     best_of: Option<usize>,
     suffix: Option<String>,
+    // vLLM's extensions this server does not implement, refused the same
+    // way.
+    min_p: Option<f64>,
+    repetition_penalty: Option<f64>,
+    min_tokens: Option<usize>,
+    include_stop_str_in_output: Option<bool>,
+    prompt_logprobs: Option<usize>,
+    guided_json: Option<Value>,
+    guided_regex: Option<Value>,
+    guided_choice: Option<Value>,
+    guided_grammar: Option<Value>,
     /// Return the prompt's and each choice's token ids, and the weight
     /// version that produced each generated token.
     return_token_ids: Option<bool>,
@@ -522,6 +536,8 @@ struct SamplingFields {
 struct StreamOptions {
     /// A last chunk, before `[DONE]`, with no choices and the usage.
     include_usage: Option<bool>,
+    /// vLLM's usage in every chunk: not implemented, refused when true.
+    continuous_usage_stats: Option<bool>,
 }
 
 impl SamplingFields {
@@ -555,6 +571,44 @@ impl SamplingFields {
         }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return unsupported("suffix", "no insertion; only an empty one");
+        }
+        if self.min_p.is_some_and(|p| p != 0.0) {
+            return unsupported("min_p", "only 0; top_p and top_k are");
+        }
+        if self.repetition_penalty.is_some_and(|p| p != 1.0) {
+            return unsupported("repetition_penalty", "only 1");
+        }
+        if self.min_tokens.is_some_and(|n| n > 0) {
+            return unsupported("min_tokens", "only 0; ignore_eos is");
+        }
+        if self.include_stop_str_in_output == Some(true) {
+            return unsupported("include_stop_str_in_output", "only false");
+        }
+        if self.prompt_logprobs.is_some() {
+            return unsupported(
+                "prompt_logprobs",
+                "completions with echo and logprobs score the prompt",
+            );
+        }
+        for (param, v) in [
+            ("guided_json", &self.guided_json),
+            ("guided_regex", &self.guided_regex),
+            ("guided_choice", &self.guided_choice),
+            ("guided_grammar", &self.guided_grammar),
+        ] {
+            if v.as_ref().is_some_and(|v| !v.is_null()) {
+                return unsupported(param, "no guided decoding");
+            }
+        }
+        if self
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.continuous_usage_stats == Some(true))
+        {
+            return unsupported(
+                "stream_options",
+                "continuous_usage_stats: only false; include_usage gives the usage at the end",
+            );
         }
         Ok(())
     }
@@ -837,6 +891,17 @@ async fn completions(
     }
     let logprobs = req.logprobs;
     let params = s.sampling(&mut req.sampling, 16, logprobs.unwrap_or(0));
+    // Every choice is held until the answer is whole: one request may not
+    // ask for more than this many (a 110 KB body asked for 1.28 million).
+    let choices = prompts.len().saturating_mul(params.n);
+    if choices > MAX_CHOICES {
+        return Err(AppError::bad(format!(
+            "{} prompts x n {} = {choices} choices: at most {MAX_CHOICES} in one request",
+            prompts.len(),
+            params.n
+        ))
+        .param("prompt"));
+    }
     let stream = req.sampling.stream.unwrap_or(false);
     let return_ids = req.sampling.return_token_ids.unwrap_or(false);
     let echo = req.echo.unwrap_or(false);
@@ -1171,6 +1236,21 @@ async fn chat_completions(
         return Err(
             AppError::bad(format!("every message needs a role, got {bad}")).param("messages"),
         );
+    }
+    // The model reads text only: an image or audio part would become
+    // placeholder tokens the model never learned, not the picture.
+    if let Some((i, kind)) = req.messages.iter().enumerate().find_map(|(i, m)| {
+        let parts = m.get("content")?.as_array()?;
+        parts
+            .iter()
+            .filter_map(|p| p.get("type").and_then(Value::as_str))
+            .find(|t| *t != "text")
+            .map(|t| (i, t.to_string()))
+    }) {
+        return Err(AppError::bad(format!(
+            "messages[{i}]: a content part of type {kind:?}; this model reads text only"
+        ))
+        .param("messages"));
     }
     let mode = tool_mode(&req.tools, &req.tool_choice)?;
     let kwargs = req.chat_template_kwargs.take().unwrap_or_default();
@@ -2079,6 +2159,43 @@ mod tests {
                 json!({"prompt": "hi", "logit_bias": {"5": 100}}).to_string(),
                 StatusCode::BAD_REQUEST,
             ),
+            // vLLM's sampling extensions, not implemented: refused unless
+            // neutral (min_p 1 gave four different texts in four calls).
+            (
+                "/v1/completions",
+                json!({"prompt": "hi", "min_p": 1}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/completions",
+                json!({"prompt": "hi", "repetition_penalty": 1.5}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/completions",
+                json!({"prompt": "hi", "min_tokens": 7}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/completions",
+                json!({"prompt": "hi", "guided_json": {"type": "object"}}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            // More choices than one request may hold.
+            (
+                "/v1/completions",
+                json!({"prompt": vec!["p"; 33], "n": 128, "max_tokens": 1}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            // An image, which a text-only model would read as placeholders.
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+                .to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
             (
                 "/v1/chat/completions",
                 json!({"messages": [{"role": "user", "content": "hi"}],
@@ -2245,7 +2362,8 @@ mod tests {
             json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
                    "ignore_eos": true, "temperature": 0, "presence_penalty": 0,
                    "frequency_penalty": 0.0, "logit_bias": {},
-                   "response_format": {"type": "text"}}),
+                   "response_format": {"type": "text"}, "min_p": 0, "repetition_penalty": 1,
+                   "min_tokens": 0, "include_stop_str_in_output": false}),
         )
         .await;
         assert_eq!(

@@ -95,13 +95,13 @@ fn parse_line(line: &str, vocab: usize, chat: Option<&ChatRender<'_>>) -> Result
                 .cloned()
                 .ok_or_else(|| Error::Input("neither \"tokens\" nor \"messages\"".into()))?,
         )
-        .map_err(|e| Error::Input(format!("\"tokens\": {e}")))?;
+        .map_err(|e| Error::Input(format!("\"tokens\" is a list of token ids from 0 ({e})")))?;
         let loss_mask: Vec<u8> = serde_json::from_value(
             v.get("loss_mask")
                 .cloned()
                 .ok_or_else(|| Error::Input("\"tokens\" without \"loss_mask\"".into()))?,
         )
-        .map_err(|e| Error::Input(format!("\"loss_mask\": {e}")))?;
+        .map_err(|e| Error::Input(format!("\"loss_mask\" is a list of 0s and 1s ({e})")))?;
         if let Some(&m) = loss_mask.iter().find(|&&m| m > 1) {
             return Err(Error::Input(format!("loss_mask value {m} is not 0 or 1")));
         }
