@@ -6,7 +6,11 @@
 //! and fields of the wrong type included, gets an OpenAI-style error body
 //! (`{"error": {"message", "type", "param", "code"}}`) with a 4xx status;
 //! internal errors are logged and reach the client only as "internal error".
-//! Unknown fields are ignored, as OpenAI's own server does.
+//! Unknown fields are ignored, as OpenAI's own server does; the OpenAI and
+//! vLLM sampling parameters this server does not implement are refused
+//! unless neutral (`SamplingFields::check_supported`), and so are non-text
+//! content parts. A body gets `BODY_TIMEOUT` to arrive after its headers;
+//! a request holds at most `MAX_CHOICES` choices.
 //!
 //! Tool calls: the model writes Qwen3.5's XML form (`<tool_call>\n<function=
 //! NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n</tool_call>`,
