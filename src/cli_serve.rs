@@ -14,7 +14,6 @@ use arcticd_engine::router::Router;
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_engine::{ParamStore, Qwen3_5};
 use arcticd_kernels::Device;
-use axum::serve::ListenerExt;
 use clap::Args;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -254,22 +253,65 @@ fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) 
             .with_context(|| format!("binding {}:{}", args.host, args.port))?;
         let addr = listener.local_addr()?;
         eprintln!("arcticd serve: listening on http://{addr}");
-        // Small SSE writes must not wait for ACKs (Nagle).
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        axum::serve(listener, app(state))
-            .with_graceful_shutdown(async move {
-                shutdown_signal().await;
-                eprintln!("arcticd serve: shutting down");
-                // Ends every in-flight request, so open streams finish.
-                stopper.shutdown();
-            })
-            .await?;
+        serve_http(listener, app(state), HEADER_TIMEOUT, async move {
+            shutdown_signal().await;
+            eprintln!("arcticd serve: shutting down");
+            // Ends every in-flight request, so open streams finish.
+            stopper.shutdown();
+        })
+        .await;
         anyhow::Ok(())
     })?;
     router.shutdown();
     Ok(())
+}
+
+/// How long a connection may take to send a request's headers, counted
+/// from when it is ready for one, so also how long it may sit idle between
+/// requests: then it is closed. Without it, connections that sent nothing
+/// held the server's file descriptors until it could accept no more.
+const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Serves `app` on `listener` (HTTP/1.1) until `shutdown` completes, then
+/// lets the connections finish what they are doing and closes idle ones.
+/// An accept that fails (no file descriptors left) is retried after a
+/// pause instead of ending the server.
+async fn serve_http(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    header_timeout: std::time::Duration,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let tcp = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    tracing::warn!("accepting a connection: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        // Small SSE writes must not wait for ACKs (Nagle).
+        let _ = tcp.set_nodelay(true);
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_timeout)
+            .serve_connection(TokioIo::new(tcp), TowerToHyperService::new(app.clone()));
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!("connection: {e}");
+            }
+        });
+    }
+    graceful.shutdown().await;
 }
 
 async fn shutdown_signal() {
@@ -339,7 +381,64 @@ fn fraction_of(fraction: f64, available: usize, replicas: usize) -> Result<usize
 
 #[cfg(test)]
 mod tests {
-    use super::cache_from_fraction;
+    use super::{cache_from_fraction, serve_http};
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+
+    /// A connection that sends no request, or half a header, or sits idle
+    /// after its response, is closed after the header timeout; requests are
+    /// served meanwhile; shutdown ends the server.
+    #[test]
+    fn idle_and_silent_connections_are_closed() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = axum::Router::new().route("/health", axum::routing::get(|| async { "ok" }));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = rt.spawn(serve_http(
+            listener,
+            app,
+            Duration::from_millis(300),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        // Closed by the server: the read ends (0 bytes, or a reset) well
+        // before the client's own 20 s limit.
+        let closed_within = |mut c: std::net::TcpStream| {
+            c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let t = Instant::now();
+            let mut buf = [0u8; 4096];
+            loop {
+                match c.read(&mut buf) {
+                    Ok(0) | Err(_) => return t.elapsed(),
+                    Ok(_) => continue,
+                }
+            }
+        };
+        let silent = std::net::TcpStream::connect(addr).unwrap();
+        assert!(closed_within(silent) < Duration::from_secs(10));
+        let mut half = std::net::TcpStream::connect(addr).unwrap();
+        half.write_all(b"GET /health HTTP/1.1\r\nHo").unwrap();
+        assert!(closed_within(half) < Duration::from_secs(10));
+        let mut kept = std::net::TcpStream::connect(addr).unwrap();
+        kept.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        kept.set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut buf = [0u8; 4096];
+        let n = kept.read(&mut buf).unwrap();
+        let head = String::from_utf8_lossy(&buf[..n]).to_string();
+        assert!(
+            head.starts_with("HTTP/1.1 200") && head.ends_with("ok"),
+            "{head}"
+        );
+        assert!(closed_within(kept) < Duration::from_secs(10));
+        stop.send(()).unwrap();
+        rt.block_on(server).unwrap();
+    }
 
     #[test]
     fn cache_fraction_of_available_memory() {
