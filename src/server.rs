@@ -913,11 +913,22 @@ async fn completions(
     // log-probs, the way evaluation harnesses score a text): nothing is
     // generated.
     let echo_only = echo && params.max_tokens == 0;
+    // The default max_tokens (16) is held to the room each prompt leaves in
+    // the context, as chat's is; one given is checked as it is.
+    let explicit =
+        req.sampling.max_tokens.is_some() || req.sampling.max_completion_tokens.is_some();
+    let limit = s.inner.router.replicas()[0].info().context_limit().0;
     let requests: Vec<Request> = prompts
         .iter()
-        .map(|p| Request {
-            prompt: p.clone(),
-            params: params.clone(),
+        .map(|p| {
+            let mut params = params.clone();
+            if !explicit {
+                params.max_tokens = params.max_tokens.min(limit.saturating_sub(p.len()).max(1));
+            }
+            Request {
+                prompt: p.clone(),
+                params,
+            }
         })
         .collect();
     for r in &requests {
@@ -2550,6 +2561,31 @@ mod tests {
         assert!(s.inner.router.replicas()[0].load() > 0);
         drop(body);
         assert!(wait_idle(&s).await, "the sequence was not freed");
+    }
+
+    /// A completion without max_tokens near the end of the context gets
+    /// what room is left (it was refused: the default 16 did not fit);
+    /// one that asks for more than fits is still refused.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_default_max_tokens_fits_the_room_left() {
+        let app = app(state());
+        let prompt = vec![11u32; 2048 - 5];
+        let (st, v) = call_json(
+            &app,
+            "/v1/completions",
+            json!({"prompt": prompt, "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+        let (st, v) = call_json(
+            &app,
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 16}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
     }
 
     /// A stream whose generation fails says so in an error chunk and still
