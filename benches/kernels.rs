@@ -132,8 +132,8 @@ fn bench_gated_delta(c: &mut Criterion) {
             g.bench_function(format!("{name}_t512_h4_d{width}"), |b| {
                 b.iter(|| {
                     f(
-                        &mut dq, &mut dk, &mut dv, &mut dg, &mut db, None, &dout, &cps, &q, &k, &v,
-                        &gate, &beta, dims,
+                        &mut dq, &mut dk, &mut dv, &mut dg, &mut db, None, None, &dout, &cps, &q,
+                        &k, &v, &gate, &beta, dims,
                     )
                     .unwrap()
                 })
@@ -151,6 +151,7 @@ type BackwardFn = fn(
     &mut [f32],
     &mut [f32],
     Option<&mut [f32]>,
+    Option<&[f32]>,
     &[f32],
     &[f32],
     &[f32],

@@ -442,6 +442,15 @@ pub struct BenchTrainArgs {
     /// model FLOPs utilization (`mfu`); omitted without it.
     #[arg(long, value_parser = crate::positive_number)]
     pub peak_tflops: Option<f64>,
+    /// Sequences per group sharing a prompt of `--prompt-len` tokens, the
+    /// loss on the rest only, as in RL (the attempts at one task). Above 1,
+    /// every step runs twice, side by side: with the shared prompt run once
+    /// per group, and with every sequence whole (the baseline).
+    #[arg(long, default_value_t = 1, value_parser = crate::at_least_one)]
+    pub group_size: usize,
+    /// Prompt tokens shared by a group (with `--group-size`).
+    #[arg(long, default_value_t = 0)]
+    pub prompt_len: usize,
 }
 
 /// `arcticd bench-train`: the time of full SFT steps (forward, loss,
@@ -486,15 +495,30 @@ pub fn bench_train(args: BenchTrainArgs) -> Result<()> {
         .sum::<usize>()
         + model.lm_head_weight().numel() * usize::from(model.lm_head.is_none());
     let vocab = model.config.vocab_size as u32;
+    let grouped = args.group_size > 1;
+    anyhow::ensure!(
+        !grouped || (args.prompt_len > 0 && args.prompt_len < seq_len),
+        "--group-size needs a --prompt-len of at least 1 and below the sequence length {seq_len}"
+    );
     let mut rng = StdRng::seed_from_u64(0);
     let mut left = args.tokens;
     let mut batch = Vec::new();
+    let mut prompt = Vec::new();
     while left > 0 {
         let n = seq_len.min(left);
-        batch.push(arcticd_trainer::step::SftExample {
+        let mut ex = arcticd_trainer::step::SftExample {
             tokens: (0..n).map(|_| rng.gen_range(0..vocab)).collect(),
             loss_mask: vec![1; n],
-        });
+        };
+        if grouped {
+            if batch.len() % args.group_size == 0 {
+                prompt = ex.tokens[..args.prompt_len.min(n - 1)].to_vec();
+            }
+            let p = prompt.len().min(n - 1);
+            ex.tokens[..p].copy_from_slice(&prompt[..p]);
+            ex.loss_mask[..p].fill(0);
+        }
+        batch.push(ex);
         left -= n;
     }
     let config = TrainConfig {
@@ -507,12 +531,27 @@ pub fn bench_train(args: BenchTrainArgs) -> Result<()> {
         recompute_layers: args.recompute_layers,
         ..TrainConfig::default()
     };
-    let store = ParamStore::new(model);
-    let dev =
-        arcticd_trainer::device::step_device(args.device, store, config.optimizer, None, false)?;
-    let mut trainer = Trainer::on(dev, config);
-    trainer.sft_step(&batch)?;
-    let (mut times, mut updates) = (Vec::new(), Vec::new());
+    // The baseline, every sequence whole, only beside a grouped run.
+    let baseline = grouped.then(|| model.clone());
+    let trainer_of = |model: Qwen3_5, share_prefixes: bool| -> Result<_> {
+        let config = TrainConfig {
+            share_prefixes,
+            ..config.clone()
+        };
+        let dev = arcticd_trainer::device::step_device(
+            args.device,
+            ParamStore::new(model),
+            config.optimizer,
+            None,
+            false,
+        )?;
+        let mut trainer = Trainer::on(dev, config);
+        trainer.sft_step(&batch)?;
+        Ok(trainer)
+    };
+    let mut trainer = trainer_of(model, true)?;
+    let mut whole = baseline.map(|m| trainer_of(m, false)).transpose()?;
+    let (mut times, mut updates, mut whole_times) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..args.steps {
         let t0 = std::time::Instant::now();
         let m = trainer.sft_step(&batch)?;
@@ -526,6 +565,13 @@ pub fn bench_train(args: BenchTrainArgs) -> Result<()> {
         );
         times.push(t);
         updates.push(m.update_secs);
+        if let Some(w) = whole.as_mut() {
+            let t0 = std::time::Instant::now();
+            let m = w.sft_step(&batch)?;
+            let t = t0.elapsed().as_secs_f64();
+            eprintln!("  every sequence whole: {t:.3} s, loss {:.4}", m.loss);
+            whole_times.push(t);
+        }
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -547,6 +593,14 @@ pub fn bench_train(args: BenchTrainArgs) -> Result<()> {
     });
     if let Some(peak) = args.peak_tflops {
         out["mfu"] = serde_json::json!(tflops / peak);
+    }
+    if grouped {
+        let whole_s = median(&mut whole_times);
+        out["group_size"] = serde_json::json!(args.group_size);
+        out["prompt_len"] = serde_json::json!(args.prompt_len);
+        out["whole_median_step_s"] = serde_json::json!(whole_s);
+        out["whole_tokens_per_s"] = serde_json::json!(args.tokens as f64 / whole_s);
+        out["speedup_vs_whole"] = serde_json::json!(whole_s / step_s);
     }
     outln!("{out}")?;
     Ok(())

@@ -77,10 +77,11 @@ pub trait BackwardOps {
         d: usize,
     ) -> Result<(Self::Buf, Self::Buf)>;
 
-    /// The gated delta rule of every sequence from its zero initial state:
-    /// `[dq, dk, dv, dg, dbeta]`.
+    /// The gated delta rule of every sequence of layer `li` from the state
+    /// it started with: `[dq, dk, dv, dg, dbeta]`.
     fn gated_delta(
         &mut self,
+        li: usize,
         dout: &Self::Buf,
         acts: &LinearActs<Self::Buf, Self::C>,
     ) -> Result<[Self::Buf; 5]>;
@@ -105,10 +106,11 @@ pub trait BackwardOps {
     /// `y = silu(x)`: `dx`.
     fn silu(&mut self, dout: &Self::Buf, x: &Self::Buf) -> Result<Self::Buf>;
 
-    /// The causal conv of every sequence from its zero initial state:
-    /// `dinp`, `dw +=`.
+    /// The causal conv of every sequence of layer `li` from the state it
+    /// started with: `dinp`, `dw +=`.
     fn conv(
         &mut self,
+        li: usize,
         la: &LinearAttention<Self::W>,
         dw: &mut Self::Buf,
         dout: &Self::Buf,
@@ -134,9 +136,11 @@ pub trait BackwardOps {
         gate: &Self::Buf,
     ) -> Result<(Self::Buf, Self::Buf)>;
 
-    /// Causal attention of every sequence: `(dq, dk, dv)`.
+    /// Causal attention of every sequence of layer `li` (over the keys
+    /// before it too, where it continues a cache): `(dq, dk, dv)`.
     fn attention(
         &mut self,
+        li: usize,
         dout: &Self::Buf,
         acts: &FullActs<Self::Buf>,
     ) -> Result<(Self::Buf, Self::Buf, Self::Buf)>;
@@ -251,10 +255,10 @@ pub fn model_backward<O: BackwardOps>(
         // x_mid = x_in + mixer(xn1).
         let dxn1 = match (&layer.mixer, &la.mixer, &mut lg.mixer) {
             (Mixer::Linear(m), MixerActs::Linear(a), Mixer::Linear(g)) => {
-                linear_attention(ops, model, m, a, g, &la.xn1, &dx)?
+                linear_attention(ops, model, li, m, a, g, &la.xn1, &dx)?
             }
             (Mixer::Full(m), MixerActs::Full(a), Mixer::Full(g)) => {
-                full_attention(ops, model, m, a, g, &la.xn1, &dx)?
+                full_attention(ops, model, li, m, a, g, &la.xn1, &dx)?
             }
             _ => {
                 return Err(Error::Shape(
@@ -278,9 +282,11 @@ pub fn model_backward<O: BackwardOps>(
 
 /// A Gated DeltaNet mixer: the gradient of its input `xn` from that of
 /// its output `dy`.
+#[allow(clippy::too_many_arguments)]
 fn linear_attention<O: BackwardOps>(
     ops: &mut O,
     model: &Qwen3_5<O::W>,
+    li: usize,
     la: &LinearAttention<O::W>,
     s: &LinearActs<O::Buf, O::C>,
     g: &mut LinearAttention<O::Buf>,
@@ -302,13 +308,13 @@ fn linear_attention<O: BackwardOps>(
     )?;
     let (dcore, dz) =
         ops.gated_rmsnorm(&mut g.norm, &dnormed, &s.core, &s.z, &la.norm, &s.rstd, dv)?;
-    let [mut dq, dk_, dv_, dg, dbeta] = ops.gated_delta(&dcore, s)?;
+    let [mut dq, dk_, dv_, dg, dbeta] = ops.gated_delta(li, &dcore, s)?;
     ops.scale(&mut dq, 1.0 / (dk as f32).sqrt())?;
     let dq_raw = ops.l2norm(&dq, &s.q_raw, &s.rn_q, t * nk, dk)?;
     let dk_raw = ops.l2norm(&dk_, &s.k_raw, &s.rn_k, t * nk, dk)?;
     let dconv = ops.join_columns(&[&dq_raw, &dk_raw, &dv_], &[qd, qd, vd])?;
     let dconv_pre = ops.silu(&dconv, &s.conv_pre)?;
-    let dqkv = ops.conv(la, &mut g.conv1d, &dconv_pre, &s.qkv)?;
+    let dqkv = ops.conv(li, la, &mut g.conv1d, &dconv_pre, &s.qkv)?;
     // beta = sigmoid(b); g = -exp(A_log) softplus(a + dt_bias).
     let (da, db) = ops.gating(la, g, &dg, &dbeta, s)?;
     let mut dxn = ops.zeros(t * hsz)?;
@@ -321,9 +327,11 @@ fn linear_attention<O: BackwardOps>(
 
 /// A gated full-attention mixer: the gradient of its input `xn` from that
 /// of its output `dy`.
+#[allow(clippy::too_many_arguments)]
 fn full_attention<O: BackwardOps>(
     ops: &mut O,
     model: &Qwen3_5<O::W>,
+    li: usize,
     fa: &FullAttention<O::W>,
     s: &FullActs<O::Buf>,
     g: &mut FullAttention<O::Buf>,
@@ -336,7 +344,7 @@ fn full_attention<O: BackwardOps>(
     let mut dgated = ops.zeros(t * nh * hd)?;
     ops.linear(&fa.o_proj, &mut g.o_proj, &mut dgated, dy, &s.gated, t)?;
     let (dattn, dgate) = ops.sigmoid_gate(&dgated, &s.attn, &s.gate)?;
-    let (dq, dk, dv) = ops.attention(&dattn, s)?;
+    let (dq, dk, dv) = ops.attention(li, &dattn, s)?;
     let dq_raw = ops.qk_norm_rope(dq, &s.q_raw, &fa.q_norm, &s.q_rstd, nh, &mut g.q_norm)?;
     let dk_raw = ops.qk_norm_rope(dk, &s.k_raw, &fa.k_norm, &s.k_rstd, nkv, &mut g.k_norm)?;
     // q_proj rows are interleaved per head: [query head 0 | gate head 0 | ...].

@@ -33,6 +33,7 @@
 use crate::backward::{model_backward, BackwardOps, Forward};
 use crate::comm::Communicator;
 use crate::device::{MicroBatch, Scores, StepDevice};
+use crate::model::ForwardOptions;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::step::{PauseGuard, WriteGate};
 use crate::{Error, Result};
@@ -497,10 +498,12 @@ impl StepDevice for CudaStep {
         batch: MicroBatch<'_>,
         entropy: bool,
         temperature: f32,
-        recompute_layers: bool,
+        opts: ForwardOptions,
     ) -> Result<Scores> {
         // Token ids were checked against the vocabulary by the trainer.
-        let keep = if recompute_layers {
+        // Every sequence runs whole here: prefix sharing
+        // (`opts.share_prefixes`) is the CPU trainer's so far.
+        let keep = if opts.recompute_layers {
             Keep::Inputs
         } else {
             Keep::All
@@ -831,7 +834,12 @@ impl BackwardOps for CudaBackward<'_> {
         Ok((dx, dz))
     }
 
-    fn gated_delta(&mut self, dcore: &Buf, s: &LinearActs<Buf, ()>) -> Result<[Buf; 5]> {
+    fn gated_delta(
+        &mut self,
+        _li: usize,
+        dcore: &Buf,
+        s: &LinearActs<Buf, ()>,
+    ) -> Result<[Buf; 5]> {
         let (nk, nv, dk, dv) = self.config.delta_heads();
         let (qd, vd, t) = (nk * dk, nv * dv, self.tokens());
         let mut dq = self.dev.zeros(t * qd)?;
@@ -896,6 +904,7 @@ impl BackwardOps for CudaBackward<'_> {
 
     fn conv(
         &mut self,
+        _li: usize,
         la: &LinearAttention<DeviceParam>,
         dw: &mut Buf,
         dout: &Buf,
@@ -947,7 +956,7 @@ impl BackwardOps for CudaBackward<'_> {
         Ok((dattn, dgate))
     }
 
-    fn attention(&mut self, dattn: &Buf, s: &FullActs<Buf>) -> Result<(Buf, Buf, Buf)> {
+    fn attention(&mut self, _li: usize, dattn: &Buf, s: &FullActs<Buf>) -> Result<(Buf, Buf, Buf)> {
         let c = self.config;
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
         let (qrow, kvrow, t) = (nh * hd, nkv * hd, self.tokens());
@@ -1233,7 +1242,7 @@ mod tests {
                 },
                 false,
                 1.0,
-                false,
+                crate::model::ForwardOptions::default(),
             )
             .unwrap();
         assert_eq!(lp.len(), n);

@@ -12,7 +12,7 @@
 
 use crate::comm::Communicator;
 use crate::grads::ModelGrads;
-use crate::model::{self, Activations, ForwardOptions, Packed};
+use crate::model::{self, ForwardOptions, Packed, SharedActivations};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::step::WriteGate;
 use crate::{Error, Result};
@@ -56,13 +56,14 @@ pub trait StepDevice: Send {
     fn zero_grads(&mut self) -> Result<()>;
     /// The training forward of one micro-batch at `temperature`, keeping
     /// what [`backward`](Self::backward) needs (only each layer's input
-    /// with `recompute_layers`).
+    /// with `recompute_layers`; shared prefixes once with
+    /// `share_prefixes`, where the device can).
     fn forward(
         &mut self,
         batch: MicroBatch<'_>,
         entropy: bool,
         temperature: f32,
-        recompute_layers: bool,
+        opts: ForwardOptions,
     ) -> Result<Scores>;
     /// Whether a fixed reference policy is held (`pg.ref_kl_coef`).
     fn has_reference(&self) -> bool;
@@ -100,7 +101,7 @@ pub struct CpuStep {
     /// The fixed policy of the KL-to-reference term.
     reference: Option<Qwen3_5>,
     /// The last forward's activations, until its backward.
-    acts: Option<(Activations, Vec<usize>, Vec<u32>)>,
+    acts: Option<(SharedActivations, Vec<usize>, Vec<u32>)>,
 }
 
 impl CpuStep {
@@ -184,22 +185,26 @@ impl StepDevice for CpuStep {
         batch: MicroBatch<'_>,
         entropy: bool,
         temperature: f32,
-        recompute_layers: bool,
+        opts: ForwardOptions,
     ) -> Result<Scores> {
         // A read guard per call: the engines keep generating meanwhile, and
         // the only writer is this trainer's `apply`.
         let m = self.store.read();
-        let packed = packed_of(batch.sequences, m.config.vocab_size)?;
-        let acts = model::forward_with(&m, packed, ForwardOptions { recompute_layers })?;
+        let groups = if opts.share_prefixes {
+            model::plan_for_rows(batch.sequences, batch.rows)
+        } else {
+            Vec::new()
+        };
+        let (acts, rows) = model::forward_shared(&m, batch.sequences, &groups, batch.rows, opts)?;
         let scores = model::token_logprobs_entropy(
             &m,
-            &acts.hidden,
-            batch.rows,
+            &acts.rests.hidden,
+            &rows,
             batch.targets,
             entropy,
             temperature,
         )?;
-        self.acts = Some((acts, batch.rows.to_vec(), batch.targets.to_vec()));
+        self.acts = Some((acts, rows, batch.targets.to_vec()));
         Ok(scores)
     }
 
@@ -217,6 +222,7 @@ impl StepDevice for CpuStep {
             packed,
             ForwardOptions {
                 recompute_layers: true,
+                share_prefixes: false,
             },
         )?;
         let (lp, _) = model::token_logprobs_entropy(
@@ -239,14 +245,14 @@ impl StepDevice for CpuStep {
         let dhidden = model::token_logprobs_entropy_backward(
             &m,
             &mut self.grads,
-            &acts.hidden,
+            &acts.rests.hidden,
             &rows,
             &targets,
             dlp,
             dentropy,
             temperature,
         )?;
-        model::backward(&m, &acts, &dhidden, &mut self.grads)
+        model::backward_shared(&m, &acts, &dhidden, &mut self.grads)
     }
 
     fn all_reduce_grads(&mut self, comm: &dyn Communicator) -> Result<()> {
@@ -307,9 +313,9 @@ impl<T: StepDevice + ?Sized> StepDevice for Box<T> {
         batch: MicroBatch<'_>,
         entropy: bool,
         temperature: f32,
-        recompute_layers: bool,
+        opts: ForwardOptions,
     ) -> Result<Scores> {
-        (**self).forward(batch, entropy, temperature, recompute_layers)
+        (**self).forward(batch, entropy, temperature, opts)
     }
     fn has_reference(&self) -> bool {
         (**self).has_reference()

@@ -24,8 +24,8 @@ use crate::grads::{LinearAttnGrad, LinearGrad, ModelGrads};
 use crate::{Error, Result};
 use arcticd_engine::model::qwen3_5::{Linear, LinearAttention};
 use arcticd_engine::model::saved::{FullActs, Keep, Kept, LayerActs, LinearActs};
-use arcticd_engine::model::{check_ids, logit_rows_per_chunk};
-use arcticd_engine::Qwen3_5;
+use arcticd_engine::model::{check_ids, logit_rows_per_chunk, Trace};
+use arcticd_engine::{Qwen3_5, SeqCache};
 use arcticd_kernels::cpu::{
     activation::{
         gated_delta_gating_backward, sigmoid_gate_backward, silu_backward, silu_mul_backward,
@@ -46,6 +46,7 @@ use arcticd_kernels::cpu::{
     rope::rope_backward,
 };
 use arcticd_kernels::Tensor;
+use std::ops::Range;
 
 /// A packed batch: token ids of every sequence back to back.
 #[derive(Debug, Clone)]
@@ -60,17 +61,31 @@ pub struct Packed {
 impl Packed {
     /// Pack `sequences` (each non-empty, ids below `vocab`).
     pub fn new(sequences: &[Vec<u32>], vocab: usize) -> Result<Self> {
+        let refs: Vec<&[u32]> = sequences.iter().map(|s| s.as_slice()).collect();
+        Self::continuing(&refs, &vec![0; refs.len()], vocab)
+    }
+
+    /// Pack `sequences` that continue from position `past[i]` (the tokens
+    /// before it are in a cache): the positions start there.
+    pub fn continuing(sequences: &[&[u32]], past: &[usize], vocab: usize) -> Result<Self> {
         check_ids(sequences, vocab).map_err(|e| match e {
             arcticd_engine::Error::Input(m) => Error::Input(m),
             e => Error::Engine(e),
         })?;
+        if past.len() != sequences.len() {
+            return Err(Error::Shape(format!(
+                "{} start positions for {} sequences",
+                past.len(),
+                sequences.len()
+            )));
+        }
         let mut ids = Vec::new();
         let mut spans = Vec::with_capacity(sequences.len());
         let mut positions = Vec::new();
-        for seq in sequences {
+        for (seq, &p0) in sequences.iter().zip(past) {
             spans.push((ids.len(), seq.len()));
             ids.extend_from_slice(seq);
-            positions.extend((0..seq.len()).map(|p| p as u32));
+            positions.extend((p0..p0 + seq.len()).map(|p| p as u32));
         }
         Ok(Packed {
             ids,
@@ -115,6 +130,9 @@ pub struct ForwardOptions {
     /// forward per layer, activation memory of one layer instead of all.
     /// The gradients are identical (the forward is deterministic).
     pub recompute_layers: bool,
+    /// Run the prefixes that consecutive sequences share once
+    /// ([`plan_prefixes`], [`forward_shared`]); read by the training step.
+    pub share_prefixes: bool,
 }
 
 /// The training forward over a packed batch, keeping every activation.
@@ -131,13 +149,240 @@ pub fn forward_with(model: &Qwen3_5, packed: Packed, opts: ForwardOptions) -> Re
         Keep::All
     };
     let trace = model.forward_keeping(&packed.sequences(), keep)?;
-    Ok(Activations {
-        packed,
-        layers: trace.layers,
-        x_last: trace.x_last,
-        final_rstd: trace.final_rstd,
-        hidden: trace.hidden,
-    })
+    Ok(Activations::of(packed, trace))
+}
+
+impl Activations {
+    fn of(packed: Packed, trace: Trace) -> Self {
+        Activations {
+            packed,
+            layers: trace.layers,
+            x_last: trace.x_last,
+            final_rstd: trace.final_rstd,
+            hidden: trace.hidden,
+        }
+    }
+}
+
+/// Consecutive sequences of a micro-batch that share their first tokens
+/// (the attempts of one task share its prompt): `members` and the
+/// `shared` tokens each of them starts with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixGroup {
+    pub members: Range<usize>,
+    pub shared: usize,
+}
+
+/// Groups of consecutive sequences worth running as one shared prefix and
+/// their rests. `first_row[s]` is the first position of sequence `s`
+/// whose hidden state the loss reads: a prefix stops before it (and
+/// before the sequence's last token), so every scored row lies in a rest.
+/// A sequence joins the group before it when that does not lower the
+/// tokens the group saves (`shared x (members - 1)`).
+pub fn plan_prefixes(sequences: &[&[u32]], first_row: &[usize]) -> Vec<PrefixGroup> {
+    let mut groups: Vec<PrefixGroup> = Vec::new();
+    let mut open: Option<PrefixGroup> = None;
+    for (s, seq) in sequences.iter().enumerate() {
+        let own = first_row
+            .get(s)
+            .copied()
+            .unwrap_or(0)
+            .min(seq.len().saturating_sub(1));
+        if let Some(g) = open.as_mut() {
+            let lead = sequences[g.members.start];
+            let common = lead
+                .iter()
+                .zip(seq.iter())
+                .take_while(|(a, b)| a == b)
+                .count();
+            let shared = g.shared.min(common).min(own);
+            let members = g.members.len();
+            if shared > 0 && shared * members >= g.shared * (members - 1) {
+                g.members.end = s + 1;
+                g.shared = shared;
+                continue;
+            }
+        }
+        if let Some(g) = open.take().filter(|g| g.members.len() > 1) {
+            groups.push(g);
+        }
+        open = Some(PrefixGroup {
+            members: s..s + 1,
+            shared: own,
+        });
+    }
+    groups.extend(open.filter(|g| g.members.len() > 1));
+    groups
+}
+
+/// [`plan_prefixes`] for a micro-batch whose loss reads the hidden states
+/// at `rows` of the sequences packed whole.
+pub fn plan_for_rows(sequences: &[&[u32]], rows: &[usize]) -> Vec<PrefixGroup> {
+    let mut first: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
+    let mut starts = Vec::with_capacity(sequences.len());
+    let mut at = 0;
+    for seq in sequences {
+        starts.push(at);
+        at += seq.len();
+    }
+    for &r in rows {
+        let s = starts.partition_point(|&st| st <= r).saturating_sub(1);
+        if let (Some(f), Some(&st)) = (first.get_mut(s), starts.get(s)) {
+            *f = (*f).min(r.saturating_sub(st));
+        }
+    }
+    plan_prefixes(sequences, &first)
+}
+
+/// The training forward over sequences that share prompts
+/// ([`plan_prefixes`]): each group's shared tokens once, then every
+/// sequence's rest continuing from its prefix's caches, the way the engine
+/// continues a prefix-cache hit, so every log-prob has the bits of the
+/// unshared forward. The backward ([`backward_shared`]) carries the rests'
+/// gradients of those caches into the prefixes.
+#[derive(Debug)]
+pub struct SharedActivations {
+    /// The shared prefixes, one per group; `None` when nothing is shared.
+    prefixes: Option<Activations>,
+    /// Each prefix's caches after it: where its group's rests start.
+    caches: Vec<SeqCache>,
+    /// Every sequence's rest (all of it where it shares nothing).
+    pub rests: Activations,
+    /// The group each sequence's rest continues.
+    group_of: Vec<Option<usize>>,
+}
+
+impl SharedActivations {
+    /// Tokens the forward ran: the prefixes once and every rest.
+    pub fn tokens(&self) -> usize {
+        self.rests.packed.len() + self.prefixes.as_ref().map_or(0, |p| p.packed.len())
+    }
+}
+
+/// [`forward_with`] over `sequences` with `groups` sharing their prefixes.
+/// `rows` index the sequences packed whole; they come back indexing the
+/// rests' hidden states (`SharedActivations::rests`). A row inside a
+/// shared prefix is an error.
+pub fn forward_shared(
+    model: &Qwen3_5,
+    sequences: &[&[u32]],
+    groups: &[PrefixGroup],
+    rows: &[usize],
+    opts: ForwardOptions,
+) -> Result<(SharedActivations, Vec<usize>)> {
+    let keep = if opts.recompute_layers {
+        Keep::Inputs
+    } else {
+        Keep::All
+    };
+    let vocab = model.config.vocab_size;
+    let mut cut = vec![0usize; sequences.len()];
+    let mut group_of = vec![None; sequences.len()];
+    for (gi, g) in groups.iter().enumerate() {
+        let lead = sequences.get(g.members.start).copied().unwrap_or_default();
+        for s in g.members.clone() {
+            let seq = sequences.get(s).copied().unwrap_or_default();
+            if g.shared == 0 || g.shared >= seq.len() || seq[..g.shared] != lead[..g.shared] {
+                return Err(Error::Shape(format!(
+                    "sequence {s} does not start with its group's {} shared tokens",
+                    g.shared
+                )));
+            }
+            if group_of[s].replace(gi).is_some() {
+                return Err(Error::Shape(format!("sequence {s} is in two groups")));
+            }
+            cut[s] = g.shared;
+        }
+    }
+    let prefix_seqs: Vec<&[u32]> = groups
+        .iter()
+        .map(|g| &sequences[g.members.start][..g.shared])
+        .collect();
+    let mut caches: Vec<SeqCache> = prefix_seqs.iter().map(|_| model.new_cache()).collect();
+    let prefixes = if prefix_seqs.is_empty() {
+        None
+    } else {
+        let packed = Packed::new(
+            &prefix_seqs.iter().map(|p| p.to_vec()).collect::<Vec<_>>(),
+            vocab,
+        )?;
+        let trace = model.forward_keeping_from(&prefix_seqs, &mut caches, keep)?;
+        Some(Activations::of(packed, trace))
+    };
+    let rest_seqs: Vec<&[u32]> = sequences.iter().zip(&cut).map(|(s, &c)| &s[c..]).collect();
+    let packed = Packed::continuing(&rest_seqs, &cut, vocab)?;
+    let mut rest_caches: Vec<SeqCache> = group_of
+        .iter()
+        .map(|g| g.map_or_else(|| model.new_cache(), |g| caches[g].clone()))
+        .collect();
+    let trace = model.forward_keeping_from(&rest_seqs, &mut rest_caches, keep)?;
+    drop(rest_caches);
+    // Rows of the whole packing, moved to the rests'.
+    let mut whole_start = Vec::with_capacity(sequences.len());
+    let mut at = 0;
+    for seq in sequences {
+        whole_start.push(at);
+        at += seq.len();
+    }
+    let moved = rows
+        .iter()
+        .map(|&r| {
+            let s = whole_start.partition_point(|&st| st <= r).saturating_sub(1);
+            let off = r.checked_sub(whole_start.get(s).copied().unwrap_or(0));
+            match off {
+                Some(off) if off < sequences.get(s).map_or(0, |q| q.len()) && off >= cut[s] => {
+                    Ok(packed.spans[s].0 + off - cut[s])
+                }
+                _ => Err(Error::Shape(format!(
+                    "row {r} is not in the unshared part of a sequence"
+                ))),
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((
+        SharedActivations {
+            prefixes,
+            caches,
+            rests: Activations::of(packed, trace),
+            group_of,
+        },
+        moved,
+    ))
+}
+
+/// Backward of [`forward_shared`] from `dhidden` (the gradient of the
+/// rests' final hidden states): the rests first, which leaves the gradient
+/// of every prefix's caches (summed over its group), then the prefixes
+/// from those. Parameter gradients accumulate into `grads`.
+pub fn backward_shared(
+    model: &Qwen3_5,
+    acts: &SharedActivations,
+    dhidden: &[f32],
+    grads: &mut ModelGrads,
+) -> Result<()> {
+    let mut dcaches: Vec<SeqCache> = acts.caches.iter().map(SeqCache::zeros_like).collect();
+    run_backward(
+        model,
+        &acts.rests,
+        dhidden,
+        grads,
+        Link::Continues {
+            group_of: &acts.group_of,
+            caches: &acts.caches,
+            dcaches: &mut dcaches,
+        },
+    )?;
+    if let Some(prefixes) = &acts.prefixes {
+        let dzero = vec![0.0f32; prefixes.packed.len() * model.config.hidden_size];
+        run_backward(
+            model,
+            prefixes,
+            &dzero,
+            grads,
+            Link::Continued { dcaches: &dcaches },
+        )?;
+    }
+    Ok(())
 }
 
 /// `lp[i] = log p(targets[i] | hidden row rows[i])`.
@@ -308,6 +553,18 @@ pub fn backward(
     dhidden: &[f32],
     grads: &mut ModelGrads,
 ) -> Result<()> {
+    run_backward(model, acts, dhidden, grads, Link::None)
+}
+
+/// [`model_backward`] of one packed forward with the CPU ops, linked to
+/// the caches its sequences continue or hand on.
+fn run_backward(
+    model: &Qwen3_5,
+    acts: &Activations,
+    dhidden: &[f32],
+    grads: &mut ModelGrads,
+    link: Link<'_>,
+) -> Result<()> {
     let (t, h) = (acts.packed.len(), model.config.hidden_size);
     if dhidden.len() != t * h {
         return Err(Error::Shape(format!(
@@ -324,8 +581,70 @@ pub fn backward(
     let mut ops = CpuBackward {
         model,
         packed: &acts.packed,
+        link,
     };
     model_backward(&mut ops, model, &fwd, &dhidden, &mut grads.0)
+}
+
+/// How the sequences of one backward relate to caches.
+enum Link<'a> {
+    /// Each starts from a fresh state and hands nothing on.
+    None,
+    /// Sequence `s` continues `caches[group_of[s]]` (when it has a group);
+    /// the gradient of what it read there accumulates into `dcaches`.
+    Continues {
+        group_of: &'a [Option<usize>],
+        caches: &'a [SeqCache],
+        dcaches: &'a mut [SeqCache],
+    },
+    /// Sequence `s` starts fresh and its caches after it were read by
+    /// others, who left their gradient in `dcaches[s]`.
+    Continued { dcaches: &'a [SeqCache] },
+}
+
+impl Link<'_> {
+    /// The cache sequence `s` continues.
+    fn past(&self, s: usize) -> Option<(usize, &SeqCache)> {
+        match self {
+            Link::Continues {
+                group_of, caches, ..
+            } => group_of
+                .get(s)
+                .copied()
+                .flatten()
+                .and_then(|g| caches.get(g).map(|c| (g, c))),
+            _ => None,
+        }
+    }
+
+    /// The gradient of sequence `s`'s caches after it.
+    fn handed_on(&self, s: usize) -> Option<&SeqCache> {
+        match self {
+            Link::Continued { dcaches } => dcaches.get(s),
+            _ => None,
+        }
+    }
+
+    /// Where the gradient of the cache of group `g` accumulates.
+    fn dpast(&mut self, g: usize) -> Option<&mut SeqCache> {
+        match self {
+            Link::Continues { dcaches, .. } => dcaches.get_mut(g),
+            _ => None,
+        }
+    }
+}
+
+/// `dst += src`, of equal lengths.
+fn add_into(dst: &mut [f32], src: &[f32]) -> Result<()> {
+    if dst.len() != src.len() {
+        return Err(Error::Shape(format!(
+            "a cache gradient of {} values for {}",
+            src.len(),
+            dst.len()
+        )));
+    }
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+    Ok(())
 }
 
 /// Head width from which the CPU's gated-delta backward runs in the chunked
@@ -339,6 +658,7 @@ const CHUNKED_BACKWARD_MIN_WIDTH: usize = 64;
 struct CpuBackward<'a> {
     model: &'a Qwen3_5,
     packed: &'a Packed,
+    link: Link<'a>,
 }
 
 impl BackwardOps for CpuBackward<'_> {
@@ -419,7 +739,12 @@ impl BackwardOps for CpuBackward<'_> {
         Ok((dx, dz))
     }
 
-    fn gated_delta(&mut self, dcore: &Vec<f32>, s: &LinearActs) -> Result<[Vec<f32>; 5]> {
+    fn gated_delta(
+        &mut self,
+        li: usize,
+        dcore: &Vec<f32>,
+        s: &LinearActs,
+    ) -> Result<[Vec<f32>; 5]> {
         let (nk, nv, dk, dv) = self.model.config.delta_heads();
         let (qd, vd, t) = (nk * dk, nv * dv, self.packed.len());
         let mut dq = vec![0.0f32; t * qd];
@@ -427,7 +752,13 @@ impl BackwardOps for CpuBackward<'_> {
         let mut dv_ = vec![0.0f32; t * vd];
         let mut dg = vec![0.0f32; t * nv];
         let mut dbeta = vec![0.0f32; t * nv];
-        for (&(st, n), cps) in self.packed.spans.iter().zip(&s.checkpoints) {
+        let mut dstate0 = vec![0.0f32; nv * dk * dv];
+        for (i, (&(st, n), cps)) in self.packed.spans.iter().zip(&s.checkpoints).enumerate() {
+            let past = self.link.past(i).map(|(g, _)| g);
+            let last = self
+                .link
+                .handed_on(i)
+                .map(|d| d.recurrent_state[li].as_slice());
             let dims = GatedDeltaDims {
                 t: n,
                 nk,
@@ -451,7 +782,8 @@ impl BackwardOps for CpuBackward<'_> {
                 &mut dv_[kv.clone()],
                 &mut dg[kh.clone()],
                 &mut dbeta[kh.clone()],
-                None,
+                past.is_some().then_some(dstate0.as_mut_slice()),
+                last,
                 &dcore[kv.clone()],
                 cps,
                 &s.q[kq.clone()],
@@ -461,6 +793,9 @@ impl BackwardOps for CpuBackward<'_> {
                 &s.beta[kh],
                 dims,
             )?;
+            if let Some(d) = past.and_then(|g| self.link.dpast(g)) {
+                add_into(&mut d.recurrent_state[li], &dstate0)?;
+            }
         }
         Ok([dq, dk_, dv_, dg, dbeta])
     }
@@ -505,6 +840,7 @@ impl BackwardOps for CpuBackward<'_> {
 
     fn conv(
         &mut self,
+        li: usize,
         la: &LinearAttention,
         dw: &mut Vec<f32>,
         dout: &Vec<f32>,
@@ -512,22 +848,41 @@ impl BackwardOps for CpuBackward<'_> {
     ) -> Result<Vec<f32>> {
         let c = &self.model.config;
         let (conv_dim, kc) = (c.linear_conv_dim(), c.conv_kernel);
+        let hist = kc.saturating_sub(1);
         let mut dinp = vec![0.0f32; inp.len()];
-        let zero_state = vec![0.0f32; (kc - 1) * conv_dim];
-        for &(st, n) in &self.packed.spans {
+        let zero_state = vec![0.0f32; hist * conv_dim];
+        let mut dstate0 = vec![0.0f32; hist * conv_dim];
+        for (i, &(st, n)) in self.packed.spans.iter().enumerate() {
             let r = st * conv_dim..(st + n) * conv_dim;
+            let past = self.link.past(i);
+            let state0 = past.map_or(&zero_state, |(_, p)| &p.conv_state[li]);
             conv1d_backward(
                 &mut dinp[r.clone()],
                 dw,
-                None,
+                past.is_some().then_some(dstate0.as_mut_slice()),
                 &dout[r.clone()],
-                &zero_state,
+                state0,
                 &inp[r],
                 la.conv1d.as_f32()?,
                 n,
                 conv_dim,
                 kc,
             )?;
+            if let Some(d) = past.map(|(g, _)| g).and_then(|g| self.link.dpast(g)) {
+                add_into(&mut d.conv_state[li], &dstate0)?;
+            }
+            // The conv state after the sequence is its last `hist` inputs
+            // (those before it are the fresh start's zeros).
+            if let Some(d) = self.link.handed_on(i) {
+                let d = &d.conv_state[li];
+                for j in hist.saturating_sub(n)..hist {
+                    let row = st + n + j - hist;
+                    add_into(
+                        &mut dinp[row * conv_dim..(row + 1) * conv_dim],
+                        &d[j * conv_dim..(j + 1) * conv_dim],
+                    )?;
+                }
+            }
         }
         Ok(dinp)
     }
@@ -570,6 +925,7 @@ impl BackwardOps for CpuBackward<'_> {
 
     fn attention(
         &mut self,
+        li: usize,
         dattn: &Vec<f32>,
         s: &FullActs,
     ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
@@ -581,8 +937,42 @@ impl BackwardOps for CpuBackward<'_> {
         let mut dk = vec![0.0f32; t * kvrow];
         let mut dv = vec![0.0f32; t * kvrow];
         let scale = 1.0 / (hd as f32).sqrt();
-        for &(st, n) in &self.packed.spans {
+        for (i, &(st, n)) in self.packed.spans.iter().enumerate() {
             let (rq, rk) = (st * qrow..(st + n) * qrow, st * kvrow..(st + n) * kvrow);
+            let dims = |past: usize| AttnDims {
+                nq: n,
+                nk: past + n,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+            };
+            if let Some((g, cache)) = self.link.past(i) {
+                // The queries see the cached keys before their own.
+                let (pk, pv) = (&cache.k[li], &cache.v[li]);
+                let past = pk.len() / kvrow.max(1);
+                let kf = [pk.as_slice(), &s.k[rk.clone()]].concat();
+                let vf = [pv.as_slice(), &s.v[rk.clone()]].concat();
+                let (mut dkf, mut dvf) = (vec![0.0f32; kf.len()], vec![0.0f32; vf.len()]);
+                attention_backward(
+                    &mut dq[rq.clone()],
+                    &mut dkf,
+                    &mut dvf,
+                    &dattn[rq.clone()],
+                    &s.q[rq],
+                    &kf,
+                    &vf,
+                    dims(past),
+                    scale,
+                )?;
+                let split = past * kvrow;
+                dk[rk.clone()].copy_from_slice(&dkf[split..]);
+                dv[rk].copy_from_slice(&dvf[split..]);
+                if let Some(d) = self.link.dpast(g) {
+                    add_into(&mut d.k[li], &dkf[..split])?;
+                    add_into(&mut d.v[li], &dvf[..split])?;
+                }
+                continue;
+            }
             attention_backward(
                 &mut dq[rq.clone()],
                 &mut dk[rk.clone()],
@@ -590,16 +980,15 @@ impl BackwardOps for CpuBackward<'_> {
                 &dattn[rq.clone()],
                 &s.q[rq],
                 &s.k[rk.clone()],
-                &s.v[rk],
-                AttnDims {
-                    nq: n,
-                    nk: n,
-                    n_heads: nh,
-                    n_kv_heads: nkv,
-                    head_dim: hd,
-                },
+                &s.v[rk.clone()],
+                dims(0),
                 scale,
             )?;
+            // Keys and values others read from this sequence's cache.
+            if let Some(d) = self.link.handed_on(i) {
+                add_into(&mut dk[rk.clone()], &d.k[li])?;
+                add_into(&mut dv[rk], &d.v[li])?;
+            }
         }
         Ok((dq, dk, dv))
     }
@@ -636,6 +1025,77 @@ impl BackwardOps for CpuBackward<'_> {
     }
 
     fn recompute(&mut self, model: &Qwen3_5, li: usize, x_in: &Vec<f32>) -> Result<LayerActs> {
-        Ok(model.recompute_layer(li, x_in, &self.packed.sequences())?)
+        let starts = (0..self.packed.spans.len())
+            .map(|i| {
+                self.link
+                    .past(i)
+                    .map_or_else(|| model.new_cache(), |(_, c)| c.layer(li))
+            })
+            .collect();
+        Ok(model.recompute_layer_from(li, x_in, &self.packed.sequences(), starts)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn group(members: Range<usize>, shared: usize) -> PrefixGroup {
+        PrefixGroup { members, shared }
+    }
+
+    /// Two tasks' attempts share a system header across tasks and a whole
+    /// prompt within one: the groups are the tasks, and a lone sequence
+    /// between them joins neither.
+    #[test]
+    fn groups_are_runs_of_attempts_at_one_prompt() {
+        let header = [1u32, 2, 3];
+        let a: Vec<u32> = [&header[..], &[10, 11, 12, 13, 14, 15]].concat();
+        let b: Vec<u32> = [&header[..], &[20, 21, 22, 23, 24, 25]].concat();
+        let with = |p: &[u32], tail: &[u32]| [p, tail].concat();
+        let seqs = [
+            with(&a, &[7, 8]),
+            with(&a, &[9]),
+            with(&a, &[5, 5, 5]),
+            vec![40, 41, 42],
+            with(&b, &[1]),
+            with(&b, &[2, 2]),
+        ];
+        let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
+        // The loss reads from each prompt's last token on.
+        let first = [8, 8, 8, 0, 8, 8];
+        assert_eq!(
+            plan_prefixes(&refs, &first),
+            vec![group(0..3, 8), group(4..6, 8)]
+        );
+        // Where the loss reads earlier, less is shared.
+        let first = [8, 5, 8, 0, 8, 8];
+        assert_eq!(
+            plan_prefixes(&refs, &first),
+            vec![group(0..3, 5), group(4..6, 8)]
+        );
+        // Nothing scored inside: the prefix still leaves each rest a token.
+        let same = [vec![1u32, 2, 3], vec![1, 2, 3]];
+        let refs: Vec<&[u32]> = same.iter().map(|s| s.as_slice()).collect();
+        assert_eq!(plan_prefixes(&refs, &[3, 3]), vec![group(0..2, 2)]);
+        assert_eq!(plan_prefixes(&refs, &[0, 3]), vec![]);
+    }
+
+    /// A sequence that would cut a group's shared tokens by more than it
+    /// saves starts its own group.
+    #[test]
+    fn a_short_match_does_not_shrink_a_group() {
+        let long: Vec<u32> = (0..20).collect();
+        let seqs = [
+            [&long[..], &[100]].concat(),
+            [&long[..], &[101]].concat(),
+            [&long[..4], &[50, 51, 52]].concat(),
+            [&long[..4], &[50, 51, 53]].concat(),
+        ];
+        let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
+        assert_eq!(
+            plan_prefixes(&refs, &[20, 20, 6, 6]),
+            vec![group(0..2, 20), group(2..4, 6)]
+        );
     }
 }

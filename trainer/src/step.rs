@@ -24,6 +24,7 @@ use crate::comm::{all_gather_f64, Communicator};
 use crate::device::{CpuStep, MicroBatch, StepDevice};
 use crate::grads::ModelGrads;
 use crate::loss::{pg_loss, sft_loss, Aggregation, PgConfig, PgMetrics, PgSeq};
+use crate::model::ForwardOptions;
 use crate::optim::{clip_coef, AdamW, AdamWConfig, LrSchedule};
 use crate::{Error, Result};
 use arcticd_engine::{ParamStore, Qwen3_5};
@@ -50,6 +51,13 @@ pub struct TrainConfig {
     /// them (per-layer activation checkpointing, for long sequences).
     /// Default false.
     pub recompute_layers: bool,
+    /// Run the first tokens that consecutive sequences of a micro-batch
+    /// share (a task's prompt, shared by its attempts) once, and each
+    /// sequence's rest from the shared prefix's caches, instead of every
+    /// sequence whole: the same log-probs bit for bit, the same gradient
+    /// to fp32 rounding, fewer tokens. CPU only; the CUDA trainer runs
+    /// every sequence whole. Default true.
+    pub share_prefixes: bool,
     /// Policy-gradient loss settings.
     pub pg: PgConfig,
     /// Data-parallel: compare a checksum of every rank's weights after
@@ -66,6 +74,7 @@ impl Default for TrainConfig {
             grad_clip: None,
             micro_batch_tokens: 16384,
             recompute_layers: false,
+            share_prefixes: true,
             pg: PgConfig::default(),
             checksum_every: 10,
         }
@@ -235,15 +244,24 @@ pub struct StepMetrics {
 /// Contiguous micro-batches of `lens` with at most `budget` tokens each (a
 /// sequence longer than the budget is alone).
 pub fn micro_batches(lens: &[usize], budget: usize) -> Vec<Range<usize>> {
+    micro_batches_sharing(lens, &[], budget)
+}
+
+/// [`micro_batches`] where sequence `i` shares its first `shared[i]`
+/// tokens with sequence `i - 1` (a prefix run once,
+/// `TrainConfig::share_prefixes`): those cost nothing unless `i` opens a
+/// micro-batch. Missing entries share nothing.
+pub fn micro_batches_sharing(lens: &[usize], shared: &[usize], budget: usize) -> Vec<Range<usize>> {
     let mut out = Vec::new();
     let (mut start, mut total) = (0, 0);
-    for (i, &n) in lens.iter().enumerate() {
+    for (i, &len) in lens.iter().enumerate() {
+        let n = len - shared.get(i).copied().unwrap_or(0).min(len);
         if i > start && total + n > budget {
             out.push(start..i);
             start = i;
             total = 0;
         }
-        total += n;
+        total += if i == start { len } else { n };
     }
     if start < lens.len() {
         out.push(start..lens.len());
@@ -440,6 +458,13 @@ impl<D: StepDevice> Trainer<D> {
         self.config.optimizer.lr * self.config.schedule.factor(self.dev.steps())
     }
 
+    fn forward_options(&self) -> ForwardOptions {
+        ForwardOptions {
+            recompute_layers: self.config.recompute_layers,
+            share_prefixes: self.config.share_prefixes,
+        }
+    }
+
     /// Forward + backward over micro-batches; `dlp_of(batch range, lps)`
     /// returns the loss contribution and per-row log-prob gradients.
     fn accumulate(
@@ -453,7 +478,24 @@ impl<D: StepDevice> Trainer<D> {
     ) -> Result<(f64, usize)> {
         self.dev.zero_grads()?;
         let lens: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
-        let parts = micro_batches(&lens, self.config.micro_batch_tokens.max(1));
+        // With shared prefixes a micro-batch holds what runs: each
+        // sequence's tokens past what it shares with the one before.
+        let shared: Vec<usize> = if self.config.share_prefixes {
+            (0..tokens.len())
+                .map(|i| match i.checked_sub(1).map(|p| tokens[p]) {
+                    Some(prev) => prev
+                        .iter()
+                        .zip(tokens[i])
+                        .take_while(|(a, b)| a == b)
+                        .count()
+                        .min(tokens[i].len().saturating_sub(1)),
+                    None => 0,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let parts = micro_batches_sharing(&lens, &shared, self.config.micro_batch_tokens.max(1));
         let mut loss = 0.0;
         for range in &parts {
             let sequences = &tokens[range.clone()];
@@ -471,7 +513,7 @@ impl<D: StepDevice> Trainer<D> {
             };
             let (lp, ent) =
                 self.dev
-                    .forward(batch, entropy, temperature, self.config.recompute_layers)?;
+                    .forward(batch, entropy, temperature, self.forward_options())?;
             let mut ctx = Qwen3_5Ctx {
                 range: range.clone(),
                 at: &at,
@@ -895,5 +937,14 @@ mod tests {
         assert_eq!(micro_batches(&[3, 3, 3], 6), vec![0..2, 2..3]);
         assert_eq!(micro_batches(&[10, 1, 1], 4), vec![0..1, 1..3]);
         assert_eq!(micro_batches(&[], 4), Vec::<Range<usize>>::new());
+        // Shared tokens are free past a micro-batch's first sequence.
+        assert_eq!(
+            micro_batches_sharing(&[10, 10, 10, 10], &[0, 8, 8, 8], 14),
+            vec![0..3, 3..4]
+        );
+        assert_eq!(
+            micro_batches_sharing(&[10, 10, 10], &[0, 8, 9], 12),
+            vec![0..2, 2..3]
+        );
     }
 }

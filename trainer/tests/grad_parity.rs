@@ -2,9 +2,11 @@
 //! the fixtures of tests/ref/make_grad_fixtures.py (tests/fixtures/grads),
 //! and agreement of the trainer's log-probs with the engine's `score`.
 
+mod common;
 use arcticd_engine::Qwen3_5;
 use arcticd_trainer::model::{self, Packed};
 use arcticd_trainer::ModelGrads;
+use common::rel_err;
 use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -65,15 +67,6 @@ fn scored(packed: &Packed, b: &Batch) -> (Vec<usize>, Vec<u32>, Vec<f32>) {
         }
     }
     (rows, targets, w)
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (x, y) in a.iter().zip(b) {
-        num += (*x as f64 - *y as f64).powi(2);
-        den += (*y as f64).powi(2);
-    }
-    (num / den.max(1e-30)).sqrt()
 }
 
 fn check_case(case: &str) {
@@ -204,6 +197,7 @@ fn grads_of(m: &Qwen3_5, seqs: &[(usize, Vec<u32>)], recompute: bool) -> ModelGr
     }
     let opts = model::ForwardOptions {
         recompute_layers: recompute,
+        ..Default::default()
     };
     let acts = model::forward_with(m, packed, opts).unwrap();
     let mut g = ModelGrads::zeros_like(m);

@@ -3,11 +3,13 @@
 //! transformers on the same data (tests/fixtures/grads/sft_adamw, made by
 //! tests/ref/make_grad_fixtures.py), plus checkpoint round trips.
 
+mod common;
 use arcticd_engine::Qwen3_5;
 use arcticd_trainer::checkpoint::save_checkpoint;
 use arcticd_trainer::data::{batch_for_step, read_sft_jsonl};
 use arcticd_trainer::optim::{AdamWConfig, LrSchedule};
 use arcticd_trainer::step::{store_of, TrainConfig, Trainer};
+use common::rel_err;
 use safetensors::SafeTensors;
 use std::path::PathBuf;
 
@@ -35,15 +37,6 @@ fn config(args: &serde_json::Value, micro_batch_tokens: usize) -> TrainConfig {
         micro_batch_tokens,
         ..TrainConfig::default()
     }
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (x, y) in a.iter().zip(b) {
-        num += (*x as f64 - *y as f64).powi(2);
-        den += (*y as f64).powi(2);
-    }
-    (num / den.max(1e-30)).sqrt()
 }
 
 fn tmpdir(tag: &str) -> PathBuf {

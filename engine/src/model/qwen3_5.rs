@@ -220,8 +220,8 @@ impl Layout {
 
 /// Every sequence is non-empty and its ids below `vocab`: what a forward
 /// over fresh sequences (scoring, training) asks of its input.
-pub fn check_ids(sequences: &[Vec<u32>], vocab: usize) -> Result<()> {
-    for (s, seq) in sequences.iter().enumerate() {
+pub fn check_ids<S: AsRef<[u32]>>(sequences: &[S], vocab: usize) -> Result<()> {
+    for (s, seq) in sequences.iter().map(AsRef::as_ref).enumerate() {
         if seq.is_empty() {
             return Err(Error::Input(format!("sequence {s} is empty")));
         }
@@ -234,7 +234,7 @@ pub fn check_ids(sequences: &[Vec<u32>], vocab: usize) -> Result<()> {
     Ok(())
 }
 
-/// `sequences` paired with their (fresh) caches.
+/// `sequences` paired with their caches (fresh ones, or the ones they continue).
 fn fresh_batch<'a>(sequences: &[&'a [u32]], caches: &'a mut [SeqCache]) -> Vec<SeqInput<'a>> {
     sequences
         .iter()
@@ -340,6 +340,37 @@ pub struct SeqCache {
     pub v: Vec<Vec<f32>>,
     /// Tokens already absorbed into this cache.
     pub len: usize,
+}
+
+impl SeqCache {
+    /// A cache of the same shape holding zeros: the gradient of one.
+    pub fn zeros_like(&self) -> SeqCache {
+        let zeros = |x: &[Vec<f32>]| x.iter().map(|v| vec![0.0; v.len()]).collect();
+        SeqCache {
+            conv_state: zeros(&self.conv_state),
+            recurrent_state: zeros(&self.recurrent_state),
+            k: zeros(&self.k),
+            v: zeros(&self.v),
+            len: self.len,
+        }
+    }
+
+    /// This cache with only layer `li`'s state: what a forward of that one
+    /// layer reads, without copying every layer's keys.
+    pub fn layer(&self, li: usize) -> SeqCache {
+        let only = |x: &[Vec<f32>]| {
+            (0..x.len())
+                .map(|i| if i == li { x[i].clone() } else { Vec::new() })
+                .collect()
+        };
+        SeqCache {
+            conv_state: only(&self.conv_state),
+            recurrent_state: only(&self.recurrent_state),
+            k: only(&self.k),
+            v: only(&self.v),
+            len: self.len,
+        }
+    }
 }
 
 /// Where a sequence's past keys and values lie in a paged cache (see
@@ -476,7 +507,29 @@ impl Qwen3_5 {
     /// bit), keeping what a backward needs ([`Keep`]).
     pub fn forward_keeping(&self, sequences: &[&[u32]], keep: Keep) -> Result<Trace> {
         let mut caches: Vec<SeqCache> = sequences.iter().map(|_| self.new_cache()).collect();
-        let mut batch = fresh_batch(sequences, &mut caches);
+        self.forward_keeping_from(sequences, &mut caches, keep)
+    }
+
+    /// [`forward_keeping`](Self::forward_keeping) of sequences that
+    /// continue what `caches` hold (one per sequence; fresh ones start at
+    /// position 0), each cache advanced past its sequence: the trainer's
+    /// forward of the attempts that share a prompt, after the prompt. The
+    /// same layer code as a prefix-cache hit, so the same bits as one
+    /// forward over the whole sequence.
+    pub fn forward_keeping_from(
+        &self,
+        sequences: &[&[u32]],
+        caches: &mut [SeqCache],
+        keep: Keep,
+    ) -> Result<Trace> {
+        if caches.len() != sequences.len() {
+            return Err(Error::Input(format!(
+                "{} caches for {} sequences",
+                caches.len(),
+                sequences.len()
+            )));
+        }
+        let mut batch = fresh_batch(sequences, caches);
         let layout = Layout::of(&batch)?;
         let t = layout.ids.len();
         let mut ops = self.cpu_ops(&layout, &mut batch, None, None);
@@ -493,6 +546,9 @@ impl Qwen3_5 {
                     return Err(Error::Invariant(format!("layer {li} kept no activations")))
                 }
             });
+        }
+        for seq in batch.iter_mut() {
+            seq.cache.len += seq.tokens.len();
         }
         let (hidden, final_rstd) = self.final_norm(&x)?;
         Ok(Trace {
@@ -512,13 +568,33 @@ impl Qwen3_5 {
         x_in: &[f32],
         sequences: &[&[u32]],
     ) -> Result<LayerActs> {
+        let caches = sequences.iter().map(|_| self.new_cache()).collect();
+        self.recompute_layer_from(li, x_in, sequences, caches)
+    }
+
+    /// [`recompute_layer`](Self::recompute_layer) for the sequences of
+    /// [`forward_keeping_from`](Self::forward_keeping_from), from the
+    /// caches they started with.
+    pub fn recompute_layer_from(
+        &self,
+        li: usize,
+        x_in: &[f32],
+        sequences: &[&[u32]],
+        mut caches: Vec<SeqCache>,
+    ) -> Result<LayerActs> {
         if li >= self.layers.len() {
             return Err(Error::Input(format!(
                 "layer {li} of a model with {} layers",
                 self.layers.len()
             )));
         }
-        let mut caches: Vec<SeqCache> = sequences.iter().map(|_| self.new_cache()).collect();
+        if caches.len() != sequences.len() {
+            return Err(Error::Input(format!(
+                "{} caches for {} sequences",
+                caches.len(),
+                sequences.len()
+            )));
+        }
         let mut batch = fresh_batch(sequences, &mut caches);
         let layout = Layout::of(&batch)?;
         if x_in.len() != layout.ids.len() * self.config.hidden_size {

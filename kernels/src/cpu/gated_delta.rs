@@ -1048,6 +1048,7 @@ pub fn gated_delta_backward(
         dg,
         dbeta,
         dstate0,
+        None,
         dout,
         state0,
         None,
@@ -1064,7 +1065,9 @@ pub fn gated_delta_backward(
 /// [`gated_delta_backward`] starting from the states the forward saved
 /// ([`gated_delta_recurrent_forward_checkpointed`]), which saves the
 /// backward's own forward pass over the sequence. The first checkpoint is
-/// the initial state.
+/// the initial state. `dstate_last`, when given, is the gradient of the
+/// state after the last token (`[nv, dk, dv]`, where a continuation of the
+/// sequence read it); it flows back with `dout`'s.
 #[allow(clippy::too_many_arguments)]
 pub fn gated_delta_backward_from_checkpoints(
     dq: &mut [f32],
@@ -1073,6 +1076,7 @@ pub fn gated_delta_backward_from_checkpoints(
     dg: &mut [f32],
     dbeta: &mut [f32],
     dstate0: Option<&mut [f32]>,
+    dstate_last: Option<&[f32]>,
     dout: &[f32],
     checkpoints: &[f32],
     q: &[f32],
@@ -1089,6 +1093,7 @@ pub fn gated_delta_backward_from_checkpoints(
         dg,
         dbeta,
         dstate0,
+        dstate_last,
         dout,
         checkpoints,
         q,
@@ -1114,6 +1119,7 @@ pub fn gated_delta_chunked_backward_from_checkpoints(
     dg: &mut [f32],
     dbeta: &mut [f32],
     dstate0: Option<&mut [f32]>,
+    dstate_last: Option<&[f32]>,
     dout: &[f32],
     checkpoints: &[f32],
     q: &[f32],
@@ -1130,6 +1136,7 @@ pub fn gated_delta_chunked_backward_from_checkpoints(
         dg,
         dbeta,
         dstate0,
+        dstate_last,
         dout,
         checkpoints,
         q,
@@ -1159,6 +1166,7 @@ fn from_checkpoints(
     dg: &mut [f32],
     dbeta: &mut [f32],
     dstate0: Option<&mut [f32]>,
+    dstate_last: Option<&[f32]>,
     dout: &[f32],
     checkpoints: &[f32],
     q: &[f32],
@@ -1184,6 +1192,7 @@ fn from_checkpoints(
         dg,
         dbeta,
         dstate0,
+        dstate_last,
         dout,
         state0,
         Some(checkpoints),
@@ -1205,6 +1214,7 @@ fn backward(
     dg: &mut [f32],
     dbeta: &mut [f32],
     dstate0: Option<&mut [f32]>,
+    dstate_last: Option<&[f32]>,
     dout: &[f32],
     state0: &[f32],
     checkpoints: Option<&[f32]>,
@@ -1239,6 +1249,7 @@ fn backward(
         || beta.len() != t * nv
         || state0.len() != sn
         || dstate0.as_ref().is_some_and(|d| d.len() != sn)
+        || dstate_last.is_some_and(|d| d.len() != sn)
     {
         return Err(Error::Shape(format!(
             "gated_delta_backward: {dims:?} with dq {} dk {} dv {} dg {} dbeta {} dout {} state0 {}",
@@ -1255,9 +1266,12 @@ fn backward(
     let heads: Vec<HeadGrads> = (0..nv)
         .into_par_iter()
         .map(|h| {
+            let ss = dkd * dvd;
+            // The gradient of the last state, where the caller has one.
+            let ds_last = dstate_last.map(|d| &d[h * ss..(h + 1) * ss]);
             if let Form::Chunked = form {
                 let starts = chunk_starts(h, state0, checkpoints, k, v, g, beta, dims);
-                return head_backward_chunked(h, r, dout, &starts, q, k, v, g, beta, dims);
+                return head_backward_chunked(h, r, dout, ds_last, &starts, q, k, v, g, beta, dims);
             }
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2")
@@ -1265,10 +1279,36 @@ fn backward(
             {
                 // SAFETY: the CPU supports AVX2 and FMA, checked just above.
                 return unsafe {
-                    head_backward_avx2(h, r, dout, state0, checkpoints, q, k, v, g, beta, dims)
+                    head_backward_avx2(
+                        h,
+                        r,
+                        dout,
+                        ds_last,
+                        state0,
+                        checkpoints,
+                        q,
+                        k,
+                        v,
+                        g,
+                        beta,
+                        dims,
+                    )
                 };
             }
-            head_backward(h, r, dout, state0, checkpoints, q, k, v, g, beta, dims)
+            head_backward(
+                h,
+                r,
+                dout,
+                ds_last,
+                state0,
+                checkpoints,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                dims,
+            )
         })
         .collect();
     dq.fill(0.0);
@@ -1303,6 +1343,7 @@ unsafe fn head_backward_avx2(
     h: usize,
     r: usize,
     dout: &[f32],
+    ds_last: Option<&[f32]>,
     state0: &[f32],
     checkpoints: Option<&[f32]>,
     q: &[f32],
@@ -1312,7 +1353,20 @@ unsafe fn head_backward_avx2(
     beta: &[f32],
     dims: GatedDeltaDims,
 ) -> HeadGrads {
-    head_backward(h, r, dout, state0, checkpoints, q, k, v, g, beta, dims)
+    head_backward(
+        h,
+        r,
+        dout,
+        ds_last,
+        state0,
+        checkpoints,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        dims,
+    )
 }
 
 /// `sum_i a_i b_i` in eight interleaved partial sums, so the loop
@@ -1377,6 +1431,7 @@ fn head_backward(
     h: usize,
     r: usize,
     dout: &[f32],
+    ds_last: Option<&[f32]>,
     state0: &[f32],
     checkpoints: Option<&[f32]>,
     q: &[f32],
@@ -1420,7 +1475,8 @@ fn head_backward(
     let mut hv = vec![0.0f32; t * dvd];
     let mut hg = vec![0.0f32; t];
     let mut hb = vec![0.0f32; t];
-    let mut ds = vec![0.0f32; ss];
+    // dS of the state after the last token: the caller's, or zero.
+    let mut ds = ds_last.map_or_else(|| vec![0.0f32; ss], <[f32]>::to_vec);
     // states[i] = S before token c0 + i; deltas[i] = delta of that token.
     let mut states = vec![0.0f32; (RECOMPUTE_CHUNK + 1) * ss];
     let mut deltas = vec![0.0f32; RECOMPUTE_CHUNK * dvd];
@@ -1652,6 +1708,7 @@ fn head_backward_chunked(
     h: usize,
     r: usize,
     dout: &[f32],
+    ds_last: Option<&[f32]>,
     starts: &[f32],
     q: &[f32],
     k: &[f32],
@@ -1675,7 +1732,8 @@ fn head_backward_chunked(
     let mut hv = vec![0.0f32; t * dvd];
     let mut hg = vec![0.0f32; t];
     let mut hb = vec![0.0f32; t];
-    let mut ds = vec![0.0f32; ss];
+    // dS of the state after the last token: the caller's, or zero.
+    let mut ds = ds_last.map_or_else(|| vec![0.0f32; ss], <[f32]>::to_vec);
     let mut ds_prev = vec![0.0f32; ss];
     let kmat = || vec![0.0f32; cap * dkd];
     let vmat = || vec![0.0f32; cap * dvd];
@@ -2249,6 +2307,7 @@ mod tests {
                     &mut dg,
                     &mut db,
                     Some(&mut ds),
+                    None,
                     &dout,
                     &cps,
                     &inp.q,
@@ -2296,6 +2355,7 @@ mod tests {
             &mut vec![0.0; t * nv * dv],
             &mut vec![0.0; t * nv],
             &mut vec![0.0; t * nv],
+            None,
             None,
             &dout,
             &short,
@@ -2557,6 +2617,69 @@ mod tests {
             );
         }
 
+        /// A sequence cut in two and run as a prefix then a continuation
+        /// from its state has the whole sequence's gradient: the
+        /// continuation's `dstate0` handed to the prefix as `dstate_last`
+        /// (how the trainer shares a prompt between attempts). Both
+        /// forms, cuts inside and at a chunk edge, GQA.
+        #[test]
+        fn the_last_state_gradient_joins_a_prefix_to_its_continuation() {
+            use super::{max_abs_diff, random_inputs as inputs};
+            for chunked in [false, true] {
+                for (a, b) in [(70, 50), (64, 3), (1, 90), (100, 1)] {
+                    let t = a + b;
+                    let d = GatedDeltaDims {
+                        t,
+                        nk: 2,
+                        nv: 4,
+                        dk: 8,
+                        dv: 6,
+                    };
+                    let (nk, nv, dk, dv) = (d.nk, d.nv, d.dk, d.dv);
+                    let inp = inputs(d, 40 + t as u64);
+                    let probe: Vec<f32> = (0..t * nv * dv)
+                        .map(|i| ((i * 29 % 13) as f32 - 6.0) / 9.0)
+                        .collect();
+                    let whole = backward_of(&inp, 0..t, d, &probe, &inp.state, None, chunked);
+                    // The prefix's last state, where the continuation starts.
+                    let mut mid = inp.state.clone();
+                    let mut out = vec![0.0f32; a * nv * dv];
+                    let part = |x: &[f32], w: usize, r: std::ops::Range<usize>| {
+                        x[r.start * w..r.end * w].to_vec()
+                    };
+                    gated_delta_recurrent_forward(
+                        &mut out,
+                        &mut mid,
+                        &part(&inp.q, nk * dk, 0..a),
+                        &part(&inp.k, nk * dk, 0..a),
+                        &part(&inp.v, nv * dv, 0..a),
+                        &part(&inp.g, nv, 0..a),
+                        &part(&inp.beta, nv, 0..a),
+                        GatedDeltaDims { t: a, ..d },
+                    )
+                    .unwrap();
+                    let pb = part(&probe, nv * dv, a..t);
+                    let tail = backward_of(&inp, a..t, d, &pb, &mid, None, chunked);
+                    let pa = part(&probe, nv * dv, 0..a);
+                    let head = backward_of(&inp, 0..a, d, &pa, &inp.state, Some(&tail[5]), chunked);
+                    let widths = [nk * dk, nk * dk, nv * dv, nv, nv];
+                    for (i, w) in widths.into_iter().enumerate() {
+                        let mut joined = head[i].clone();
+                        joined.extend_from_slice(&tail[i]);
+                        let scale = whole[i].iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+                        let diff = max_abs_diff(&joined, &whole[i]);
+                        assert_eq!(joined.len(), t * w);
+                        assert!(
+                            diff <= 1e-5 * scale,
+                            "chunked={chunked} cut {a}+{b}, gradient {i}: {diff} at scale {scale}"
+                        );
+                    }
+                    let scale = whole[5].iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+                    assert!(max_abs_diff(&head[5], &whole[5]) <= 1e-5 * scale);
+                }
+            }
+        }
+
         /// Gradients of `sum(out * probe)` from the checkpointed forward,
         /// by either backward: `[dq, dk, dv, dg, dbeta, dstate0]`.
         fn grads_by(
@@ -2565,13 +2688,37 @@ mod tests {
             probe: &[f32],
             chunked: bool,
         ) -> [Vec<f32>; 6] {
-            let GatedDeltaDims { t, nk, nv, dk, dv } = dims;
+            backward_of(inp, 0..dims.t, dims, probe, &inp.state, None, chunked)
+        }
+
+        /// [`grads_by`] of tokens `r` of `inp` run from the state `s0`,
+        /// with `ds_last` the gradient of the state after them.
+        #[allow(clippy::too_many_arguments)]
+        fn backward_of(
+            inp: &super::Inputs,
+            r: std::ops::Range<usize>,
+            d: GatedDeltaDims,
+            probe: &[f32],
+            s0: &[f32],
+            ds_last: Option<&[f32]>,
+            chunked: bool,
+        ) -> [Vec<f32>; 6] {
+            let (nk, nv, dk, dv) = (d.nk, d.nv, d.dk, d.dv);
+            let d = GatedDeltaDims { t: r.len(), ..d };
+            let t = d.t;
+            let cut = |x: &[f32], w: usize| x[r.start * w..r.end * w].to_vec();
+            let (q, k, v) = (
+                cut(&inp.q, nk * dk),
+                cut(&inp.k, nk * dk),
+                cut(&inp.v, nv * dv),
+            );
+            let (g, beta) = (cut(&inp.g, nv), cut(&inp.beta, nv));
             let sn = nv * dk * dv;
             let mut cps = vec![0.0f32; t.div_ceil(CHECKPOINT_EVERY).max(1) * sn];
             let mut out = vec![0.0f32; t * nv * dv];
-            let mut state = inp.state.clone();
+            let mut state = s0.to_vec();
             gated_delta_recurrent_forward_checkpointed(
-                &mut out, &mut state, &inp.q, &inp.k, &inp.v, &inp.g, &inp.beta, dims, &mut cps,
+                &mut out, &mut state, &q, &k, &v, &g, &beta, d, &mut cps,
             )
             .unwrap();
             let mut gr = [
@@ -2595,14 +2742,15 @@ mod tests {
                 dg,
                 db,
                 Some(ds),
+                ds_last,
                 probe,
                 &cps,
-                &inp.q,
-                &inp.k,
-                &inp.v,
-                &inp.g,
-                &inp.beta,
-                dims,
+                &q,
+                &k,
+                &v,
+                &g,
+                &beta,
+                d,
             )
             .unwrap();
             gr

@@ -1205,7 +1205,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                                     },
                                     false,
                                     temp,
-                                    false,
+                                    crate::model::ForwardOptions::default(),
                                 )?;
                                 Ok(lps)
                             })

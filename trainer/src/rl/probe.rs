@@ -98,6 +98,7 @@ pub fn score(
             packed,
             ForwardOptions {
                 recompute_layers: true,
+                share_prefixes: false,
             },
         )?;
         let (lps, _) =

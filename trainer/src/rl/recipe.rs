@@ -156,6 +156,10 @@ pub struct Recipe {
     pub grad_clip: f64,
     /// Tokens per trainer micro-batch. Default 16384.
     pub micro_batch_tokens: usize,
+    /// Train on each group's shared prompt once instead of once per
+    /// attempt (same log-probs, same gradient to fp32 rounding, fewer
+    /// tokens; CPU trainer only). Default true.
+    pub share_prefixes: bool,
     /// PPO lower clip (`1 - clip_low`). Default 0.2.
     pub clip_low: f64,
     /// PPO upper clip, clip-higher (`1 + clip_high`). Default 0.28.
@@ -291,6 +295,7 @@ impl Default for Recipe {
             eps: 1e-8,
             grad_clip: 1.0,
             micro_batch_tokens: 16384,
+            share_prefixes: true,
             clip_low: 0.2,
             clip_high: 0.28,
             tis_cap: 2.0,
@@ -648,6 +653,7 @@ impl Recipe {
             grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
             micro_batch_tokens: self.micro_batch_tokens,
             recompute_layers: false,
+            share_prefixes: self.share_prefixes,
             pg: PgConfig {
                 clip_low: self.clip_low,
                 clip_high: self.clip_high,

@@ -1385,7 +1385,7 @@ mod tests {
                 ];
                 let [pq, pk, pv, pg, pb] = &mut part;
                 cpu::gated_delta::gated_delta_chunked_backward_from_checkpoints(
-                    pq, pk, pv, pg, pb, None, &sd, &cps, &sq, &sk, &sv, &sg, &sb, dims,
+                    pq, pk, pv, pg, pb, None, None, &sd, &cps, &sq, &sk, &sv, &sg, &sb, dims,
                 )
                 .unwrap();
                 for ((w, p), width) in
