@@ -83,6 +83,7 @@ const REPLAY_KEYS: &[&str] = &[
     "min_lr",
     "grad_clip",
     "micro_batch_tokens",
+    "share_prefixes",
     "clip_low",
     "clip_high",
     "tis_cap",
