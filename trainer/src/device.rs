@@ -67,6 +67,12 @@ pub trait StepDevice: Send {
     ) -> Result<Scores>;
     /// Whether a fixed reference policy is held (`pg.ref_kl_coef`).
     fn has_reference(&self) -> bool;
+    /// Whether [`forward`](Self::forward) runs shared prefixes once when
+    /// asked (`ForwardOptions::share_prefixes`); where it does not, the
+    /// step packs micro-batches by whole sequences.
+    fn shares_prefixes(&self) -> bool {
+        false
+    }
     /// The reference policy's log-prob of each target (no backward).
     fn reference_logprobs(&mut self, batch: MicroBatch<'_>, temperature: f32) -> Result<Vec<f32>>;
     /// Backward of the last [`forward`](Self::forward) from the gradient of
@@ -212,6 +218,10 @@ impl StepDevice for CpuStep {
         self.reference.is_some()
     }
 
+    fn shares_prefixes(&self) -> bool {
+        true
+    }
+
     fn reference_logprobs(&mut self, batch: MicroBatch<'_>, temperature: f32) -> Result<Vec<f32>> {
         let r = self.reference.as_ref().ok_or_else(|| {
             Error::Input("ref_kl_coef is set but the trainer has no reference model".into())
@@ -319,6 +329,9 @@ impl<T: StepDevice + ?Sized> StepDevice for Box<T> {
     }
     fn has_reference(&self) -> bool {
         (**self).has_reference()
+    }
+    fn shares_prefixes(&self) -> bool {
+        (**self).shares_prefixes()
     }
     fn reference_logprobs(&mut self, batch: MicroBatch<'_>, temperature: f32) -> Result<Vec<f32>> {
         (**self).reference_logprobs(batch, temperature)

@@ -461,7 +461,7 @@ impl<D: StepDevice> Trainer<D> {
     fn forward_options(&self) -> ForwardOptions {
         ForwardOptions {
             recompute_layers: self.config.recompute_layers,
-            share_prefixes: self.config.share_prefixes,
+            share_prefixes: self.config.share_prefixes && self.dev.shares_prefixes(),
         }
     }
 
@@ -480,7 +480,7 @@ impl<D: StepDevice> Trainer<D> {
         let lens: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
         // With shared prefixes a micro-batch holds what runs: each
         // sequence's tokens past what it shares with the one before.
-        let shared: Vec<usize> = if self.config.share_prefixes {
+        let shared: Vec<usize> = if self.forward_options().share_prefixes {
             (0..tokens.len())
                 .map(|i| match i.checked_sub(1).map(|p| tokens[p]) {
                     Some(prev) => prev

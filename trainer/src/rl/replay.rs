@@ -326,3 +326,58 @@ fn recorded_batch(
     }
     Ok(batch)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every recipe key whose change changes the trainer's settings is
+    /// one a replay accepts: each key of the default recipe is changed in
+    /// turn (numbers doubled plus one, switches flipped) and the
+    /// trainer's settings compared.
+    #[test]
+    fn every_key_the_training_step_reads_may_be_set_in_a_replay() {
+        let base = Recipe::default();
+        let table = toml::Value::try_from(&base).unwrap();
+        let mut keys: Vec<(String, toml::Value)> = Vec::new();
+        for (k, v) in table.as_table().unwrap() {
+            match v.as_table() {
+                Some(inner) => keys.extend(
+                    inner
+                        .iter()
+                        .map(|(k2, v2)| (format!("{k}.{k2}"), v2.clone())),
+                ),
+                None => keys.push((k.clone(), v.clone())),
+            }
+        }
+        let mut read = 0;
+        for (key, v) in keys {
+            let changed = match v {
+                toml::Value::Boolean(b) => toml::Value::Boolean(!b),
+                toml::Value::Integer(i) => toml::Value::Integer(i * 2 + 1),
+                toml::Value::Float(f) => toml::Value::Float(f * 2.0 + 0.5),
+                _ => continue,
+            };
+            let mut t = table.clone();
+            let mut at = &mut t;
+            let parts: Vec<&str> = key.split('.').collect();
+            for p in &parts[..parts.len() - 1] {
+                at = at.get_mut(*p).unwrap();
+            }
+            at.as_table_mut()
+                .unwrap()
+                .insert(parts[parts.len() - 1].to_string(), changed);
+            let Ok(r) = t.try_into::<Recipe>() else {
+                continue;
+            };
+            if r.train_config() != base.train_config() {
+                read += 1;
+                assert!(
+                    REPLAY_KEYS.contains(&key.as_str()),
+                    "the trainer reads {key}, which a replay refuses"
+                );
+            }
+        }
+        assert!(read >= 15, "only {read} keys change the trainer's settings");
+    }
+}
