@@ -346,13 +346,14 @@ pub async fn run_eval(
         .filter(|r| !r.masked)
         .map(|r| (r.task_id, r.attempt))
         .collect();
+    let todo: Vec<(&Task, usize)> = tasks
+        .iter()
+        .flat_map(|t| (0..cfg.attempts).map(move |a| (t, a)))
+        .filter(|(t, a)| !done.contains(&(t.instance_id.clone(), *a)))
+        .collect();
     // A resume is said, not silent: the kept attempts are an earlier run's,
     // whatever policy made them.
-    let kept = tasks
-        .iter()
-        .flat_map(|t| (0..cfg.attempts).map(move |a| (t.instance_id.clone(), a)))
-        .filter(|k| done.contains(k))
-        .count();
+    let kept = tasks.len() * cfg.attempts - todo.len();
     if kept > 0 {
         tracing::warn!(
             "{}: {kept} attempts already recorded there are kept and not run again (to \
@@ -360,11 +361,6 @@ pub async fn run_eval(
             out.display()
         );
     }
-    let todo: Vec<(&Task, usize)> = tasks
-        .iter()
-        .flat_map(|t| (0..cfg.attempts).map(move |a| (t, a)))
-        .filter(|(t, a)| !done.contains(&(t.instance_id.clone(), *a)))
-        .collect();
     let open = |p: &Path| {
         std::fs::OpenOptions::new()
             .create(true)
@@ -399,12 +395,26 @@ pub async fn run_eval(
     // The summary is of the attempts asked for: an earlier run's with more
     // attempts per task stay in the file but not in this count.
     let records = read_records(out)?;
-    let beyond = records.iter().filter(|r| r.attempt >= cfg.attempts).count();
+    let ids: HashSet<&str> = tasks.iter().map(|t| t.instance_id.as_str()).collect();
+    let (mut beyond, mut others) = (0, 0);
+    for r in &records {
+        if !ids.contains(r.task_id.as_str()) {
+            others += 1;
+        } else if r.attempt >= cfg.attempts {
+            beyond += 1;
+        }
+    }
     if beyond > 0 {
         tracing::warn!(
             "{}: {beyond} records of attempts past the {} per task asked for are left out of the summary",
             out.display(),
             cfg.attempts
+        );
+    }
+    if others > 0 {
+        tracing::warn!(
+            "{}: {others} records of tasks not in this task file are left out of the summary",
+            out.display()
         );
     }
     let asked: Vec<AttemptRecord> = records
