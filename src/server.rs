@@ -169,16 +169,11 @@ async fn guard_body(
 ) -> Response {
     if let Some(enc) = req.headers().get(header::CONTENT_ENCODING) {
         if !enc.as_bytes().eq_ignore_ascii_case(b"identity") {
-            return AppError {
-                status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                kind: "invalid_request_error",
-                message: format!(
-                    "Content-Encoding {} is not supported: send the body uncompressed",
-                    String::from_utf8_lossy(enc.as_bytes())
-                ),
-                param: None,
-                code: None,
-            }
+            return AppError::bad(format!(
+                "Content-Encoding {} is not supported: send the body uncompressed",
+                String::from_utf8_lossy(enc.as_bytes())
+            ))
+            .with_status(StatusCode::UNSUPPORTED_MEDIA_TYPE)
             .into_response();
         }
     }
@@ -224,6 +219,12 @@ impl AppError {
         }
     }
 
+    /// This error answered with `status` instead of 400.
+    fn with_status(mut self, status: StatusCode) -> Self {
+        self.status = status;
+        self
+    }
+
     fn code(mut self, c: &'static str) -> Self {
         self.code = Some(c);
         self
@@ -236,13 +237,24 @@ impl AppError {
 
     fn internal(e: impl std::fmt::Display) -> Self {
         tracing::error!("internal error: {e}");
+        Self::hidden()
+    }
+
+    /// What a client learns of an internal error (the log has the rest).
+    fn hidden() -> Self {
         AppError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
             kind: "internal_error",
-            message: "internal error".into(),
-            param: None,
-            code: None,
+            ..AppError::bad("internal error").with_status(StatusCode::INTERNAL_SERVER_ERROR)
         }
+    }
+
+    fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
     }
 }
 
@@ -253,11 +265,8 @@ impl From<arcticd_engine::Error> for AppError {
             E::Input(m) => AppError::bad(m),
             E::ContextLength(m) => AppError::bad(m).code("context_length_exceeded"),
             E::Unavailable(m) => AppError {
-                status: StatusCode::SERVICE_UNAVAILABLE,
                 kind: "service_unavailable",
-                message: m,
-                param: None,
-                code: None,
+                ..AppError::bad(m).with_status(StatusCode::SERVICE_UNAVAILABLE)
             },
             E::Template(m) => AppError::bad(format!("chat template: {m}")),
             E::Tokenizer(m) => AppError::bad(format!("tokenizer: {m}")),
@@ -268,13 +277,7 @@ impl From<arcticd_engine::Error> for AppError {
 
 impl IntoResponse for AppError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
-        }});
-        (self.status, Json(body)).into_response()
+        (self.status, Json(self.body())).into_response()
     }
 }
 
@@ -290,17 +293,15 @@ fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> AppR
     let body = body.as_ref().map_err(|e| {
         let timed_out = std::iter::successors(Some(e as &dyn std::error::Error), |e| e.source())
             .any(|e| e.is::<BodyTimedOut>());
-        AppError {
-            status: if timed_out {
-                StatusCode::REQUEST_TIMEOUT
-            } else {
-                e.status()
-            },
-            kind: "invalid_request_error",
-            message: format!("the request body could not be read: {}", e.body_text()),
-            param: None,
-            code: None,
-        }
+        AppError::bad(format!(
+            "the request body could not be read: {}",
+            e.body_text()
+        ))
+        .with_status(if timed_out {
+            StatusCode::REQUEST_TIMEOUT
+        } else {
+            e.status()
+        })
     })?;
     if body.is_empty() {
         return Err(AppError::bad("the request body is empty; expected JSON"));
@@ -309,24 +310,12 @@ fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> AppR
 }
 
 async fn not_found() -> AppError {
-    AppError {
-        status: StatusCode::NOT_FOUND,
-        kind: "invalid_request_error",
-        message: "no such route".into(),
-        param: None,
-        code: None,
-    }
+    AppError::bad("no such route").with_status(StatusCode::NOT_FOUND)
 }
 
 async fn method_not_allowed() -> AppError {
-    AppError {
-        status: StatusCode::METHOD_NOT_ALLOWED,
-        kind: "invalid_request_error",
-        message: "this route does not take that method (its Allow header names those it does)"
-            .into(),
-        param: None,
-        code: None,
-    }
+    AppError::bad("this route does not take that method (its Allow header names those it does)")
+        .with_status(StatusCode::METHOD_NOT_ALLOWED)
 }
 
 // ---------------------------------------------------------------- simple routes
@@ -644,16 +633,13 @@ type UsageChunk = Box<dyn FnOnce(usize) -> Value + Send>;
 impl AppState {
     fn check_model(&self, model: &Option<String>) -> AppResult<()> {
         match model {
-            Some(m) if m != &self.inner.model_name => Err(AppError {
-                status: StatusCode::NOT_FOUND,
-                kind: "invalid_request_error",
-                message: format!(
-                    "the model `{m}` does not exist; this server serves `{}`",
-                    self.inner.model_name
-                ),
-                param: Some("model"),
-                code: Some("model_not_found"),
-            }),
+            Some(m) if m != &self.inner.model_name => Err(AppError::bad(format!(
+                "the model `{m}` does not exist; this server serves `{}`",
+                self.inner.model_name
+            ))
+            .with_status(StatusCode::NOT_FOUND)
+            .param("model")
+            .code("model_not_found")),
             _ => Ok(()),
         }
     }
@@ -1725,8 +1711,7 @@ fn stream_events(
                         Some(Event::Error(e)) => tracing::error!("generation failed: {e}"),
                         _ => tracing::error!("generation failed: the engine stopped"),
                     }
-                    let body = json!({"error": {"message": "internal error", "type": "internal_error",
-                                         "param": null, "code": null}});
+                    let body = AppError::hidden().body();
                     if tx
                         .send(SseEvent::default().data(body.to_string()))
                         .await
