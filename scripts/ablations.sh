@@ -31,9 +31,10 @@ declare -A sets=(
   [lengthpen]="length_penalty=1.0"
   [lengthpen5]="length_penalty=5.0"
   [lengthpen20]="length_penalty=20.0"
+  [noshare]="share_prefixes=false"
 )
 names=("$@")
-[ ${#names[@]} -gt 0 ] || names=(full bf16 norebuild pinned lenient nogates lengthpen lengthpen5 lengthpen20)
+[ ${#names[@]} -gt 0 ] || names=(full bf16 norebuild pinned lenient nogates lengthpen lengthpen5 lengthpen20 noshare)
 for name in "${names[@]}"; do
   [ -n "${sets[$name]+x}" ] || { echo "unknown run $name (one of ${!sets[*]})" >&2; exit 2; }
   extra=()

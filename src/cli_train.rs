@@ -552,6 +552,7 @@ pub fn bench_train(args: BenchTrainArgs) -> Result<()> {
     let mut trainer = trainer_of(model, true)?;
     let mut whole = baseline.map(|m| trainer_of(m, false)).transpose()?;
     let (mut times, mut updates, mut whole_times) = (Vec::new(), Vec::new(), Vec::new());
+    let mut tokens_run = 0;
     for i in 0..args.steps {
         let t0 = std::time::Instant::now();
         let m = trainer.sft_step(&batch)?;
@@ -565,6 +566,7 @@ pub fn bench_train(args: BenchTrainArgs) -> Result<()> {
         );
         times.push(t);
         updates.push(m.update_secs);
+        tokens_run = m.tokens_run;
         if let Some(w) = whole.as_mut() {
             let t0 = std::time::Instant::now();
             let m = w.sft_step(&batch)?;
@@ -589,6 +591,7 @@ pub fn bench_train(args: BenchTrainArgs) -> Result<()> {
         "median_step_s": step_s,
         "tokens_per_s": args.tokens as f64 / step_s,
         "median_update_s": update_s,
+        "tokens_run": tokens_run,
         "model_tflops": tflops,
     });
     if let Some(peak) = args.peak_tflops {

@@ -501,8 +501,8 @@ impl StepDevice for CudaStep {
         opts: ForwardOptions,
     ) -> Result<Scores> {
         // Token ids were checked against the vocabulary by the trainer.
-        // Every sequence runs whole here: prefix sharing
-        // (`opts.share_prefixes`) is the CPU trainer's so far.
+        // Every sequence runs whole here (`shares_prefixes` is false, so
+        // the step gives no groups): prefix sharing is the CPU trainer's.
         let keep = if opts.recompute_layers {
             Keep::Inputs
         } else {
@@ -1239,6 +1239,7 @@ mod tests {
                     sequences: &[&seq],
                     rows: &rows,
                     targets: &seq[prompt.len()..],
+                    groups: &[],
                 },
                 false,
                 1.0,

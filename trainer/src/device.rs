@@ -12,7 +12,7 @@
 
 use crate::comm::Communicator;
 use crate::grads::ModelGrads;
-use crate::model::{self, ForwardOptions, Packed, SharedActivations};
+use crate::model::{self, ForwardOptions, Packed, PrefixGroup, SharedActivations};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::step::WriteGate;
 use crate::{Error, Result};
@@ -28,6 +28,9 @@ pub struct MicroBatch<'a> {
     pub sequences: &'a [&'a [u32]],
     pub rows: &'a [usize],
     pub targets: &'a [u32],
+    /// Runs of sequences whose shared first tokens run once
+    /// (`model::plan_prefixes`); empty where nothing is shared.
+    pub groups: &'a [PrefixGroup],
 }
 
 /// What a training forward scored: each target's log-prob, and the
@@ -56,8 +59,8 @@ pub trait StepDevice: Send {
     fn zero_grads(&mut self) -> Result<()>;
     /// The training forward of one micro-batch at `temperature`, keeping
     /// what [`backward`](Self::backward) needs (only each layer's input
-    /// with `recompute_layers`; shared prefixes once with
-    /// `share_prefixes`, where the device can).
+    /// with `recompute_layers`; the batch's `groups` sharing their
+    /// prefixes, where the device [shares them](Self::shares_prefixes)).
     fn forward(
         &mut self,
         batch: MicroBatch<'_>,
@@ -67,9 +70,9 @@ pub trait StepDevice: Send {
     ) -> Result<Scores>;
     /// Whether a fixed reference policy is held (`pg.ref_kl_coef`).
     fn has_reference(&self) -> bool;
-    /// Whether [`forward`](Self::forward) runs shared prefixes once when
-    /// asked (`ForwardOptions::share_prefixes`); where it does not, the
-    /// step packs micro-batches by whole sequences.
+    /// Whether [`forward`](Self::forward) runs a micro-batch's shared
+    /// prefixes once (`MicroBatch::groups`); where it does not, the step
+    /// gives it no groups and packs micro-batches by whole sequences.
     fn shares_prefixes(&self) -> bool {
         false
     }
@@ -196,12 +199,8 @@ impl StepDevice for CpuStep {
         // A read guard per call: the engines keep generating meanwhile, and
         // the only writer is this trainer's `apply`.
         let m = self.store.read();
-        let groups = if opts.share_prefixes {
-            model::plan_for_rows(batch.sequences, batch.rows)
-        } else {
-            Vec::new()
-        };
-        let (acts, rows) = model::forward_shared(&m, batch.sequences, &groups, batch.rows, opts)?;
+        let (acts, rows) =
+            model::forward_shared(&m, batch.sequences, batch.groups, batch.rows, opts)?;
         let scores = model::token_logprobs_entropy(
             &m,
             &acts.rests.hidden,
@@ -232,7 +231,6 @@ impl StepDevice for CpuStep {
             packed,
             ForwardOptions {
                 recompute_layers: true,
-                share_prefixes: false,
             },
         )?;
         let (lp, _) = model::token_logprobs_entropy(

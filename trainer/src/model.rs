@@ -130,9 +130,6 @@ pub struct ForwardOptions {
     /// forward per layer, activation memory of one layer instead of all.
     /// The gradients are identical (the forward is deterministic).
     pub recompute_layers: bool,
-    /// Run the prefixes that consecutive sequences share once
-    /// ([`plan_prefixes`], [`forward_shared`]); read by the training step.
-    pub share_prefixes: bool,
 }
 
 /// The training forward over a packed batch, keeping every activation.

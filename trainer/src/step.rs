@@ -24,7 +24,7 @@ use crate::comm::{all_gather_f64, Communicator};
 use crate::device::{CpuStep, MicroBatch, StepDevice};
 use crate::grads::ModelGrads;
 use crate::loss::{pg_loss, sft_loss, Aggregation, PgConfig, PgMetrics, PgSeq};
-use crate::model::ForwardOptions;
+use crate::model::{plan_for_rows, ForwardOptions};
 use crate::optim::{clip_coef, AdamW, AdamWConfig, LrSchedule};
 use crate::{Error, Result};
 use arcticd_engine::{ParamStore, Qwen3_5};
@@ -225,6 +225,9 @@ pub struct StepMetrics {
     /// Target / generated tokens in the batch.
     pub tokens: usize,
     pub micro_batches: usize,
+    /// Tokens the forwards ran: every sequence's, less the shared prefixes
+    /// run once (`TrainConfig::share_prefixes`).
+    pub tokens_run: usize,
     /// True when a non-finite loss or gradient made this step a no-op.
     pub skipped: bool,
     /// Weight version of the parameter store after the step.
@@ -458,15 +461,15 @@ impl<D: StepDevice> Trainer<D> {
         self.config.optimizer.lr * self.config.schedule.factor(self.dev.steps())
     }
 
-    fn forward_options(&self) -> ForwardOptions {
-        ForwardOptions {
-            recompute_layers: self.config.recompute_layers,
-            share_prefixes: self.config.share_prefixes && self.dev.shares_prefixes(),
-        }
+    /// Whether this step runs shared prefixes once: asked for, and the
+    /// device can.
+    fn sharing(&self) -> bool {
+        self.config.share_prefixes && self.dev.shares_prefixes()
     }
 
     /// Forward + backward over micro-batches; `dlp_of(batch range, lps)`
-    /// returns the loss contribution and per-row log-prob gradients.
+    /// returns the loss contribution and per-row log-prob gradients. Gives
+    /// the loss, the micro-batches and the tokens the forwards ran.
     fn accumulate(
         &mut self,
         tokens: &[&[u32]],
@@ -475,12 +478,16 @@ impl<D: StepDevice> Trainer<D> {
         reference: bool,
         temperature: f32,
         mut dlp_of: impl FnMut(&mut Qwen3_5Ctx<'_>) -> Result<(f64, Vec<f32>, Option<Vec<f32>>)>,
-    ) -> Result<(f64, usize)> {
+    ) -> Result<(f64, usize, usize)> {
         self.dev.zero_grads()?;
+        let sharing = self.sharing();
+        let opts = ForwardOptions {
+            recompute_layers: self.config.recompute_layers,
+        };
         let lens: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
         // With shared prefixes a micro-batch holds what runs: each
         // sequence's tokens past what it shares with the one before.
-        let shared: Vec<usize> = if self.forward_options().share_prefixes {
+        let shared: Vec<usize> = if sharing {
             (0..tokens.len())
                 .map(|i| match i.checked_sub(1).map(|p| tokens[p]) {
                     Some(prev) => prev
@@ -496,14 +503,25 @@ impl<D: StepDevice> Trainer<D> {
             Vec::new()
         };
         let parts = micro_batches_sharing(&lens, &shared, self.config.micro_batch_tokens.max(1));
-        let mut loss = 0.0;
+        let (mut loss, mut run) = (0.0, 0);
         for range in &parts {
             let sequences = &tokens[range.clone()];
             let (rows, targets, at) = scored_rows(sequences, &masks[range.clone()]);
+            let groups = if sharing {
+                plan_for_rows(sequences, &rows)
+            } else {
+                Vec::new()
+            };
+            run += lens[range.clone()].iter().sum::<usize>()
+                - groups
+                    .iter()
+                    .map(|g| g.shared * (g.members.len() - 1))
+                    .sum::<usize>();
             let batch = MicroBatch {
                 sequences,
                 rows: &rows,
                 targets: &targets,
+                groups: &groups,
             };
             // Only the loss needs the reference's scores.
             let ref_lp = if reference {
@@ -511,9 +529,7 @@ impl<D: StepDevice> Trainer<D> {
             } else {
                 None
             };
-            let (lp, ent) =
-                self.dev
-                    .forward(batch, entropy, temperature, self.forward_options())?;
+            let (lp, ent) = self.dev.forward(batch, entropy, temperature, opts)?;
             let mut ctx = Qwen3_5Ctx {
                 range: range.clone(),
                 at: &at,
@@ -525,11 +541,17 @@ impl<D: StepDevice> Trainer<D> {
             loss += part;
             self.dev.backward(&dlp, dent.as_deref(), temperature)?;
         }
-        Ok((loss, parts.len()))
+        Ok((loss, parts.len(), run))
     }
 
     /// Clip, check, AdamW, write the store.
-    fn finish(&mut self, loss: f64, tokens: usize, micro_batches: usize) -> Result<StepMetrics> {
+    fn finish(
+        &mut self,
+        loss: f64,
+        tokens: usize,
+        micro_batches: usize,
+        tokens_run: usize,
+    ) -> Result<StepMetrics> {
         let lr = self.lr();
         let (norm, finite) = self.dev.grad_norm()?;
         let mut metrics = StepMetrics {
@@ -539,6 +561,7 @@ impl<D: StepDevice> Trainer<D> {
             grad_norm: norm,
             tokens,
             micro_batches,
+            tokens_run,
             skipped: false,
             weight_version: self.store().weight_version(),
             pg: None,
@@ -602,9 +625,14 @@ impl<D: StepDevice> Trainer<D> {
             .accumulate(&tokens, &masks, false, false, 1.0, |ctx| {
                 sft_loss(ctx.lp, n_targets).map(|(l, d)| (l, d, None))
             })
-            .map(|(loss, parts)| vec![loss, parts as f64]);
-        let all = self.reduce(local, 2)?;
-        self.finish(column_sum(&all, 0), n_targets, column_sum(&all, 1) as usize)
+            .map(|(loss, parts, run)| vec![loss, parts as f64, run as f64]);
+        let all = self.reduce(local, 3)?;
+        self.finish(
+            column_sum(&all, 0),
+            n_targets,
+            column_sum(&all, 1) as usize,
+            column_sum(&all, 2) as usize,
+        )
     }
 
     /// [`sync`](Self::sync) of what each rank's accumulation gave, then the
@@ -744,7 +772,7 @@ impl<D: StepDevice> Trainer<D> {
             },
         );
         // What each rank measured, as sums and maxima until combined.
-        let local = local.map(|(loss, parts)| {
+        let local = local.map(|(loss, parts, run)| {
             vec![
                 loss,
                 parts as f64,
@@ -764,9 +792,10 @@ impl<D: StepDevice> Trainer<D> {
                 split.lag_max,
                 all.ref_kl,
                 all.tail_masked as f64,
+                run as f64,
             ]
         });
-        let ranks = self.reduce(local, 18)?;
+        let ranks = self.reduce(local, 19)?;
         let max = |c: usize| ranks.iter().fold(0.0f64, |a, r| a.max(r[c]));
         let (loss, parts) = (column_sum(&ranks, 0), column_sum(&ranks, 1) as usize);
         all = PgMetrics {
@@ -798,7 +827,8 @@ impl<D: StepDevice> Trainer<D> {
             all.entropy /= all.tokens as f64;
         }
         all.loss = loss;
-        let mut metrics = self.finish(loss, n_tokens, parts)?;
+        let run = column_sum(&ranks, 18) as usize;
+        let mut metrics = self.finish(loss, n_tokens, parts, run)?;
         tracing::info!(
             step = metrics.step,
             mismatch_mean = all.mismatch_mean,

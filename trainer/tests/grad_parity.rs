@@ -197,7 +197,6 @@ fn grads_of(m: &Qwen3_5, seqs: &[(usize, Vec<u32>)], recompute: bool) -> ModelGr
     }
     let opts = model::ForwardOptions {
         recompute_layers: recompute,
-        ..Default::default()
     };
     let acts = model::forward_with(m, packed, opts).unwrap();
     let mut g = ModelGrads::zeros_like(m);

@@ -78,7 +78,6 @@ fn run(
 ) -> (Vec<f32>, Vec<f32>, usize, ModelGrads) {
     let opts = ForwardOptions {
         recompute_layers: recompute,
-        share_prefixes: true,
     };
     let (acts, moved) = model::forward_shared(m, seqs, groups, rows, opts).unwrap();
     let (lp, ent) =
@@ -211,6 +210,9 @@ fn a_step_with_shared_prefixes_is_the_unshared_step() {
     let ((m0, g0), (m1, g1)) = (step(false), step(true));
     assert_eq!(m1.loss.to_bits(), m0.loss.to_bits());
     assert_eq!(m1.tokens, m0.tokens);
+    let whole: usize = seqs.iter().map(Vec::len).sum();
+    assert_eq!(m0.tokens_run, whole);
+    assert_eq!(m1.tokens_run, whole - 2 * 12 - 1);
     let rel = (m1.grad_norm - m0.grad_norm).abs() / m0.grad_norm;
     assert!(rel < 1e-6, "grad norm {} vs {}", m1.grad_norm, m0.grad_norm);
     for ((n, a), (_, b)) in g1.named().iter().zip(g0.named()) {

@@ -1127,6 +1127,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                     .map(|c| format!("{c:016x}"))),
             );
             put("tokens", json!(s.trained_tokens));
+            put("tokens_run", json!(sm.as_ref().map(|m| m.tokens_run)));
             put(
                 "update_skipped",
                 json!(sm.as_ref().is_none_or(|m| m.skipped)),
@@ -1202,6 +1203,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                                         sequences: &[seq],
                                         rows,
                                         targets,
+                                        groups: &[],
                                     },
                                     false,
                                     temp,

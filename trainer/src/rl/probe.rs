@@ -98,7 +98,6 @@ pub fn score(
             packed,
             ForwardOptions {
                 recompute_layers: true,
-                share_prefixes: false,
             },
         )?;
         let (lps, _) =
