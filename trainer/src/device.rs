@@ -203,7 +203,7 @@ impl StepDevice for CpuStep {
             model::forward_shared(&m, batch.sequences, batch.groups, batch.rows, opts)?;
         let scores = model::token_logprobs_entropy(
             &m,
-            &acts.rests.hidden,
+            &acts.hidden,
             &rows,
             batch.targets,
             entropy,
@@ -253,7 +253,7 @@ impl StepDevice for CpuStep {
         let dhidden = model::token_logprobs_entropy_backward(
             &m,
             &mut self.grads,
-            &acts.rests.hidden,
+            &acts.hidden,
             &rows,
             &targets,
             dlp,

@@ -162,8 +162,8 @@ impl Activations {
 }
 
 /// Consecutive sequences of a micro-batch that share their first tokens
-/// (the attempts of one task share its prompt): `members` and the
-/// `shared` tokens each of them starts with.
+/// (the attempts of one task share its prompt, and often their first
+/// turns): `members` and the `shared` tokens each of them starts with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefixGroup {
     pub members: Range<usize>,
@@ -171,20 +171,15 @@ pub struct PrefixGroup {
 }
 
 /// Groups of consecutive sequences worth running as one shared prefix and
-/// their rests. `first_row[s]` is the first position of sequence `s`
-/// whose hidden state the loss reads: a prefix stops before it (and
-/// before the sequence's last token), so every scored row lies in a rest.
-/// A sequence joins the group before it when that does not lower the
-/// tokens the group saves (`shared x (members - 1)`).
-pub fn plan_prefixes(sequences: &[&[u32]], first_row: &[usize]) -> Vec<PrefixGroup> {
+/// their rests: each group's longest common prefix, short of every
+/// member's last token (each rest keeps one). A sequence joins the group
+/// before it when that does not lower the tokens the group saves
+/// (`shared x (members - 1)`).
+pub fn plan_prefixes(sequences: &[&[u32]]) -> Vec<PrefixGroup> {
     let mut groups: Vec<PrefixGroup> = Vec::new();
     let mut open: Option<PrefixGroup> = None;
     for (s, seq) in sequences.iter().enumerate() {
-        let own = first_row
-            .get(s)
-            .copied()
-            .unwrap_or(0)
-            .min(seq.len().saturating_sub(1));
+        let own = seq.len().saturating_sub(1);
         if let Some(g) = open.as_mut() {
             let lead = sequences[g.members.start];
             let common = lead
@@ -212,31 +207,14 @@ pub fn plan_prefixes(sequences: &[&[u32]], first_row: &[usize]) -> Vec<PrefixGro
     groups
 }
 
-/// [`plan_prefixes`] for a micro-batch whose loss reads the hidden states
-/// at `rows` of the sequences packed whole.
-pub fn plan_for_rows(sequences: &[&[u32]], rows: &[usize]) -> Vec<PrefixGroup> {
-    let mut first: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
-    let mut starts = Vec::with_capacity(sequences.len());
-    let mut at = 0;
-    for seq in sequences {
-        starts.push(at);
-        at += seq.len();
-    }
-    for &r in rows {
-        let s = starts.partition_point(|&st| st <= r).saturating_sub(1);
-        if let (Some(f), Some(&st)) = (first.get_mut(s), starts.get(s)) {
-            *f = (*f).min(r.saturating_sub(st));
-        }
-    }
-    plan_prefixes(sequences, &first)
-}
-
 /// The training forward over sequences that share prompts
 /// ([`plan_prefixes`]): each group's shared tokens once, then every
 /// sequence's rest continuing from its prefix's caches, the way the engine
 /// continues a prefix-cache hit, so every log-prob has the bits of the
-/// unshared forward. The backward ([`backward_shared`]) carries the rests'
-/// gradients of those caches into the prefixes.
+/// unshared forward. A scored position inside a prefix is scored once
+/// there for every member (the same hidden state), its members' loss
+/// gradients summed into it. The backward ([`backward_shared`]) carries
+/// the rests' gradients of the prefixes' caches into the prefixes.
 #[derive(Debug)]
 pub struct SharedActivations {
     /// The shared prefixes, one per group; `None` when nothing is shared.
@@ -244,9 +222,12 @@ pub struct SharedActivations {
     /// Each prefix's caches after it: where its group's rests start.
     caches: Vec<SeqCache>,
     /// Every sequence's rest (all of it where it shares nothing).
-    pub rests: Activations,
+    rests: Activations,
     /// The group each sequence's rest continues.
     group_of: Vec<Option<usize>>,
+    /// Final hidden states, `[tokens, hidden]`: the rests' rows, then the
+    /// prefixes'.
+    pub hidden: Vec<f32>,
 }
 
 impl SharedActivations {
@@ -257,9 +238,8 @@ impl SharedActivations {
 }
 
 /// [`forward_with`] over `sequences` with `groups` sharing their prefixes.
-/// `rows` index the sequences packed whole; they come back indexing the
-/// rests' hidden states (`SharedActivations::rests`). A row inside a
-/// shared prefix is an error.
+/// `rows` index the sequences packed whole; they come back indexing
+/// [`SharedActivations::hidden`].
 pub fn forward_shared(
     model: &Qwen3_5,
     sequences: &[&[u32]],
@@ -314,7 +294,9 @@ pub fn forward_shared(
         .collect();
     let trace = model.forward_keeping_from(&rest_seqs, &mut rest_caches, keep)?;
     drop(rest_caches);
-    // Rows of the whole packing, moved to the rests'.
+    let mut rests = Activations::of(packed, trace);
+    // Rows of the whole packing, moved to the rests' or the prefixes'.
+    let rest_tokens = rests.packed.len();
     let mut whole_start = Vec::with_capacity(sequences.len());
     let mut at = 0;
     for seq in sequences {
@@ -326,42 +308,63 @@ pub fn forward_shared(
         .map(|&r| {
             let s = whole_start.partition_point(|&st| st <= r).saturating_sub(1);
             let off = r.checked_sub(whole_start.get(s).copied().unwrap_or(0));
-            match off {
-                Some(off) if off < sequences.get(s).map_or(0, |q| q.len()) && off >= cut[s] => {
-                    Ok(packed.spans[s].0 + off - cut[s])
+            match (off, group_of.get(s).copied().flatten(), &prefixes) {
+                (Some(off), _, _) if off >= sequences.get(s).map_or(0, |q| q.len()) => {
+                    Err(Error::Shape(format!("row {r} is past the batch")))
                 }
-                _ => Err(Error::Shape(format!(
-                    "row {r} is not in the unshared part of a sequence"
-                ))),
+                (Some(off), Some(g), Some(p)) if off < cut[s] => {
+                    Ok(rest_tokens + p.packed.spans[g].0 + off)
+                }
+                (Some(off), _, _) => off
+                    .checked_sub(cut[s])
+                    .map(|o| rests.packed.spans[s].0 + o)
+                    .ok_or_else(|| Error::Shape(format!("row {r} lies in no prefix"))),
+                (None, _, _) => Err(Error::Shape(format!("row {r} is past the batch"))),
             }
         })
         .collect::<Result<Vec<_>>>()?;
+    let mut hidden = std::mem::take(&mut rests.hidden);
+    let mut prefixes = prefixes;
+    if let Some(p) = prefixes.as_mut() {
+        hidden.append(&mut p.hidden);
+    }
     Ok((
         SharedActivations {
             prefixes,
             caches,
-            rests: Activations::of(packed, trace),
+            rests,
             group_of,
+            hidden,
         },
         moved,
     ))
 }
 
-/// Backward of [`forward_shared`] from `dhidden` (the gradient of the
-/// rests' final hidden states): the rests first, which leaves the gradient
-/// of every prefix's caches (summed over its group), then the prefixes
-/// from those. Parameter gradients accumulate into `grads`.
+/// Backward of [`forward_shared`] from `dhidden` (the gradient of
+/// [`SharedActivations::hidden`]): the rests first, which leaves the
+/// gradient of every prefix's caches (summed over its group), then the
+/// prefixes from those and their own rows. Parameter gradients accumulate
+/// into `grads`.
 pub fn backward_shared(
     model: &Qwen3_5,
     acts: &SharedActivations,
     dhidden: &[f32],
     grads: &mut ModelGrads,
 ) -> Result<()> {
+    let h = model.config.hidden_size;
+    if dhidden.len() != acts.tokens() * h {
+        return Err(Error::Shape(format!(
+            "dhidden has {} values for {} tokens x {h}",
+            dhidden.len(),
+            acts.tokens()
+        )));
+    }
+    let (drests, dprefixes) = dhidden.split_at(acts.rests.packed.len() * h);
     let mut dcaches: Vec<SeqCache> = acts.caches.iter().map(SeqCache::zeros_like).collect();
     run_backward(
         model,
         &acts.rests,
-        dhidden,
+        drests,
         grads,
         Link::Continues {
             group_of: &acts.group_of,
@@ -370,11 +373,10 @@ pub fn backward_shared(
         },
     )?;
     if let Some(prefixes) = &acts.prefixes {
-        let dzero = vec![0.0f32; prefixes.packed.len() * model.config.hidden_size];
         run_backward(
             model,
             prefixes,
-            &dzero,
+            dprefixes,
             grads,
             Link::Continued { dcaches: &dcaches },
         )?;
@@ -1041,9 +1043,9 @@ mod tests {
         PrefixGroup { members, shared }
     }
 
-    /// Two tasks' attempts share a system header across tasks and a whole
-    /// prompt within one: the groups are the tasks, and a lone sequence
-    /// between them joins neither.
+    /// Two tasks' attempts share a system header across tasks and more
+    /// within one: the groups are the tasks, each sharing its attempts'
+    /// common prefix, and a lone sequence between them joins neither.
     #[test]
     fn groups_are_runs_of_attempts_at_one_prompt() {
         let header = [1u32, 2, 3];
@@ -1052,30 +1054,22 @@ mod tests {
         let with = |p: &[u32], tail: &[u32]| [p, tail].concat();
         let seqs = [
             with(&a, &[7, 8]),
-            with(&a, &[9]),
-            with(&a, &[5, 5, 5]),
+            with(&a, &[7, 9]),
+            with(&a, &[7, 8, 5]),
             vec![40, 41, 42],
             with(&b, &[1]),
             with(&b, &[2, 2]),
         ];
         let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
-        // The loss reads from each prompt's last token on.
-        let first = [8, 8, 8, 0, 8, 8];
-        assert_eq!(
-            plan_prefixes(&refs, &first),
-            vec![group(0..3, 8), group(4..6, 8)]
-        );
-        // Where the loss reads earlier, less is shared.
-        let first = [8, 5, 8, 0, 8, 8];
-        assert_eq!(
-            plan_prefixes(&refs, &first),
-            vec![group(0..3, 5), group(4..6, 8)]
-        );
-        // Nothing scored inside: the prefix still leaves each rest a token.
-        let same = [vec![1u32, 2, 3], vec![1, 2, 3]];
+        assert_eq!(plan_prefixes(&refs), vec![group(0..3, 10), group(4..6, 9)]);
+        // Each rest keeps a token: a sequence that is another's prefix
+        // shares all but its last.
+        let same = [vec![1u32, 2, 3], vec![1, 2, 3, 4]];
         let refs: Vec<&[u32]> = same.iter().map(|s| s.as_slice()).collect();
-        assert_eq!(plan_prefixes(&refs, &[3, 3]), vec![group(0..2, 2)]);
-        assert_eq!(plan_prefixes(&refs, &[0, 3]), vec![]);
+        assert_eq!(plan_prefixes(&refs), vec![group(0..2, 2)]);
+        let one = [vec![1u32], vec![1]];
+        let refs: Vec<&[u32]> = one.iter().map(|s| s.as_slice()).collect();
+        assert_eq!(plan_prefixes(&refs), vec![]);
     }
 
     /// A sequence that would cut a group's shared tokens by more than it
@@ -1090,9 +1084,6 @@ mod tests {
             [&long[..4], &[50, 51, 53]].concat(),
         ];
         let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
-        assert_eq!(
-            plan_prefixes(&refs, &[20, 20, 6, 6]),
-            vec![group(0..2, 20), group(2..4, 6)]
-        );
+        assert_eq!(plan_prefixes(&refs), vec![group(0..2, 20), group(2..4, 6)]);
     }
 }

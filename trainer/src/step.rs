@@ -24,7 +24,7 @@ use crate::comm::{all_gather_f64, Communicator};
 use crate::device::{CpuStep, MicroBatch, StepDevice};
 use crate::grads::ModelGrads;
 use crate::loss::{pg_loss, sft_loss, Aggregation, PgConfig, PgMetrics, PgSeq};
-use crate::model::{plan_for_rows, ForwardOptions};
+use crate::model::{plan_prefixes, ForwardOptions};
 use crate::optim::{clip_coef, AdamW, AdamWConfig, LrSchedule};
 use crate::{Error, Result};
 use arcticd_engine::{ParamStore, Qwen3_5};
@@ -508,7 +508,7 @@ impl<D: StepDevice> Trainer<D> {
             let sequences = &tokens[range.clone()];
             let (rows, targets, at) = scored_rows(sequences, &masks[range.clone()]);
             let groups = if sharing {
-                plan_for_rows(sequences, &rows)
+                plan_prefixes(sequences)
             } else {
                 Vec::new()
             };

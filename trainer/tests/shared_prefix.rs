@@ -81,7 +81,7 @@ fn run(
     };
     let (acts, moved) = model::forward_shared(m, seqs, groups, rows, opts).unwrap();
     let (lp, ent) =
-        model::token_logprobs_entropy(m, &acts.rests.hidden, &moved, targets, true, 1.0).unwrap();
+        model::token_logprobs_entropy(m, &acts.hidden, &moved, targets, true, 1.0).unwrap();
     let dlp: Vec<f32> = (0..rows.len())
         .map(|i| (i % 7) as f32 * 0.3 - 1.0)
         .collect();
@@ -90,7 +90,7 @@ fn run(
     let dh = model::token_logprobs_entropy_backward(
         m,
         &mut g,
-        &acts.rests.hidden,
+        &acts.hidden,
         &moved,
         targets,
         &dlp,
@@ -107,19 +107,19 @@ fn shared_prefixes_give_the_unshared_logprobs_and_gradient() {
     let (seqs, prompts) = batch();
     let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
     let (rows, targets) = scored(&seqs, &prompts);
-    let groups = model::plan_for_rows(&refs, &rows);
-    // Each prompt but its last token (whose hidden state predicts the
-    // first generated token) is shared.
+    let groups = model::plan_prefixes(&refs);
+    // Each prompt is shared; the first generated token is scored from its
+    // last position, inside the prefix, once for every attempt.
     assert_eq!(
         groups,
         vec![
             PrefixGroup {
                 members: 0..3,
-                shared: 12
+                shared: 13
             },
             PrefixGroup {
                 members: 3..5,
-                shared: 1
+                shared: 2
             },
         ]
     );
@@ -132,7 +132,7 @@ fn shared_prefixes_give_the_unshared_logprobs_and_gradient() {
             assert_eq!(bits(&lp1), bits(&lp0), "{case}: log-probs");
             assert_eq!(bits(&ent1), bits(&ent0), "{case}: entropies");
             assert_eq!(n0, seqs.iter().map(Vec::len).sum::<usize>());
-            assert_eq!(n1, n0 - 2 * 12 - 1);
+            assert_eq!(n1, n0 - 2 * 13 - 2);
             let mut worst = 0.0f64;
             for ((name, a), (_, b)) in g1.named().iter().zip(g0.named()) {
                 let e = rel_err(a, b);
@@ -147,23 +147,21 @@ fn shared_prefixes_give_the_unshared_logprobs_and_gradient() {
     }
 }
 
-/// A row inside a shared prefix cannot be scored from the rests: refused.
+/// A row past the batch, or a group whose members do not share its
+/// tokens, is refused.
 #[test]
-fn a_scored_row_inside_a_shared_prefix_is_refused() {
+fn bad_rows_and_groups_are_refused() {
     let m = fixture("mqa_tied");
     let (seqs, prompts) = batch();
     let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
-    let (mut rows, mut targets) = scored(&seqs, &prompts);
-    rows.push(3);
-    targets.push(seqs[0][4]);
-    let groups = vec![PrefixGroup {
-        members: 0..3,
-        shared: 12,
-    }];
+    let (mut rows, _) = scored(&seqs, &prompts);
+    let past = seqs.iter().map(Vec::len).sum::<usize>();
+    rows.push(past);
+    let groups = model::plan_prefixes(&refs);
     let err = model::forward_shared(&m, &refs, &groups, &rows, ForwardOptions::default())
         .unwrap_err()
         .to_string();
-    assert!(err.contains("row 3"), "{err}");
+    assert!(err.contains(&format!("row {past}")), "{err}");
     // A group whose members do not share its tokens is refused too.
     let wrong = vec![PrefixGroup {
         members: 2..4,
@@ -212,7 +210,7 @@ fn a_step_with_shared_prefixes_is_the_unshared_step() {
     assert_eq!(m1.tokens, m0.tokens);
     let whole: usize = seqs.iter().map(Vec::len).sum();
     assert_eq!(m0.tokens_run, whole);
-    assert_eq!(m1.tokens_run, whole - 2 * 12 - 1);
+    assert_eq!(m1.tokens_run, whole - 2 * 13 - 2);
     let rel = (m1.grad_norm - m0.grad_norm).abs() / m0.grad_norm;
     assert!(rel < 1e-6, "grad norm {} vs {}", m1.grad_norm, m0.grad_norm);
     for ((n, a), (_, b)) in g1.named().iter().zip(g0.named()) {
