@@ -34,6 +34,10 @@ pub struct Replay {
     pub grad_norm: f64,
     /// Generated tokens of the batch, and those its loss left out.
     pub tokens: usize,
+    /// Tokens the trainer's forwards ran (shared prefixes once) and the
+    /// step's seconds, forward to the weight write.
+    pub tokens_run: usize,
+    pub step_secs: f64,
     pub masked_fraction: f64,
     pub tail_masked: usize,
     pub clip_fraction: f64,
@@ -214,7 +218,9 @@ pub fn replay(
             continue;
         }
         let before = (attribute && step == through).then(|| trainer.store().read().clone());
+        let t0 = std::time::Instant::now();
         let m = trainer.pg_step(&batch)?;
+        let step_secs = t0.elapsed().as_secs_f64();
         let probe_after = last(&trainer)?;
         let attribution = match before {
             Some(b) => attribute_update(&b, &trainer.store().read(), probes, &probe_after)?,
@@ -226,6 +232,8 @@ pub fn replay(
             loss: m.loss,
             grad_norm: m.grad_norm,
             tokens: pg.tokens,
+            tokens_run: m.tokens_run,
+            step_secs,
             masked_fraction: pg.masked_fraction,
             tail_masked: pg.tail_masked,
             clip_fraction: pg.clipped_fraction,
