@@ -12,7 +12,7 @@
 
 use crate::comm::Communicator;
 use crate::grads::ModelGrads;
-use crate::model::{self, ForwardOptions, Packed, PrefixGroup, SharedActivations};
+use crate::model::{self, ForwardOptions, PrefixGroup, SharedActivations};
 use crate::optim::{AdamW, AdamWConfig};
 use crate::step::WriteGate;
 use crate::{Error, Result};
@@ -173,11 +173,6 @@ pub(crate) fn same_shapes(
     shape(a) == shape(b)
 }
 
-fn packed_of(sequences: &[&[u32]], vocab: usize) -> Result<Packed> {
-    let seqs: Vec<Vec<u32>> = sequences.iter().map(|s| s.to_vec()).collect();
-    Packed::new(&seqs, vocab)
-}
-
 impl StepDevice for CpuStep {
     fn store(&self) -> &Arc<ParamStore> {
         &self.store
@@ -225,18 +220,17 @@ impl StepDevice for CpuStep {
         let r = self.reference.as_ref().ok_or_else(|| {
             Error::Input("ref_kl_coef is set but the trainer has no reference model".into())
         })?;
-        let packed = packed_of(batch.sequences, r.config.vocab_size)?;
-        let acts = model::forward_with(
-            r,
-            packed,
-            ForwardOptions {
-                recompute_layers: true,
-            },
-        )?;
+        // Shared prefixes once here too; no backward, so only each
+        // layer's input is kept.
+        let opts = ForwardOptions {
+            recompute_layers: true,
+        };
+        let (acts, rows) =
+            model::forward_shared(r, batch.sequences, batch.groups, batch.rows, opts)?;
         let (lp, _) = model::token_logprobs_entropy(
             r,
             &acts.hidden,
-            batch.rows,
+            &rows,
             batch.targets,
             false,
             temperature,

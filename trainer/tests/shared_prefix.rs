@@ -9,9 +9,10 @@
 
 mod common;
 use arcticd_engine::Qwen3_5;
+use arcticd_trainer::loss::PgConfig;
 use arcticd_trainer::model::{self, ForwardOptions, PrefixGroup};
 use arcticd_trainer::optim::AdamWConfig;
-use arcticd_trainer::step::{store_of, PgExample, TrainConfig, Trainer};
+use arcticd_trainer::step::{store_of, PgExample, StepMetrics, TrainConfig, Trainer};
 use arcticd_trainer::ModelGrads;
 use common::rel_err;
 use std::path::PathBuf;
@@ -173,8 +174,9 @@ fn bad_rows_and_groups_are_refused() {
     assert!(err.contains("shared tokens"), "{err}");
 }
 
-/// A policy-gradient step with shared prefixes: the loss and metrics of the
-/// unshared step, and weights within fp32 rounding of its.
+/// A policy-gradient step with shared prefixes (a KL term to a reference
+/// model too, whose forward shares them): the loss of the unshared step,
+/// bit for bit, and its gradients within fp32 rounding.
 #[test]
 fn a_step_with_shared_prefixes_is_the_unshared_step() {
     let (seqs, prompts) = batch();
@@ -198,15 +200,27 @@ fn a_step_with_shared_prefixes_is_the_unshared_step() {
                 ..AdamWConfig::default()
             },
             share_prefixes: share,
+            pg: PgConfig {
+                ref_kl_coef: 0.1,
+                ..PgConfig::default()
+            },
             ..TrainConfig::default()
         };
-        let mut t = Trainer::new(store_of(fixture("gqa_untied")), cfg).unwrap();
+        let mut reference = fixture("gqa_untied");
+        reference.norm.as_f32_mut().unwrap()[0] += 0.5;
+        let mut t = Trainer::new(store_of(fixture("gqa_untied")), cfg)
+            .unwrap()
+            .with_reference(reference)
+            .unwrap();
         let metrics = t.pg_step(&batch).unwrap();
         let grads = t.grads().clone();
         (metrics, grads)
     };
     let ((m0, g0), (m1, g1)) = (step(false), step(true));
     assert_eq!(m1.loss.to_bits(), m0.loss.to_bits());
+    let ref_kl = |m: &StepMetrics| m.pg.as_ref().unwrap().ref_kl;
+    assert!(ref_kl(&m0) > 0.0);
+    assert_eq!(ref_kl(&m1).to_bits(), ref_kl(&m0).to_bits());
     assert_eq!(m1.tokens, m0.tokens);
     let whole: usize = seqs.iter().map(Vec::len).sum();
     assert_eq!(m0.tokens_run, whole);
