@@ -279,10 +279,7 @@ pub fn forward_shared(
     let prefixes = if prefix_seqs.is_empty() {
         None
     } else {
-        let packed = Packed::new(
-            &prefix_seqs.iter().map(|p| p.to_vec()).collect::<Vec<_>>(),
-            vocab,
-        )?;
+        let packed = Packed::continuing(&prefix_seqs, &vec![0; prefix_seqs.len()], vocab)?;
         let trace = model.forward_keeping_from(&prefix_seqs, &mut caches, keep)?;
         Some(Activations::of(packed, trace))
     };

@@ -24,7 +24,7 @@ use crate::comm::{all_gather_f64, Communicator};
 use crate::device::{CpuStep, MicroBatch, StepDevice};
 use crate::grads::ModelGrads;
 use crate::loss::{pg_loss, sft_loss, Aggregation, PgConfig, PgMetrics, PgSeq};
-use crate::model::{plan_prefixes, ForwardOptions};
+use crate::model::{plan_prefixes, ForwardOptions, PrefixGroup};
 use crate::optim::{clip_coef, AdamW, AdamWConfig, LrSchedule};
 use crate::{Error, Result};
 use arcticd_engine::{ParamStore, Qwen3_5};
@@ -247,27 +247,97 @@ pub struct StepMetrics {
 /// Contiguous micro-batches of `lens` with at most `budget` tokens each (a
 /// sequence longer than the budget is alone).
 pub fn micro_batches(lens: &[usize], budget: usize) -> Vec<Range<usize>> {
-    micro_batches_sharing(lens, &[], budget)
+    pack(lens.iter().enumerate().map(|(i, &n)| (i..i + 1, n)), budget)
+        .into_iter()
+        .map(|units| units.first().map_or(0, |u| u.0.start)..units.last().map_or(0, |u| u.0.end))
+        .collect()
 }
 
-/// [`micro_batches`] where sequence `i` shares its first `shared[i]`
-/// tokens with sequence `i - 1` (a prefix run once,
-/// `TrainConfig::share_prefixes`): those cost nothing unless `i` opens a
-/// micro-batch. Missing entries share nothing.
-pub fn micro_batches_sharing(lens: &[usize], shared: &[usize], budget: usize) -> Vec<Range<usize>> {
-    let mut out = Vec::new();
-    let (mut start, mut total) = (0, 0);
-    for (i, &len) in lens.iter().enumerate() {
-        let n = len - shared.get(i).copied().unwrap_or(0).min(len);
-        if i > start && total + n > budget {
-            out.push(start..i);
-            start = i;
-            total = 0;
+/// One micro-batch of a step: its sequences, the prefix groups it runs
+/// once (members counted from `range.start`) and the tokens it runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MicroPlan {
+    pub range: Range<usize>,
+    pub groups: Vec<PrefixGroup>,
+    pub tokens_run: usize,
+}
+
+/// The micro-batches of a step, each running at most `budget` tokens (a
+/// sequence longer than the budget is alone). With `share`, the prefix
+/// groups are planned once over the whole batch ([`plan_prefixes`]) and a
+/// group costs its prefix once plus its members' rests; a group that does
+/// not fit the budget is cut into consecutive parts that each run the
+/// prefix again, and a micro-batch never splits a part.
+pub fn plan_micro_batches(tokens: &[&[u32]], share: bool, budget: usize) -> Vec<MicroPlan> {
+    let groups = if share {
+        plan_prefixes(tokens)
+    } else {
+        Vec::new()
+    };
+    let len = |s: usize| tokens[s].len();
+    // Units a micro-batch never splits: (members, shared, cost).
+    let mut units: Vec<(Range<usize>, usize, usize)> = Vec::new();
+    let mut groups = groups.into_iter().peekable();
+    let mut s = 0;
+    while s < tokens.len() {
+        let Some(g) = groups.next_if(|g| g.members.start == s) else {
+            units.push((s..s + 1, 0, len(s)));
+            s += 1;
+            continue;
+        };
+        let mut part = (s..s + 1, len(s));
+        for m in g.members.start + 1..g.members.end {
+            let rest = len(m) - g.shared;
+            if part.1 + rest > budget {
+                units.push(close(part.0.clone(), g.shared, part.1));
+                part = (m..m + 1, len(m));
+            } else {
+                part = (part.0.start..m + 1, part.1 + rest);
+            }
         }
-        total += if i == start { len } else { n };
+        units.push(close(part.0, g.shared, part.1));
+        s = g.members.end;
     }
-    if start < lens.len() {
-        out.push(start..lens.len());
+    pack(units.iter().map(|u| (u.clone(), u.2)), budget)
+        .into_iter()
+        .map(|part| {
+            let start = part[0].0 .0.start;
+            MicroPlan {
+                range: start..part[part.len() - 1].0 .0.end,
+                groups: part
+                    .iter()
+                    .filter(|((members, shared, _), _)| members.len() > 1 && *shared > 0)
+                    .map(|((members, shared, _), _)| PrefixGroup {
+                        members: members.start - start..members.end - start,
+                        shared: *shared,
+                    })
+                    .collect(),
+                tokens_run: part.iter().map(|u| u.1).sum(),
+            }
+        })
+        .collect()
+}
+
+/// A part of a prefix group as a unit: one member shares nothing.
+fn close(members: Range<usize>, shared: usize, cost: usize) -> (Range<usize>, usize, usize) {
+    let shared = if members.len() > 1 { shared } else { 0 };
+    (members, shared, cost)
+}
+
+/// Consecutive `(unit, cost)` packed greedily into parts of at most
+/// `budget` (a unit over the budget is alone).
+fn pack<U>(units: impl Iterator<Item = (U, usize)>, budget: usize) -> Vec<Vec<(U, usize)>> {
+    let mut out: Vec<Vec<(U, usize)>> = Vec::new();
+    let mut total = 0;
+    for (unit, cost) in units {
+        match out.last_mut() {
+            Some(part) if total + cost <= budget => part.push((unit, cost)),
+            _ => {
+                out.push(vec![(unit, cost)]);
+                total = 0;
+            }
+        }
+        total += cost;
     }
     out
 }
@@ -484,44 +554,22 @@ impl<D: StepDevice> Trainer<D> {
         let opts = ForwardOptions {
             recompute_layers: self.config.recompute_layers,
         };
-        let lens: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
-        // With shared prefixes a micro-batch holds what runs: each
-        // sequence's tokens past what it shares with the one before.
-        let shared: Vec<usize> = if sharing {
-            (0..tokens.len())
-                .map(|i| match i.checked_sub(1).map(|p| tokens[p]) {
-                    Some(prev) => prev
-                        .iter()
-                        .zip(tokens[i])
-                        .take_while(|(a, b)| a == b)
-                        .count()
-                        .min(tokens[i].len().saturating_sub(1)),
-                    None => 0,
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let parts = micro_batches_sharing(&lens, &shared, self.config.micro_batch_tokens.max(1));
+        let parts = plan_micro_batches(tokens, sharing, self.config.micro_batch_tokens.max(1));
         let (mut loss, mut run) = (0.0, 0);
-        for range in &parts {
+        for MicroPlan {
+            range,
+            groups,
+            tokens_run,
+        } in &parts
+        {
             let sequences = &tokens[range.clone()];
             let (rows, targets, at) = scored_rows(sequences, &masks[range.clone()]);
-            let groups = if sharing {
-                plan_prefixes(sequences)
-            } else {
-                Vec::new()
-            };
-            run += lens[range.clone()].iter().sum::<usize>()
-                - groups
-                    .iter()
-                    .map(|g| g.shared * (g.members.len() - 1))
-                    .sum::<usize>();
+            run += tokens_run;
             let batch = MicroBatch {
                 sequences,
                 rows: &rows,
                 targets: &targets,
-                groups: &groups,
+                groups,
             };
             // Only the loss needs the reference's scores.
             let ref_lp = if reference {
@@ -967,14 +1015,105 @@ mod tests {
         assert_eq!(micro_batches(&[3, 3, 3], 6), vec![0..2, 2..3]);
         assert_eq!(micro_batches(&[10, 1, 1], 4), vec![0..1, 1..3]);
         assert_eq!(micro_batches(&[], 4), Vec::<Range<usize>>::new());
-        // Shared tokens are free past a micro-batch's first sequence.
+    }
+
+    /// Sequences of `len` tokens whose first `shared` are `prefix`'s.
+    fn attempts(prefix: u32, shared: usize, lens: &[usize]) -> Vec<Vec<u32>> {
+        lens.iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                (0..n)
+                    .map(|t| {
+                        if t < shared {
+                            prefix
+                        } else {
+                            1000 + i as u32 * 100 + t as u32
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn plan(seqs: &[Vec<u32>], share: bool, budget: usize) -> Vec<MicroPlan> {
+        let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
+        plan_micro_batches(&refs, share, budget)
+    }
+
+    fn micro(
+        range: Range<usize>,
+        groups: &[(Range<usize>, usize)],
+        tokens_run: usize,
+    ) -> MicroPlan {
+        MicroPlan {
+            range,
+            groups: groups
+                .iter()
+                .map(|(members, shared)| PrefixGroup {
+                    members: members.clone(),
+                    shared: *shared,
+                })
+                .collect(),
+            tokens_run,
+        }
+    }
+
+    #[test]
+    fn micro_batches_run_a_shared_prefix_once_within_the_budget() {
+        // Four attempts of 10 tokens sharing 8: a prefix of 8, rests of 2.
+        let seqs = attempts(7, 8, &[10, 10, 10, 10]);
+        assert_eq!(plan(&seqs, true, 100), vec![micro(0..4, &[(0..4, 8)], 16)]);
+        // A group over the budget is cut into parts that each run the
+        // prefix: 10 + 2 + 2 = 14 fits, a fourth member would not.
         assert_eq!(
-            micro_batches_sharing(&[10, 10, 10, 10], &[0, 8, 8, 8], 14),
-            vec![0..3, 3..4]
+            plan(&seqs, true, 14),
+            vec![micro(0..3, &[(0..3, 8)], 14), micro(3..4, &[], 10)]
         );
         assert_eq!(
-            micro_batches_sharing(&[10, 10, 10], &[0, 8, 9], 12),
-            vec![0..2, 2..3]
+            plan(&seqs, true, 12),
+            vec![micro(0..2, &[(0..2, 8)], 12), micro(2..4, &[(0..2, 8)], 12)]
         );
+        // Without sharing every token runs.
+        assert_eq!(
+            plan(&seqs, false, 20),
+            vec![micro(0..2, &[], 20), micro(2..4, &[], 20)]
+        );
+        // Two tasks: the groups are planned over the whole batch, and a
+        // micro-batch holds whole parts of them.
+        let mut seqs = attempts(7, 6, &[8, 9, 10]);
+        seqs.extend(attempts(9, 5, &[6, 7]));
+        assert_eq!(
+            plan(&seqs, true, 15),
+            vec![
+                micro(0..3, &[(0..3, 6)], 6 + 2 + 3 + 4),
+                micro(3..5, &[(0..2, 5)], 5 + 1 + 2)
+            ]
+        );
+        assert_eq!(
+            plan(&seqs, true, 40),
+            vec![micro(0..5, &[(0..3, 6), (3..5, 5)], 23)]
+        );
+        // Whatever the budget, no micro-batch runs more than it unless it
+        // is a single sequence, and every sequence is in exactly one.
+        for budget in 1..50 {
+            let parts = plan(&seqs, true, budget);
+            let mut next = 0;
+            for p in &parts {
+                assert_eq!(p.range.start, next);
+                next = p.range.end;
+                assert!(
+                    p.tokens_run <= budget || p.range.len() == 1,
+                    "{budget}: {p:?}"
+                );
+                let whole: usize = seqs[p.range.clone()].iter().map(Vec::len).sum();
+                let saved: usize = p
+                    .groups
+                    .iter()
+                    .map(|g| g.shared * (g.members.len() - 1))
+                    .sum();
+                assert_eq!(p.tokens_run, whole - saved);
+            }
+            assert_eq!(next, seqs.len());
+        }
     }
 }

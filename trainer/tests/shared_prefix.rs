@@ -193,8 +193,9 @@ fn a_step_with_shared_prefixes_is_the_unshared_step() {
             weight_versions: Vec::new(),
         })
         .collect();
-    let step = |share: bool| {
+    let step = |share: bool, budget: usize| {
         let cfg = TrainConfig {
+            micro_batch_tokens: budget,
             optimizer: AdamWConfig {
                 lr: 1e-3,
                 ..AdamWConfig::default()
@@ -216,19 +217,29 @@ fn a_step_with_shared_prefixes_is_the_unshared_step() {
         let grads = t.grads().clone();
         (metrics, grads)
     };
-    let ((m0, g0), (m1, g1)) = (step(false), step(true));
+    let whole: usize = seqs.iter().map(Vec::len).sum();
+    let ((m0, g0), (m1, g1)) = (step(false, 1 << 14), step(true, 1 << 14));
     assert_eq!(m1.loss.to_bits(), m0.loss.to_bits());
     let ref_kl = |m: &StepMetrics| m.pg.as_ref().unwrap().ref_kl;
     assert!(ref_kl(&m0) > 0.0);
     assert_eq!(ref_kl(&m1).to_bits(), ref_kl(&m0).to_bits());
     assert_eq!(m1.tokens, m0.tokens);
-    let whole: usize = seqs.iter().map(Vec::len).sum();
     assert_eq!(m0.tokens_run, whole);
     assert_eq!(m1.tokens_run, whole - 2 * 13 - 2);
-    let rel = (m1.grad_norm - m0.grad_norm).abs() / m0.grad_norm;
-    assert!(rel < 1e-6, "grad norm {} vs {}", m1.grad_norm, m0.grad_norm);
-    for ((n, a), (_, b)) in g1.named().iter().zip(g0.named()) {
-        let e = rel_err(a, b);
-        assert!(e < 1e-5, "{n}: the step's gradients differ by {e:e}");
+    // A budget of 25 tokens cuts the first group (18, 22 and 14 tokens,
+    // 13 shared): its first attempt alone, the other two sharing the
+    // prompt; no micro-batch runs more than the budget.
+    let (m2, g2) = step(true, 25);
+    assert_eq!(m2.tokens_run, whole - 13 - 2);
+    assert_eq!(m2.micro_batches, 3);
+    let rel = (m2.loss - m0.loss).abs() / m0.loss.abs();
+    assert!(rel < 1e-6, "loss {} vs {}", m2.loss, m0.loss);
+    for (m, g) in [(&m1, &g1), (&m2, &g2)] {
+        let rel = (m.grad_norm - m0.grad_norm).abs() / m0.grad_norm;
+        assert!(rel < 1e-6, "grad norm {} vs {}", m.grad_norm, m0.grad_norm);
+        for ((n, a), (_, b)) in g.named().iter().zip(g0.named()) {
+            let e = rel_err(a, b);
+            assert!(e < 1e-5, "{n}: the step's gradients differ by {e:e}");
+        }
     }
 }
