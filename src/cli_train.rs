@@ -65,6 +65,11 @@ pub struct SftArgs {
     /// Tokens per micro-batch (gradient accumulation inside a step).
     #[arg(long, default_value_t = 16384, value_parser = crate::at_least_one)]
     pub micro_batch_tokens: usize,
+    /// Run the tokens consecutive sequences of a step start with once (the
+    /// recipe key `share_prefixes`; the CPU trainer): the same loss and
+    /// gradient as every sequence whole, to fp32 rounding.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub share_prefixes: bool,
     /// `cpu`, or `cuda:N` in a build with the `cuda` feature: the whole
     /// step on the GPU (f32 weights as the masters; the same trainer code).
     #[arg(long, default_value = "cpu")]
@@ -152,6 +157,7 @@ pub fn sft(args: SftArgs) -> Result<()> {
         },
         grad_clip: args.grad_clip,
         micro_batch_tokens: args.micro_batch_tokens,
+        share_prefixes: args.share_prefixes,
         ..TrainConfig::default()
     };
     let store = ParamStore::new(model);
@@ -192,6 +198,7 @@ fn sft_loop<D: StepDevice>(
             "grad_norm": m.grad_norm,
             "lr": m.lr,
             "tokens": m.tokens,
+            "tokens_run": m.tokens_run,
             "skipped": m.skipped,
             "device": args.device.to_string(),
         });
