@@ -244,15 +244,6 @@ pub struct StepMetrics {
     pub weights_checksum: Option<u64>,
 }
 
-/// Contiguous micro-batches of `lens` with at most `budget` tokens each (a
-/// sequence longer than the budget is alone).
-pub fn micro_batches(lens: &[usize], budget: usize) -> Vec<Range<usize>> {
-    pack(lens.iter().enumerate().map(|(i, &n)| (i..i + 1, n)), budget)
-        .into_iter()
-        .map(|units| units.first().map_or(0, |u| u.0.start)..units.last().map_or(0, |u| u.0.end))
-        .collect()
-}
-
 /// One micro-batch of a step: its sequences, the prefix groups it runs
 /// once (members counted from `range.start`) and the tokens it runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -275,8 +266,7 @@ pub fn plan_micro_batches(tokens: &[&[u32]], share: bool, budget: usize) -> Vec<
         Vec::new()
     };
     let len = |s: usize| tokens[s].len();
-    // Units a micro-batch never splits: (members, shared, cost).
-    let mut units: Vec<(Range<usize>, usize, usize)> = Vec::new();
+    let mut units: Vec<Unit> = Vec::new();
     let mut groups = groups.into_iter().peekable();
     let mut s = 0;
     while s < tokens.len() {
@@ -298,42 +288,46 @@ pub fn plan_micro_batches(tokens: &[&[u32]], share: bool, budget: usize) -> Vec<
         units.push(close(part.0, g.shared, part.1));
         s = g.members.end;
     }
-    pack(units.iter().map(|u| (u.clone(), u.2)), budget)
+    pack(units, budget)
         .into_iter()
         .map(|part| {
-            let start = part[0].0 .0.start;
+            let start = part[0].0.start;
             MicroPlan {
-                range: start..part[part.len() - 1].0 .0.end,
+                range: start..part[part.len() - 1].0.end,
                 groups: part
                     .iter()
-                    .filter(|((members, shared, _), _)| members.len() > 1 && *shared > 0)
-                    .map(|((members, shared, _), _)| PrefixGroup {
+                    .filter(|(members, shared, _)| members.len() > 1 && *shared > 0)
+                    .map(|(members, shared, _)| PrefixGroup {
                         members: members.start - start..members.end - start,
                         shared: *shared,
                     })
                     .collect(),
-                tokens_run: part.iter().map(|u| u.1).sum(),
+                tokens_run: part.iter().map(|u| u.2).sum(),
             }
         })
         .collect()
 }
 
 /// A part of a prefix group as a unit: one member shares nothing.
-fn close(members: Range<usize>, shared: usize, cost: usize) -> (Range<usize>, usize, usize) {
+fn close(members: Range<usize>, shared: usize, cost: usize) -> Unit {
     let shared = if members.len() > 1 { shared } else { 0 };
     (members, shared, cost)
 }
 
-/// Consecutive `(unit, cost)` packed greedily into parts of at most
-/// `budget` (a unit over the budget is alone).
-fn pack<U>(units: impl Iterator<Item = (U, usize)>, budget: usize) -> Vec<Vec<(U, usize)>> {
-    let mut out: Vec<Vec<(U, usize)>> = Vec::new();
+/// What a micro-batch never splits: members, tokens shared, tokens run.
+type Unit = (Range<usize>, usize, usize);
+
+/// Consecutive units packed greedily into parts of at most `budget` tokens
+/// run (a unit over the budget is alone).
+fn pack(units: Vec<Unit>, budget: usize) -> Vec<Vec<Unit>> {
+    let mut out: Vec<Vec<Unit>> = Vec::new();
     let mut total = 0;
-    for (unit, cost) in units {
+    for unit in units {
+        let cost = unit.2;
         match out.last_mut() {
-            Some(part) if total + cost <= budget => part.push((unit, cost)),
+            Some(part) if total + cost <= budget => part.push(unit),
             _ => {
-                out.push(vec![(unit, cost)]);
+                out.push(vec![unit]);
                 total = 0;
             }
         }
@@ -1012,9 +1006,16 @@ mod tests {
 
     #[test]
     fn micro_batches_respect_the_budget() {
-        assert_eq!(micro_batches(&[3, 3, 3], 6), vec![0..2, 2..3]);
-        assert_eq!(micro_batches(&[10, 1, 1], 4), vec![0..1, 1..3]);
-        assert_eq!(micro_batches(&[], 4), Vec::<Range<usize>>::new());
+        let ranges = |lens: &[usize], budget| {
+            let seqs: Vec<Vec<u32>> = lens.iter().map(|&n| vec![1; n]).collect();
+            plan(&seqs, false, budget)
+                .into_iter()
+                .map(|p| p.range)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(ranges(&[3, 3, 3], 6), vec![0..2, 2..3]);
+        assert_eq!(ranges(&[10, 1, 1], 4), vec![0..1, 1..3]);
+        assert_eq!(ranges(&[], 4), Vec::<Range<usize>>::new());
     }
 
     /// Sequences of `len` tokens whose first `shared` are `prefix`'s.
