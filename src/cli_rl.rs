@@ -144,6 +144,9 @@ fn progress_line(rec: &Value, steps: u64) -> String {
     if let Some(p) = rec.get("eval_pass_at_1").and_then(Value::as_f64) {
         s.push_str(&format!(" | held-out pass@1 {:.1}%", 100.0 * p));
     }
+    if let Some(at) = rec.get("rolled_back_to").and_then(Value::as_u64) {
+        s.push_str(&format!(" | collapsed: rolled back to update {at}"));
+    }
     s
 }
 
@@ -331,13 +334,18 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
         .unwrap_or_default();
     outln!("{}", serde_json::to_string_pretty(&summary)?)?;
     eprintln!(
-        "{} after {} updates; run directory {}{}",
+        "{} after {} updates{}; run directory {}{}",
         if summary.cancelled || summary.stopped.is_some() {
             "stopped"
         } else {
             "done"
         },
         summary.steps,
+        match summary.totals.rollbacks {
+            0 => String::new(),
+            1 => " (1 rollback after a collapse)".to_string(),
+            n => format!(" ({n} rollbacks after collapses)"),
+        },
         out.display(),
         if plots.is_empty() {
             String::new()
@@ -366,6 +374,14 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn progress_line_says_when_the_run_rolled_back() {
+        let rec = json!({"step": 67, "elapsed_s": 10.0, "rolled_back_to": 60});
+        assert!(progress_line(&rec, 80).ends_with(" | collapsed: rolled back to update 60"));
+        let rec = json!({"step": 68, "elapsed_s": 10.0});
+        assert!(!progress_line(&rec, 80).contains("rolled back"));
+    }
 
     #[test]
     fn progress_line_says_when_nothing_was_trained() {

@@ -674,6 +674,136 @@ fn a_run_that_solves_and_trains_nothing_stops_and_says_why() {
 /// tasks were reordered (same count) is refused, not misapplied. With the
 /// file put back, a resume after the run's recipe was edited (steps raised,
 /// as the finished run says to, and a key removed) says what changed.
+/// Runs of the test recipe that collapse on cue (`ARCTICD_FAULT_DEAD`
+/// counts updates as dead whatever they did), rolling back after 2 dead
+/// updates, with no stale rollouts, plus `sets`: `(run, output)`.
+fn collapsing_run(
+    dir: &Path,
+    recipe: &Path,
+    name: &str,
+    dead: &str,
+    sets: &[&str],
+) -> (PathBuf, Output) {
+    let run = dir.join(name);
+    let mut all = vec!["max_staleness=0", "rollback_after_dead_updates=2"];
+    all.extend(sets);
+    let out = train(recipe, &run, &all)
+        .env("ARCTICD_FAULT_DEAD", dead)
+        .output()
+        .unwrap();
+    (run, out)
+}
+
+fn model_tensors(ck: &Path) -> Vec<arcticd_trainer::checkpoint::NamedTensor> {
+    arcticd_trainer::checkpoint::read_safetensors_f32(&ck.join("model.safetensors")).unwrap()
+}
+
+#[test]
+fn a_collapsed_run_rolls_back_to_its_last_good_checkpoint_and_goes_on() {
+    if !local_ready() {
+        return;
+    }
+    let dir = TempDir::new("train-rollback").unwrap();
+    let recipe = setup(dir.path(), "warmup = 4");
+    // Updates 5 and 6 dead: after the second, the run goes back to the
+    // checkpoint of update 3 (older than the first dead update's sampling
+    // weights), weights and optimizer, and trains on to the end.
+    let (run, out) = collapsing_run(dir.path(), &recipe, "run", "5:2", &["steps=8"]);
+    let out = ok(out, "train with a collapse");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("update 6: the last 2 updates solved nothing")
+            && stderr.contains("rolling back to the checkpoint of update 3"),
+        "{stderr}"
+    );
+    assert_eq!(steps_of(&run), (1..=8).collect::<Vec<u64>>());
+    let metrics = read_jsonl(&run.join("metrics.jsonl"));
+    let at = |s: u64| &metrics[s as usize - 1];
+    assert_eq!(at(6)["rolled_back_to"].as_u64(), Some(3), "{}", at(6));
+    assert!(metrics
+        .iter()
+        .filter(|m| m["step"] != 6)
+        .all(|m| m["rolled_back_to"].is_null()));
+    // A new version, above every one before; the learning rate of the
+    // optimizer step count put back (warmup: it differs at every step).
+    let v6 = at(6)["weight_version"].as_u64().unwrap();
+    assert!(v6 > at(5)["weight_version"].as_u64().unwrap(), "{}", at(6));
+    assert_eq!(at(6)["rollback_version"].as_u64(), Some(v6));
+    assert_eq!(at(6)["lr"], at(3)["lr"]);
+    assert_ne!(at(5)["lr"], at(3)["lr"]);
+    // What update 6 wrote is update 3's weights; training went on from them.
+    let ck = |s: u64| run.join(format!("checkpoints/step-{s:06}"));
+    assert!(model_tensors(&ck(6)) == model_tensors(&ck(3)));
+    assert!(model_tensors(&ck(7)) != model_tensors(&ck(3)));
+    for m in &metrics[6..] {
+        assert_eq!(m["update_skipped"], Value::Bool(false), "{m}");
+        assert!(m["staleness_max"].as_u64().unwrap() == 0, "{m}");
+    }
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        summary["totals"]["rollbacks"].as_u64(),
+        Some(1),
+        "{summary}"
+    );
+    assert!(summary["stopped"].is_null(), "{summary}");
+    // The replay chain across the rollback restores the same checkpoint:
+    // every update replays to the bit.
+    let chain = ok(
+        arcticd()
+            .args(["replay", "--run"])
+            .arg(&run)
+            .args(["--step", "2", "--through", "8"])
+            .output()
+            .unwrap(),
+        "replay across the rollback",
+    );
+    let chain: Vec<Value> = String::from_utf8_lossy(&chain.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(chain.len(), 7);
+    for r in &chain {
+        let m = at(r["step"].as_u64().unwrap());
+        assert_eq!(r["loss"], m["loss"], "{r} vs {m}");
+        assert_eq!(r["grad_norm"], m["grad_norm"], "{r} vs {m}");
+    }
+
+    // A collapse that does not end: each rollback goes further back (3,
+    // then 2), then, past max_rollbacks, the run stops at
+    // stop_after_dead_updates and says why.
+    let (run, out) = collapsing_run(
+        dir.path(),
+        &recipe,
+        "stuck",
+        "5:100",
+        &["steps=20", "max_rollbacks=2", "stop_after_dead_updates=3"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let metrics = read_jsonl(&run.join("metrics.jsonl"));
+    let rolled: Vec<(u64, u64)> = metrics
+        .iter()
+        .filter_map(|m| Some((m["step"].as_u64()?, m["rolled_back_to"].as_u64()?)))
+        .collect();
+    assert_eq!(rolled, vec![(6, 3), (8, 2)], "{stderr}");
+    assert_eq!(steps_of(&run).last(), Some(&11), "{stderr}");
+    assert!(stderr.contains("stop_after_dead_updates = 3"), "{stderr}");
+
+    // A run that never lived has nothing to go back to: it stops.
+    let (run, out) = collapsing_run(
+        dir.path(),
+        &recipe,
+        "never",
+        "1:100",
+        &["steps=20", "stop_after_dead_updates=3"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("no checkpoint is old enough"), "{stderr}");
+    assert_eq!(steps_of(&run), vec![1, 2, 3]);
+}
+
 #[test]
 fn resume_refuses_a_reordered_task_file_and_names_recipe_edits() {
     if !local_ready() {

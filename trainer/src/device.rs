@@ -100,6 +100,18 @@ pub trait StepDevice: Send {
     /// `dir` whose weights the store holds (resuming): the masters are those
     /// weights already.
     fn load_optimizer(&mut self, dir: &Path) -> Result<()>;
+    /// Puts the weights and the optimizer state of the checkpoint `dir`
+    /// back (rolling a run back): the masters, the moments and the step
+    /// count become the checkpoint's, as on resume, and the store is
+    /// written with `gate` paused around it; returns the new weight
+    /// version (versions only ever grow, so what was sampled before stays
+    /// told apart).
+    fn restore(&mut self, dir: &Path, gate: Option<&dyn WriteGate>) -> Result<u64> {
+        let _ = (dir, gate);
+        Err(Error::Run(
+            "rolling back to a checkpoint is not built for this device".into(),
+        ))
+    }
 }
 
 /// The CPU: the model in the shared store, gradients and AdamW on the host.
@@ -297,6 +309,26 @@ impl StepDevice for CpuStep {
     fn load_optimizer(&mut self, dir: &Path) -> Result<()> {
         crate::checkpoint::load_optimizer(dir, &mut self.optimizer)
     }
+
+    fn restore(&mut self, dir: &Path, gate: Option<&dyn WriteGate>) -> Result<u64> {
+        let saved = Qwen3_5::load(dir)?;
+        if !same_shapes(&self.store.read().config, &saved.config) {
+            return Err(Error::Checkpoint(format!(
+                "{}: its model's config differs from the trained model's",
+                dir.display()
+            )));
+        }
+        let mut optimizer = AdamW::new(&saved, self.optimizer.config)?;
+        crate::checkpoint::load_optimizer(dir, &mut optimizer)?;
+        let (version, res) = {
+            let _paused = crate::step::PauseGuard::pause(gate)?;
+            self.store.update(|m| optimizer.write_to(m))
+        };
+        res?;
+        self.optimizer = optimizer;
+        self.acts = None;
+        Ok(version)
+    }
 }
 
 /// A device chosen at run time (`Trainer<Box<dyn StepDevice>>`).
@@ -351,6 +383,9 @@ impl<T: StepDevice + ?Sized> StepDevice for Box<T> {
     }
     fn load_optimizer(&mut self, dir: &Path) -> Result<()> {
         (**self).load_optimizer(dir)
+    }
+    fn restore(&mut self, dir: &Path, gate: Option<&dyn WriteGate>) -> Result<u64> {
+        (**self).restore(dir, gate)
     }
 }
 

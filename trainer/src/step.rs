@@ -446,6 +446,14 @@ impl<D: StepDevice> Trainer<D> {
         self.dev.load_optimizer(dir)
     }
 
+    /// Rolls this trainer back to the checkpoint `dir`
+    /// ([`StepDevice::restore`]), its engines paused around the write;
+    /// returns the new weight version. Every rank of a group restores the
+    /// same checkpoint, so their weights stay identical.
+    pub fn restore(&mut self, dir: &Path) -> Result<u64> {
+        self.dev.restore(dir, self.gate.as_deref())
+    }
+
     /// This trainer as one rank of a data-parallel group: each step's batch
     /// is this rank's share, and every rank must step together.
     pub fn with_comm(mut self, comm: Arc<dyn Communicator>) -> Self {

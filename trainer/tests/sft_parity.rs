@@ -96,41 +96,73 @@ fn sft_steps_match_pytorch_adamw() {
     println!("max relative weight error after {steps} AdamW steps: {worst:.2e}");
 }
 
+/// Every parameter of `a` and `b` bit for bit.
+fn assert_same_params(a: &Qwen3_5, b: &Qwen3_5, what: &str) {
+    for ((n, pa), (_, pb)) in a.named_params().iter().zip(b.named_params()) {
+        assert_eq!(
+            pa.as_f32().unwrap(),
+            pb.as_f32().unwrap(),
+            "{n} differs: {what}"
+        );
+    }
+}
+
+/// A trainer on the `gqa_untied` fixture after one SFT step, checkpointed
+/// at `dir/step1`.
+struct OneStep {
+    a: Trainer,
+    base: PathBuf,
+    data: Vec<arcticd_trainer::step::SftExample>,
+    cfg: TrainConfig,
+    dir: PathBuf,
+    ck: PathBuf,
+}
+
+fn one_step_checkpointed(tag: &str) -> OneStep {
+    let exp = expected();
+    let base = fixtures().join("gqa_untied");
+    let data = read_sft_jsonl(&fixtures().join("sft_adamw/data.jsonl"), 128, None).unwrap();
+    let cfg = config(&exp["args"], 1 << 20);
+    let mut a = Trainer::new(store_of(Qwen3_5::load(&base).unwrap()), cfg.clone()).unwrap();
+    a.sft_step(&batch_for_step(&data, 0, 2)).unwrap();
+    let dir = tmpdir(tag);
+    let ck = dir.join("step1");
+    save_checkpoint(&ck, &a.store().read(), &base, Some(&a.dev.optimizer)).unwrap();
+    OneStep {
+        a,
+        base,
+        data,
+        cfg,
+        dir,
+        ck,
+    }
+}
+
 /// Save after one step, resume from disk, take a second step: the same
 /// weights as two steps in one process; and the saved model scores like the
 /// in-memory one.
 #[test]
 fn checkpoint_resume_is_exact() {
-    let exp = expected();
-    let args = &exp["args"];
-    let base = fixtures().join("gqa_untied");
-    let data = read_sft_jsonl(&fixtures().join("sft_adamw/data.jsonl"), 128, None).unwrap();
-    let cfg = config(args, 1 << 20);
-
-    let mut a = Trainer::new(store_of(Qwen3_5::load(&base).unwrap()), cfg.clone()).unwrap();
-    a.sft_step(&batch_for_step(&data, 0, 2)).unwrap();
-    let dir = tmpdir("ckpt");
-    let ck = dir.join("step1");
-    save_checkpoint(&ck, &a.store().read(), &base, Some(&a.dev.optimizer)).unwrap();
+    let OneStep {
+        mut a,
+        base,
+        data,
+        cfg,
+        dir,
+        ck,
+    } = one_step_checkpointed("ckpt");
     // Saving again over an existing checkpoint replaces it.
     save_checkpoint(&ck, &a.store().read(), &base, Some(&a.dev.optimizer)).unwrap();
     a.sft_step(&batch_for_step(&data, 1, 2)).unwrap();
 
     let reloaded = Qwen3_5::load(&ck).unwrap();
     let seqs = vec![data[0].tokens.clone(), data[3].tokens.clone()];
-    let mut b = Trainer::new(store_of(reloaded), cfg).unwrap();
+    let mut b = Trainer::new(store_of(reloaded), cfg.clone()).unwrap();
     b.load_optimizer(&ck).unwrap();
     assert_eq!(b.dev.optimizer.step, 1);
     let s1 = b.store().read().score(&seqs).unwrap();
     b.sft_step(&batch_for_step(&data, 1, 2)).unwrap();
-    let (ma, mb) = (a.store().read(), b.store().read());
-    for ((n, pa), (_, pb)) in ma.named_params().iter().zip(mb.named_params()) {
-        assert_eq!(
-            pa.as_f32().unwrap(),
-            pb.as_f32().unwrap(),
-            "{n} differs after resume"
-        );
-    }
+    assert_same_params(&a.store().read(), &b.store().read(), "after resume");
     assert!(s1.iter().flatten().all(|x| x.is_none_or(f32::is_finite)));
     let names: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
@@ -143,11 +175,59 @@ fn checkpoint_resume_is_exact() {
     );
     // A resume (or replay) with changed AdamW settings steps with them, not
     // with those the checkpoint was written with.
-    let mut changed = config(args, 1 << 20);
+    let mut changed = cfg.clone();
     changed.optimizer.eps *= 10.0;
     let mut c = Trainer::new(store_of(Qwen3_5::load(&ck).unwrap()), changed.clone()).unwrap();
     c.load_optimizer(&ck).unwrap();
     assert_eq!(c.dev.optimizer.step, 1);
     assert_eq!(c.dev.optimizer.config, changed.optimizer);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rollback to a checkpoint taken earlier in the same process puts back
+/// its weights and optimizer state: the store holds the checkpoint's
+/// weights under a new, higher version, and the next step gives the same
+/// weights as a fresh trainer resumed from that checkpoint.
+#[test]
+fn rolling_back_to_a_checkpoint_equals_resuming_from_it() {
+    let OneStep {
+        mut a,
+        data,
+        cfg,
+        dir,
+        ck,
+        ..
+    } = one_step_checkpointed("rollback");
+    let at_checkpoint = a.store().read().clone();
+    a.sft_step(&batch_for_step(&data, 1, 2)).unwrap();
+    a.sft_step(&batch_for_step(&data, 2, 2)).unwrap();
+    let before = a.store().weight_version();
+    assert_eq!(a.dev.optimizer.step, 3);
+
+    let version = a.restore(&ck).unwrap();
+    assert!(version > before, "version {version} after {before}");
+    assert_eq!(a.store().weight_version(), version);
+    assert_eq!(a.dev.optimizer.step, 1);
+    assert_same_params(&a.store().read(), &at_checkpoint, "restored");
+    a.sft_step(&batch_for_step(&data, 1, 2)).unwrap();
+
+    let mut b = Trainer::new(store_of(Qwen3_5::load(&ck).unwrap()), cfg).unwrap();
+    b.load_optimizer(&ck).unwrap();
+    b.sft_step(&batch_for_step(&data, 1, 2)).unwrap();
+    assert_same_params(
+        &a.store().read(),
+        &b.store().read(),
+        "a step after the rollback against one after a resume",
+    );
+    for i in 0..a.dev.optimizer.exp_avg.len() {
+        assert_eq!(a.dev.optimizer.exp_avg[i], b.dev.optimizer.exp_avg[i]);
+        assert_eq!(a.dev.optimizer.exp_avg_sq[i], b.dev.optimizer.exp_avg_sq[i]);
+    }
+
+    // A checkpoint that is not there is an error, and the trainer keeps
+    // what it had.
+    let kept = a.store().weight_version();
+    assert!(a.restore(&dir.join("missing")).is_err());
+    assert_eq!(a.store().weight_version(), kept);
     let _ = std::fs::remove_dir_all(&dir);
 }

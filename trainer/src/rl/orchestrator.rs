@@ -93,46 +93,59 @@ fn rank_device(device: arcticd_kernels::Device, rank: usize) -> arcticd_kernels:
 /// one thread each with its own copy of the weights, taking its share of
 /// every batch.
 struct Ranks {
-    shares: Vec<mpsc::Sender<Vec<PgExample>>>,
-    results: Vec<mpsc::Receiver<Result<StepMetrics>>>,
+    jobs: Vec<mpsc::Sender<RankJob>>,
+    /// Each rank's outcome of its last job (its metrics stay with it:
+    /// rank 0's stand for the group).
+    results: Vec<mpsc::Receiver<Result<()>>>,
+}
+
+/// What a rank past 0 is asked to do.
+enum RankJob {
+    /// A policy-gradient step on its share of the batch.
+    Step(Vec<PgExample>),
+    /// A rollback to the checkpoint in this directory.
+    Restore(PathBuf),
 }
 
 impl Ranks {
     /// Starts `trainers` (ranks 1.., in order) on threads of their own.
     fn start(trainers: Vec<RankTrainer>) -> Result<Ranks> {
-        let (mut shares, mut results) = (Vec::new(), Vec::new());
+        let (mut jobs, mut results) = (Vec::new(), Vec::new());
         for (i, mut trainer) in trainers.into_iter().enumerate() {
-            let (share_tx, share_rx) = mpsc::channel::<Vec<PgExample>>();
+            let (job_tx, job_rx) = mpsc::channel::<RankJob>();
             let (result_tx, result_rx) = mpsc::channel();
             std::thread::Builder::new()
                 .name(format!("trainer-rank-{}", i + 1))
                 .spawn(move || {
-                    for share in share_rx {
-                        if result_tx.send(trainer.pg_step(&share)).is_err() {
+                    for job in job_rx {
+                        let done = match job {
+                            RankJob::Step(share) => trainer.pg_step(&share).map(drop),
+                            RankJob::Restore(dir) => trainer.restore(&dir).map(drop),
+                        };
+                        if result_tx.send(done).is_err() {
                             break;
                         }
                     }
                 })
                 .map_err(|e| Error::Run(format!("starting trainer rank {}: {e}", i + 1)))?;
-            shares.push(share_tx);
+            jobs.push(job_tx);
             results.push(result_rx);
         }
-        Ok(Ranks { shares, results })
+        Ok(Ranks { jobs, results })
     }
 
-    /// One policy-gradient step over every rank: `trainer` (rank 0) here,
-    /// the others on their threads, each on a contiguous share of
-    /// `examples` of about equal tokens.
-    fn pg_step(&self, trainer: &mut RankTrainer, examples: &[PgExample]) -> Result<StepMetrics> {
-        if self.shares.is_empty() {
-            return trainer.pg_step(examples);
-        }
-        let shares = split_by_tokens(examples, self.shares.len() + 1);
-        for (r, (tx, share)) in self.shares.iter().zip(&shares[1..]).enumerate() {
-            tx.send(share.to_vec())
+    /// `jobs[r]` sent to rank r + 1, `mine` run on rank 0 (here), then every
+    /// rank's answer: rank 0's, or the first error of any rank.
+    fn all<T>(
+        &self,
+        jobs: impl IntoIterator<Item = RankJob>,
+        mine: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        for (r, (tx, job)) in self.jobs.iter().zip(jobs).enumerate() {
+            tx.send(job)
                 .map_err(|_| Error::Collective(format!("trainer rank {} has stopped", r + 1)))?;
         }
-        let mine = trainer.pg_step(shares[0]);
+        let mine = mine();
         let mut first_err = None;
         for (r, rx) in self.results.iter().enumerate() {
             let got = rx.recv().unwrap_or_else(|_| {
@@ -150,6 +163,28 @@ impl Ranks {
             Some(e) => Err(e),
             None => Ok(m),
         }
+    }
+
+    /// One policy-gradient step over every rank: `trainer` (rank 0) here,
+    /// the others on their threads, each on a contiguous share of
+    /// `examples` of about equal tokens.
+    fn pg_step(&self, trainer: &mut RankTrainer, examples: &[PgExample]) -> Result<StepMetrics> {
+        if self.jobs.is_empty() {
+            return trainer.pg_step(examples);
+        }
+        let shares = split_by_tokens(examples, self.jobs.len() + 1);
+        let jobs = shares[1..].iter().map(|s| RankJob::Step(s.to_vec()));
+        self.all(jobs, || trainer.pg_step(shares[0]))
+    }
+
+    /// Every rank rolled back to the checkpoint `dir`; rank 0's new weight
+    /// version.
+    fn restore(&self, trainer: &mut RankTrainer, dir: &Path) -> Result<u64> {
+        let jobs = self
+            .jobs
+            .iter()
+            .map(|_| RankJob::Restore(dir.to_path_buf()));
+        self.all(jobs, || trainer.restore(dir))
     }
 }
 
@@ -287,6 +322,17 @@ impl DeadStreak {
         })
     }
 
+    /// Dead updates in a row so far.
+    fn len(&self) -> u64 {
+        self.run
+    }
+
+    /// Starts counting again (after a rollback).
+    fn reset(&mut self) {
+        self.run = 0;
+        self.first_masked = None;
+    }
+
     /// At the end of a run of `updates` updates that the limit did not
     /// stop: why it failed, when every one of them was dead (a run shorter
     /// than the limit that trained nothing is no success either).
@@ -319,6 +365,55 @@ impl DeadStreak {
             None => String::new(),
         };
         format!("{what}; how the last update's attempts ended: {termination:?}{first}")
+    }
+}
+
+/// The checkpoint a collapsed run rolls back to, from `checkpoints`
+/// (update, directory; oldest first): the newest one written before the
+/// dead streak that began at update `streak_start` could have been sampled
+/// from broken weights, and before the run's last live update `last_live`
+/// (weights that were followed by live updates); older than `tried`, the
+/// target of a rollback after which no update was live yet. The first dead
+/// update's rollouts came from weights as old as `max_staleness` + 1
+/// updates before it, so the checkpoint must be older still.
+fn rollback_target(
+    checkpoints: &[(u64, PathBuf)],
+    streak_start: u64,
+    last_live: Option<u64>,
+    tried: Option<u64>,
+    max_staleness: u64,
+) -> Option<(u64, PathBuf)> {
+    let last_live = last_live?;
+    checkpoints
+        .iter()
+        .rev()
+        .find(|(at, _)| {
+            at + max_staleness + 2 <= streak_start
+                && *at < last_live
+                && tried.is_none_or(|t| *at < t)
+        })
+        .cloned()
+}
+
+/// Whether every token a group's attempts generated was sampled at weight
+/// version `floor` or later (a group sampled before a rollback is not).
+fn sampled_since(g: &Group, floor: u64) -> bool {
+    g.trajectories
+        .iter()
+        .all(|t| batch::oldest_version(t).is_none_or(|v| v >= floor))
+}
+
+/// Test hook for the rollback tests: with `ARCTICD_FAULT_DEAD=<from>:<n>`,
+/// updates `from` to `from + n - 1` count as dead (solved and trained
+/// nothing) whatever they did, so a run collapses on cue.
+fn fault_dead(step: u64) -> bool {
+    let Ok(spec) = std::env::var("ARCTICD_FAULT_DEAD") else {
+        return false;
+    };
+    let mut parts = spec.split(':').map(|p| p.parse::<u64>().ok());
+    match (parts.next().flatten(), parts.next().flatten()) {
+        (Some(from), Some(n)) => (from..from + n).contains(&step),
+        _ => false,
     }
 }
 
@@ -883,6 +978,20 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     let mut cancelled = false;
     let mut stopped: Option<String> = None;
     let mut dead = DeadStreak::new(recipe.stop_after_dead_updates);
+    // Rollbacks: groups sampled below `floor` (before the last rollback)
+    // are discarded; `last_live` is the last update that was not dead,
+    // `tried` the last rollback's checkpoint until an update lives again.
+    let rollbacks_on = recipe.rollback_after_dead_updates > 0 && recipe.max_rollbacks > 0;
+    if rollbacks_on && recipe.device != arcticd_kernels::Device::Cpu {
+        tracing::warn!(
+            "rollback_after_dead_updates: rolling back is built for the CPU trainer only; on {} \
+             a collapsed run stops after stop_after_dead_updates",
+            recipe.device
+        );
+    }
+    let rollbacks_on = rollbacks_on && recipe.device == arcticd_kernels::Device::Cpu;
+    let (mut floor, mut last_live, mut tried) = (0u64, None::<u64>, None::<u64>);
+    let (mut discarded_now, mut no_target_said) = (0u64, false);
     let (first_step, mut last_termination) = (step, Default::default());
     let mut carry: Vec<Group> = Vec::new();
     let b = recipe.groups_per_step;
@@ -913,6 +1022,14 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                     return Ok(());
                 }
                 match group_rx.recv_timeout(Duration::from_millis(250)) {
+                    Ok(g) if !sampled_since(&g, floor) => {
+                        // Sampled before a rollback: admission starts
+                        // another in its place.
+                        consumed += 1;
+                        shared.extra_groups.fetch_add(1, Ordering::AcqRel);
+                        totals.rollback_discarded += 1;
+                        discarded_now += 1;
+                    }
                     Ok(g) => carry.push(g),
                     Err(mpsc::RecvTimeoutError::Timeout) => {
                         if Instant::now() > deadline {
@@ -1048,6 +1165,62 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 .find(|(t, _)| t.masked || t.termination.masked())
                 .map(|(_, why)| why.clone());
             totals.rollouts += s.trajectories as u64;
+            // Dead updates in a row: roll back when the run had lived since
+            // a checkpoint, else (or past max_rollbacks) stop at the limit.
+            let faulted = fault_dead(step);
+            let mut stop_why = dead.after(
+                trained && !faulted,
+                if faulted { 0.0 } else { pass_rate },
+                &termination,
+                first_masked.as_deref(),
+            );
+            if dead.len() == 0 {
+                (last_live, tried, no_target_said) = (Some(step), None, false);
+            }
+            let mut rolled = None;
+            if rollbacks_on
+                && dead.len() >= recipe.rollback_after_dead_updates
+                && totals.rollbacks < recipe.max_rollbacks
+            {
+                let start = step + 1 - dead.len();
+                let checkpoints = run_dir.complete_checkpoints()?;
+                match rollback_target(&checkpoints, start, last_live, tried, recipe.max_staleness) {
+                    Some((at, dir)) => {
+                        tracing::warn!(
+                            "update {step}: the last {} updates solved nothing and trained \
+                             nothing ({}); rolling back to the checkpoint of update {at} (weights \
+                             and optimizer state), rollback {} of at most {}",
+                            dead.len(),
+                            dead.why(&termination),
+                            totals.rollbacks + 1,
+                            recipe.max_rollbacks
+                        );
+                        floor = ranks.restore(&mut trainer, &dir)?;
+                        (tried, stop_why) = (Some(at), None);
+                        totals.rollbacks += 1;
+                        dead.reset();
+                        let n = carry.len() as u64;
+                        carry.clear();
+                        consumed += n;
+                        shared.extra_groups.fetch_add(n, Ordering::AcqRel);
+                        totals.rollback_discarded += n;
+                        discarded_now += n;
+                        rolled = Some((at, floor));
+                    }
+                    None if !no_target_said => {
+                        no_target_said = true;
+                        tracing::warn!(
+                            "update {step}: the last {} updates solved nothing and trained \
+                             nothing, and no checkpoint is old enough to roll back to (one \
+                             written before update {} and before the last live update {})",
+                            dead.len(),
+                            start.saturating_sub(recipe.max_staleness + 1),
+                            last_live.map_or("(none)".into(), |l| l.to_string())
+                        );
+                    }
+                    None => {}
+                }
+            }
             totals.stale_dropped += s.stale_dropped as u64;
             totals.masked_infra += s.masked_infra as u64;
             totals.zero_variance_groups += s.zero_variance_groups as u64;
@@ -1158,6 +1331,14 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             if lost_now > 0 {
                 put("lost_on_resume", json!(lost_now));
                 lost_now = 0;
+            }
+            if let Some((at, version)) = rolled {
+                put("rolled_back_to", json!(at));
+                put("rollback_version", json!(version));
+            }
+            if discarded_now > 0 {
+                put("rollback_discarded", json!(discarded_now));
+                discarded_now = 0;
             }
 
             // Frozen side jobs that finished, and the ones now due. They
@@ -1350,8 +1531,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 cancelled = true;
                 return Ok(());
             }
-            if let Some(why) = dead.after(trained, pass_rate, &termination, first_masked.as_deref())
-            {
+            if let Some(why) = stop_why {
                 tracing::warn!("stopping at update {step}: {why}");
                 stopped = Some(why);
                 return Ok(());
@@ -1695,6 +1875,64 @@ mod tests {
         let mut live = DeadStreak::new(10);
         live.after(true, 0.0, &masked, None);
         assert!(live.whole_run(1, &masked).is_none());
+    }
+
+    /// The rollback target: the newest checkpoint older than the first
+    /// dead update's oldest possible sampling weights and than the last
+    /// live update; after a rollback that no live update followed, an
+    /// older one; none for a run that never lived.
+    #[test]
+    fn a_rollback_goes_to_the_newest_checkpoint_before_the_collapse() {
+        let cks: Vec<(u64, PathBuf)> = [20, 40, 60, 80]
+            .iter()
+            .map(|&s| (s, PathBuf::from(format!("step-{s}"))))
+            .collect();
+        let at =
+            |start, live, tried, ms| rollback_target(&cks, start, live, tried, ms).map(|c| c.0);
+        // Dead from update 64, live at 63, staleness 2: 60 is old enough.
+        assert_eq!(at(64, Some(63), None, 2), Some(60));
+        // Dead from 62: 60's weights may have sampled update 62's rollouts.
+        assert_eq!(at(62, Some(61), None, 2), Some(40));
+        assert_eq!(at(62, Some(61), None, 0), Some(60));
+        // The boundary: at + staleness + 2 <= start.
+        assert_eq!(at(64, Some(63), None, 3), Some(40));
+        // 60 was tried and no update lived since: go further back.
+        assert_eq!(at(70, Some(63), Some(60), 2), Some(40));
+        assert_eq!(at(70, Some(63), Some(20), 2), None);
+        // A run that never lived, or dead before any checkpoint, has none.
+        assert_eq!(at(64, None, None, 2), None);
+        assert_eq!(at(21, Some(20), None, 0), None);
+        assert_eq!(rollback_target(&[], 64, Some(63), None, 2), None);
+    }
+
+    /// A group is kept after a rollback only when every token its attempts
+    /// generated was sampled at the rollback's version or later; prompt
+    /// tokens (mask 0, version 0) do not count.
+    #[test]
+    fn groups_sampled_before_a_rollback_are_told_apart() {
+        let traj = |versions: &[u64], mask: &[u8]| {
+            let mut t = Trajectory::unstarted("t", 0, "p", "");
+            t.weight_versions = versions.to_vec();
+            t.loss_mask = mask.to_vec();
+            t
+        };
+        let group = |ts: Vec<Trajectory>| Group {
+            task: 0,
+            seq: 0,
+            trajectories: ts,
+        };
+        let fresh = group(vec![traj(&[0, 0, 7, 7], &[0, 0, 1, 1])]);
+        assert!(sampled_since(&fresh, 7));
+        assert!(sampled_since(&fresh, 0));
+        let mixed = group(vec![
+            traj(&[0, 7, 8], &[0, 1, 1]),
+            traj(&[0, 6, 7], &[0, 1, 1]),
+        ]);
+        assert!(!sampled_since(&mixed, 7));
+        assert!(sampled_since(&mixed, 6));
+        // An attempt that generated nothing does not hold its group back.
+        let empty = group(vec![traj(&[], &[]), traj(&[0, 9], &[0, 1])]);
+        assert!(sampled_since(&empty, 9));
     }
 
     #[test]

@@ -209,6 +209,15 @@ pub struct Recipe {
     /// zero-variance and left out): the weights can no longer change, so
     /// neither can what the run samples. 0 = never. Default 10.
     pub stop_after_dead_updates: u64,
+    /// After this many dead updates in a row (as above), put back the
+    /// weights and optimizer state of the newest checkpoint written before
+    /// the collapse, as a new weight version, and go on; rollouts sampled
+    /// before it are discarded. Only a run that was alive since that
+    /// checkpoint rolls back, at most `max_rollbacks` times; then the stop
+    /// above still applies. 0 = never. Default 3.
+    pub rollback_after_dead_updates: u64,
+    /// Rollbacks a run may take. Default 2.
+    pub max_rollbacks: u64,
     /// Re-run retired tasks with frozen weights every N updates; 0 = never.
     /// Default 20.
     pub recheck_every: u64,
@@ -312,6 +321,8 @@ impl Default for Recipe {
             retire_after: 2,
             drop_after: 0,
             stop_after_dead_updates: 10,
+            rollback_after_dead_updates: 3,
+            max_rollbacks: 2,
             recheck_every: 20,
             recheck_attempts: 4,
             unretire_below: 0.75,

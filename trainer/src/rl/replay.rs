@@ -14,6 +14,8 @@
 //! recorded batch after the one before: unchanged, the chain is the run's
 //! own updates (each replay equals its update bit for bit), so a run that
 //! kept a checkpoint every 20 updates can still be traced update by update.
+//! Where the run rolled back after an update (`rolled_back_to` in its
+//! metrics record), the chain restores the same checkpoint there.
 //!
 //! Not for: evaluating a change on fresh rollouts (that is a run).
 
@@ -202,10 +204,31 @@ pub fn replay(
         trainer = trainer.with_reference(reference)?;
     }
 
+    // Updates after which the run rolled back, and to which checkpoint.
+    let rollbacks: std::collections::BTreeMap<u64, u64> = if through > step {
+        read_rollbacks(&dir)?
+    } else {
+        Default::default()
+    };
     let last = |t: &Trainer| last_logprobs(&t.store().read(), probes);
     let mut out = Vec::new();
     let mut probe_before = last(&trainer)?;
     for step in step..=through {
+        if step > 1 {
+            if let Some(&to) = rollbacks.get(&(step - 1)) {
+                let ck = dir.checkpoint(to);
+                if !ck.join("run_state.json").is_file() {
+                    return Err(Error::Input(format!(
+                        "{}: the run rolled back after update {} to the checkpoint of update \
+                         {to}, which it no longer keeps; replay from update {step} on its own",
+                        run_dir.display(),
+                        step - 1
+                    )));
+                }
+                trainer.restore(&ck)?;
+                probe_before = last(&trainer)?;
+            }
+        }
         let batch = recorded_batch(&dir, step, &recipe, trainer.store().weight_version())?;
         if batch.is_empty() {
             if out.is_empty() {
@@ -242,6 +265,24 @@ pub fn replay(
             attribution,
         });
         probe_before = probe_after;
+    }
+    Ok(out)
+}
+
+/// The updates of the run in `dir` after which it rolled back: update ->
+/// the update whose checkpoint it went back to.
+fn read_rollbacks(dir: &RunDir) -> Result<std::collections::BTreeMap<u64, u64>> {
+    let path = dir.metrics();
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let mut out = std::collections::BTreeMap::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        // A torn last line (a killed run) carries no rollback to follow.
+        let Ok(rec) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if let (Some(step), Some(to)) = (rec["step"].as_u64(), rec["rolled_back_to"].as_u64()) {
+            out.insert(step, to);
+        }
     }
     Ok(out)
 }

@@ -62,6 +62,12 @@ pub struct Totals {
     /// Groups consumed beyond B by dynamic sampling.
     #[serde(default)]
     pub extra_groups: u64,
+    /// Rollbacks to an earlier checkpoint after dead updates.
+    #[serde(default)]
+    pub rollbacks: u64,
+    /// Groups sampled before a rollback and discarded after it.
+    #[serde(default)]
+    pub rollback_discarded: u64,
 }
 
 /// A run directory held by this process ([`RunDir::lock`]).
