@@ -318,6 +318,9 @@ enum Kind {
     /// Markers only, where the field exists.
     Circles,
     Triangles,
+    /// A dashed vertical line at each step where the field exists (an
+    /// event, such as a rollback; its value is not drawn).
+    Rule,
     /// An array field: a thin line per element plus their mean.
     PerReplica,
     /// An array field: max / mean per step.
@@ -346,6 +349,7 @@ fn figures(smooth: usize) -> Vec<Figure> {
                     series: vec![
                         series("reward_mean", "reward_mean", Kind::Smoothed),
                         series("recheck_reward", "recheck_reward", Kind::Triangles),
+                        series("rolled_back_to", "rolled back", Kind::Rule),
                     ],
                 },
                 Panel {
@@ -355,6 +359,7 @@ fn figures(smooth: usize) -> Vec<Figure> {
                     series: vec![
                         series("pass_rate", "pass_rate", Kind::Smoothed),
                         series("eval_pass_at_1", "eval pass@1", Kind::Circles),
+                        series("rolled_back_to", "rolled back", Kind::Rule),
                     ],
                 },
             ],
@@ -556,15 +561,23 @@ impl PanelData {
                 });
             }
         }
-        if drawn.is_empty() {
+        // Events alone are no panel; their values are no y.
+        if drawn.iter().all(|d| d.kind == Kind::Rule) {
             return None;
         }
-        let points = || {
+        let x = padded(
             drawn
                 .iter()
                 .flat_map(|d| d.lines.iter().chain(d.thick.iter()).flatten())
+                .map(|p| p.0),
+            false,
+        );
+        let points = || {
+            drawn
+                .iter()
+                .filter(|d| d.kind != Kind::Rule)
+                .flat_map(|d| d.lines.iter().chain(d.thick.iter()).flatten())
         };
-        let x = padded(points().map(|p| p.0), false);
         let log = panel.scale == Scale::LogIfPositive && points().all(|p| p.1 > 0.0);
         let y = padded(points().map(|p| p.1), log);
         let mut title = panel.title.clone();
@@ -803,6 +816,20 @@ where
                     .draw_series(d.lines[0].iter().map(|&p| Circle::new(p, 5, edge)))
                     .map_err(plot_err)?;
             }
+            Kind::Rule => {
+                let style = colour.stroke_width(2);
+                let (lo, hi) = panel.y;
+                for (i, &(x, _)) in d.lines[0].iter().enumerate() {
+                    let rule = chart
+                        .draw_series(DashedLineSeries::new([(x, lo), (x, hi)], 8, 5, style))
+                        .map_err(plot_err)?;
+                    if i == 0 {
+                        rule.label(name.clone()).legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 24, y)], style)
+                        });
+                    }
+                }
+            }
             Kind::Triangles => {
                 let style = colour.filled();
                 chart
@@ -950,6 +977,31 @@ mod tests {
         assert_eq!(per.drawn[0].thick, Some(vec![(1.0, 2.0), (3.0, 2.0)]));
         let imb = PanelData::collect(&figure.panels[2], &runs, 1).unwrap();
         assert_eq!(imb.drawn[0].lines, vec![vec![(1.0, 1.5), (3.0, 1.0)]]);
+    }
+
+    /// A rollback is a dashed rule at its update across the pass-rate
+    /// panel; the update it went back to is no y value.
+    #[test]
+    fn a_rollback_is_a_rule_not_a_value() {
+        let r = run("{\"step\":1,\"pass_rate\":0.25}\n{\"step\":2,\"pass_rate\":0.5,\"rolled_back_to\":1}\n{\"step\":3,\"pass_rate\":0.75}\n");
+        let figure = figures(1)
+            .into_iter()
+            .find(|f| f.file == "reward.png")
+            .unwrap();
+        let runs = [r];
+        let p = PanelData::collect(&figure.panels[1], &runs, 1).unwrap();
+        let rule = p.drawn.iter().find(|d| d.kind == Kind::Rule).unwrap();
+        assert_eq!(rule.lines, vec![vec![(2.0, 1.0)]]);
+        assert!(p.y.1 < 1.0, "y range {:?}", p.y);
+        let dir = std::env::temp_dir().join(format!("arcticd-plot-rule-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("reward.png");
+        render(&path, "reward", &[p], &["r".to_string()]).unwrap();
+        assert!(std::fs::metadata(&path).unwrap().len() > 0);
+        let _ = std::fs::remove_dir_all(&dir);
+        // Events alone make no panel.
+        let only = [run("{\"step\":2,\"rolled_back_to\":1}\n")];
+        assert!(PanelData::collect(&figure.panels[1], &only, 1).is_none());
     }
 
     #[test]
