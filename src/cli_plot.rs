@@ -825,7 +825,12 @@ where
                         .map_err(plot_err)?;
                     if i == 0 {
                         rule.label(name.clone()).legend(move |(x, y)| {
-                            PathElement::new(vec![(x, y), (x + 24, y)], style)
+                            plotters::element::DashedPathElement::new(
+                                vec![(x, y), (x + 24, y)],
+                                6,
+                                4,
+                                style,
+                            )
                         });
                     }
                 }
