@@ -1,7 +1,8 @@
 //! Rejection fine-tuning through the real local sandbox: a round keeps
 //! exactly the solved, well-formed trajectories, fine-tunes on them and
 //! writes a loadable checkpoint, a report and the final model's attempts;
-//! a rerun resumes without sampling or training again; a model that
+//! a rerun resumes without sampling or training again, and one with other
+//! settings (or into a folder that is no rft output) is refused; a model that
 //! solves nothing is a clear error with its attempts kept; `arcticd rft`
 //! rejects bad input before anything starts.
 //!
@@ -123,6 +124,34 @@ fn a_round_keeps_the_solved_well_formed_attempts_and_resumes() {
         let again = rft::run_rft(&model, &tasks, &h, &sampler, backend, &out, &cfg, None).await?;
         ensure!(lines(&out.join("round-1/attempts.jsonl")) == 8);
         ensure!(again.rounds[0].first_loss == 0.0 && again.rounds[0].kept == 4);
+
+        // Other settings over the same folder are refused, the first that
+        // differs named, before anything is sampled.
+        let more = RftConfig {
+            attempts: 3,
+            ..cfg.clone()
+        };
+        let err = rft::run_rft(&model, &tasks, &h, &sampler, backend, &out, &more, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        ensure!(err.contains("another attempts (2 there, 3 now)"), "{err}");
+        ensure!(lines(&out.join("round-1/attempts.jsonl")) == 8);
+        let err = rft::run_rft(&model, &tasks[..3], &h, &sampler, backend, &out, &cfg, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        ensure!(err.contains("another tasks"), "{err}");
+        // A folder that is not empty and has no rft.json is left untouched.
+        let other = dir.0.join("other");
+        std::fs::create_dir_all(&other)?;
+        std::fs::write(other.join("notes.txt"), "mine")?;
+        let err = rft::run_rft(&model, &tasks, &h, &sampler, backend, &other, &cfg, None)
+            .await
+            .unwrap_err()
+            .to_string();
+        ensure!(err.contains("is not empty and has no rft.json"), "{err}");
+        ensure!(std::fs::read_dir(&other)?.count() == 1);
         Ok(())
     });
 }

@@ -13,9 +13,12 @@
 //! The output folder: `round-N/attempts.jsonl` (one record per attempt of
 //! the model round N started from), `round-N/trajectories.jsonl`,
 //! `round-N/model/` (the checkpoint round N wrote), `after/` (the final
-//! model's attempts), `report.json`. It resumes: attempts already recorded
-//! are not sampled again and a round whose checkpoint is complete is not
-//! trained again.
+//! model's attempts), `report.json`, and `rft.json`, what the folder was
+//! started with. It resumes: attempts already recorded are not sampled
+//! again and a round whose checkpoint is complete is not trained again;
+//! so a resume must ask for what `rft.json` says (more rounds, other
+//! concurrency are fine), and a folder that is not empty and has no
+//! `rft.json` is refused, untouched.
 //!
 //! Not for: RL (`crate::rl`), or picking tasks (every task given is
 //! attempted every round).
@@ -62,6 +65,74 @@ impl Default for RftConfig {
             engine_cache_mib: 256,
             sft: SftSettings::default(),
         }
+    }
+}
+
+/// What an output folder was started with (`rft.json`): what its recorded
+/// attempts and checkpoints depend on.
+#[derive(Debug, Serialize, Deserialize)]
+struct Started {
+    model: PathBuf,
+    tasks: Vec<String>,
+    attempts: usize,
+    sft: Value,
+    rollout: Value,
+}
+
+/// Makes `out` this run's folder: a new or empty folder gets `rft.json`;
+/// one that has it must have been started with the same settings (named
+/// when one differs); any other is refused, untouched.
+fn claim_out(out: &Path, started: &Started) -> Result<()> {
+    let path = out.join("rft.json");
+    let json = |v: &Started| serde_json::to_value(v).map_err(|e| Error::Input(e.to_string()));
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            let there: Value = serde_json::from_slice(&bytes).map_err(|e| {
+                Error::Input(format!("{}: not an rft settings file: {e}", path.display()))
+            })?;
+            let now = json(started)?;
+            let keys = ["model", "tasks", "attempts", "sft", "rollout"];
+            if let Some(key) = keys.iter().find(|k| there.get(**k) != now.get(**k)) {
+                return Err(Error::Input(format!(
+                    "{} was started with another {key} ({} there, {} now); its attempts and \
+                     checkpoints belong to that run: resume it with the same settings, or give \
+                     a new --out",
+                    out.display(),
+                    brief(&there[*key]),
+                    brief(&now[*key])
+                )));
+            }
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let empty = match std::fs::read_dir(out) {
+                Ok(mut rd) => rd.next().is_none(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+                Err(e) => return Err(Error::io(out, e)),
+            };
+            if !empty {
+                return Err(Error::Input(format!(
+                    "{} is not empty and has no rft.json, so it is no rft output folder (an rft \
+                     run writes rft.json first): give a new or empty --out",
+                    out.display()
+                )));
+            }
+            std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+            let text =
+                serde_json::to_vec_pretty(started).map_err(|e| Error::Input(e.to_string()))?;
+            arcticd_engine::weights::write_atomic(&path, &text)?;
+            Ok(())
+        }
+        Err(e) => Err(Error::io(&path, e)),
+    }
+}
+
+/// A JSON value, cut to a line's length for a message.
+fn brief(v: &Value) -> String {
+    let s = v.to_string();
+    match s.char_indices().nth(80) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s,
     }
 }
 
@@ -259,6 +330,19 @@ pub async fn run_rft(
     if tasks.is_empty() {
         return Err(Error::Input("rft: the task file holds no task".into()));
     }
+    let value = |v: std::result::Result<Value, serde_json::Error>| {
+        v.map_err(|e| Error::Input(e.to_string()))
+    };
+    claim_out(
+        out,
+        &Started {
+            model: std::path::absolute(model).map_err(|e| Error::io(model, e))?,
+            tasks: tasks.iter().map(|t| t.instance_id.clone()).collect(),
+            attempts: cfg.attempts,
+            sft: value(serde_json::to_value(&cfg.sft))?,
+            rollout: value(serde_json::to_value(&harness.cfg))?,
+        },
+    )?;
     let schemas = harness.tools().to_vec();
     let mut rounds = Vec::with_capacity(cfg.rounds);
     let mut current = model.to_path_buf();
