@@ -790,6 +790,34 @@ fn a_collapsed_run_rolls_back_to_its_last_good_checkpoint_and_goes_on() {
     assert_eq!(steps_of(&run).last(), Some(&11), "{stderr}");
     assert!(stderr.contains("stop_after_dead_updates = 3"), "{stderr}");
 
+    // A run resumed in the middle of a collapse remembers it: two dead
+    // updates before the stop, one after the resume, then the rollback.
+    let (run, out) = collapsing_run(
+        dir.path(),
+        &recipe,
+        "resumed",
+        "5:100",
+        &["steps=6", "rollback_after_dead_updates=3"],
+    );
+    ok(out, "the run up to the resume");
+    let recipe_path = run.join("recipe.toml");
+    let text = std::fs::read_to_string(&recipe_path).unwrap();
+    assert!(text.contains("\nsteps = 6\n"), "{text}");
+    std::fs::write(&recipe_path, text.replace("\nsteps = 6\n", "\nsteps = 8\n")).unwrap();
+    let out = arcticd()
+        .args(["train", "--resume"])
+        .arg(&run)
+        .env("ARCTICD_FAULT_DEAD", "5:100")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("update 7: the last 3 updates solved nothing")
+            && stderr.contains("rolling back to the checkpoint of update 3"),
+        "{stderr}"
+    );
+    assert!(out.status.success(), "{stderr}");
+
     // A run that never lived has nothing to go back to: it stops.
     let (run, out) = collapsing_run(
         dir.path(),

@@ -395,6 +395,28 @@ fn rollback_target(
         .cloned()
 }
 
+/// What the metrics records of a resumed run's kept updates say for its
+/// rollbacks (`dead`, `rolled_back_to`): its last live update, the
+/// checkpoint of the last rollback when no live update followed it, and
+/// the dead updates in a row it ended on.
+fn rollback_memory(records: &[Value]) -> (Option<u64>, Option<u64>, u64) {
+    let (mut live, mut tried, mut dead) = (None, None, 0);
+    for r in records {
+        let Some(step) = r["step"].as_u64() else {
+            continue;
+        };
+        if r["dead"] == Value::Bool(true) {
+            dead += 1;
+        } else {
+            (live, tried, dead) = (Some(step), None, 0);
+        }
+        if let Some(to) = r["rolled_back_to"].as_u64() {
+            (tried, dead) = (Some(to), 0);
+        }
+    }
+    (live, tried, dead)
+}
+
 /// Whether every token a group's attempts generated was sampled at weight
 /// version `floor` or later (a group sampled before a rollback is not).
 fn sampled_since(g: &Group, floor: u64) -> bool {
@@ -992,6 +1014,17 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     let rollbacks_on = rollbacks_on && recipe.device == arcticd_kernels::Device::Cpu;
     let (mut floor, mut last_live, mut tried) = (0u64, None::<u64>, None::<u64>);
     let (mut discarded_now, mut no_target_said) = (0u64, false);
+    if step > 0 {
+        // Resumed: where the kept updates left the streak and the rollbacks.
+        let text = std::fs::read_to_string(run_dir.metrics())
+            .map_err(|e| Error::io(run_dir.metrics(), e))?;
+        let records: Vec<Value> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let (live, t, run) = rollback_memory(&records);
+        (last_live, tried, dead.run) = (live, t, run);
+    }
     let (first_step, mut last_termination) = (step, Default::default());
     let mut carry: Vec<Group> = Vec::new();
     let b = recipe.groups_per_step;
@@ -1174,7 +1207,8 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 &termination,
                 first_masked.as_deref(),
             );
-            if dead.len() == 0 {
+            let was_dead = dead.len() > 0;
+            if !was_dead {
                 (last_live, tried, no_target_said) = (Some(step), None, false);
             }
             let mut rolled = None;
@@ -1332,6 +1366,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 put("lost_on_resume", json!(lost_now));
                 lost_now = 0;
             }
+            put("dead", json!(was_dead));
             if let Some((at, version)) = rolled {
                 put("rolled_back_to", json!(at));
                 put("rollback_version", json!(version));
@@ -1903,6 +1938,21 @@ mod tests {
         assert_eq!(at(64, None, None, 2), None);
         assert_eq!(at(21, Some(20), None, 0), None);
         assert_eq!(rollback_target(&[], 64, Some(63), None, 2), None);
+    }
+
+    /// A resumed run picks up its streak and rollbacks from its records.
+    #[test]
+    fn a_resumed_run_remembers_its_streak_and_rollbacks() {
+        let rec = |step: u64, dead: bool| json!({"step": step, "dead": dead});
+        let mut records = vec![rec(1, false), rec(2, false), rec(3, true), rec(4, true)];
+        assert_eq!(rollback_memory(&records), (Some(2), None, 2));
+        records.push(json!({"step": 5, "dead": true, "rolled_back_to": 1}));
+        assert_eq!(rollback_memory(&records), (Some(2), Some(1), 0));
+        records.push(rec(6, true));
+        assert_eq!(rollback_memory(&records), (Some(2), Some(1), 1));
+        records.push(rec(7, false));
+        assert_eq!(rollback_memory(&records), (Some(7), None, 0));
+        assert_eq!(rollback_memory(&[]), (None, None, 0));
     }
 
     /// A group is kept after a rollback only when every token its attempts
