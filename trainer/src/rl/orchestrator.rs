@@ -368,53 +368,76 @@ impl DeadStreak {
     }
 }
 
+/// Each update's pass rate and whether it was dead, by update.
+type History = std::collections::BTreeMap<u64, (f64, bool)>;
+
 /// The checkpoint a collapsed run rolls back to, from `checkpoints`
-/// (update, directory; oldest first): the newest one written before the
-/// dead streak that began at update `streak_start` could have been sampled
-/// from broken weights, and before the run's last live update `last_live`
-/// (weights that were followed by live updates); older than `tried`, the
-/// target of a rollback after which no update was live yet. The first dead
-/// update's rollouts came from weights as old as `max_staleness` + 1
-/// updates before it, so the checkpoint must be older still.
+/// (update, directory; oldest first), given the run's `history`: the
+/// newest one
+/// - written before the dead streak that began at update `streak_start`
+///   could have been sampled from broken weights (the first dead update's
+///   rollouts came from weights as old as `max_staleness` + 1 updates
+///   before it, so the checkpoint must be older still),
+/// - before the run's last live update,
+/// - healthy: the updates that sampled from weights near it (the
+///   `max_staleness` + 1 after it) passed, on average, at least half the
+///   run's mean pass rate before the streak (a checkpoint written while
+///   the run was already sick is no place to go back to),
+/// - older than `tried`, the target of a rollback after which no update
+///   was live yet.
 fn rollback_target(
     checkpoints: &[(u64, PathBuf)],
     streak_start: u64,
-    last_live: Option<u64>,
+    history: &History,
     tried: Option<u64>,
     max_staleness: u64,
 ) -> Option<(u64, PathBuf)> {
-    let last_live = last_live?;
+    let before: Vec<(u64, f64, bool)> = history
+        .range(..streak_start)
+        .map(|(&s, &(p, d))| (s, p, d))
+        .collect();
+    let last_live = before.iter().rev().find(|u| !u.2)?.0;
+    let mean = |ps: &[f64]| ps.iter().sum::<f64>() / ps.len().max(1) as f64;
+    let bar = 0.5 * mean(&before.iter().map(|u| u.1).collect::<Vec<_>>());
     checkpoints
         .iter()
         .rev()
         .find(|(at, _)| {
+            let after: Vec<f64> = history
+                .range(at + 1..=at + max_staleness + 1)
+                .map(|(_, &(p, _))| p)
+                .collect();
             at + max_staleness + 2 <= streak_start
                 && *at < last_live
                 && tried.is_none_or(|t| *at < t)
+                && !after.is_empty()
+                && mean(&after) >= bar
         })
         .cloned()
 }
 
 /// What the metrics records of a resumed run's kept updates say for its
-/// rollbacks (`dead`, `rolled_back_to`): its last live update, the
+/// rollbacks (`pass_rate`, `dead`, `rolled_back_to`): its history, the
 /// checkpoint of the last rollback when no live update followed it, and
 /// the dead updates in a row it ended on.
-fn rollback_memory(records: &[Value]) -> (Option<u64>, Option<u64>, u64) {
-    let (mut live, mut tried, mut dead) = (None, None, 0);
+fn rollback_memory(records: &[Value]) -> (History, Option<u64>, u64) {
+    let (mut history, mut tried, mut dead) = (History::new(), None, 0);
     for r in records {
         let Some(step) = r["step"].as_u64() else {
             continue;
         };
-        if r["dead"] == Value::Bool(true) {
+        let is_dead = r["dead"] == Value::Bool(true);
+        history.insert(step, (r["pass_rate"].as_f64().unwrap_or(0.0), is_dead));
+        if is_dead {
             dead += 1;
         } else {
-            (live, tried, dead) = (Some(step), None, 0);
+            (tried, dead) = (None, 0);
         }
         if let Some(to) = r["rolled_back_to"].as_u64() {
             (tried, dead) = (Some(to), 0);
         }
     }
-    (live, tried, dead)
+    (history, tried, dead)
 }
 
 /// Whether every token a group's attempts generated was sampled at weight
@@ -1001,8 +1024,9 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     let mut stopped: Option<String> = None;
     let mut dead = DeadStreak::new(recipe.stop_after_dead_updates);
     // Rollbacks: groups sampled below `floor` (before the last rollback)
-    // are discarded; `last_live` is the last update that was not dead,
-    // `tried` the last rollback's checkpoint until an update lives again.
+    // are discarded; `history` holds each update's pass rate and whether
+    // it was dead, `tried` the last rollback's checkpoint until an update
+    // lives again.
     let rollbacks_on = recipe.rollback_after_dead_updates > 0 && recipe.max_rollbacks > 0;
     if rollbacks_on && recipe.device != arcticd_kernels::Device::Cpu {
         tracing::warn!(
@@ -1012,7 +1036,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         );
     }
     let rollbacks_on = rollbacks_on && recipe.device == arcticd_kernels::Device::Cpu;
-    let (mut floor, mut last_live, mut tried) = (0u64, None::<u64>, None::<u64>);
+    let (mut floor, mut history, mut tried) = (0u64, History::new(), None::<u64>);
     let (mut discarded_now, mut no_target_said) = (0u64, false);
     if step > 0 {
         // Resumed: where the kept updates left the streak and the rollbacks.
@@ -1022,8 +1046,8 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             .lines()
             .filter_map(|l| serde_json::from_str(l).ok())
             .collect();
-        let (live, t, run) = rollback_memory(&records);
-        (last_live, tried, dead.run) = (live, t, run);
+        let (h, t, run) = rollback_memory(&records);
+        (history, tried, dead.run) = (h, t, run);
     }
     let (first_step, mut last_termination) = (step, Default::default());
     let mut carry: Vec<Group> = Vec::new();
@@ -1208,8 +1232,9 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 first_masked.as_deref(),
             );
             let was_dead = dead.len() > 0;
+            history.insert(step, (pass_rate, was_dead));
             if !was_dead {
-                (last_live, tried, no_target_said) = (Some(step), None, false);
+                (tried, no_target_said) = (None, false);
             }
             let mut rolled = None;
             if rollbacks_on
@@ -1218,7 +1243,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             {
                 let start = step + 1 - dead.len();
                 let checkpoints = run_dir.complete_checkpoints()?;
-                match rollback_target(&checkpoints, start, last_live, tried, recipe.max_staleness) {
+                match rollback_target(&checkpoints, start, &history, tried, recipe.max_staleness) {
                     Some((at, dir)) => {
                         tracing::warn!(
                             "update {step}: the last {} updates solved nothing and trained \
@@ -1245,11 +1270,17 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                         no_target_said = true;
                         tracing::warn!(
                             "update {step}: the last {} updates solved nothing and trained \
-                             nothing, and no checkpoint is old enough to roll back to (one \
-                             written before update {} and before the last live update {})",
+                             nothing, and no checkpoint is old enough and healthy to roll back \
+                             to (one written before update {} and before the last live update \
+                             {}, whose next {} updates passed at least half the run's mean)",
                             dead.len(),
                             start.saturating_sub(recipe.max_staleness + 1),
-                            last_live.map_or("(none)".into(), |l| l.to_string())
+                            history
+                                .range(..start)
+                                .rev()
+                                .find(|(_, u)| !u.1)
+                                .map_or("(none)".into(), |(s, _)| s.to_string()),
+                            recipe.max_staleness + 1
                         );
                     }
                     None => {}
@@ -1912,6 +1943,23 @@ mod tests {
         assert!(live.whole_run(1, &masked).is_none());
     }
 
+    /// A run's history: updates 1..=`live` at pass rate `pass`, then dead
+    /// ones up to `to`.
+    fn history(live: u64, to: u64, pass: f64) -> History {
+        (1..=to)
+            .map(|s| {
+                (
+                    s,
+                    if s <= live {
+                        (pass, false)
+                    } else {
+                        (0.0, true)
+                    },
+                )
+            })
+            .collect()
+    }
+
     /// The rollback target: the newest checkpoint older than the first
     /// dead update's oldest possible sampling weights and than the last
     /// live update; after a rollback that no live update followed, an
@@ -1922,37 +1970,90 @@ mod tests {
             .iter()
             .map(|&s| (s, PathBuf::from(format!("step-{s}"))))
             .collect();
-        let at =
-            |start, live, tried, ms| rollback_target(&cks, start, live, tried, ms).map(|c| c.0);
+        let at = |start: u64, live: u64, tried, ms| {
+            let h = history(live, start + 3, 0.5);
+            rollback_target(&cks, start, &h, tried, ms).map(|c| c.0)
+        };
         // Dead from update 64, live at 63, staleness 2: 60 is old enough.
-        assert_eq!(at(64, Some(63), None, 2), Some(60));
+        assert_eq!(at(64, 63, None, 2), Some(60));
         // Dead from 62: 60's weights may have sampled update 62's rollouts.
-        assert_eq!(at(62, Some(61), None, 2), Some(40));
-        assert_eq!(at(62, Some(61), None, 0), Some(60));
+        assert_eq!(at(62, 61, None, 2), Some(40));
+        assert_eq!(at(62, 61, None, 0), Some(60));
         // The boundary: at + staleness + 2 <= start.
-        assert_eq!(at(64, Some(63), None, 3), Some(40));
+        assert_eq!(at(64, 63, None, 3), Some(40));
         // 60 was tried and no update lived since: go further back.
-        assert_eq!(at(70, Some(63), Some(60), 2), Some(40));
-        assert_eq!(at(70, Some(63), Some(20), 2), None);
+        assert_eq!(at(70, 63, Some(60), 2), Some(40));
+        assert_eq!(at(70, 63, Some(20), 2), None);
         // A run that never lived, or dead before any checkpoint, has none.
-        assert_eq!(at(64, None, None, 2), None);
-        assert_eq!(at(21, Some(20), None, 0), None);
-        assert_eq!(rollback_target(&[], 64, Some(63), None, 2), None);
+        assert_eq!(at(64, 0, None, 2), None);
+        assert_eq!(at(21, 20, None, 0), None);
+        assert_eq!(
+            rollback_target(&[], 64, &history(63, 66, 0.5), None, 2),
+            None
+        );
+        // A run that never solved anything but trained (pass rate 0
+        // throughout) still has healthy checkpoints: half of 0 is 0.
+        assert_eq!(at_pass(&cks, 64, 63, 0.0), Some(60));
     }
 
-    /// A resumed run picks up its streak and rollbacks from its records.
+    fn at_pass(cks: &[(u64, PathBuf)], start: u64, live: u64, pass: f64) -> Option<u64> {
+        rollback_target(cks, start, &history(live, start + 3, pass), None, 2).map(|c| c.0)
+    }
+
+    /// A checkpoint written while the run was sick (the updates that
+    /// sampled from it passed less than half the run's mean) is passed
+    /// over for an older, healthy one, or none.
+    #[test]
+    fn a_rollback_passes_over_a_checkpoint_from_a_sick_stretch() {
+        let cks: Vec<(u64, PathBuf)> = [10, 20]
+            .iter()
+            .map(|&s| (s, PathBuf::from(s.to_string())))
+            .collect();
+        // The seed-1 run of docs/demo.md: sick at 8-12, well at 14-17,
+        // dead from 21.
+        let pass = [
+            0.27, 0.14, 0.27, 0.25, 0.27, 0.22, 0.34, 0.02, 0.06, 0.02, 0.06, 0.0, 0.11, 0.38,
+            0.39, 0.42, 0.41, 0.30, 0.11, 0.08,
+        ];
+        let mut h: History = pass
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| (i as u64 + 1, (p, p == 0.0)))
+            .collect();
+        for s in 21..=23 {
+            h.insert(s, (0.0, true));
+        }
+        assert_eq!(rollback_target(&cks, 21, &h, None, 0), None);
+        // With the run healthy at 11-13, 10 is a place to go back to.
+        for s in 11..=13 {
+            h.insert(s, (0.3, false));
+        }
+        assert_eq!(
+            rollback_target(&cks, 21, &h, None, 2).map(|c| c.0),
+            Some(10)
+        );
+    }
+
+    /// A resumed run picks up its history, streak and rollbacks from its
+    /// records.
     #[test]
     fn a_resumed_run_remembers_its_streak_and_rollbacks() {
-        let rec = |step: u64, dead: bool| json!({"step": step, "dead": dead});
+        let rec = |step: u64, dead: bool| json!({"step": step, "dead": dead, "pass_rate": 0.25});
         let mut records = vec![rec(1, false), rec(2, false), rec(3, true), rec(4, true)];
-        assert_eq!(rollback_memory(&records), (Some(2), None, 2));
+        let (h, tried, run) = rollback_memory(&records);
+        assert_eq!((tried, run), (None, 2));
+        assert_eq!(h.get(&2), Some(&(0.25, false)));
+        assert_eq!(h.get(&4), Some(&(0.25, true)));
         records.push(json!({"step": 5, "dead": true, "rolled_back_to": 1}));
-        assert_eq!(rollback_memory(&records), (Some(2), Some(1), 0));
+        let (h, tried, run) = rollback_memory(&records);
+        assert_eq!((tried, run, h.get(&5)), (Some(1), 0, Some(&(0.0, true))));
         records.push(rec(6, true));
-        assert_eq!(rollback_memory(&records), (Some(2), Some(1), 1));
+        assert_eq!(rollback_memory(&records).1, Some(1));
+        assert_eq!(rollback_memory(&records).2, 1);
         records.push(rec(7, false));
-        assert_eq!(rollback_memory(&records), (Some(7), None, 0));
-        assert_eq!(rollback_memory(&[]), (None, None, 0));
+        let (h, tried, run) = rollback_memory(&records);
+        assert_eq!((h.len(), tried, run), (7, None, 0));
+        assert!(rollback_memory(&[]).0.is_empty());
     }
 
     /// A group is kept after a rollback only when every token its attempts
