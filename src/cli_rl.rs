@@ -144,8 +144,10 @@ fn progress_line(rec: &Value, steps: u64) -> String {
     if let Some(p) = rec.get("eval_pass_at_1").and_then(Value::as_f64) {
         s.push_str(&format!(" | held-out pass@1 {:.1}%", 100.0 * p));
     }
-    if let Some(at) = rec.get("rolled_back_to").and_then(Value::as_u64) {
-        s.push_str(&format!(" | collapsed: rolled back to update {at}"));
+    match rec.get("rolled_back_to").and_then(Value::as_u64) {
+        Some(0) => s.push_str(" | collapsed: rolled back to the starting model"),
+        Some(at) => s.push_str(&format!(" | collapsed: rolled back to update {at}")),
+        None => {}
     }
     s
 }
@@ -379,6 +381,10 @@ mod tests {
     fn progress_line_says_when_the_run_rolled_back() {
         let rec = json!({"step": 67, "elapsed_s": 10.0, "rolled_back_to": 60});
         assert!(progress_line(&rec, 80).ends_with(" | collapsed: rolled back to update 60"));
+        let rec = json!({"step": 7, "elapsed_s": 10.0, "rolled_back_to": 0});
+        assert!(
+            progress_line(&rec, 80).ends_with(" | collapsed: rolled back to the starting model")
+        );
         let rec = json!({"step": 68, "elapsed_s": 10.0});
         assert!(!progress_line(&rec, 80).contains("rolled back"));
     }

@@ -698,6 +698,36 @@ fn model_tensors(ck: &Path) -> Vec<arcticd_trainer::checkpoint::NamedTensor> {
     arcticd_trainer::checkpoint::read_safetensors_f32(&ck.join("model.safetensors")).unwrap()
 }
 
+/// `arcticd replay` of updates `from..=through` of `run`, in a chain: each
+/// update's loss and gradient norm are the run's own, to the bit.
+fn replays_to_the_bit(run: &Path, from: u64, through: u64) {
+    let metrics = read_jsonl(&run.join("metrics.jsonl"));
+    let chain = ok(
+        arcticd()
+            .args(["replay", "--run"])
+            .arg(run)
+            .args([
+                "--step",
+                &from.to_string(),
+                "--through",
+                &through.to_string(),
+            ])
+            .output()
+            .unwrap(),
+        "replay",
+    );
+    let chain: Vec<Value> = String::from_utf8_lossy(&chain.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(chain.len() as u64, through + 1 - from);
+    for r in &chain {
+        let m = &metrics[r["step"].as_u64().unwrap() as usize - 1];
+        assert_eq!(r["loss"], m["loss"], "{r} vs {m}");
+        assert_eq!(r["grad_norm"], m["grad_norm"], "{r} vs {m}");
+    }
+}
+
 #[test]
 fn a_collapsed_run_rolls_back_to_its_last_good_checkpoint_and_goes_on() {
     if !local_ready() {
@@ -748,25 +778,7 @@ fn a_collapsed_run_rolls_back_to_its_last_good_checkpoint_and_goes_on() {
     assert!(summary["stopped"].is_null(), "{summary}");
     // The replay chain across the rollback restores the same checkpoint:
     // every update replays to the bit.
-    let chain = ok(
-        arcticd()
-            .args(["replay", "--run"])
-            .arg(&run)
-            .args(["--step", "2", "--through", "8"])
-            .output()
-            .unwrap(),
-        "replay across the rollback",
-    );
-    let chain: Vec<Value> = String::from_utf8_lossy(&chain.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(chain.len(), 7);
-    for r in &chain {
-        let m = at(r["step"].as_u64().unwrap());
-        assert_eq!(r["loss"], m["loss"], "{r} vs {m}");
-        assert_eq!(r["grad_norm"], m["grad_norm"], "{r} vs {m}");
-    }
+    replays_to_the_bit(&run, 2, 8);
 
     // A collapse that does not end: each rollback goes further back (3,
     // then 2), then, past max_rollbacks, the run stops at
@@ -818,6 +830,34 @@ fn a_collapsed_run_rolls_back_to_its_last_good_checkpoint_and_goes_on() {
     );
     assert!(out.status.success(), "{stderr}");
 
+    // A collapse before any checkpoint is old enough: back to the model
+    // the run started from, with a fresh optimizer (update 5 steps at
+    // update 1's learning rate), and on to the end; the replay chain from
+    // update 1 follows it there.
+    let (run, out) = collapsing_run(
+        dir.path(),
+        &recipe,
+        "early",
+        "3:2",
+        &["steps=6", "checkpoint_every=4"],
+    );
+    let out = ok(out, "train with an early collapse");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rolling back to the model the run started from"),
+        "{stderr}"
+    );
+    let metrics = read_jsonl(&run.join("metrics.jsonl"));
+    let at = |s: u64| &metrics[s as usize - 1];
+    assert_eq!(at(4)["rolled_back_to"].as_u64(), Some(0), "{}", at(4));
+    assert_eq!(at(5)["lr"], at(1)["lr"]);
+    assert_ne!(at(2)["lr"], at(1)["lr"]);
+    assert!(
+        model_tensors(&run.join("checkpoints/step-000004"))
+            == model_tensors(&dir.path().join("tiny"))
+    );
+    replays_to_the_bit(&run, 1, 6);
+
     // A run that never lived has nothing to go back to: it stops.
     let (run, out) = collapsing_run(
         dir.path(),
@@ -828,7 +868,10 @@ fn a_collapsed_run_rolls_back_to_its_last_good_checkpoint_and_goes_on() {
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
-    assert!(stderr.contains("no checkpoint is old enough"), "{stderr}");
+    assert!(
+        stderr.contains("no checkpoint (nor the model the run started from) is old enough"),
+        "{stderr}"
+    );
     assert_eq!(steps_of(&run), vec![1, 2, 3]);
 }
 

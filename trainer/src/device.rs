@@ -18,8 +18,28 @@ use crate::step::WriteGate;
 use crate::{Error, Result};
 use arcticd_engine::{ParamStore, Qwen3_5};
 use std::borrow::Cow;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+/// Where a rollback goes back to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RestorePoint {
+    /// A checkpoint of the run: its weights, the optimizer's moments and
+    /// step count.
+    Checkpoint(PathBuf),
+    /// The model the run started from: its weights, and the optimizer as
+    /// it was before the first step (no moments, step 0).
+    Start(PathBuf),
+}
+
+impl RestorePoint {
+    /// The directory the weights come from.
+    pub fn dir(&self) -> &Path {
+        match self {
+            RestorePoint::Checkpoint(d) | RestorePoint::Start(d) => d,
+        }
+    }
+}
 
 /// One micro-batch as a device scores it: whole sequences, and the packed
 /// rows whose next token is a target (`rows[i]` predicts `targets[i]`).
@@ -100,14 +120,14 @@ pub trait StepDevice: Send {
     /// `dir` whose weights the store holds (resuming): the masters are those
     /// weights already.
     fn load_optimizer(&mut self, dir: &Path) -> Result<()>;
-    /// Puts the weights and the optimizer state of the checkpoint `dir`
-    /// back (rolling a run back): the masters, the moments and the step
-    /// count become the checkpoint's, as on resume, and the store is
+    /// Puts the weights and the optimizer state of `point` back (rolling a
+    /// run back): the masters, the moments and the step count become the
+    /// checkpoint's, as on resume (or the start's: fresh), and the store is
     /// written with `gate` paused around it; returns the new weight
     /// version (versions only ever grow, so what was sampled before stays
     /// told apart).
-    fn restore(&mut self, dir: &Path, gate: Option<&dyn WriteGate>) -> Result<u64> {
-        let _ = (dir, gate);
+    fn restore(&mut self, point: &RestorePoint, gate: Option<&dyn WriteGate>) -> Result<u64> {
+        let _ = (point, gate);
         Err(Error::Run(
             "rolling back to a checkpoint is not built for this device".into(),
         ))
@@ -310,7 +330,8 @@ impl StepDevice for CpuStep {
         crate::checkpoint::load_optimizer(dir, &mut self.optimizer)
     }
 
-    fn restore(&mut self, dir: &Path, gate: Option<&dyn WriteGate>) -> Result<u64> {
+    fn restore(&mut self, point: &RestorePoint, gate: Option<&dyn WriteGate>) -> Result<u64> {
+        let dir = point.dir();
         let saved = Qwen3_5::load(dir)?;
         if !same_shapes(&self.store.read().config, &saved.config) {
             return Err(Error::Checkpoint(format!(
@@ -319,7 +340,9 @@ impl StepDevice for CpuStep {
             )));
         }
         let mut optimizer = AdamW::new(&saved, self.optimizer.config)?;
-        crate::checkpoint::load_optimizer(dir, &mut optimizer)?;
+        if let RestorePoint::Checkpoint(_) = point {
+            crate::checkpoint::load_optimizer(dir, &mut optimizer)?;
+        }
         let (version, res) = {
             let _paused = crate::step::PauseGuard::pause(gate)?;
             self.store.update(|m| optimizer.write_to(m))
@@ -384,8 +407,8 @@ impl<T: StepDevice + ?Sized> StepDevice for Box<T> {
     fn load_optimizer(&mut self, dir: &Path) -> Result<()> {
         (**self).load_optimizer(dir)
     }
-    fn restore(&mut self, dir: &Path, gate: Option<&dyn WriteGate>) -> Result<u64> {
-        (**self).restore(dir, gate)
+    fn restore(&mut self, point: &RestorePoint, gate: Option<&dyn WriteGate>) -> Result<u64> {
+        (**self).restore(point, gate)
     }
 }
 

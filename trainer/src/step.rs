@@ -21,7 +21,7 @@
 //! the metrics, counted, weights untouched.
 
 use crate::comm::{all_gather_f64, Communicator};
-use crate::device::{CpuStep, MicroBatch, StepDevice};
+use crate::device::{CpuStep, MicroBatch, RestorePoint, StepDevice};
 use crate::grads::ModelGrads;
 use crate::loss::{pg_loss, sft_loss, Aggregation, PgConfig, PgMetrics, PgSeq};
 use crate::model::{plan_prefixes, ForwardOptions, PrefixGroup};
@@ -446,12 +446,12 @@ impl<D: StepDevice> Trainer<D> {
         self.dev.load_optimizer(dir)
     }
 
-    /// Rolls this trainer back to the checkpoint `dir`
-    /// ([`StepDevice::restore`]), its engines paused around the write;
-    /// returns the new weight version. Every rank of a group restores the
-    /// same checkpoint, so their weights stay identical.
-    pub fn restore(&mut self, dir: &Path) -> Result<u64> {
-        self.dev.restore(dir, self.gate.as_deref())
+    /// Rolls this trainer back to `point` ([`StepDevice::restore`]), its
+    /// engines paused around the write; returns the new weight version.
+    /// Every rank of a group restores the same point, so their weights
+    /// stay identical.
+    pub fn restore(&mut self, point: &RestorePoint) -> Result<u64> {
+        self.dev.restore(point, self.gate.as_deref())
     }
 
     /// This trainer as one rank of a data-parallel group: each step's batch

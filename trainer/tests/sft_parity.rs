@@ -7,6 +7,7 @@ mod common;
 use arcticd_engine::Qwen3_5;
 use arcticd_trainer::checkpoint::save_checkpoint;
 use arcticd_trainer::data::{batch_for_step, read_sft_jsonl};
+use arcticd_trainer::device::RestorePoint;
 use arcticd_trainer::optim::{AdamWConfig, LrSchedule};
 use arcticd_trainer::step::{store_of, TrainConfig, Trainer};
 use common::rel_err;
@@ -184,19 +185,36 @@ fn checkpoint_resume_is_exact() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The same weights, moments and step count.
+fn assert_same_trainers(a: &Trainer, b: &Trainer, what: &str) {
+    assert_same_params(&a.store().read(), &b.store().read(), what);
+    assert_eq!(a.dev.optimizer.step, b.dev.optimizer.step, "{what}");
+    for i in 0..a.dev.optimizer.exp_avg.len() {
+        assert_eq!(
+            a.dev.optimizer.exp_avg[i], b.dev.optimizer.exp_avg[i],
+            "{what}"
+        );
+        assert_eq!(
+            a.dev.optimizer.exp_avg_sq[i], b.dev.optimizer.exp_avg_sq[i],
+            "{what}"
+        );
+    }
+}
+
 /// A rollback to a checkpoint taken earlier in the same process puts back
 /// its weights and optimizer state: the store holds the checkpoint's
 /// weights under a new, higher version, and the next step gives the same
-/// weights as a fresh trainer resumed from that checkpoint.
+/// weights as a fresh trainer resumed from that checkpoint. A rollback to
+/// the model the run started from is a fresh trainer's first step.
 #[test]
 fn rolling_back_to_a_checkpoint_equals_resuming_from_it() {
     let OneStep {
         mut a,
+        base,
         data,
         cfg,
         dir,
         ck,
-        ..
     } = one_step_checkpointed("rollback");
     let at_checkpoint = a.store().read().clone();
     a.sft_step(&batch_for_step(&data, 1, 2)).unwrap();
@@ -204,30 +222,43 @@ fn rolling_back_to_a_checkpoint_equals_resuming_from_it() {
     let before = a.store().weight_version();
     assert_eq!(a.dev.optimizer.step, 3);
 
-    let version = a.restore(&ck).unwrap();
+    let version = a.restore(&RestorePoint::Checkpoint(ck.clone())).unwrap();
     assert!(version > before, "version {version} after {before}");
     assert_eq!(a.store().weight_version(), version);
     assert_eq!(a.dev.optimizer.step, 1);
     assert_same_params(&a.store().read(), &at_checkpoint, "restored");
     a.sft_step(&batch_for_step(&data, 1, 2)).unwrap();
 
-    let mut b = Trainer::new(store_of(Qwen3_5::load(&ck).unwrap()), cfg).unwrap();
+    let mut b = Trainer::new(store_of(Qwen3_5::load(&ck).unwrap()), cfg.clone()).unwrap();
     b.load_optimizer(&ck).unwrap();
     b.sft_step(&batch_for_step(&data, 1, 2)).unwrap();
-    assert_same_params(
-        &a.store().read(),
-        &b.store().read(),
+    assert_same_trainers(
+        &a,
+        &b,
         "a step after the rollback against one after a resume",
     );
-    for i in 0..a.dev.optimizer.exp_avg.len() {
-        assert_eq!(a.dev.optimizer.exp_avg[i], b.dev.optimizer.exp_avg[i]);
-        assert_eq!(a.dev.optimizer.exp_avg_sq[i], b.dev.optimizer.exp_avg_sq[i]);
-    }
+
+    // Back to the model the run started from: its weights, and the
+    // optimizer before any step; the next step is a fresh trainer's first.
+    let before = a.store().weight_version();
+    let version = a.restore(&RestorePoint::Start(base.clone())).unwrap();
+    assert!(version > before, "version {version} after {before}");
+    assert_eq!(a.dev.optimizer.step, 0);
+    a.sft_step(&batch_for_step(&data, 0, 2)).unwrap();
+    let mut c = Trainer::new(store_of(Qwen3_5::load(&base).unwrap()), cfg).unwrap();
+    c.sft_step(&batch_for_step(&data, 0, 2)).unwrap();
+    assert_same_trainers(
+        &a,
+        &c,
+        "a step after a rollback to the start against a first step",
+    );
 
     // A checkpoint that is not there is an error, and the trainer keeps
     // what it had.
     let kept = a.store().weight_version();
-    assert!(a.restore(&dir.join("missing")).is_err());
+    assert!(a
+        .restore(&RestorePoint::Checkpoint(dir.join("missing")))
+        .is_err());
     assert_eq!(a.store().weight_version(), kept);
     let _ = std::fs::remove_dir_all(&dir);
 }

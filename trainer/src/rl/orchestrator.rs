@@ -30,7 +30,7 @@ use super::recipe::{Keep, Recipe, SandboxBackend};
 use super::run_dir::{append_jsonl, write_jsonl, RunDir, RunState, Totals};
 use crate::checkpoint::save_checkpoint_with;
 use crate::comm::{Communicator, LocalComm};
-use crate::device::{step_devices, StepDevice};
+use crate::device::{step_devices, RestorePoint, StepDevice};
 use crate::harness::engine_policy::EnginePolicy;
 use crate::harness::trajectory::Trajectory;
 use crate::harness::{Harness, Policy};
@@ -103,8 +103,8 @@ struct Ranks {
 enum RankJob {
     /// A policy-gradient step on its share of the batch.
     Step(Vec<PgExample>),
-    /// A rollback to the checkpoint in this directory.
-    Restore(PathBuf),
+    /// A rollback to this point.
+    Restore(RestorePoint),
 }
 
 impl Ranks {
@@ -120,7 +120,7 @@ impl Ranks {
                     for job in job_rx {
                         let done = match job {
                             RankJob::Step(share) => trainer.pg_step(&share).map(drop),
-                            RankJob::Restore(dir) => trainer.restore(&dir).map(drop),
+                            RankJob::Restore(point) => trainer.restore(&point).map(drop),
                         };
                         if result_tx.send(done).is_err() {
                             break;
@@ -177,14 +177,10 @@ impl Ranks {
         self.all(jobs, || trainer.pg_step(shares[0]))
     }
 
-    /// Every rank rolled back to the checkpoint `dir`; rank 0's new weight
-    /// version.
-    fn restore(&self, trainer: &mut RankTrainer, dir: &Path) -> Result<u64> {
-        let jobs = self
-            .jobs
-            .iter()
-            .map(|_| RankJob::Restore(dir.to_path_buf()));
-        self.all(jobs, || trainer.restore(dir))
+    /// Every rank rolled back to `point`; rank 0's new weight version.
+    fn restore(&self, trainer: &mut RankTrainer, point: &RestorePoint) -> Result<u64> {
+        let jobs = self.jobs.iter().map(|_| RankJob::Restore(point.clone()));
+        self.all(jobs, || trainer.restore(point))
     }
 }
 
@@ -372,8 +368,8 @@ impl DeadStreak {
 type History = std::collections::BTreeMap<u64, (f64, bool)>;
 
 /// The checkpoint a collapsed run rolls back to, from `checkpoints`
-/// (update, directory; oldest first), given the run's `history`: the
-/// newest one
+/// (update, where; oldest first; the model the run started from is the
+/// checkpoint of update 0), given the run's `history`: the newest one
 /// - written before the dead streak that began at update `streak_start`
 ///   could have been sampled from broken weights (the first dead update's
 ///   rollouts came from weights as old as `max_staleness` + 1 updates
@@ -385,13 +381,13 @@ type History = std::collections::BTreeMap<u64, (f64, bool)>;
 ///   the run was already sick is no place to go back to),
 /// - older than `tried`, the target of a rollback after which no update
 ///   was live yet.
-fn rollback_target(
-    checkpoints: &[(u64, PathBuf)],
+fn rollback_target<P: Clone>(
+    checkpoints: &[(u64, P)],
     streak_start: u64,
     history: &History,
     tried: Option<u64>,
     max_staleness: u64,
-) -> Option<(u64, PathBuf)> {
+) -> Option<(u64, P)> {
     let before: Vec<(u64, f64, bool)> = history
         .range(..streak_start)
         .map(|(&s, &(p, d))| (s, p, d))
@@ -414,6 +410,21 @@ fn rollback_target(
                 && mean(&after) >= bar
         })
         .cloned()
+}
+
+/// Where a collapsed run in `run_dir` can go back to, oldest first: the
+/// model it started from (`model_dir`, as update 0), then its complete
+/// checkpoints.
+fn restore_points(run_dir: &RunDir, model_dir: &Path) -> Result<Vec<(u64, RestorePoint)>> {
+    let mut points = vec![(0, RestorePoint::Start(model_dir.to_path_buf()))];
+    points.extend(
+        run_dir
+            .complete_checkpoints()?
+            .into_iter()
+            .filter(|(at, _)| *at > 0)
+            .map(|(at, dir)| (at, RestorePoint::Checkpoint(dir))),
+    );
+    Ok(points)
 }
 
 /// What the metrics records of a resumed run's kept updates say for its
@@ -1242,19 +1253,26 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 && totals.rollbacks < recipe.max_rollbacks
             {
                 let start = step + 1 - dead.len();
-                let checkpoints = run_dir.complete_checkpoints()?;
-                match rollback_target(&checkpoints, start, &history, tried, recipe.max_staleness) {
-                    Some((at, dir)) => {
+                let points = restore_points(&run_dir, &model_dir)?;
+                match rollback_target(&points, start, &history, tried, recipe.max_staleness) {
+                    Some((at, point)) => {
                         tracing::warn!(
                             "update {step}: the last {} updates solved nothing and trained \
-                             nothing ({}); rolling back to the checkpoint of update {at} (weights \
-                             and optimizer state), rollback {} of at most {}",
+                             nothing ({}); rolling back to {} (weights and optimizer state), \
+                             rollback {} of at most {}",
                             dead.len(),
                             dead.why(&termination),
+                            match point {
+                                RestorePoint::Start(_) => {
+                                    "the model the run started from (a fresh optimizer)".into()
+                                }
+                                RestorePoint::Checkpoint(_) =>
+                                    format!("the checkpoint of update {at}"),
+                            },
                             totals.rollbacks + 1,
                             recipe.max_rollbacks
                         );
-                        floor = ranks.restore(&mut trainer, &dir)?;
+                        floor = ranks.restore(&mut trainer, &point)?;
                         (tried, stop_why) = (Some(at), None);
                         totals.rollbacks += 1;
                         dead.reset();
@@ -1270,9 +1288,10 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                         no_target_said = true;
                         tracing::warn!(
                             "update {step}: the last {} updates solved nothing and trained \
-                             nothing, and no checkpoint is old enough and healthy to roll back \
-                             to (one written before update {} and before the last live update \
-                             {}, whose next {} updates passed at least half the run's mean)",
+                             nothing, and no checkpoint (nor the model the run started from) is \
+                             old enough and healthy to roll back to (one written before update \
+                             {} and before the last live update {}, whose next {} updates passed \
+                             at least half the run's mean)",
                             dead.len(),
                             start.saturating_sub(recipe.max_staleness + 1),
                             history
@@ -1988,7 +2007,7 @@ mod tests {
         assert_eq!(at(64, 0, None, 2), None);
         assert_eq!(at(21, 20, None, 0), None);
         assert_eq!(
-            rollback_target(&[], 64, &history(63, 66, 0.5), None, 2),
+            rollback_target::<PathBuf>(&[], 64, &history(63, 66, 0.5), None, 2),
             None
         );
         // A run that never solved anything but trained (pass rate 0
@@ -2024,6 +2043,15 @@ mod tests {
             h.insert(s, (0.0, true));
         }
         assert_eq!(rollback_target(&cks, 21, &h, None, 0), None);
+        // The model it started from is: updates 1-3 passed 0.23.
+        let with_start: Vec<(u64, PathBuf)> = [(0, PathBuf::from("start"))]
+            .into_iter()
+            .chain(cks.iter().cloned())
+            .collect();
+        assert_eq!(
+            rollback_target(&with_start, 21, &h, None, 2).map(|c| c.0),
+            Some(0)
+        );
         // With the run healthy at 11-13, 10 is a place to go back to.
         for s in 11..=13 {
             h.insert(s, (0.3, false));
@@ -2032,6 +2060,33 @@ mod tests {
             rollback_target(&cks, 21, &h, None, 2).map(|c| c.0),
             Some(10)
         );
+    }
+
+    /// The model the run started from is the checkpoint of update 0: a
+    /// run that collapses before its first checkpoint is old enough goes
+    /// back to it, if the updates that sampled from it were healthy.
+    #[test]
+    fn a_rollback_can_go_back_to_the_start() {
+        let cks: Vec<(u64, PathBuf)> = [0, 10, 20]
+            .iter()
+            .map(|&s| (s, PathBuf::from(s.to_string())))
+            .collect();
+        // Dead from update 8: 10 is too new, the start is old enough.
+        let h = history(7, 10, 0.3);
+        assert_eq!(rollback_target(&cks, 8, &h, None, 2).map(|c| c.0), Some(0));
+        // Not before max_staleness + 2 updates: 0 + 2 + 2 > 3.
+        let h = history(2, 5, 0.3);
+        assert_eq!(rollback_target(&cks, 3, &h, None, 2), None);
+        // Tried already: nothing older.
+        let h = history(7, 12, 0.3);
+        assert_eq!(rollback_target(&cks, 8, &h, Some(0), 2), None);
+        // The start is no place to go back to when the updates that
+        // sampled from it were sick.
+        let mut h = history(7, 10, 0.3);
+        for s in 1..=3 {
+            h.insert(s, (0.01, false));
+        }
+        assert_eq!(rollback_target(&cks, 8, &h, None, 2), None);
     }
 
     /// A resumed run picks up its history, streak and rollbacks from its

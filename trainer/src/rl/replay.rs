@@ -15,12 +15,14 @@
 //! own updates (each replay equals its update bit for bit), so a run that
 //! kept a checkpoint every 20 updates can still be traced update by update.
 //! Where the run rolled back after an update (`rolled_back_to` in its
-//! metrics record), the chain restores the same checkpoint there.
+//! metrics record), the chain restores the same checkpoint there (0: the
+//! model the run started from, with a fresh optimizer).
 //!
 //! Not for: evaluating a change on fresh rollouts (that is a run).
 
 use super::recipe::{Recipe, StalePolicy};
 use super::run_dir::{RunDir, RunState};
+use crate::device::RestorePoint;
 use crate::harness::trajectory::Trajectory;
 use crate::step::{PgExample, Trainer};
 use crate::{Error, Result};
@@ -216,16 +218,7 @@ pub fn replay(
     for step in step..=through {
         if step > 1 {
             if let Some(&to) = rollbacks.get(&(step - 1)) {
-                let ck = dir.checkpoint(to);
-                if !ck.join("run_state.json").is_file() {
-                    return Err(Error::Input(format!(
-                        "{}: the run rolled back after update {} to the checkpoint of update \
-                         {to}, which it no longer keeps; replay from update {step} on its own",
-                        run_dir.display(),
-                        step - 1
-                    )));
-                }
-                trainer.restore(&ck)?;
+                trainer.restore(&rollback_point(&dir, &recipe, to, step - 1)?)?;
                 probe_before = last(&trainer)?;
             }
         }
@@ -267,6 +260,28 @@ pub fn replay(
         probe_before = probe_after;
     }
     Ok(out)
+}
+
+/// Where the run in `dir` went back to after update `after`: the
+/// checkpoint of update `to`, or for 0 the model it started from.
+fn rollback_point(dir: &RunDir, recipe: &Recipe, to: u64, after: u64) -> Result<RestorePoint> {
+    if to == 0 {
+        let start = recipe
+            .model
+            .clone()
+            .ok_or_else(|| Error::Recipe("the run's recipe names no model".into()))?;
+        return Ok(RestorePoint::Start(start));
+    }
+    let ck = dir.checkpoint(to);
+    if !ck.join("run_state.json").is_file() {
+        return Err(Error::Input(format!(
+            "{}: the run rolled back after update {after} to the checkpoint of update {to}, \
+             which it no longer keeps; replay from update {} on its own",
+            dir.root.display(),
+            after + 1
+        )));
+    }
+    Ok(RestorePoint::Checkpoint(ck))
 }
 
 /// The updates of the run in `dir` after which it rolled back: update ->
