@@ -53,7 +53,6 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -963,8 +962,6 @@ async fn completions(
         };
         let st = s.clone();
         let want_lp = logprobs.is_some();
-        // Each choice's offsets count on from its chunks before.
-        let mut next_offset: HashMap<usize, usize> = HashMap::new();
         let stream = stream_events(
             s.clone(),
             sub.events,
@@ -975,18 +972,13 @@ async fn completions(
                     index,
                     text,
                     tokens,
+                    offsets,
                 } => {
                     let lp = want_lp.then(|| {
-                        let at = next_offset.entry(index).or_insert(0);
-                        let start = *at;
-                        *at += tokens
-                            .iter()
-                            .map(|(t, _, _)| st.token_text(*t).len())
-                            .sum::<usize>();
                         let items = tokens
                             .into_iter()
                             .map(|(t, lp, top)| (t, Some(lp), Some(top)));
-                        completion_logprobs(&st, items, start)
+                        completion_logprobs(&st, items, &offsets)
                     });
                     chunk(index, text, lp, None)
                 }
@@ -1019,7 +1011,7 @@ async fn completions(
                 Some(completion_logprobs(
                     &s,
                     std::iter::once(first).chain(rest),
-                    0,
+                    &Detok::offsets(&s, prompt, 0),
                 ))
             }
             _ => None,
@@ -1042,7 +1034,7 @@ async fn completions(
             let mut offset = 0;
             if echo {
                 let shown = s.decode(prompt)?;
-                offset = shown.len();
+                offset = shown.chars().count();
                 text = shown + &text;
             }
             let lp = logprobs.map(|_| {
@@ -1078,7 +1070,7 @@ async fn completions(
 }
 
 /// Legacy completions `logprobs` object for generated tokens, their text
-/// offsets counted from `offset` in the returned text.
+/// offsets counted from `offset` (characters) in the returned text.
 fn completion_logprobs_full(s: &AppState, c: &Choice, offset: usize) -> Value {
     let items = c
         .tokens
@@ -1086,26 +1078,22 @@ fn completion_logprobs_full(s: &AppState, c: &Choice, offset: usize) -> Value {
         .zip(&c.logprobs)
         .zip(&c.top_logprobs)
         .map(|((&t, &lp), top)| (t, Some(lp), Some(top.clone())));
-    completion_logprobs(s, items, offset)
+    completion_logprobs(s, items, &Detok::offsets(s, &c.tokens, offset))
 }
 
 /// Legacy completions `logprobs` object: per token its text, log-prob and
 /// alternatives (`null` for a token that has none: a prompt's first) and
-/// its text offset, counted from `offset`.
+/// its text offset (`offsets`, from [`Detok::offsets`]).
 fn completion_logprobs(
     s: &AppState,
     items: impl IntoIterator<Item = (u32, Option<f32>, Option<Vec<(u32, f32)>>)>,
-    offset: usize,
+    offsets: &[usize],
 ) -> Value {
     let mut tokens = Vec::new();
     let mut lps = Vec::new();
     let mut tops = Vec::new();
-    let mut offsets = Vec::new();
-    let mut off = offset;
     for (t, lp, top) in items {
         let text = s.token_text(t);
-        offsets.push(off);
-        off += text.len();
         tokens.push(text);
         lps.push(json!(lp));
         tops.push(match top {
@@ -1330,6 +1318,7 @@ async fn chat_completions(
                     index,
                     text,
                     tokens,
+                    ..
                 } => {
                     let lp = want_lp.then(|| json!({"content": chat_logprobs(&st, &tokens)}));
                     match tool_streams.get_mut(index).filter(|_| with_tools) {
@@ -1567,11 +1556,13 @@ fn chat_logprobs(s: &AppState, items: &[TokenLp]) -> Value {
 
 /// What a stream reports, before it is shaped into a route's chunk.
 enum StreamItem {
-    /// New text of choice `index` and the tokens that produced it.
+    /// New text of choice `index`, the tokens that produced it and their
+    /// text offsets ([`Detok::offsets`]).
     Text {
         index: usize,
         text: String,
         tokens: Vec<TokenLp>,
+        offsets: Vec<usize>,
     },
     Finish {
         index: usize,
@@ -1592,7 +1583,13 @@ struct Detok {
     read: usize,
     /// Bytes of `text` sent.
     sent: usize,
+    /// Characters in `text`.
+    chars: usize,
     pending: Vec<TokenLp>,
+    /// The pending tokens' text offsets: the characters of the whole text
+    /// before each (a token that ends inside a character adds none; the
+    /// one that completes it carries the character).
+    offsets: Vec<usize>,
 }
 
 impl Detok {
@@ -1603,8 +1600,28 @@ impl Detok {
             prefix: 0,
             read: 0,
             sent: 0,
+            chars: 0,
             pending: Vec::new(),
+            offsets: Vec::new(),
         }
+    }
+
+    /// Takes token `id`: its text offset is the text's length so far.
+    fn push(&mut self, s: &AppState, id: u32) {
+        self.offsets.push(self.chars);
+        self.ids.push(id);
+        self.advance(s);
+    }
+
+    /// The text offset of each of `ids`, counted from `start`: the
+    /// characters (Unicode scalar values, as the clients' strings count
+    /// them, not bytes) of the whole text before it.
+    fn offsets(s: &AppState, ids: &[u32], start: usize) -> Vec<usize> {
+        let mut d = Detok::new();
+        for &id in ids {
+            d.push(s, id);
+        }
+        d.offsets.into_iter().map(|o| start + o).collect()
     }
 
     /// Extends `text` with the text of the tokens past `read`, decoding a
@@ -1620,6 +1637,7 @@ impl Detok {
             return;
         }
         if let Some(new) = after.get(before.len()..).filter(|n| !n.is_empty()) {
+            self.chars += new.chars().count();
             self.text.push_str(new);
             self.prefix = self.read;
             self.read = self.ids.len();
@@ -1656,9 +1674,8 @@ fn stream_events(
                     let Some(d) = detok.get_mut(t.index) else {
                         continue;
                     };
-                    d.ids.push(t.token);
                     d.pending.push((t.token, t.logprob, t.top_logprobs));
-                    d.advance(&s);
+                    d.push(&s, t.token);
                     let text = &d.text;
                     // Held back: what could start a stop string, and all
                     // from one already complete (the engine's finish event
@@ -1680,6 +1697,7 @@ fn stream_events(
                             index: t.index,
                             text: piece.to_string(),
                             tokens: std::mem::take(&mut d.pending),
+                            offsets: std::mem::take(&mut d.offsets),
                         });
                         d.sent = end;
                     }
@@ -1695,6 +1713,7 @@ fn stream_events(
                             index,
                             text: text.get(d.sent..).unwrap_or("").to_string(),
                             tokens: std::mem::take(&mut d.pending),
+                            offsets: std::mem::take(&mut d.offsets),
                         });
                         d.sent = text.len().max(d.sent);
                     }
@@ -1988,17 +2007,19 @@ mod tests {
     /// gives only those.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn echoed_completions_score_the_prompt_and_offset_every_token() {
+        // Offsets count characters, as a client's strings do: "é" is one.
+        const PROMPT: &str = "héllo thère";
         let state = state();
-        let prompt_ids = state.inner.tokenizer.encode("hello there").unwrap();
+        let prompt_ids = state.inner.tokenizer.encode(PROMPT).unwrap();
         let np = prompt_ids.len();
         assert!(np >= 2, "{prompt_ids:?}");
         let app = app(state);
-        let ask = json!({"model": "tiny", "prompt": "hello there", "max_tokens": 6,
+        let ask = json!({"model": "tiny", "prompt": PROMPT, "max_tokens": 6,
                          "temperature": 0, "ignore_eos": true, "echo": true, "logprobs": 2});
         let (st, v) = call_json(&app, "/v1/completions", ask.clone()).await;
         assert_eq!(st, StatusCode::OK, "{v}");
         let text = v["choices"][0]["text"].as_str().unwrap();
-        assert!(text.starts_with("hello there"), "{text:?}");
+        assert!(text.starts_with(PROMPT), "{text:?}");
         let lp = &v["choices"][0]["logprobs"];
         let tokens = lp["tokens"].as_array().unwrap();
         let offsets = lp["text_offset"].as_array().unwrap();
@@ -2010,7 +2031,10 @@ mod tests {
             (np + 6, np + 6, np + 6)
         );
         assert_eq!(offsets[0], 0);
-        assert_eq!(offsets[np].as_u64().unwrap() as usize, "hello there".len());
+        assert_eq!(
+            offsets[np].as_u64().unwrap() as usize,
+            PROMPT.chars().count()
+        );
         assert!(lps[0].is_null() && tops[0].is_null(), "{lp}");
         for i in 1..np + 6 {
             let l = lps[i].as_f64().unwrap();
@@ -2024,21 +2048,36 @@ mod tests {
                 .fold(f64::MIN, f64::max);
             assert!(best >= l - 1e-6, "{lp}");
         }
+        // A token that is part of a character's bytes shows as U+FFFD; its
+        // offset is where the character starts.
+        let chars: Vec<char> = text.chars().collect();
+        let mut split = 0;
         for (tok, off) in tokens.iter().zip(offsets) {
             let (tok, off) = (tok.as_str().unwrap(), off.as_u64().unwrap() as usize);
-            assert_eq!(
-                text.get(off..off + tok.len()),
-                Some(tok),
-                "{text:?} at {off}"
-            );
+            if tok.contains('\u{fffd}') {
+                assert!(
+                    matches!(chars.get(off), Some('é' | 'è')),
+                    "{text:?} at {off}"
+                );
+                split += 1;
+                continue;
+            }
+            let at: Option<String> = chars
+                .get(off..off + tok.chars().count())
+                .map(|c| c.iter().collect());
+            assert_eq!(at.as_deref(), Some(tok), "{text:?} at {off}");
         }
+        assert!(
+            split > 0,
+            "the test means a character split across tokens: {lp}"
+        );
 
         // Only the prompt: nothing generated, the same scores.
         let mut only = ask.clone();
         only["max_tokens"] = json!(0);
         let (st, w) = call_json(&app, "/v1/completions", only).await;
         assert_eq!(st, StatusCode::OK, "{w}");
-        assert_eq!(w["choices"][0]["text"], "hello there");
+        assert_eq!(w["choices"][0]["text"], PROMPT);
         assert_eq!(w["choices"][0]["finish_reason"], "length");
         assert_eq!(w["usage"]["completion_tokens"], 0);
         let wlp = &w["choices"][0]["logprobs"];
