@@ -337,10 +337,10 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
     outln!("{}", serde_json::to_string_pretty(&summary)?)?;
     eprintln!(
         "{} after {} updates{}; run directory {}{}",
-        if summary.cancelled || summary.stopped.is_some() {
-            "stopped"
-        } else {
-            "done"
+        match (summary.cancelled, &summary.stopped) {
+            (true, _) => "stopped",
+            (false, Some(_)) => "failed",
+            (false, None) => "done",
         },
         summary.steps,
         match summary.totals.rollbacks {

@@ -694,6 +694,21 @@ fn collapsing_run(
     (run, out)
 }
 
+/// A [`collapsing_run`] that must fail, cleanly: its directory and stderr.
+fn failed_run(
+    dir: &Path,
+    recipe: &Path,
+    name: &str,
+    dead: &str,
+    sets: &[&str],
+) -> (PathBuf, String) {
+    let (run, out) = collapsing_run(dir, recipe, name, dead, sets);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    (run, stderr)
+}
+
 fn model_tensors(ck: &Path) -> Vec<arcticd_trainer::checkpoint::NamedTensor> {
     arcticd_trainer::checkpoint::read_safetensors_f32(&ck.join("model.safetensors")).unwrap()
 }
@@ -783,16 +798,13 @@ fn a_collapsed_run_rolls_back_to_its_last_good_checkpoint_and_goes_on() {
     // A collapse that does not end: each rollback goes further back (3,
     // then 2), then, past max_rollbacks, the run stops at
     // stop_after_dead_updates and says why.
-    let (run, out) = collapsing_run(
+    let (run, stderr) = failed_run(
         dir.path(),
         &recipe,
         "stuck",
         "5:100",
         &["steps=20", "max_rollbacks=2", "stop_after_dead_updates=3"],
     );
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
     let metrics = read_jsonl(&run.join("metrics.jsonl"));
     let rolled: Vec<(u64, u64)> = metrics
         .iter()
@@ -858,16 +870,30 @@ fn a_collapsed_run_rolls_back_to_its_last_good_checkpoint_and_goes_on() {
     );
     replays_to_the_bit(&run, 1, 6);
 
+    // A run that ends in a collapse no rollback undid (none allowed here)
+    // failed, whatever the stop limit, and says where to go back to.
+    let (run, stderr) = failed_run(
+        dir.path(),
+        &recipe,
+        "ended",
+        "5:100",
+        &["steps=8", "max_rollbacks=0"],
+    );
+    assert!(
+        stderr.contains("the run ended collapsed: its last 4 updates solved nothing")
+            && stderr.contains("the newest healthy checkpoint before it is update 3's"),
+        "{stderr}"
+    );
+    assert_eq!(steps_of(&run).last(), Some(&8), "{stderr}");
+
     // A run that never lived has nothing to go back to: it stops.
-    let (run, out) = collapsing_run(
+    let (run, stderr) = failed_run(
         dir.path(),
         &recipe,
         "never",
         "1:100",
         &["steps=20", "stop_after_dead_updates=3"],
     );
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{stderr}");
     assert!(
         stderr.contains("no checkpoint (nor the model the run started from) is old enough"),
         "{stderr}"

@@ -427,6 +427,28 @@ fn restore_points(run_dir: &RunDir, model_dir: &Path) -> Result<Vec<(u64, Restor
     Ok(points)
 }
 
+/// Why a run that ended with its last `n` updates dead (`why`: how they
+/// ended) failed, and where a user can go back to: `back`, the newest
+/// healthy point before the collapse, if one is kept.
+fn ended_collapsed(n: u64, why: &str, back: Option<(u64, RestorePoint)>) -> String {
+    let back = match back {
+        Some((_, RestorePoint::Start(dir))) => format!(
+            "; the newest healthy point before it is the model the run started from ({})",
+            dir.display()
+        ),
+        Some((at, RestorePoint::Checkpoint(dir))) => format!(
+            "; the newest healthy checkpoint before it is update {at}'s ({})",
+            dir.display()
+        ),
+        None => String::new(),
+    };
+    format!(
+        "the run ended collapsed: its last {n} updates solved nothing and trained nothing \
+         ({why}) and no rollback undid it (rollback_after_dead_updates, max_rollbacks), so its \
+         final weights are the collapse's{back}"
+    )
+}
+
 /// What the metrics records of a resumed run's kept updates say for its
 /// rollbacks (`pass_rate`, `dead`, `rolled_back_to`): its history, the
 /// checkpoint of the last rollback when no live update followed it, and
@@ -1624,9 +1646,23 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             last_termination = termination;
         }
         // A run that ended before its limit could fire, and trained nothing
-        // in any update, failed all the same.
+        // in any update, failed all the same; so did one that ended in a
+        // collapse it did not roll back from (its final weights are the
+        // collapse's).
         if !cancelled {
-            stopped = dead.whole_run(step - first_step, &last_termination);
+            stopped = dead
+                .whole_run(step - first_step, &last_termination)
+                .or_else(|| {
+                    let n = dead.len();
+                    let collapse = recipe.rollback_after_dead_updates;
+                    (collapse > 0 && n >= collapse).then(|| {
+                        let start = step + 1 - n;
+                        let back = restore_points(&run_dir, &model_dir).ok().and_then(|p| {
+                            rollback_target(&p, start, &history, tried, recipe.max_staleness)
+                        });
+                        ended_collapsed(n, &dead.why(&last_termination), back)
+                    })
+                });
         }
         Ok(())
     })();
