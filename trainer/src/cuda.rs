@@ -32,7 +32,7 @@
 
 use crate::backward::{model_backward, BackwardOps, Forward};
 use crate::comm::Communicator;
-use crate::device::{MicroBatch, Scores, StepDevice};
+use crate::device::{MicroBatch, RestorePoint, Scores, StepDevice};
 use crate::model::ForwardOptions;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::step::{PauseGuard, WriteGate};
@@ -467,6 +467,43 @@ impl CudaStep {
         Ok(())
     }
 
+    /// After the masters changed (a step, a rollback): with the engines
+    /// paused, writes the engines' copy on this GPU from them and moves the
+    /// store to a new version there (the host's tensors stay behind until
+    /// something reads them, [`StepDevice::sync_host`]); the new version
+    /// and the seconds the engines were paused.
+    fn publish(&mut self, gate: Option<&dyn WriteGate>) -> Result<(u64, f64)> {
+        let dev = self.model.device();
+        let t0 = std::time::Instant::now();
+        let version = {
+            let _paused = PauseGuard::pause(gate)?;
+            // The engines on this GPU read the device copy; the host's
+            // tensors stay behind until something reads them (sync_host).
+            match &self.shared {
+                Some(shared) => {
+                    let mut copy = shared.write().unwrap_or_else(|e| e.into_inner());
+                    write_engine_copy(&self.model, &mut copy)?;
+                    // An engine's stream waits for this event before it
+                    // reads the copy; none is reading it now (an engine's
+                    // step ends in a download, and the engines are paused).
+                    let written = Arc::new(dev.record_event()?);
+                    let version = self.store.advance_on_device();
+                    self.store.publish_device_copy(DeviceCopy {
+                        ordinal: dev.ordinal(),
+                        version,
+                        model: shared.clone(),
+                        written,
+                    });
+                    version
+                }
+                // No engine here (SFT, bench-train): nothing reads the
+                // weights before the next sync_host.
+                None => self.store.advance_on_device(),
+            }
+        };
+        Ok((version, t0.elapsed().as_secs_f64()))
+    }
+
     /// The model on the device (its parameters are the masters).
     pub fn model(&self) -> &CudaModel {
         &self.model
@@ -622,35 +659,38 @@ impl StepDevice for CudaStep {
 
     fn apply(&mut self, lr: f64, gate: Option<&dyn WriteGate>) -> Result<(u64, f64)> {
         self.opt.step(&mut self.model, &self.grads, lr)?;
-        let dev = self.model.device();
-        let t0 = std::time::Instant::now();
-        let version = {
-            let _paused = PauseGuard::pause(gate)?;
-            // The engines on this GPU read the device copy; the host's
-            // tensors stay behind until something reads them (sync_host).
-            match &self.shared {
-                Some(shared) => {
-                    let mut copy = shared.write().unwrap_or_else(|e| e.into_inner());
-                    write_engine_copy(&self.model, &mut copy)?;
-                    // An engine's stream waits for this event before it
-                    // reads the copy; none is reading it now (an engine's
-                    // step ends in a download, and the engines are paused).
-                    let written = Arc::new(dev.record_event()?);
-                    let version = self.store.advance_on_device();
-                    self.store.publish_device_copy(DeviceCopy {
-                        ordinal: dev.ordinal(),
-                        version,
-                        model: shared.clone(),
-                        written,
-                    });
-                    version
-                }
-                // No engine here (SFT, bench-train): nothing reads the
-                // weights before the next sync_host.
-                None => self.store.advance_on_device(),
-            }
-        };
-        Ok((version, t0.elapsed().as_secs_f64()))
+        self.publish(gate)
+    }
+
+    fn restore(&mut self, point: &RestorePoint, gate: Option<&dyn WriteGate>) -> Result<u64> {
+        // Everything is read and checked before the device changes: a
+        // missing or mismatched checkpoint leaves the trainer as it was.
+        let saved = Qwen3_5::load(point.dir())?;
+        if !crate::device::same_shapes(&self.store.read().config, &saved.config) {
+            return Err(Error::Checkpoint(format!(
+                "{}: its model's config differs from the trained model's",
+                point.dir().display()
+            )));
+        }
+        let mut host = AdamW::new(&saved, self.opt.config)?;
+        if let RestorePoint::Checkpoint(dir) = point {
+            crate::checkpoint::load_optimizer(dir, &mut host)?;
+        }
+        let values = saved.named_params();
+        let dev = self.model.device().clone();
+        let params = self.model.params_mut().named_mut();
+        if params.len() != values.len() || params.iter().zip(&values).any(|(p, v)| p.0 != v.0) {
+            return Err(Error::Checkpoint(format!(
+                "{}: its parameters are not the trained model's",
+                point.dir().display()
+            )));
+        }
+        for ((name, p), (_, t)) in params.into_iter().zip(values) {
+            *p.f32_mut(&name)? = dev.upload(t.as_f32()?)?;
+        }
+        self.opt.load_host(&dev, &host)?;
+        self.last = None;
+        Ok(self.publish(gate)?.0)
     }
 
     fn sync_host(&mut self) -> Result<()> {
@@ -1133,21 +1173,108 @@ mod tests {
             let mut t = Trainer::on(step, config.clone()).with_comm(Arc::new(comm));
             t.sft_step(&batch).unwrap();
             t.sync_host().unwrap();
-            let m = store.read();
-            weights.push(
-                m.named_params()
-                    .into_iter()
-                    .flat_map(|(_, t)| {
-                        t.as_f32()
-                            .unwrap()
-                            .iter()
-                            .map(|x| x.to_bits())
-                            .collect::<Vec<_>>()
-                    })
-                    .collect::<Vec<u32>>(),
-            );
+            weights.push(weight_bits(&store.read()));
         }
         assert_eq!(weights[0], weights[1]);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Every parameter's bits, in order.
+    fn weight_bits(m: &Qwen3_5) -> Vec<u32> {
+        m.named_params()
+            .into_iter()
+            .flat_map(|(_, t)| {
+                t.as_f32()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// A rollback on the GPU is a resume: back to a checkpoint, the next
+    /// step gives the weights and moments of a fresh trainer resumed from
+    /// it; back to the starting model, those of a fresh trainer's first
+    /// step; bit for bit (one device, the same kernels); each rollback
+    /// under a new, higher version, and a missing checkpoint changes
+    /// nothing.
+    #[test]
+    fn a_rollback_on_the_gpu_equals_a_resume() {
+        use crate::device::RestorePoint;
+        use crate::step::{SftExample, TrainConfig, Trainer};
+        let Some(dev) = test_device().map(Arc::new) else {
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("arcticd-cuda-restore-{}", std::process::id()));
+        let start = dir.join("start");
+        arcticd_engine::init::init_model(arcticd_engine::init::TINY, &start, 5).unwrap();
+        let vocab = Qwen3_5::load(&start).unwrap().config.vocab_size as u32;
+        let config = TrainConfig::default();
+        let batch = |k: u32| {
+            vec![SftExample {
+                tokens: (0..40u32).map(|i| (i * 7 + k * 31 + 1) % vocab).collect(),
+                loss_mask: vec![1; 40],
+            }]
+        };
+        let trainer = |from: &Path, resume: bool| {
+            let store = crate::step::store_of(Qwen3_5::load(from).unwrap());
+            let step = CudaStep::new(store, dev.clone(), config.optimizer).unwrap();
+            let mut t = Trainer::on(step, config.clone());
+            if resume {
+                t.load_optimizer(from).unwrap();
+            }
+            t
+        };
+        // The state after a step, as the host sees it: weights, moments,
+        // step count.
+        let state = |t: &mut Trainer<CudaStep>| {
+            t.sync_host().unwrap();
+            let opt = t.optimizer().unwrap().into_owned();
+            (
+                weight_bits(&t.store().read()),
+                opt.exp_avg,
+                opt.exp_avg_sq,
+                opt.step,
+            )
+        };
+
+        let mut a = trainer(&start, false);
+        a.sft_step(&batch(0)).unwrap();
+        a.sync_host().unwrap();
+        let ck = dir.join("step1");
+        crate::checkpoint::save_checkpoint(
+            &ck,
+            &a.store().read(),
+            &start,
+            Some(&*a.optimizer().unwrap()),
+        )
+        .unwrap();
+        a.sft_step(&batch(1)).unwrap();
+        a.sft_step(&batch(2)).unwrap();
+
+        // Each point, then the step the fresh trainer takes from it.
+        for (point, from, resume, k) in [
+            (RestorePoint::Checkpoint(ck.clone()), &ck, true, 1),
+            (RestorePoint::Start(start.clone()), &start, false, 0),
+        ] {
+            let before = a.store().weight_version();
+            let v = a.restore(&point).unwrap();
+            assert!(v > before, "{point:?}: version {v} after {before}");
+            a.sft_step(&batch(k)).unwrap();
+            let mut fresh = trainer(from, resume);
+            fresh.sft_step(&batch(k)).unwrap();
+            assert!(
+                state(&mut a) == state(&mut fresh),
+                "{point:?}: a step after the rollback"
+            );
+        }
+
+        let kept = a.store().weight_version();
+        assert!(a
+            .restore(&RestorePoint::Checkpoint(dir.join("missing")))
+            .is_err());
+        assert_eq!(a.store().weight_version(), kept);
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -126,12 +126,7 @@ pub trait StepDevice: Send {
     /// written with `gate` paused around it; returns the new weight
     /// version (versions only ever grow, so what was sampled before stays
     /// told apart).
-    fn restore(&mut self, point: &RestorePoint, gate: Option<&dyn WriteGate>) -> Result<u64> {
-        let _ = (point, gate);
-        Err(Error::Run(
-            "rolling back to a checkpoint is not built for this device".into(),
-        ))
-    }
+    fn restore(&mut self, point: &RestorePoint, gate: Option<&dyn WriteGate>) -> Result<u64>;
 }
 
 /// The CPU: the model in the shared store, gradients and AdamW on the host.

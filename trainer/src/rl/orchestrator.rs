@@ -1061,14 +1061,6 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     // it was dead, `tried` the last rollback's checkpoint until an update
     // lives again.
     let rollbacks_on = recipe.rollback_after_dead_updates > 0 && recipe.max_rollbacks > 0;
-    if rollbacks_on && recipe.device != arcticd_kernels::Device::Cpu {
-        tracing::warn!(
-            "rollback_after_dead_updates: rolling back is built for the CPU trainer only; on {} \
-             a collapsed run stops after stop_after_dead_updates",
-            recipe.device
-        );
-    }
-    let rollbacks_on = rollbacks_on && recipe.device == arcticd_kernels::Device::Cpu;
     let (mut floor, mut history, mut tried) = (0u64, History::new(), None::<u64>);
     let (mut discarded_now, mut no_target_said) = (0u64, false);
     if step > 0 {
@@ -1258,6 +1250,12 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             // Dead updates in a row: roll back when the run had lived since
             // a checkpoint, else (or past max_rollbacks) stop at the limit.
             let faulted = fault_dead(step);
+            if faulted {
+                tracing::warn!(
+                    "update {step} counts as dead whatever it did: ARCTICD_FAULT_DEAD (a test \
+                     hook) is set"
+                );
+            }
             let mut stop_why = dead.after(
                 trained && !faulted,
                 if faulted { 0.0 } else { pass_rate },
@@ -1280,16 +1278,16 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                     Some((at, point)) => {
                         tracing::warn!(
                             "update {step}: the last {} updates solved nothing and trained \
-                             nothing ({}); rolling back to {} (weights and optimizer state), \
-                             rollback {} of at most {}",
+                             nothing ({}); rolling back to {}, rollback {} of at most {}",
                             dead.len(),
                             dead.why(&termination),
                             match point {
-                                RestorePoint::Start(_) => {
-                                    "the model the run started from (a fresh optimizer)".into()
-                                }
-                                RestorePoint::Checkpoint(_) =>
-                                    format!("the checkpoint of update {at}"),
+                                RestorePoint::Start(_) => "the model the run started from (its \
+                                                           weights, a fresh optimizer)"
+                                    .to_string(),
+                                RestorePoint::Checkpoint(_) => format!(
+                                    "the checkpoint of update {at} (weights and optimizer state)"
+                                ),
                             },
                             totals.rollbacks + 1,
                             recipe.max_rollbacks
