@@ -37,7 +37,7 @@
 use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::engine::{apply_event, Choice, Event, FinishReason, Request};
 use arcticd_engine::router::Router;
-use arcticd_engine::sampler::SamplingParams;
+use arcticd_engine::sampler::{SamplingParams, MAX_TOP_LOGPROBS};
 use arcticd_engine::tokenizer::Tokenizer;
 use arcticd_engine::tool_call::{parse_lenient, ToolCall};
 use axum::body::{Body, Bytes};
@@ -305,7 +305,47 @@ fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> AppR
     if body.is_empty() {
         return Err(AppError::bad("the request body is empty; expected JSON"));
     }
-    serde_json::from_slice(body).map_err(|e| AppError::bad(format!("invalid request body: {e}")))
+    serde_json::from_slice(body).map_err(|e| {
+        AppError::bad(format!(
+            "invalid request body: {}",
+            plain_types(&e.to_string())
+        ))
+    })
+}
+
+/// A serde message with the Rust type names it ends its `expected ...` in
+/// said as a client reads them: "expected f32" is "expected a number".
+fn plain_types(msg: &str) -> String {
+    const NAMES: [(&str, &str); 10] = [
+        ("f32", "a number"),
+        ("f64", "a number"),
+        ("u8", "a whole number from 0 to 255"),
+        ("u16", "a whole number from 0 to 65535"),
+        ("u32", "a whole number from 0 to 4294967295"),
+        ("u64", "a whole number from 0 to 18446744073709551615"),
+        ("usize", "a whole number from 0 to 18446744073709551615"),
+        ("i32", "a whole number from -2147483648 to 2147483647"),
+        ("i64", "a whole number"),
+        ("isize", "a whole number"),
+    ];
+    let mut out = String::with_capacity(msg.len());
+    let mut rest = msg;
+    while let Some(at) = rest.find("expected ") {
+        let (before, after) = rest.split_at(at + "expected ".len());
+        out.push_str(before);
+        let word = after
+            .find(|c: char| !c.is_ascii_alphanumeric())
+            .map_or(after, |end| &after[..end]);
+        match NAMES.iter().find(|(rust, _)| *rust == word) {
+            Some((_, plain)) => {
+                out.push_str(plain);
+                rest = &after[word.len()..];
+            }
+            None => rest = after,
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 async fn not_found() -> AppError {
@@ -879,6 +919,14 @@ async fn completions(
         return Err(AppError::bad("the prompt is empty").param("prompt"));
     }
     let logprobs = req.logprobs;
+    // Checked here to name the completions API's own parameter (the
+    // sampler checks the same limit as `top_logprobs`).
+    if let Some(k) = logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+        return Err(AppError::bad(format!(
+            "logprobs must be at most {MAX_TOP_LOGPROBS}, got {k}"
+        ))
+        .param("logprobs"));
+    }
     let params = s.sampling(&mut req.sampling, 16, logprobs.unwrap_or(0));
     // Every choice is held until the answer is whole: one request may not
     // ask for more than this many (a 110 KB body asked for 1.28 million).
@@ -2287,16 +2335,19 @@ mod tests {
                 json!({"prompt": "x", "stop_token_ids": [4_000_000_000u32]}).to_string(),
                 StatusCode::BAD_REQUEST,
             ),
+            ("/v1/completions", json!({"prompt": "x", "logprobs": 50}).to_string(), StatusCode::BAD_REQUEST),
             ("/v1/nothing", "{}".into(), StatusCode::NOT_FOUND),
         ];
         for (uri, body, want) in cases {
             let (st, text) = call(&app, "POST", uri, &body).await;
             assert_eq!(st, want, "{uri} {body}: {text}");
             let v: Value = serde_json::from_str(&text).unwrap();
+            // Said in the client's terms: no Rust type names.
             assert!(
-                v["error"]["message"]
-                    .as_str()
-                    .is_some_and(|m| !m.is_empty()),
+                v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()
+                    && ["f32", "u32", "usize", "i64"]
+                        .iter()
+                        .all(|t| !m.contains(t))),
                 "{text}"
             );
             assert!(v["error"]["type"].is_string());
@@ -2308,6 +2359,23 @@ mod tests {
         )
         .await;
         assert_eq!(st, StatusCode::OK, "{v}");
+    }
+
+    #[test]
+    fn serde_messages_name_types_as_a_client_reads_them() {
+        assert_eq!(
+            plain_types("invalid type: string \"hot\", expected f32 at line 1 column 80"),
+            "invalid type: string \"hot\", expected a number at line 1 column 80"
+        );
+        assert_eq!(
+            plain_types("invalid value: integer `-1`, expected usize"),
+            "invalid value: integer `-1`, expected a whole number from 0 to 18446744073709551615"
+        );
+        // Other words after "expected" stay, and so does a name inside one.
+        assert_eq!(
+            plain_types("expected a sequence; expected u32x4, expected `,`"),
+            "expected a sequence; expected u32x4, expected `,`"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
