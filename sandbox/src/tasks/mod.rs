@@ -245,34 +245,15 @@ pub fn parse_record(value: &Value, format: Format, record: &str) -> Result<Task>
     let problem_statement = r.string("problem_statement", true)?;
     let patch = r.string("patch", true)?;
     let test_patch = r.string("test_patch", false)?;
-    let task = match format {
-        Format::Native | Format::Auto => Task {
-            instance_id,
-            problem_statement,
-            patch,
-            test_patch,
-            fail_to_pass,
-            pass_to_pass,
-            image: r.opt_string("image")?,
-            repo: r.opt_string("repo")?.map(PathBuf::from),
-            workdir: r.opt_string("workdir")?.unwrap_or_else(default_workdir),
-            test_cmd: r.string("test_cmd", true)?,
-            log_parser: r.opt_string("log_parser")?.unwrap_or_else(default_parser),
-            meta: r.rest(&[
-                "instance_id",
-                "problem_statement",
-                "patch",
-                "test_patch",
-                "FAIL_TO_PASS",
-                "PASS_TO_PASS",
-                "image",
-                "repo",
-                "workdir",
-                "test_cmd",
-                "log_parser",
-                "meta",
-            ]),
-        },
+    // What the formats differ in: where the image and the test command
+    // come from, and the fields that name them.
+    let (image, repo, test_cmd, own): (_, _, _, &[&str]) = match format {
+        Format::Native | Format::Auto => (
+            r.opt_string("image")?,
+            r.opt_string("repo")?.map(PathBuf::from),
+            r.string("test_cmd", true)?,
+            &["image", "repo", "test_cmd", "meta"],
+        ),
         Format::Swebench => {
             // SWE-bench's evaluation images: `__` in the id becomes `_1776_`.
             let image = match r.opt_string("image")? {
@@ -286,31 +267,7 @@ pub fn parse_record(value: &Value, format: Format, record: &str) -> Result<Task>
                 Some(c) => c,
                 None => default_test_cmd(&test_patch),
             };
-            Task {
-                instance_id,
-                problem_statement,
-                patch,
-                test_patch,
-                fail_to_pass,
-                pass_to_pass,
-                image: Some(image),
-                repo: None,
-                workdir: r.opt_string("workdir")?.unwrap_or_else(default_workdir),
-                test_cmd,
-                log_parser: r.opt_string("log_parser")?.unwrap_or_else(default_parser),
-                meta: r.rest(&[
-                    "instance_id",
-                    "problem_statement",
-                    "patch",
-                    "test_patch",
-                    "FAIL_TO_PASS",
-                    "PASS_TO_PASS",
-                    "image",
-                    "test_cmd",
-                    "workdir",
-                    "log_parser",
-                ]),
-            }
+            (Some(image), None, test_cmd, &["image", "test_cmd"])
         }
         Format::R2e => {
             let image = match r.opt_string("docker_image")? {
@@ -342,34 +299,38 @@ pub fn parse_record(value: &Value, format: Format, record: &str) -> Result<Task>
                 Some(c) => c,
                 None => from_install.unwrap_or_else(|| default_test_cmd(&test_patch)),
             };
-            Task {
-                instance_id,
-                problem_statement,
-                patch,
-                test_patch,
-                fail_to_pass,
-                pass_to_pass,
-                image: Some(image),
-                repo: None,
-                workdir: r.opt_string("workdir")?.unwrap_or_else(default_workdir),
+            (
+                Some(image),
+                None,
                 test_cmd,
-                log_parser: r.opt_string("log_parser")?.unwrap_or_else(default_parser),
-                meta: r.rest(&[
-                    "instance_id",
-                    "problem_statement",
-                    "patch",
-                    "test_patch",
-                    "FAIL_TO_PASS",
-                    "PASS_TO_PASS",
-                    "docker_image",
-                    "image_name",
-                    "image",
-                    "test_cmd",
-                    "workdir",
-                    "log_parser",
-                ]),
-            }
+                &["docker_image", "image_name", "image", "test_cmd"],
+            )
         }
+    };
+    let mut known = vec![
+        "instance_id",
+        "problem_statement",
+        "patch",
+        "test_patch",
+        "FAIL_TO_PASS",
+        "PASS_TO_PASS",
+        "workdir",
+        "log_parser",
+    ];
+    known.extend_from_slice(own);
+    let task = Task {
+        instance_id,
+        problem_statement,
+        patch,
+        test_patch,
+        fail_to_pass,
+        pass_to_pass,
+        image,
+        repo,
+        workdir: r.opt_string("workdir")?.unwrap_or_else(default_workdir),
+        test_cmd,
+        log_parser: r.opt_string("log_parser")?.unwrap_or_else(default_parser),
+        meta: r.rest(&known),
     };
     task.check(record)?;
     Ok(task)
