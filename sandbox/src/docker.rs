@@ -171,6 +171,33 @@ pub async fn list_own(docker: &Docker) -> Result<Vec<String>> {
     Ok(list.into_iter().filter_map(|c| c.id).collect())
 }
 
+/// Creates the container `name` from `body`; its id. An image Docker does
+/// not have is an error naming `image` and what to do (`fix`).
+async fn create_container(
+    docker: &Docker,
+    name: &str,
+    body: ContainerCreateBody,
+    image: &str,
+    fix: &str,
+) -> Result<String> {
+    match docker
+        .create_container(
+            Some(CreateContainerOptionsBuilder::new().name(name).build()),
+            body,
+        )
+        .await
+    {
+        Ok(c) => Ok(c.id),
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404,
+            message,
+        }) => Err(Error::Image(format!(
+            "image {image} is not available locally ({message}); {fix}"
+        ))),
+        Err(e) => Err(e.into()),
+    }
+}
+
 async fn remove(docker: &Docker, id: &str) -> Result<()> {
     let opts = RemoveContainerOptionsBuilder::new()
         .force(true)
@@ -264,27 +291,10 @@ async fn export_workdir(docker: &Docker, image: &str, workdir: &str) -> Result<S
         ..Default::default()
     };
     let name = format!("arcticd-export-{}-{}", procs::self_owner(), next_token());
-    let created = match docker
-        .create_container(
-            Some(CreateContainerOptionsBuilder::new().name(&name).build()),
-            body,
-        )
-        .await
-    {
-        Ok(c) => c,
-        Err(bollard::errors::Error::DockerResponseServerError {
-            status_code: 404,
-            message,
-        }) => {
-            return Err(Error::Image(format!(
-                "image {image} is not available locally ({message}); pull or build it first"
-            )))
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let id = create_container(docker, &name, body, image, "pull or build it first").await?;
     let container = ExportContainer {
         docker: docker.clone(),
-        id: created.id,
+        id,
         removed: false,
     };
     let dir = tempfile::Builder::new()
@@ -432,7 +442,10 @@ impl Backend for DockerBackend {
                 .map_err(|e| Error::Sandbox(format!("snapshot archiver failed: {e}")))??;
 
             let name = format!("arcticd-{}-{}", procs::self_owner(), next_token());
-            let disk = format!("size={},nr_inodes={}", policy.disk_bytes, policy.disk_inodes);
+            let disk = format!(
+                "size={},nr_inodes={}",
+                policy.disk_bytes, policy.disk_inodes
+            );
             let memory = i64::try_from(policy.memory_bytes)
                 .map_err(|_| Error::InvalidInput("memory_bytes too large".into()))?;
             let body = ContainerCreateBody {
@@ -482,29 +495,19 @@ impl Backend for DockerBackend {
                 }),
                 ..Default::default()
             };
-            let created = match docker
-                .create_container(
-                    Some(CreateContainerOptionsBuilder::new().name(&name).build()),
-                    body,
-                )
-                .await
-            {
-                Ok(c) => c,
-                Err(bollard::errors::Error::DockerResponseServerError {
-                    status_code: 404,
-                    message,
-                }) => {
-                    return Err(Error::Image(format!(
-                        "image {image} not found ({message}); build it with `arcticd sandbox build-image`"
-                    )))
-                }
-                Err(e) => return Err(e.into()),
-            };
+            let id = create_container(
+                &docker,
+                &name,
+                body,
+                &image,
+                "build it with `arcticd sandbox build-image`",
+            )
+            .await?;
             // From here the container exists: the sandbox value owns it, so
             // any early return below removes it on drop.
             let sandbox = DockerSandbox {
                 docker: docker.clone(),
-                id: created.id,
+                id,
                 policy,
                 commit: snapshot.commit().to_string(),
                 closed: AtomicBool::new(false),
