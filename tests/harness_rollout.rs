@@ -13,8 +13,6 @@ mod common;
 use anyhow::{ensure, Context, Result};
 use arcticd_engine::chat::ChatTemplate;
 use arcticd_engine::tokenizer::Tokenizer;
-use arcticd_sandbox::docker::DockerBackend;
-use arcticd_sandbox::local::LocalBackend;
 use arcticd_sandbox::tasks::{toy, Task};
 use arcticd_sandbox::Backend;
 use arcticd_trainer::harness::format::render_call;
@@ -23,16 +21,10 @@ use arcticd_trainer::harness::{
     EnginePolicyRouter, FormatCheck, Harness, RolloutConfig, ScriptedPolicy, Termination,
     Trajectory,
 };
-use common::{base_image, skip, TempDir};
+use common::{base_image, run_on_backend, skip, Kind, TempDir};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, OnceLock};
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Kind {
-    Docker,
-    Local,
-}
 
 /// A tiny model folder (tokenizer and chat template) and a toy pool, made
 /// once per test process.
@@ -82,53 +74,17 @@ fn harness(cfg: RolloutConfig) -> Result<Harness> {
     Ok(Harness::new(tok, template, cfg)?)
 }
 
-fn unavailable(kind: Kind, why: &str) {
-    skip(&format!("{kind:?}"), why);
-}
-
-type Body = Box<
-    dyn FnOnce(
-        Arc<dyn Backend>,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>>>>,
->;
-
-fn run_on(kind: Kind, body: Body) {
-    let docker_ok = match base_image() {
-        Ok(d) => d,
-        Err(e) => return unavailable(kind, &format!("base image: {e}")),
-    };
-    if kind == Kind::Docker && !docker_ok {
-        return unavailable(kind, "cannot connect to the Docker daemon");
-    }
-    let rt = arcticd_sandbox::runtime().expect("runtime");
-    rt.block_on(async {
-        let backend: Arc<dyn Backend> = match kind {
-            Kind::Docker => match DockerBackend::new().await {
-                Ok(b) => Arc::new(b),
-                Err(e) => return unavailable(kind, &e.to_string()),
-            },
-            Kind::Local => match LocalBackend::new().await {
-                Ok(b) => Arc::new(b),
-                Err(e) => return unavailable(kind, &e.to_string()),
-            },
-        };
-        if let Err(e) = body(backend).await {
-            panic!("{kind:?}: {e:#}");
-        }
-    });
-}
-
 macro_rules! both_backends {
     ($name:ident, |$b:ident| $body:block) => {
         mod $name {
             use super::*;
             #[test]
             fn docker() {
-                run_on(Kind::Docker, Box::new(|$b| Box::pin(async move $body)));
+                run_on_backend(Kind::Docker, Box::new(|$b| Box::pin(async move $body)));
             }
             #[test]
             fn local() {
-                run_on(Kind::Local, Box::new(|$b| Box::pin(async move $body)));
+                run_on_backend(Kind::Local, Box::new(|$b| Box::pin(async move $body)));
             }
         }
     };
@@ -530,7 +486,7 @@ impl Policy for BrokenPolicy {
 /// different diff runs the tests, and with the cache off nothing is reused.
 #[test]
 fn a_graded_diff_is_not_graded_again() {
-    run_on(
+    run_on_backend(
         Kind::Local,
         Box::new(|backend| {
             Box::pin(async move {
@@ -602,11 +558,11 @@ fn arcticd(args: &[&str]) -> Result<String> {
 #[test]
 fn eval_command_is_resumable_and_traj_show_prints_it() -> Result<()> {
     if let Err(e) = base_image() {
-        unavailable(Kind::Local, &e);
+        skip("Local", &e);
         return Ok(());
     }
     if Command::new("bwrap").arg("--version").output().is_err() {
-        unavailable(Kind::Local, "no bwrap");
+        skip("Local", "no bwrap");
         return Ok(());
     }
     let f = fixture();

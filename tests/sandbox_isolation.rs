@@ -9,24 +9,18 @@
 
 mod common;
 use anyhow::{ensure, Result};
-use arcticd_sandbox::docker::{self, DockerBackend};
+use arcticd_sandbox::docker;
 use arcticd_sandbox::grading::{self, GradeOutcome, TestSpec};
 use arcticd_sandbox::image;
 use arcticd_sandbox::local::LocalBackend;
 use arcticd_sandbox::{Backend, ExecRequest, Policy, Sandbox, Snapshot};
-use common::{base_image, skip, TempDir};
+use common::{run_on_backend, skip, Kind, TempDir};
 use std::future::Future;
 use std::path::Path;
 use std::pin::Pin;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Kind {
-    Docker,
-    Local,
-}
 
 struct Ctx {
     kind: Kind,
@@ -53,34 +47,16 @@ fn unavailable(kind: Kind, why: &str) {
 type Body = Box<dyn FnOnce(Ctx) -> Pin<Box<dyn Future<Output = Result<()>>>>>;
 
 fn run_on(kind: Kind, body: Body) {
-    let docker_ok = match base_image() {
-        Ok(d) => d,
-        Err(e) => return unavailable(kind, &format!("base image: {e}")),
-    };
-    if kind == Kind::Docker && !docker_ok {
-        return unavailable(kind, "cannot connect to the Docker daemon");
-    }
-    let rt = arcticd_sandbox::runtime().expect("runtime");
-    rt.block_on(async {
-        let backend: Arc<dyn Backend> = match kind {
-            Kind::Docker => match DockerBackend::new().await {
-                Ok(b) => Arc::new(b),
-                Err(e) => return unavailable(kind, &e.to_string()),
-            },
-            Kind::Local => match LocalBackend::new().await {
-                Ok(b) => Arc::new(b),
-                Err(e) => return unavailable(kind, &e.to_string()),
-            },
-        };
-        let ctx = Ctx {
-            kind,
-            backend,
-            image: image::DEFAULT_TAG.to_string(),
-        };
-        if let Err(e) = body(ctx).await {
-            panic!("{kind:?}: {e:#}");
-        }
-    });
+    run_on_backend(
+        kind,
+        Box::new(move |backend| {
+            body(Ctx {
+                kind,
+                backend,
+                image: image::DEFAULT_TAG.to_string(),
+            })
+        }),
+    );
 }
 
 macro_rules! both_backends {

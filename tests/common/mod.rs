@@ -7,8 +7,12 @@
 
 use arcticd_sandbox::docker::DockerBackend;
 use arcticd_sandbox::image;
+use arcticd_sandbox::local::LocalBackend;
+use arcticd_sandbox::Backend;
+use std::future::Future;
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
 
 /// A folder removed on drop.
 pub struct TempDir(pub PathBuf);
@@ -59,4 +63,44 @@ pub fn skip(what: &str, why: &str) {
         panic!("{what} backend unavailable in CI: {why}");
     }
     eprintln!("SKIPPED: {what} sandbox backend unavailable: {why}");
+}
+
+/// The sandbox backends a test runs on.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Kind {
+    Docker,
+    Local,
+}
+
+/// A test's body on one backend.
+pub type OnBackend =
+    Box<dyn FnOnce(Arc<dyn Backend>) -> Pin<Box<dyn Future<Output = anyhow::Result<()>>>>>;
+
+/// Runs `body` on a `kind` backend (the base image built first) in a
+/// runtime of its own: a backend that is not there is skipped (a failure
+/// under CI), and a failing body panics naming the backend.
+pub fn run_on_backend(kind: Kind, body: OnBackend) {
+    let docker_ok = match base_image() {
+        Ok(d) => d,
+        Err(e) => return skip(&format!("{kind:?}"), &format!("base image: {e}")),
+    };
+    if kind == Kind::Docker && !docker_ok {
+        return skip(&format!("{kind:?}"), "cannot connect to the Docker daemon");
+    }
+    let rt = arcticd_sandbox::runtime().expect("runtime");
+    rt.block_on(async {
+        let backend: Arc<dyn Backend> = match kind {
+            Kind::Docker => match DockerBackend::new().await {
+                Ok(b) => Arc::new(b),
+                Err(e) => return skip(&format!("{kind:?}"), &e.to_string()),
+            },
+            Kind::Local => match LocalBackend::new().await {
+                Ok(b) => Arc::new(b),
+                Err(e) => return skip(&format!("{kind:?}"), &e.to_string()),
+            },
+        };
+        if let Err(e) = body(backend).await {
+            panic!("{kind:?}: {e:#}");
+        }
+    });
 }
