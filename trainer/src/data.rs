@@ -21,13 +21,15 @@ pub struct ChatRender<'a> {
     pub template: &'a ChatTemplate,
 }
 
-/// Read and check every line of an SFT JSONL file (blank lines are skipped).
+/// Read and check every line of an SFT JSONL file (blank lines are skipped;
+/// a leading UTF-8 byte-order mark is not part of the first line).
 pub fn read_sft_jsonl(
     path: &Path,
     vocab: usize,
     chat: Option<&ChatRender<'_>>,
 ) -> Result<Vec<SftExample>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -232,6 +234,12 @@ mod tests {
         let (p, _g) = write("{\"tokens\":[1,2,3],\"loss_mask\":[0,1,1]}\n\n{\"tokens\":[4,5],\"loss_mask\":[1,1]}\n");
         let d = read_sft_jsonl(&p, 10, None).unwrap();
         assert_eq!(d.len(), 2);
+        // A leading byte-order mark is not part of the first line.
+        let (bom, _g2) = write("\u{feff}{\"tokens\":[1,2,3],\"loss_mask\":[0,1,1]}\n");
+        assert_eq!(
+            read_sft_jsonl(&bom, 10, None).unwrap()[0].tokens,
+            vec![1, 2, 3]
+        );
         assert_eq!(
             batch_for_step(&d, 1, 3)
                 .iter()

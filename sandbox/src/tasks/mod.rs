@@ -193,10 +193,12 @@ pub fn load_tasks(path: &Path, format: Format) -> Result<Vec<Task>> {
         .collect())
 }
 
-/// Parses JSONL text; `source` names the file in errors.
+/// Parses JSONL text; `source` names the file in errors. A leading UTF-8
+/// byte-order mark (some editors write one) is not part of the first line.
 pub fn parse_tasks(text: &str, format: Format, source: &str) -> Result<Vec<Task>> {
     let mut out: Vec<Task> = Vec::new();
     let mut seen = std::collections::HashSet::new();
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
@@ -455,6 +457,17 @@ mod tests {
         assert_eq!(t.workdir, "/testbed");
         assert_eq!(t.log_parser, "pytest");
         assert_eq!(t.repo, Some(PathBuf::from("repos/t1")));
+    }
+
+    /// A file an editor saved with a byte-order mark reads as without one.
+    #[test]
+    fn a_byte_order_mark_is_not_part_of_the_first_record() {
+        let line = native().to_string();
+        let tasks = parse_tasks(&format!("\u{feff}{line}\n"), Format::Auto, "f").unwrap();
+        assert_eq!(tasks[0].instance_id, "t1");
+        // Anywhere else it is the bad input it is.
+        let err = parse_tasks(&format!("{line}\n\u{feff}{line}\n"), Format::Auto, "f");
+        assert!(err.unwrap_err().to_string().contains("f:2"));
     }
 
     #[test]
