@@ -308,44 +308,9 @@ fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> AppR
     serde_json::from_slice(body).map_err(|e| {
         AppError::bad(format!(
             "invalid request body: {}",
-            plain_types(&e.to_string())
+            arcticd_engine::error::plain_types(&e.to_string())
         ))
     })
-}
-
-/// A serde message with the Rust type names it ends its `expected ...` in
-/// said as a client reads them: "expected f32" is "expected a number".
-fn plain_types(msg: &str) -> String {
-    const NAMES: [(&str, &str); 10] = [
-        ("f32", "a number"),
-        ("f64", "a number"),
-        ("u8", "a whole number from 0 to 255"),
-        ("u16", "a whole number from 0 to 65535"),
-        ("u32", "a whole number from 0 to 4294967295"),
-        ("u64", "a whole number from 0 to 18446744073709551615"),
-        ("usize", "a whole number from 0 to 18446744073709551615"),
-        ("i32", "a whole number from -2147483648 to 2147483647"),
-        ("i64", "a whole number"),
-        ("isize", "a whole number"),
-    ];
-    let mut out = String::with_capacity(msg.len());
-    let mut rest = msg;
-    while let Some(at) = rest.find("expected ") {
-        let (before, after) = rest.split_at(at + "expected ".len());
-        out.push_str(before);
-        let word = after
-            .find(|c: char| !c.is_ascii_alphanumeric())
-            .map_or(after, |end| &after[..end]);
-        match NAMES.iter().find(|(rust, _)| *rust == word) {
-            Some((_, plain)) => {
-                out.push_str(plain);
-                rest = &after[word.len()..];
-            }
-            None => rest = after,
-        }
-    }
-    out.push_str(rest);
-    out
 }
 
 async fn not_found() -> AppError {
@@ -2359,23 +2324,6 @@ mod tests {
         )
         .await;
         assert_eq!(st, StatusCode::OK, "{v}");
-    }
-
-    #[test]
-    fn serde_messages_name_types_as_a_client_reads_them() {
-        assert_eq!(
-            plain_types("invalid type: string \"hot\", expected f32 at line 1 column 80"),
-            "invalid type: string \"hot\", expected a number at line 1 column 80"
-        );
-        assert_eq!(
-            plain_types("invalid value: integer `-1`, expected usize"),
-            "invalid value: integer `-1`, expected a whole number from 0 to 18446744073709551615"
-        );
-        // Other words after "expected" stay, and so does a name inside one.
-        assert_eq!(
-            plain_types("expected a sequence; expected u32x4, expected `,`"),
-            "expected a sequence; expected u32x4, expected `,`"
-        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

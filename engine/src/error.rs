@@ -88,3 +88,61 @@ impl Error {
         }
     }
 }
+
+/// A serde message with the Rust type names it ends its `expected ...` in
+/// said as a user reads them: "expected f32" is "expected a number" (the
+/// server's request bodies, recipes).
+pub fn plain_types(msg: &str) -> String {
+    const NAMES: [(&str, &str); 10] = [
+        ("f32", "a number"),
+        ("f64", "a number"),
+        ("u8", "a whole number from 0 to 255"),
+        ("u16", "a whole number from 0 to 65535"),
+        ("u32", "a whole number from 0 to 4294967295"),
+        ("u64", "a whole number from 0 to 18446744073709551615"),
+        ("usize", "a whole number from 0 to 18446744073709551615"),
+        ("i32", "a whole number from -2147483648 to 2147483647"),
+        ("i64", "a whole number"),
+        ("isize", "a whole number"),
+    ];
+    let mut out = String::with_capacity(msg.len());
+    let mut rest = msg;
+    while let Some(at) = rest.find("expected ") {
+        let (before, after) = rest.split_at(at + "expected ".len());
+        out.push_str(before);
+        let word = after
+            .find(|c: char| !c.is_ascii_alphanumeric())
+            .map_or(after, |end| &after[..end]);
+        match NAMES.iter().find(|(rust, _)| *rust == word) {
+            Some((_, plain)) => {
+                out.push_str(plain);
+                rest = &after[word.len()..];
+            }
+            None => rest = after,
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serde_messages_name_types_as_a_user_reads_them() {
+        assert_eq!(
+            plain_types("invalid type: string \"hot\", expected f32 at line 1 column 80"),
+            "invalid type: string \"hot\", expected a number at line 1 column 80"
+        );
+        assert_eq!(
+            plain_types("invalid value: integer `-1`, expected usize"),
+            "invalid value: integer `-1`, expected a whole number from 0 to 18446744073709551615"
+        );
+        // Other words after "expected" stay, and so does a name inside one.
+        assert_eq!(
+            plain_types("expected a sequence; expected u32x4, expected `,`"),
+            "expected a sequence; expected u32x4, expected `,`"
+        );
+    }
+}

@@ -20,6 +20,7 @@ use crate::step::TrainConfig;
 use crate::{Error, Result};
 use arcticd_engine::engine::EngineConfig;
 pub use arcticd_engine::engine::StateDtype;
+use arcticd_engine::error::plain_types;
 use arcticd_kernels::Device;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -386,13 +387,13 @@ impl Recipe {
     /// Parses recipe text with `key=value` overrides applied on top.
     pub fn from_toml_with(text: &str, origin: &str, sets: &[String]) -> Result<Self> {
         // Parse once as it is, so a bad key's error points at its line.
-        let base: Recipe =
-            toml::from_str(text).map_err(|e| Error::Recipe(format!("{origin}: {e}")))?;
+        let base: Recipe = toml::from_str(text)
+            .map_err(|e| Error::Recipe(format!("{origin}: {}", plain_types(&e.to_string()))))?;
         if sets.is_empty() {
             return base.checked();
         }
-        let mut table: toml::Table =
-            toml::from_str(text).map_err(|e| Error::Recipe(format!("{origin}: {e}")))?;
+        let mut table: toml::Table = toml::from_str(text)
+            .map_err(|e| Error::Recipe(format!("{origin}: {}", plain_types(&e.to_string()))))?;
         for kv in sets {
             let (key, value) = parse_set(kv)?;
             let mut t = &mut table;
@@ -406,9 +407,12 @@ impl Recipe {
             }
             t.insert(key[key.len() - 1].clone(), value);
         }
-        let r: Recipe = toml::Value::Table(table)
-            .try_into()
-            .map_err(|e| Error::Recipe(format!("{origin} with --set {sets:?}: {e}")))?;
+        let r: Recipe = toml::Value::Table(table).try_into().map_err(|e| {
+            Error::Recipe(format!(
+                "{origin} with --set {sets:?}: {}",
+                plain_types(&e.to_string())
+            ))
+        })?;
         r.checked()
     }
 
@@ -826,7 +830,21 @@ mod tests {
         let on_gpu = "device = \"cuda\"\nentropy_coef = 0.01\nref_kl_coef = 0.01\n";
         assert!(Recipe::from_toml(on_gpu, "r").is_ok());
         assert!(Recipe::from_toml("stale = \"sometimes\"\n", "r").is_err());
-        assert!(Recipe::from_toml("steps = \"many\"\n", "r").is_err());
+        // A wrong type is said as a user reads it, not as Rust names it.
+        let err = Recipe::from_toml("steps = \"many\"\n", "r")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("expected a whole number from 0") && !err.contains("u64"),
+            "{err}"
+        );
+        let err = Recipe::from_toml_with("", "r", &["lr=abc".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("expected a number") && !err.contains("f64"),
+            "{err}"
+        );
     }
 
     #[test]
