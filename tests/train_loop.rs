@@ -881,7 +881,7 @@ fn a_collapsed_run_rolls_back_to_its_last_good_checkpoint_and_goes_on() {
     );
     assert!(
         stderr.contains("the run ended collapsed: its last 4 updates solved nothing")
-            && stderr.contains("the newest healthy checkpoint before it is update 3's"),
+            && stderr.contains("the newest healthy point before it is the checkpoint of update 3"),
         "{stderr}"
     );
     assert_eq!(steps_of(&run).last(), Some(&8), "{stderr}");

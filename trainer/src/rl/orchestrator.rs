@@ -427,18 +427,35 @@ fn restore_points(run_dir: &RunDir, model_dir: &Path) -> Result<Vec<(u64, Restor
     Ok(points)
 }
 
+/// Where the run in `run_dir` (started from `model_dir`) goes back to
+/// after a collapse whose first dead update is `streak_start`: the newest
+/// point [`rollback_target`] accepts.
+fn collapse_target(
+    (run_dir, model_dir): (&RunDir, &Path),
+    streak_start: u64,
+    history: &History,
+    tried: Option<u64>,
+    max_staleness: u64,
+) -> Result<Option<(u64, RestorePoint)>> {
+    let points = restore_points(run_dir, model_dir)?;
+    Ok(rollback_target(
+        &points,
+        streak_start,
+        history,
+        tried,
+        max_staleness,
+    ))
+}
+
 /// Why a run that ended with its last `n` updates dead (`why`: how they
 /// ended) failed, and where a user can go back to: `back`, the newest
 /// healthy point before the collapse, if one is kept.
 fn ended_collapsed(n: u64, why: &str, back: Option<(u64, RestorePoint)>) -> String {
     let back = match back {
-        Some((_, RestorePoint::Start(dir))) => format!(
-            "; the newest healthy point before it is the model the run started from ({})",
-            dir.display()
-        ),
-        Some((at, RestorePoint::Checkpoint(dir))) => format!(
-            "; the newest healthy checkpoint before it is update {at}'s ({})",
-            dir.display()
+        Some((at, point)) => format!(
+            "; the newest healthy point before it is {} ({})",
+            point_name(at, &point),
+            point.dir().display()
         ),
         None => String::new(),
     };
@@ -447,6 +464,14 @@ fn ended_collapsed(n: u64, why: &str, back: Option<(u64, RestorePoint)>) -> Stri
          ({why}) and no rollback undid it (rollback_after_dead_updates, max_rollbacks), so its \
          final weights are the collapse's{back}"
     )
+}
+
+/// How a user is told of the point of update `at`.
+fn point_name(at: u64, point: &RestorePoint) -> String {
+    match point {
+        RestorePoint::Start(_) => "the model the run started from".into(),
+        RestorePoint::Checkpoint(_) => format!("the checkpoint of update {at}"),
+    }
 }
 
 /// What the metrics records of a resumed run's kept updates say for its
@@ -1273,21 +1298,24 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 && totals.rollbacks < recipe.max_rollbacks
             {
                 let start = step + 1 - dead.len();
-                let points = restore_points(&run_dir, &model_dir)?;
-                match rollback_target(&points, start, &history, tried, recipe.max_staleness) {
+                let target = collapse_target(
+                    (&run_dir, &model_dir),
+                    start,
+                    &history,
+                    tried,
+                    recipe.max_staleness,
+                )?;
+                match target {
                     Some((at, point)) => {
                         tracing::warn!(
                             "update {step}: the last {} updates solved nothing and trained \
-                             nothing ({}); rolling back to {}, rollback {} of at most {}",
+                             nothing ({}); rolling back to {} ({}), rollback {} of at most {}",
                             dead.len(),
                             dead.why(&termination),
+                            point_name(at, &point),
                             match point {
-                                RestorePoint::Start(_) => "the model the run started from (its \
-                                                           weights, a fresh optimizer)"
-                                    .to_string(),
-                                RestorePoint::Checkpoint(_) => format!(
-                                    "the checkpoint of update {at} (weights and optimizer state)"
-                                ),
+                                RestorePoint::Start(_) => "its weights, a fresh optimizer",
+                                RestorePoint::Checkpoint(_) => "weights and optimizer state",
                             },
                             totals.rollbacks + 1,
                             recipe.max_rollbacks
@@ -1654,11 +1682,14 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                     let n = dead.len();
                     let collapse = recipe.rollback_after_dead_updates;
                     (collapse > 0 && n >= collapse).then(|| {
-                        let start = step + 1 - n;
-                        let back = restore_points(&run_dir, &model_dir).ok().and_then(|p| {
-                            rollback_target(&p, start, &history, tried, recipe.max_staleness)
-                        });
-                        ended_collapsed(n, &dead.why(&last_termination), back)
+                        let back = collapse_target(
+                            (&run_dir, &model_dir),
+                            step + 1 - n,
+                            &history,
+                            tried,
+                            recipe.max_staleness,
+                        );
+                        ended_collapsed(n, &dead.why(&last_termination), back.ok().flatten())
                     })
                 });
         }

@@ -164,11 +164,7 @@ pub fn replay(
         )));
     }
     let (weights, version) = if step == 1 {
-        let model = recipe
-            .model
-            .clone()
-            .ok_or_else(|| Error::Recipe("the run's recipe names no model".into()))?;
-        (model, 0)
+        (start_model(&recipe)?, 0)
     } else {
         let ck = dir.checkpoint(step - 1);
         let state_path = ck.join("run_state.json");
@@ -262,15 +258,19 @@ pub fn replay(
     Ok(out)
 }
 
+/// The model the run started from (its recipe's).
+fn start_model(recipe: &Recipe) -> Result<std::path::PathBuf> {
+    recipe
+        .model
+        .clone()
+        .ok_or_else(|| Error::Recipe("the run's recipe names no model".into()))
+}
+
 /// Where the run in `dir` went back to after update `after`: the
 /// checkpoint of update `to`, or for 0 the model it started from.
 fn rollback_point(dir: &RunDir, recipe: &Recipe, to: u64, after: u64) -> Result<RestorePoint> {
     if to == 0 {
-        let start = recipe
-            .model
-            .clone()
-            .ok_or_else(|| Error::Recipe("the run's recipe names no model".into()))?;
-        return Ok(RestorePoint::Start(start));
+        return Ok(RestorePoint::Start(start_model(recipe)?));
     }
     let ck = dir.checkpoint(to);
     if !ck.join("run_state.json").is_file() {
