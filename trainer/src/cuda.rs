@@ -665,17 +665,7 @@ impl StepDevice for CudaStep {
     fn restore(&mut self, point: &RestorePoint, gate: Option<&dyn WriteGate>) -> Result<u64> {
         // Everything is read and checked before the device changes: a
         // missing or mismatched checkpoint leaves the trainer as it was.
-        let saved = Qwen3_5::load(point.dir())?;
-        if !crate::device::same_shapes(&self.store.read().config, &saved.config) {
-            return Err(Error::Checkpoint(format!(
-                "{}: its model's config differs from the trained model's",
-                point.dir().display()
-            )));
-        }
-        let mut host = AdamW::new(&saved, self.opt.config)?;
-        if let RestorePoint::Checkpoint(dir) = point {
-            crate::checkpoint::load_optimizer(dir, &mut host)?;
-        }
+        let (saved, host) = point.load(&self.store.read().config, self.opt.config)?;
         let values = saved.named_params();
         let dev = self.model.device().clone();
         let params = self.model.params_mut().named_mut();

@@ -39,6 +39,29 @@ impl RestorePoint {
             RestorePoint::Checkpoint(d) | RestorePoint::Start(d) => d,
         }
     }
+
+    /// Its model and its optimizer state on the host (the masters are the
+    /// model's weights), checked against the trained model's `config`;
+    /// `optimizer` configures AdamW. What every device's
+    /// [`StepDevice::restore`] reads before it changes anything.
+    pub fn load(
+        &self,
+        config: &arcticd_engine::ModelConfig,
+        optimizer: crate::optim::AdamWConfig,
+    ) -> Result<(Qwen3_5, AdamW)> {
+        let saved = Qwen3_5::load(self.dir())?;
+        if !same_shapes(config, &saved.config) {
+            return Err(Error::Checkpoint(format!(
+                "{}: its model's config differs from the trained model's",
+                self.dir().display()
+            )));
+        }
+        let mut adamw = AdamW::new(&saved, optimizer)?;
+        if let RestorePoint::Checkpoint(dir) = self {
+            crate::checkpoint::load_optimizer(dir, &mut adamw)?;
+        }
+        Ok((saved, adamw))
+    }
 }
 
 /// One micro-batch as a device scores it: whole sequences, and the packed
@@ -326,18 +349,7 @@ impl StepDevice for CpuStep {
     }
 
     fn restore(&mut self, point: &RestorePoint, gate: Option<&dyn WriteGate>) -> Result<u64> {
-        let dir = point.dir();
-        let saved = Qwen3_5::load(dir)?;
-        if !same_shapes(&self.store.read().config, &saved.config) {
-            return Err(Error::Checkpoint(format!(
-                "{}: its model's config differs from the trained model's",
-                dir.display()
-            )));
-        }
-        let mut optimizer = AdamW::new(&saved, self.optimizer.config)?;
-        if let RestorePoint::Checkpoint(_) = point {
-            crate::checkpoint::load_optimizer(dir, &mut optimizer)?;
-        }
+        let (_, optimizer) = point.load(&self.store.read().config, self.optimizer.config)?;
         let (version, res) = {
             let _paused = crate::step::PauseGuard::pause(gate)?;
             self.store.update(|m| optimizer.write_to(m))
