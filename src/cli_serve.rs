@@ -1,9 +1,11 @@
 //! `arcticd serve --model DIR`: load the model into one shared parameter
 //! store, start engine replicas behind the least-loaded router, and serve
 //! the OpenAI-compatible API (`server.rs`) until SIGINT/SIGTERM. On the
-//! signal the server stops accepting connections, the engines end every
-//! unfinished request (streams get `finish_reason: "abort"`), and the
-//! process exits once the responses are out.
+//! signal the server stops accepting connections and lets the requests in
+//! flight finish, for at most `--shutdown-grace` seconds; then, or on a
+//! second signal, the engines end every unfinished request (streams get
+//! `finish_reason: "abort"`), and the process exits once the responses are
+//! out.
 
 use crate::server::{app, AppState};
 use anyhow::{Context, Result};
@@ -77,6 +79,11 @@ pub struct ServeArgs {
     /// depend on the requests batched with it (slower prefill).
     #[arg(long)]
     pub batch_invariant: bool,
+    /// On SIGINT or SIGTERM, how many seconds the requests in flight may
+    /// take to finish before they are ended (`finish_reason: "abort"`); a
+    /// second signal ends them at once. 0 ends them at once.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace: u64,
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
@@ -248,17 +255,42 @@ fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) 
         .build()?;
     let stopper = router.clone();
     runtime.block_on(async move {
+        // Listening for signals before the port opens: none is missed.
+        let mut first = signal_count()?;
+        let mut second = first.clone();
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
             .await
             .with_context(|| format!("binding {}:{}", args.host, args.port))?;
         let addr = listener.local_addr()?;
         eprintln!("arcticd serve: listening on http://{addr}");
-        serve_http(listener, app(state), HEADER_TIMEOUT, async move {
-            shutdown_signal().await;
-            eprintln!("arcticd serve: shutting down");
-            // Ends every in-flight request, so open streams finish.
-            stopper.shutdown();
-        })
+        let grace = std::time::Duration::from_secs(args.shutdown_grace);
+        serve_http(
+            listener,
+            app(state),
+            HEADER_TIMEOUT,
+            async move {
+                let _ = first.wait_for(|&n| n >= 1).await;
+                eprintln!(
+                    "arcticd serve: shutting down: no new connections; the requests in flight \
+                     may finish for {} s (a second signal ends them now)",
+                    grace.as_secs()
+                );
+            },
+            async move {
+                tokio::select! {
+                    _ = tokio::time::sleep(grace) => eprintln!(
+                        "arcticd serve: the {} s grace is over: ending the requests still \
+                         in flight",
+                        grace.as_secs()
+                    ),
+                    _ = second.wait_for(|&n| n >= 2) => eprintln!(
+                        "arcticd serve: second signal: ending the requests still in flight"
+                    ),
+                }
+                // Ends every in-flight request, so open streams finish.
+                stopper.shutdown();
+            },
+        )
         .await;
         anyhow::Ok(())
     })?;
@@ -273,14 +305,19 @@ fn run(args: ServeArgs, store: std::sync::Arc<ParamStore>, cache_memory: usize) 
 const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Serves `app` on `listener` (HTTP/1.1) until `shutdown` completes, then
-/// lets the connections finish what they are doing and closes idle ones.
-/// An accept that fails (no file descriptors left) is retried after a
-/// pause instead of ending the server.
+/// accepts no more connections, closes idle ones and lets the others finish
+/// their response (the keep-alive ends with it). If they are not all done
+/// when `cut_short` (first polled once `shutdown` completed) completes, it
+/// is up to `cut_short` to end them (the engines end every request), and
+/// this returns once their responses are out. An accept that fails (no
+/// file descriptors left) is retried after a pause instead of ending the
+/// server.
 async fn serve_http(
     listener: tokio::net::TcpListener,
     app: axum::Router,
     header_timeout: std::time::Duration,
     shutdown: impl std::future::Future<Output = ()>,
+    cut_short: impl std::future::Future<Output = ()>,
 ) {
     use hyper_util::rt::{TokioIo, TokioTimer};
     use hyper_util::service::TowerToHyperService;
@@ -311,28 +348,42 @@ async fn serve_http(
             }
         });
     }
-    graceful.shutdown().await;
+    drop(listener);
+    let drained = graceful.shutdown();
+    tokio::pin!(drained);
+    tokio::select! {
+        _ = &mut drained => {}
+        _ = cut_short => drained.await,
+    }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Counts the SIGINTs and SIGTERMs that arrive from now on. Its listeners
+/// live as long as the runtime, so no signal falls between two of them
+/// (a listener made after a signal never sees it).
+fn signal_count() -> Result<tokio::sync::watch::Receiver<u32>> {
+    let (tx, rx) = tokio::sync::watch::channel(0u32);
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut int = signal(SignalKind::interrupt()).context("listening for SIGINT")?;
+        let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = int.recv() => {}
+                    _ = term.recv() => {}
+                }
+                tx.send_modify(|n| *n += 1);
             }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
+        });
     }
+    #[cfg(not(unix))]
+    tokio::spawn(async move {
+        while tokio::signal::ctrl_c().await.is_ok() {
+            tx.send_modify(|n| *n += 1);
+        }
+    });
+    Ok(rx)
 }
 
 /// The share of the memory left after loading that the caches take when
@@ -404,6 +455,7 @@ mod tests {
             async {
                 let _ = stopped.await;
             },
+            std::future::pending(),
         ));
         // Closed by the server: the read ends (0 bytes, or a reset) well
         // before the client's own 20 s limit.
