@@ -305,6 +305,13 @@ fn parse_body<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> AppR
     if body.is_empty() {
         return Err(AppError::bad("the request body is empty; expected JSON"));
     }
+    // serde reads a struct from an array too (its fields in order): every
+    // body of this API is an object.
+    if !body.trim_ascii_start().starts_with(b"{") {
+        return Err(AppError::bad(
+            "invalid request body: expected a JSON object ({...})",
+        ));
+    }
     serde_json::from_slice(body).map_err(|e| {
         AppError::bad(format!(
             "invalid request body: {}",
@@ -2195,6 +2202,10 @@ mod tests {
         let app = app(state());
         let cases: Vec<(&str, String, StatusCode)> = vec![
             ("/v1/chat/completions", "{not json".into(), StatusCode::BAD_REQUEST),
+            // An array is not an object, though serde would read one field
+            // by field.
+            ("/tokenize", r#"["hi"]"#.into(), StatusCode::BAD_REQUEST),
+            ("/detokenize", "[[1, 2]]".into(), StatusCode::BAD_REQUEST),
             (
                 "/v1/chat/completions",
                 json!({"messages": [{"role": "user", "content": "hi"}],
