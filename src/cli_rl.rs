@@ -110,6 +110,24 @@ fn unix_time() -> u64 {
         .unwrap_or(0)
 }
 
+/// A run's held-out change as a person reads it.
+fn held_out_text(h: &arcticd_trainer::rl::HeldOutChange) -> String {
+    let attempts = match h.attempts {
+        (a, b) if a == b => format!("{a} attempts"),
+        (a, b) => format!("{a} then {b} attempts"),
+    };
+    format!(
+        "held-out pass@1 {:.1}% before the first update, {:.1}% at update {} ({:+.1} points, \
+         standard error {:.1}, {} tasks x {attempts})",
+        100.0 * h.from,
+        100.0 * h.to,
+        h.to_step,
+        100.0 * (h.to - h.from),
+        100.0 * h.std_error,
+        h.tasks,
+    )
+}
+
 /// One line per update, as a person reads it.
 fn progress_line(rec: &Value, steps: u64) -> String {
     let f = |k: &str| rec.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
@@ -336,7 +354,7 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
         .unwrap_or_default();
     outln!("{}", serde_json::to_string_pretty(&summary)?)?;
     eprintln!(
-        "{} after {} updates{}; run directory {}{}",
+        "{} after {} updates{}; {}run directory {}{}",
         match (summary.cancelled, &summary.stopped) {
             (true, _) => "stopped",
             (false, Some(_)) => "failed",
@@ -348,6 +366,11 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
             1 => " (1 rollback after a collapse)".to_string(),
             n => format!(" ({n} rollbacks after collapses)"),
         },
+        summary
+            .held_out
+            .as_ref()
+            .map(|h| format!("{}; ", held_out_text(h)))
+            .unwrap_or_default(),
         out.display(),
         if plots.is_empty() {
             String::new()

@@ -147,9 +147,46 @@ fn steps_of(run: &Path) -> Vec<u64> {
 
 #[test]
 fn trained_tokens_are_honest_about_their_weights() {
-    let Some((_dir, run)) = honest_run("probe_every = 1\nprobe_tokens = 12\n") else {
+    // Held out (the training tasks themselves, for the test): before the
+    // first update and after the last with 2 attempts each, at update 2
+    // with 1.
+    let extra = "probe_every = 1\nprobe_tokens = 12\neval_tasks = \"toy/tasks.jsonl\"\n";
+    let sets = ["eval_every=2", "eval_attempts=1", "eval_end_attempts=2"];
+    let Some((_dir, run, out)) = honest_run(extra, &sets) else {
         return;
     };
+    let evals = read_jsonl(&run.join("eval.jsonl"));
+    let at: Vec<(u64, u64)> = evals
+        .iter()
+        .map(|e| (e["step"].as_u64().unwrap(), e["attempts"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(at, vec![(0, 2), (2, 1), (4, 2)], "{evals:?}");
+    // The run reports the change from the first to the last, over the
+    // tasks scored both times, with the paired standard error.
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let h = &summary["held_out"];
+    assert_eq!(
+        (h["from_step"].as_u64(), h["to_step"].as_u64()),
+        (Some(0), Some(4)),
+        "{h}"
+    );
+    assert_eq!(h["tasks"].as_u64(), Some(4), "{h}");
+    let scores = |e: &Value| -> Vec<f64> {
+        e["per_task"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    assert_eq!(h["from"].as_f64(), Some(mean(&scores(&evals[0]))), "{h}");
+    assert_eq!(h["to"].as_f64(), Some(mean(&scores(&evals[2]))), "{h}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("held-out pass@1") && stderr.contains("4 tasks x 2 attempts"),
+        "{stderr}"
+    );
     // The identity probe after every update: a live replica's tokens
     // scored by the trainer's forward on a frozen copy of the same weights.
     let metrics = read_jsonl(&run.join("metrics.jsonl"));
@@ -287,7 +324,8 @@ fn trained_tokens_are_honest_about_their_weights() {
 /// same bits' worth.
 #[test]
 fn two_ranks_keep_identical_weights_without_a_broadcast() {
-    let Some((_dir, run)) = honest_run("ranks = 2\nreplicas = 2\nchecksum_every = 1\n") else {
+    let Some((_dir, run, _)) = honest_run("ranks = 2\nreplicas = 2\nchecksum_every = 1\n", &[])
+    else {
         return;
     };
     let metrics = read_jsonl(&run.join("metrics.jsonl"));
@@ -309,14 +347,14 @@ fn two_ranks_keep_identical_weights_without_a_broadcast() {
 /// A run of the test recipe plus `extra`, its trained tokens re-scored
 /// under the checkpoint of the version that generated them. None when the
 /// sandbox is not ready (skipped).
-fn honest_run(extra: &str) -> Option<(TempDir, PathBuf)> {
+fn honest_run(extra: &str, sets: &[&str]) -> Option<(TempDir, PathBuf, Output)> {
     if !local_ready() {
         return None;
     }
     let dir = TempDir::new("train-loop").unwrap();
     let recipe = setup(dir.path(), extra);
     let run = dir.path().join("run");
-    ok(train(&recipe, &run, &[]).output().unwrap(), "train");
+    let out = ok(train(&recipe, &run, sets).output().unwrap(), "train");
     let metrics = read_jsonl(&run.join("metrics.jsonl"));
     assert_eq!(steps_of(&run), vec![1, 2, 3, 4]);
     let mut same_version_tokens = 0;
@@ -414,7 +452,7 @@ fn honest_run(extra: &str) -> Option<(TempDir, PathBuf)> {
         worst <= 1e-5,
         "behaviour log-probs differ from the checkpoint's by {worst:e}"
     );
-    Some((dir, run))
+    Some((dir, run, out))
 }
 
 /// Runs until the fault point's marker appears, then SIGKILLs.

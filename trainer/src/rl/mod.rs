@@ -23,5 +23,5 @@ pub mod recipe;
 pub mod replay;
 pub mod run_dir;
 
-pub use orchestrator::{gpu_memory_plan, memory_plan, run, RunOptions, RunSummary};
+pub use orchestrator::{gpu_memory_plan, memory_plan, run, HeldOutChange, RunOptions, RunSummary};
 pub use recipe::Recipe;

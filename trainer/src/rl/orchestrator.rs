@@ -266,7 +266,84 @@ pub struct RunSummary {
     pub last: Option<Value>,
     /// Every held-out evaluation: (update, pass@1).
     pub evals: Vec<(u64, f64)>,
+    /// From the run's first held-out evaluation to its last (eval.jsonl,
+    /// so across resumes).
+    pub held_out: Option<HeldOutChange>,
     pub totals: Totals,
+}
+
+/// The held-out pass@1 before the first update and at the last
+/// evaluation, over the tasks scored both times, with the standard error
+/// of the mean of their paired differences: the sampling noise of the
+/// attempts on these tasks (not of the choice of tasks).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HeldOutChange {
+    pub from_step: u64,
+    pub to_step: u64,
+    pub from: f64,
+    pub to: f64,
+    pub tasks: usize,
+    /// Attempts per task in the first and the last evaluation.
+    pub attempts: (u64, u64),
+    pub std_error: f64,
+}
+
+impl HeldOutChange {
+    /// From the text of eval.jsonl: its update-0 record and its last one
+    /// (None without both, or when they scored different task lists).
+    pub fn from_eval_log(text: &str) -> Option<Self> {
+        let records: Vec<Value> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let step = |r: &Value| r.get("step").and_then(Value::as_u64);
+        let first = records.iter().find(|r| step(r) == Some(0))?;
+        let last = records
+            .iter()
+            .rev()
+            .find(|r| step(r).is_some_and(|s| s > 0))?;
+        let per_task = |r: &Value| -> Option<Vec<Option<f64>>> {
+            r.get("per_task")?
+                .as_array()?
+                .iter()
+                .map(|x| match x {
+                    Value::Null => Some(None),
+                    x => x.as_f64().map(Some),
+                })
+                .collect()
+        };
+        let (a, b) = (per_task(first)?, per_task(last)?);
+        if a.len() != b.len() {
+            return None;
+        }
+        let pairs: Vec<(f64, f64)> = a
+            .iter()
+            .zip(&b)
+            .filter_map(|(x, y)| Some(((*x)?, (*y)?)))
+            .collect();
+        let n = pairs.len();
+        if n == 0 {
+            return None;
+        }
+        let mean = |f: &dyn Fn(&(f64, f64)) -> f64| pairs.iter().map(f).sum::<f64>() / n as f64;
+        let (from, to) = (mean(&|p| p.0), mean(&|p| p.1));
+        let d = to - from;
+        let var = if n > 1 {
+            pairs.iter().map(|p| (p.1 - p.0 - d).powi(2)).sum::<f64>() / (n - 1) as f64
+        } else {
+            0.0
+        };
+        let attempts = |r: &Value| r.get("attempts").and_then(Value::as_u64).unwrap_or(0);
+        Some(HeldOutChange {
+            from_step: 0,
+            to_step: step(last)?,
+            from,
+            to,
+            tasks: n,
+            attempts: (attempts(first), attempts(last)),
+            std_error: (var / n as f64).sqrt(),
+        })
+    }
 }
 
 /// Updates in a row that solved nothing and trained nothing: the run's
@@ -695,6 +772,7 @@ fn mean_of(scores: &[Option<f64>]) -> Option<f64> {
 enum SideJob {
     Eval {
         step: u64,
+        attempts: usize,
         scores: Result<Vec<Option<f64>>>,
     },
     Recheck {
@@ -1054,8 +1132,14 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
 
     let (side_tx, side_rx) = mpsc::channel::<SideJob>();
     let mut side_pending = 0usize;
-    let spawn_eval = |at: u64, pending: &mut usize| {
-        if eval_tasks.is_empty() || recipe.eval_attempts == 0 {
+    // The evaluations before the first update and after the last take
+    // `eval_end_attempts` (the run's held-out change is theirs).
+    let spawn_eval = |at: u64, end: bool, pending: &mut usize| {
+        let k = match recipe.eval_end_attempts {
+            n if end && n > 0 => n,
+            _ => recipe.eval_attempts,
+        };
+        if eval_tasks.is_empty() || k == 0 {
             return;
         }
         let (m, v) = (store.read().clone(), store.weight_version());
@@ -1065,11 +1149,15 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             rollouts.clone(),
             side_tx.clone(),
         );
-        let (ts, k) = (eval_tasks.clone(), recipe.eval_attempts);
+        let ts = eval_tasks.clone();
         *pending += 1;
         rt.spawn(async move {
             let scores = frozen_scores(m, v, tok, ecfg, ro, ts, k).await;
-            let _ = tx.send(SideJob::Eval { step: at, scores });
+            let _ = tx.send(SideJob::Eval {
+                step: at,
+                attempts: k,
+                scores,
+            });
         });
     };
 
@@ -1104,7 +1192,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     let b = recipe.groups_per_step;
     let mut rollouts_mark = (0u64, Instant::now());
     if step == 0 && recipe.eval_every > 0 {
-        spawn_eval(0, &mut side_pending);
+        spawn_eval(0, true, &mut side_pending);
     }
     let result: Result<()> = (|| {
         while step < recipe.steps {
@@ -1488,7 +1576,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 trainer.sync_host()?;
             }
             if recipe.eval_every > 0 && (step % recipe.eval_every == 0 || is_last) {
-                spawn_eval(step, &mut side_pending);
+                spawn_eval(step, is_last, &mut side_pending);
             }
             if let (true, Some(prompt)) = (
                 recipe.probe_every > 0 && step % recipe.probe_every == 0,
@@ -1581,7 +1669,11 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                 let Some(job) = job else { break };
                 side_pending -= 1;
                 match job {
-                    SideJob::Eval { step: at, scores } => match scores {
+                    SideJob::Eval {
+                        step: at,
+                        attempts,
+                        scores,
+                    } => match scores {
                         Ok(sc) => {
                             let p = mean_of(&sc).unwrap_or(0.0);
                             evals.push((at, p));
@@ -1590,7 +1682,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                             append_jsonl(
                                 &run_dir.eval(),
                                 &json!({"step": at, "pass_at_1": p, "tasks": sc.len(),
-                                        "attempts": recipe.eval_attempts, "per_task": sc}),
+                                        "attempts": attempts, "per_task": sc}),
                             )?;
                         }
                         Err(e) => tracing::warn!("evaluation at update {at} failed: {e}"),
@@ -1732,6 +1824,9 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
         first,
         last,
         evals,
+        held_out: std::fs::read_to_string(run_dir.eval())
+            .ok()
+            .and_then(|t| HeldOutChange::from_eval_log(&t)),
         totals,
     })
 }
@@ -1937,6 +2032,45 @@ mod tests {
     /// the engines' caches (no weights of their own: they read the
     /// trainer's copy), and the KL reference only when the loss has the
     /// term; two ranks each plan for half the replicas.
+    /// The change is over the tasks scored both times, from the update-0
+    /// record to the last; its standard error is that of the mean paired
+    /// difference.
+    #[test]
+    fn held_out_change_pairs_the_first_and_last_evaluations() {
+        let log = [
+            r#"{"step":0,"pass_at_1":0.5,"tasks":4,"attempts":8,"per_task":[0.0,0.5,null,1.0]}"#,
+            r#"{"step":10,"pass_at_1":0.1,"tasks":4,"attempts":2,"per_task":[0.0,0.0,0.0,0.5]}"#,
+            r#"{"step":20,"pass_at_1":0.7,"tasks":4,"attempts":8,"per_task":[0.5,0.5,1.0,1.0]}"#,
+            "torn",
+        ]
+        .join("\n");
+        let h = HeldOutChange::from_eval_log(&log).unwrap();
+        // Task 2 is unscored at update 0: the pairs are (0, .5), (.5, .5),
+        // (1, 1); differences .5, 0, 0 (mean 1/6, sample variance 1/12).
+        assert_eq!(
+            (h.from_step, h.to_step, h.tasks, h.attempts),
+            (0, 20, 3, (8, 8))
+        );
+        assert!(
+            (h.from - 0.5).abs() < 1e-12 && (h.to - 2.0 / 3.0).abs() < 1e-12,
+            "{h:?}"
+        );
+        assert!(
+            (h.std_error - (1.0f64 / 36.0).sqrt()).abs() < 1e-12,
+            "{h:?}"
+        );
+        // Without an update-0 record, a later one, or the same task list,
+        // there is no change to report.
+        let first = log.lines().next().unwrap();
+        assert_eq!(HeldOutChange::from_eval_log(first), None);
+        assert_eq!(
+            HeldOutChange::from_eval_log(&log.replacen("\"step\":0", "\"step\":5", 1)),
+            None
+        );
+        let other = format!("{first}\n{}", r#"{"step":9,"attempts":8,"per_task":[1.0]}"#);
+        assert_eq!(HeldOutChange::from_eval_log(&other), None);
+    }
+
     #[test]
     fn a_gpu_plan_holds_a_ranks_share() {
         let config = arcticd_engine::init::preset_config(&arcticd_engine::init::TINY).unwrap();

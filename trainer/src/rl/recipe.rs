@@ -232,6 +232,10 @@ pub struct Recipe {
     pub eval_every: u64,
     /// Attempts per held-out task. Default 4.
     pub eval_attempts: usize,
+    /// Attempts per held-out task in the evaluations before the first
+    /// update and after the last, whose difference the run reports with
+    /// its standard error; 0 = `eval_attempts`. Default 0.
+    pub eval_end_attempts: usize,
     /// Every N updates, probe the engine/trainer identity (`rl::probe`):
     /// a live replica samples `probe_tokens` tokens from a prompt of the
     /// batch just trained, at the new weights, and the trainer scores them
@@ -329,6 +333,7 @@ impl Default for Recipe {
             unretire_below: 0.75,
             eval_every: 10,
             eval_attempts: 4,
+            eval_end_attempts: 0,
             probe_every: 0,
             probe_tokens: 32,
             checkpoint_every: 10,
