@@ -309,7 +309,7 @@ const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// their response (the keep-alive ends with it). If they are not all done
 /// when `cut_short` (first polled once `shutdown` completed) completes, it
 /// is up to `cut_short` to end them (the engines end every request), and
-/// this returns once their responses are out. An accept that fails (no
+/// this returns once their responses are out, or `LAST_WRITES` later. An accept that fails (no
 /// file descriptors left) is retried after a pause instead of ending the
 /// server.
 async fn serve_http(
@@ -353,9 +353,22 @@ async fn serve_http(
     tokio::pin!(drained);
     tokio::select! {
         _ = &mut drained => {}
-        _ = cut_short => drained.await,
+        _ = cut_short => {
+            // A client that reads nothing could hold its response open
+            // forever: the server ends anyway.
+            if tokio::time::timeout(LAST_WRITES, drained).await.is_err() {
+                tracing::warn!(
+                    "connections still open {} s after their requests ended; closing them",
+                    LAST_WRITES.as_secs()
+                );
+            }
+        }
     }
 }
+
+/// How long, once the requests in flight are ended, their responses may
+/// take to go out before the server closes their connections.
+const LAST_WRITES: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Counts the SIGINTs and SIGTERMs that arrive from now on. Its listeners
 /// live as long as the runtime, so no signal falls between two of them
@@ -490,6 +503,53 @@ mod tests {
         assert!(closed_within(kept) < Duration::from_secs(10));
         stop.send(()).unwrap();
         rt.block_on(server).unwrap();
+    }
+
+    /// A client that reads nothing of an endless response cannot keep the
+    /// server from ending: once the requests were cut short, the server
+    /// returns `LAST_WRITES` later.
+    #[test]
+    fn a_client_that_reads_nothing_cannot_hold_the_server() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let listener = rt
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let endless = || async {
+            let chunk = axum::body::Bytes::from(vec![b'x'; 1 << 16]);
+            let chunks = futures_util::stream::repeat_with(move || {
+                Ok::<_, std::convert::Infallible>(chunk.clone())
+            });
+            axum::body::Body::from_stream(chunks)
+        };
+        let app = axum::Router::new().route("/endless", axum::routing::get(endless));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = rt.spawn(serve_http(
+            listener,
+            app,
+            Duration::from_secs(30),
+            async {
+                let _ = stopped.await;
+            },
+            async {},
+        ));
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.write_all(b"GET /endless HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut first = [0u8; 64];
+        c.read_exact(&mut first).unwrap();
+        assert!(first.starts_with(b"HTTP/1.1 200"));
+        // The socket buffers fill; the response never ends.
+        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        stop.send(()).unwrap();
+        rt.block_on(server).unwrap();
+        let took = t.elapsed();
+        assert!(
+            took >= super::LAST_WRITES && took < super::LAST_WRITES + Duration::from_secs(5),
+            "the server ended after {took:?}"
+        );
+        drop(c);
     }
 
     #[test]
