@@ -150,8 +150,8 @@ pub(crate) fn json_setting<T: serde::de::DeserializeOwned>(
 
 /// Refuses, before any work, an output file that could not be written
 /// once the work is done: a folder, a path in a missing folder, or one in a
-/// folder this process may not write in (probed by making and removing a
-/// file there).
+/// folder this process may not write in (probed by making and removing an
+/// entry there).
 pub(crate) fn can_write(flag: &str, path: &Path) -> anyhow::Result<()> {
     if path.is_dir() {
         anyhow::bail!("{flag} {} is a folder; name a file", path.display());
@@ -167,20 +167,13 @@ pub(crate) fn can_write(flag: &str, path: &Path) -> anyhow::Result<()> {
             parent.display()
         );
     }
-    let probe = parent.join(format!(".arcticd-probe-{}", std::process::id()));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&probe)
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "{flag} {}: cannot write in {}: {e}",
-                path.display(),
-                parent.display()
-            )
-        })?;
-    std::fs::remove_file(&probe).ok();
-    Ok(())
+    arcticd_engine::weights::can_write_in(parent).map_err(|e| {
+        anyhow::anyhow!(
+            "{flag} {}: cannot write in {}: {e}",
+            path.display(),
+            parent.display()
+        )
+    })
 }
 
 fn main() {

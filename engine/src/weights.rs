@@ -269,6 +269,14 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     finish_temp(&tmp, path, written)
 }
 
+/// Whether this process can make an entry in `folder`: a folder is made
+/// there and removed again, so nothing is left.
+pub fn can_write_in(folder: &Path) -> std::io::Result<()> {
+    let probe = folder.join(format!(".arcticd-probe-{}", std::process::id()));
+    std::fs::create_dir(&probe)?;
+    std::fs::remove_dir(&probe)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -93,24 +93,23 @@ fn replaceable(dir: &Path) -> Result<()> {
 /// rather than after the last step.
 pub fn check_checkpoint_out(out: &Path) -> Result<()> {
     replaceable(out)?;
-    let probe = tmp_sibling(out, "probe")?;
-    let mut at = probe.parent().unwrap_or(Path::new("."));
+    // A folder name a checkpoint can take.
+    tmp_sibling(out, "probe")?;
+    let mut at = out.parent().unwrap_or(Path::new(""));
     while !at.as_os_str().is_empty() && !at.exists() {
-        at = at.parent().unwrap_or(Path::new("."));
+        at = at.parent().unwrap_or(Path::new(""));
     }
-    let probe = if at.as_os_str().is_empty() {
+    let at = if at.as_os_str().is_empty() {
         Path::new(".")
     } else {
         at
-    }
-    .join(probe.file_name().unwrap_or_default());
-    std::fs::create_dir(&probe).map_err(|e| {
+    };
+    arcticd_engine::weights::can_write_in(at).map_err(|e| {
         cerr(format!(
             "cannot write a checkpoint to {}: {e}",
             out.display()
         ))
-    })?;
-    std::fs::remove_dir(&probe).map_err(|e| Error::io(&probe, e))
+    })
 }
 
 /// Save `model` (and optionally the optimizer) to `out`; config and
