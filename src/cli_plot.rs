@@ -9,7 +9,7 @@
 //!
 //! | file | fields |
 //! |---|---|
-//! | `reward.png` | `reward_mean` and `pass_rate` (thin raw, thick moving mean over `--smooth` steps), `recheck_reward` and `eval_pass_at_1` as markers where present |
+//! | `reward.png` | `reward_mean` and `pass_rate` (thin raw, thick moving mean over `--smooth` steps), `recheck_reward` and `eval_pass_at_1` as markers where present, the latter with a bar of one standard error (`eval_std_error`) either side |
 //! | `mismatch.png` | `mismatch_same_version_mean` / `_max` and `probe_mismatch_max` (linear axis: expected exactly 0), `lag_divergence_mean` (log axis when all positive) |
 //! | `update.png` | `grad_norm` (log axis when all positive), `tail_masked` (tokens left out as sampled below `min_token_prob`), `kl_behaviour` / `kl_reference` (log axis when all positive) |
 //! | `staleness.png` | `staleness_mean`, `staleness_max`, `stale_dropped` |
@@ -151,7 +151,7 @@ impl Run {
     /// those weights came from (`eval_at_step`, `recheck_at_step`).
     fn scalar(&self, field: &str) -> Vec<(f64, f64)> {
         let at = match field {
-            "eval_pass_at_1" => Some("eval_at_step"),
+            "eval_pass_at_1" | "eval_std_error" => Some("eval_at_step"),
             "recheck_reward" => Some("recheck_at_step"),
             _ => None,
         };
@@ -305,6 +305,10 @@ struct Series {
     field: &'static str,
     label: &'static str,
     kind: Kind,
+    /// A field with each value's standard error, drawn as a bar of one
+    /// standard error either side (Circles), clipped to [0, 1]: the
+    /// values are rates.
+    error: Option<&'static str>,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -328,7 +332,21 @@ enum Kind {
 }
 
 fn series(field: &'static str, label: &'static str, kind: Kind) -> Series {
-    Series { field, label, kind }
+    Series {
+        field,
+        label,
+        kind,
+        error: None,
+    }
+}
+
+impl Series {
+    fn with_error(self, field: &'static str) -> Series {
+        Series {
+            error: Some(field),
+            ..self
+        }
+    }
 }
 
 fn figures(smooth: usize) -> Vec<Figure> {
@@ -353,12 +371,15 @@ fn figures(smooth: usize) -> Vec<Figure> {
                     ],
                 },
                 Panel {
-                    title: format!("pass_rate ({raw}); circles: eval_pass_at_1"),
+                    title: format!(
+                        "pass_rate ({raw}); circles: eval_pass_at_1, bars: its standard error"
+                    ),
                     y_label: "pass rate",
                     scale: Scale::Linear,
                     series: vec![
                         series("pass_rate", "pass_rate", Kind::Smoothed),
-                        series("eval_pass_at_1", "eval pass@1", Kind::Circles),
+                        series("eval_pass_at_1", "eval pass@1", Kind::Circles)
+                            .with_error("eval_std_error"),
                         series("rolled_back_to", "rolled back", Kind::Rule),
                     ],
                 },
@@ -490,6 +511,8 @@ struct Drawn {
     lines: Vec<Vec<(f64, f64)>>,
     /// The emphasised line: the moving mean (Smoothed), the replica mean (PerReplica).
     thick: Option<Vec<(f64, f64)>>,
+    /// Error bars (step, low, high), for a series with an error field.
+    bars: Vec<(f64, f64, f64)>,
 }
 
 struct PanelData {
@@ -552,12 +575,23 @@ impl PanelData {
                 if !present.contains(&spec.field) {
                     present.push(spec.field);
                 }
+                let bars = spec.error.map_or_else(Vec::new, |field| {
+                    let errors = run.scalar(field);
+                    lines[0]
+                        .iter()
+                        .filter_map(|&(x, y)| {
+                            let &(_, e) = errors.iter().find(|(ex, _)| *ex == x)?;
+                            Some((x, (y - e).max(0.0), (y + e).min(1.0)))
+                        })
+                        .collect()
+                });
                 drawn.push(Drawn {
                     run: r,
                     label: spec.label,
                     kind: spec.kind,
                     lines,
                     thick,
+                    bars,
                 });
             }
         }
@@ -572,11 +606,17 @@ impl PanelData {
                 .map(|p| p.0),
             false,
         );
+        // The bars' ends are points too: they must fit.
+        let ends: Vec<(f64, f64)> = drawn
+            .iter()
+            .flat_map(|d| d.bars.iter().flat_map(|&(x, lo, hi)| [(x, lo), (x, hi)]))
+            .collect();
         let points = || {
             drawn
                 .iter()
                 .filter(|d| d.kind != Kind::Rule)
                 .flat_map(|d| d.lines.iter().chain(d.thick.iter()).flatten())
+                .chain(&ends)
         };
         let log = panel.scale == Scale::LogIfPositive && points().all(|p| p.1 > 0.0);
         let y = padded(points().map(|p| p.1), log);
@@ -805,6 +845,24 @@ where
                     });
             }
             Kind::Circles => {
+                let bar = BLACK.mix(0.7).stroke_width(1);
+                for &(x, lo, hi) in &d.bars {
+                    chart
+                        .draw_series(std::iter::once(PathElement::new(
+                            vec![(x, lo), (x, hi)],
+                            bar,
+                        )))
+                        .map_err(plot_err)?;
+                    // Caps: short, in pixels whatever the scale.
+                    for y in [lo, hi] {
+                        chart
+                            .draw_series(std::iter::once(
+                                EmptyElement::at((x, y))
+                                    + PathElement::new(vec![(-4, 0), (4, 0)], bar),
+                            ))
+                            .map_err(plot_err)?;
+                    }
+                }
                 let style = colour.filled();
                 chart
                     .draw_series(d.lines[0].iter().map(|&p| Circle::new(p, 5, style)))
@@ -984,29 +1042,62 @@ mod tests {
         assert_eq!(imb.drawn[0].lines, vec![vec![(1.0, 1.5), (3.0, 1.0)]]);
     }
 
+    /// reward.png's pass-rate panel of `runs`, unsmoothed.
+    fn pass_panel(runs: &[Run]) -> Option<PanelData> {
+        let figure = figures(1)
+            .into_iter()
+            .find(|f| f.file == "reward.png")
+            .unwrap();
+        PanelData::collect(&figure.panels[1], runs, 1)
+    }
+
+    /// `panel` draws into a PNG (in a temporary folder named by `tag`).
+    fn renders(panel: PanelData, tag: &str) {
+        let dir = std::env::temp_dir().join(format!("arcticd-plot-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("reward.png");
+        render(&path, "reward", &[panel], &["r".to_string()]).unwrap();
+        assert!(std::fs::metadata(&path).unwrap().len() > 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A rollback is a dashed rule at its update across the pass-rate
     /// panel; the update it went back to is no y value.
     #[test]
     fn a_rollback_is_a_rule_not_a_value() {
         let r = run("{\"step\":1,\"pass_rate\":0.25}\n{\"step\":2,\"pass_rate\":0.5,\"rolled_back_to\":1}\n{\"step\":3,\"pass_rate\":0.75}\n");
-        let figure = figures(1)
-            .into_iter()
-            .find(|f| f.file == "reward.png")
-            .unwrap();
-        let runs = [r];
-        let p = PanelData::collect(&figure.panels[1], &runs, 1).unwrap();
+        let p = pass_panel(&[r]).unwrap();
         let rule = p.drawn.iter().find(|d| d.kind == Kind::Rule).unwrap();
         assert_eq!(rule.lines, vec![vec![(2.0, 1.0)]]);
         assert!(p.y.1 < 1.0, "y range {:?}", p.y);
-        let dir = std::env::temp_dir().join(format!("arcticd-plot-rule-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("reward.png");
-        render(&path, "reward", &[p], &["r".to_string()]).unwrap();
-        assert!(std::fs::metadata(&path).unwrap().len() > 0);
-        let _ = std::fs::remove_dir_all(&dir);
+        renders(p, "rule");
         // Events alone make no panel.
-        let only = [run("{\"step\":2,\"rolled_back_to\":1}\n")];
-        assert!(PanelData::collect(&figure.panels[1], &only, 1).is_none());
+        assert!(pass_panel(&[run("{\"step\":2,\"rolled_back_to\":1}\n")]).is_none());
+    }
+
+    /// An evaluation's standard error is a bar either side of its circle,
+    /// at the update it scored, clipped to [0, 1], and inside the y range;
+    /// one logged without an error has no bar.
+    #[test]
+    fn evaluations_have_bars_of_their_standard_error() {
+        let r = run("{\"step\":1,\"pass_rate\":0.5}\n{\"step\":2,\"pass_rate\":0.5,\"eval_pass_at_1\":0.05,\"eval_std_error\":0.1,\"eval_at_step\":0}\n{\"step\":3,\"pass_rate\":0.5,\"eval_pass_at_1\":0.9,\"eval_std_error\":0.05,\"eval_at_step\":3}\n{\"step\":4,\"pass_rate\":0.5,\"eval_pass_at_1\":0.95,\"eval_at_step\":4}\n");
+        let p = pass_panel(&[r]).unwrap();
+        let evals = p.drawn.iter().find(|d| d.kind == Kind::Circles).unwrap();
+        assert_eq!(
+            evals.lines,
+            vec![vec![(0.0, 0.05), (3.0, 0.9), (4.0, 0.95)]]
+        );
+        let want = [(0.0, 0.0, 0.15), (3.0, 0.85, 0.95)];
+        assert_eq!(evals.bars.len(), want.len(), "{:?}", evals.bars);
+        for (b, w) in evals.bars.iter().zip(want) {
+            assert!(
+                (b.0 - w.0).abs() < 1e-12 && (b.1 - w.1).abs() < 1e-12 && (b.2 - w.2).abs() < 1e-12,
+                "{:?}",
+                evals.bars
+            );
+        }
+        assert!(p.y.0 <= 0.0 && p.y.1 >= 0.95, "y range {:?}", p.y);
+        renders(p, "bars");
     }
 
     #[test]

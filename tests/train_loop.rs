@@ -161,6 +161,9 @@ fn trained_tokens_are_honest_about_their_weights() {
         .map(|e| (e["step"].as_u64().unwrap(), e["attempts"].as_u64().unwrap()))
         .collect();
     assert_eq!(at, vec![(0, 2), (2, 1), (4, 2)], "{evals:?}");
+    // A standard error from the attempts' sampling needs 2 of them.
+    let se: Vec<bool> = evals.iter().map(|e| e["std_error"].is_f64()).collect();
+    assert_eq!(se, vec![true, false, true], "{evals:?}");
     // The run reports the change from the first to the last, over the
     // tasks scored both times, with the paired standard error.
     let summary: Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -274,8 +274,11 @@ pub struct RunSummary {
 
 /// The held-out pass@1 before the first update and at the last
 /// evaluation, over the tasks scored both times, with the standard error
-/// of the mean of their paired differences: the sampling noise of the
-/// attempts on these tasks (not of the choice of tasks).
+/// of the mean of their paired differences. Taken over tasks, it holds
+/// both the attempts' sampling noise and how differently the tasks
+/// changed: the error of the change on tasks like these, not only on
+/// these 24 (each evaluation's own `std_error` is the attempts' noise
+/// alone).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct HeldOutChange {
     pub from_step: u64,
@@ -766,6 +769,20 @@ async fn frozen_scores(
 fn mean_of(scores: &[Option<f64>]) -> Option<f64> {
     let v: Vec<f64> = scores.iter().flatten().copied().collect();
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+/// The standard error of [`mean_of`] from the attempts' sampling: each
+/// task's score is the mean of `attempts` draws in [0, 1], whose variance
+/// p(1 - p) / attempts is estimated without bias as
+/// p̂(1 - p̂) / (attempts - 1) (for pass/fail draws; an upper bound for
+/// others). None under 2 attempts or without a scored task.
+fn sampling_std_error(scores: &[Option<f64>], attempts: usize) -> Option<f64> {
+    let v: Vec<f64> = scores.iter().flatten().copied().collect();
+    if attempts < 2 || v.is_empty() {
+        return None;
+    }
+    let var: f64 = v.iter().map(|p| p * (1.0 - p)).sum::<f64>() / (attempts - 1) as f64;
+    Some(var.sqrt() / v.len() as f64)
 }
 
 /// A frozen evaluation or recheck in flight.
@@ -1676,13 +1693,18 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
                     } => match scores {
                         Ok(sc) => {
                             let p = mean_of(&sc).unwrap_or(0.0);
+                            let se = sampling_std_error(&sc, attempts);
                             evals.push((at, p));
                             rec.insert("eval_pass_at_1".into(), json!(p));
                             rec.insert("eval_at_step".into(), json!(at));
+                            if let Some(se) = se {
+                                rec.insert("eval_std_error".into(), json!(se));
+                            }
                             append_jsonl(
                                 &run_dir.eval(),
-                                &json!({"step": at, "pass_at_1": p, "tasks": sc.len(),
-                                        "attempts": attempts, "per_task": sc}),
+                                &json!({"step": at, "pass_at_1": p, "std_error": se,
+                                        "tasks": sc.len(), "attempts": attempts,
+                                        "per_task": sc}),
                             )?;
                         }
                         Err(e) => tracing::warn!("evaluation at update {at} failed: {e}"),
@@ -2032,6 +2054,20 @@ mod tests {
     /// the engines' caches (no weights of their own: they read the
     /// trainer's copy), and the KL reference only when the loss has the
     /// term; two ranks each plan for half the replicas.
+    /// pass@1's sampling error: tasks at 0 or 1 add none, a task at 1/2
+    /// over 2 attempts adds a variance of 1/4.
+    #[test]
+    fn sampling_std_error_of_pass_at_1() {
+        let sc = [Some(0.0), Some(0.5), Some(1.0), None];
+        assert_eq!(sampling_std_error(&sc, 2), Some(0.25f64.sqrt() / 3.0));
+        assert_eq!(sampling_std_error(&sc, 1), None);
+        assert_eq!(sampling_std_error(&[None], 8), None);
+        // 8 attempts: 3/8 solved, 5/8 solved.
+        let sc = [Some(0.375), Some(0.625)];
+        let want = (2.0 * 0.375 * 0.625 / 7.0f64).sqrt() / 2.0;
+        assert!((sampling_std_error(&sc, 8).unwrap() - want).abs() < 1e-15);
+    }
+
     /// The change is over the tasks scored both times, from the update-0
     /// record to the last; its standard error is that of the mean paired
     /// difference.
