@@ -277,8 +277,8 @@ pub struct RunSummary {
 /// of the mean of their paired differences. Taken over tasks, it holds
 /// both the attempts' sampling noise and how differently the tasks
 /// changed: the error of the change on tasks like these, not only on
-/// these 24 (each evaluation's own `std_error` is the attempts' noise
-/// alone).
+/// the ones scored (each evaluation's own `std_error` is the attempts'
+/// noise alone).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct HeldOutChange {
     pub from_step: u64,
@@ -2050,10 +2050,6 @@ fn resume_state(
 mod tests {
     use super::*;
 
-    /// A rank's GPU plan: the device trainer's buffers, the rank's share of
-    /// the engines' caches (no weights of their own: they read the
-    /// trainer's copy), and the KL reference only when the loss has the
-    /// term; two ranks each plan for half the replicas.
     /// pass@1's sampling error: tasks at 0 or 1 add none, a task at 1/2
     /// over 2 attempts adds a variance of 1/4.
     #[test]
@@ -2107,6 +2103,10 @@ mod tests {
         assert_eq!(HeldOutChange::from_eval_log(&other), None);
     }
 
+    /// A rank's GPU plan: the device trainer's buffers, the rank's share of
+    /// the engines' caches (no weights of their own: they read the
+    /// trainer's copy), and the KL reference only when the loss has the
+    /// term; two ranks each plan for half the replicas.
     #[test]
     fn a_gpu_plan_holds_a_ranks_share() {
         let config = arcticd_engine::init::preset_config(&arcticd_engine::init::TINY).unwrap();
