@@ -347,9 +347,10 @@ fn two_ranks_keep_identical_weights_without_a_broadcast() {
     println!("replica tokens {tokens:?}");
 }
 
-/// A run of the test recipe plus `extra`, its trained tokens re-scored
-/// under the checkpoint of the version that generated them. None when the
-/// sandbox is not ready (skipped).
+/// A run of the test recipe plus `extra` (top-level keys) and `--set`s,
+/// its trained tokens re-scored under the checkpoint of the version that
+/// generated them; the run directory and the train command's output.
+/// None when the sandbox is not ready (skipped).
 fn honest_run(extra: &str, sets: &[&str]) -> Option<(TempDir, PathBuf, Output)> {
     if !local_ready() {
         return None;
