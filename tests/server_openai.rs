@@ -1,6 +1,7 @@
 //! End to end: `arcticd serve` on a tiny model, driven by the official
 //! `openai` Python client (tests/ref/openai_client_check.py), then stopped
-//! with SIGTERM, which must end it cleanly.
+//! with SIGTERM, which must end it cleanly; and SIGTERM with a request in
+//! flight (plain HTTP), which it lets finish unless a second signal comes.
 //!
 //! Python: `$ARCTICD_PYTHON`, else `.venv/bin/python` in the repository,
 //! else `python3`, the first that can import `openai`. If none can, the test
