@@ -161,6 +161,9 @@ fn progress_line(rec: &Value, steps: u64) -> String {
     );
     if let Some(p) = rec.get("eval_pass_at_1").and_then(Value::as_f64) {
         s.push_str(&format!(" | held-out pass@1 {:.1}%", 100.0 * p));
+        if let Some(e) = rec.get("eval_std_error").and_then(Value::as_f64) {
+            s.push_str(&format!(" ± {:.1}", 100.0 * e));
+        }
     }
     match rec.get("rolled_back_to").and_then(Value::as_u64) {
         Some(0) => s.push_str(" | collapsed: rolled back to the starting model"),
@@ -441,6 +444,11 @@ mod tests {
                 && line.contains("held-out pass@1 25.0%"),
             "{line}"
         );
+        // With its standard error when the evaluation had one.
+        let rec = json!({"step": 2, "elapsed_s": 10.0, "eval_pass_at_1": 0.25,
+            "eval_std_error": 0.0234});
+        let line = progress_line(&rec, 4);
+        assert!(line.ends_with("held-out pass@1 25.0% ± 2.3"), "{line}");
     }
 
     #[test]
