@@ -163,9 +163,17 @@ fn serve_on_cuda(args: ServeArgs, ordinal: usize) -> Result<()> {
     let cache_memory = match args.cache_memory {
         Some(mib) => cache_bytes(mib)?,
         None => {
+            // The fraction is of what the weights and a step's working
+            // memory leave.
             let f = args.cache_fraction.unwrap_or(DEFAULT_CACHE_FRACTION);
             let (free, _) = CudaDevice::new(ordinal)?.memory_info()?;
-            fraction_of(f, free.saturating_sub(weights), 1)?
+            let step = EngineConfig {
+                max_num_seqs: args.max_num_seqs,
+                max_batched_tokens: args.max_batched_tokens,
+                ..EngineConfig::default()
+            }
+            .step_scratch_bytes(&model.config);
+            fraction_of(f, free.saturating_sub(weights).saturating_sub(step), 1)?
         }
     };
     run(args, ParamStore::new(model), cache_memory)

@@ -153,6 +153,28 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
+    /// Bytes one engine step of `model` may hold beside its cache, at its
+    /// peak: one layer's activations for `max_batched_tokens` tokens (what
+    /// the training forward keeps of a layer, an upper bound of what the
+    /// inference forward has live at once; the residual stream is among
+    /// them) and one chunk of logits (the sampled rows, at least
+    /// `max_num_seqs`, or a scoring chunk). An estimate, in f32: on a GPU
+    /// it is memory the cache must leave free.
+    pub fn step_scratch_bytes(&self, model: &crate::config::ModelConfig) -> usize {
+        let t = [self.max_batched_tokens];
+        let layer = (0..model.layer_types.len())
+            .map(|li| crate::model::planned_layer_floats(model, li, &t))
+            .max()
+            .unwrap_or(0);
+        let rows = self
+            .max_num_seqs
+            .max(crate::model::qwen3_5::logit_rows_per_chunk(
+                model.vocab_size,
+            ))
+            .min(self.max_batched_tokens);
+        (layer + rows * model.vocab_size) * 4
+    }
+
     fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(Error::Config(m.into()));
         if self.block_size == 0
@@ -700,7 +722,10 @@ pub fn start(
                 dev.clone(),
                 config.weights,
                 store.weight_version(),
-                config.cache_memory,
+                (
+                    config.cache_memory,
+                    config.step_scratch_bytes(&model.config),
+                ),
             )?),
             Placement::Host => None,
         };
@@ -1498,21 +1523,24 @@ impl ReplicaWeights {
 #[cfg(feature = "cuda")]
 impl GpuReplica {
     /// Takes the weights at `version` ([`ReplicaWeights::at`]) and checks
-    /// that `cache_memory` bytes are free beside them.
+    /// that `cache_memory` bytes and a step's `scratch` are free beside
+    /// them.
     fn new(
         (store, model): (&ParamStore, &Qwen3_5),
         dev: Arc<arcticd_kernels::cuda::device::CudaDevice>,
         weights: WeightDType,
         version: u64,
-        cache_memory: usize,
+        (cache_memory, scratch): (usize, usize),
     ) -> Result<Self> {
         let on_gpu = ReplicaWeights::at(store, model, &dev, weights, version)?;
         let (free, _) = dev.memory_info()?;
-        if cache_memory > free {
+        if cache_memory.saturating_add(scratch) > free {
             return Err(Error::Config(format!(
-                "cache memory {} MiB is more than the {} MiB free on {dev:?} after the \
-                 weights ({} MiB)",
+                "cache memory {} MiB and a step's working memory (about {} MiB at \
+                 max_batched_tokens) are more than the {} MiB free on {dev:?} after the \
+                 weights ({} MiB): lower the cache memory",
                 cache_memory >> 20,
+                scratch.div_ceil(1 << 20),
                 free >> 20,
                 on_gpu.param_bytes() >> 20
             )));
@@ -1717,6 +1745,27 @@ fn split_by_tokens<'a, 'b>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A step's working memory for the real Qwen3.5-0.8B shape at the
+    /// defaults (1,024 tokens, 64 sequences): one layer's activations and
+    /// 68 rows of 248,320 logits (the scoring chunk, more than 64 sampled
+    /// rows); the layer part grows with the token budget.
+    #[test]
+    fn a_steps_working_memory_for_the_real_0_8b_shape() {
+        let c = crate::init::preset_config(&crate::init::QWEN3_5_0_8B).unwrap();
+        let at = |max_batched_tokens| {
+            EngineConfig {
+                max_batched_tokens,
+                ..EngineConfig::default()
+            }
+            .step_scratch_bytes(&c)
+        };
+        let logits = 68 * 248_320 * 4;
+        let (one, two) = (at(1024), at(2048));
+        eprintln!("0.8B step working memory: {} MiB at 1024 tokens", one >> 20);
+        assert!(one > logits && one < 512 << 20, "{one}");
+        assert_eq!(two - logits, 2 * (one - logits), "{one} {two}");
+    }
 
     fn empty_cache() -> SeqCache {
         SeqCache {

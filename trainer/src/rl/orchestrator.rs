@@ -884,6 +884,13 @@ pub fn gpu_memory_plan(recipe: &Recipe, config: &ModelConfig) -> MemoryPlan {
         format!("engine caches ({replicas} x {})", engine.cache_memory >> 20),
         replicas * engine.cache_memory as u64,
     );
+    plan.add(
+        format!(
+            "engine steps' working memory ({replicas} x {} tokens)",
+            engine.max_batched_tokens
+        ),
+        replicas * engine.step_scratch_bytes(config) as u64,
+    );
     plan
 }
 
@@ -2119,6 +2126,14 @@ mod tests {
         );
         assert!(!names.iter().any(|n| n.contains("KL reference")), "{plan}");
         assert!(!names.iter().any(|n| n.contains("own")), "{plan}");
+        // Each replica's step needs working memory beside its cache.
+        let step = one.engine_config().step_scratch_bytes(&config) as u64;
+        assert!(
+            plan.items
+                .iter()
+                .any(|(n, b)| n.starts_with("engine steps' working memory (2 x") && *b == 2 * step),
+            "{plan}"
+        );
         let two = Recipe::from_toml(
             "device = \"cuda\"\nreplicas = 2\nranks = 2\nref_kl_coef = 0.1\n",
             "r",
