@@ -457,27 +457,44 @@ mod tests {
     use std::io::{Read, Write};
     use std::time::{Duration, Instant};
 
-    /// A connection that sends no request, or half a header, or sits idle
-    /// after its response, is closed after the header timeout; requests are
-    /// served meanwhile; shutdown ends the server.
-    #[test]
-    fn idle_and_silent_connections_are_closed() {
+    /// `serve_http` of `app` on a free local port, in a runtime of its own:
+    /// the runtime, the address, the sender that stops it and its task.
+    fn start(
+        app: axum::Router,
+        header_timeout: Duration,
+        cut_short: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> (
+        tokio::runtime::Runtime,
+        std::net::SocketAddr,
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<()>,
+    ) {
         let rt = tokio::runtime::Runtime::new().unwrap();
         let listener = rt
             .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
             .unwrap();
         let addr = listener.local_addr().unwrap();
-        let app = axum::Router::new().route("/health", axum::routing::get(|| async { "ok" }));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let server = rt.spawn(serve_http(
             listener,
             app,
-            Duration::from_millis(300),
+            header_timeout,
             async {
                 let _ = stopped.await;
             },
-            std::future::pending(),
+            cut_short,
         ));
+        (rt, addr, stop, server)
+    }
+
+    /// A connection that sends no request, or half a header, or sits idle
+    /// after its response, is closed after the header timeout; requests are
+    /// served meanwhile; shutdown ends the server.
+    #[test]
+    fn idle_and_silent_connections_are_closed() {
+        let app = axum::Router::new().route("/health", axum::routing::get(|| async { "ok" }));
+        let (rt, addr, stop, server) =
+            start(app, Duration::from_millis(300), std::future::pending());
         // Closed by the server: the read ends (0 bytes, or a reset) well
         // before the client's own 20 s limit.
         let closed_within = |mut c: std::net::TcpStream| {
@@ -518,11 +535,6 @@ mod tests {
     /// returns `LAST_WRITES` later.
     #[test]
     fn a_client_that_reads_nothing_cannot_hold_the_server() {
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        let listener = rt
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .unwrap();
-        let addr = listener.local_addr().unwrap();
         let endless = || async {
             let chunk = axum::body::Bytes::from(vec![b'x'; 1 << 16]);
             let chunks = futures_util::stream::repeat_with(move || {
@@ -531,16 +543,7 @@ mod tests {
             axum::body::Body::from_stream(chunks)
         };
         let app = axum::Router::new().route("/endless", axum::routing::get(endless));
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = rt.spawn(serve_http(
-            listener,
-            app,
-            Duration::from_secs(30),
-            async {
-                let _ = stopped.await;
-            },
-            async {},
-        ));
+        let (rt, addr, stop, server) = start(app, Duration::from_secs(30), async {});
         let mut c = std::net::TcpStream::connect(addr).unwrap();
         c.write_all(b"GET /endless HTTP/1.1\r\nHost: x\r\n\r\n")
             .unwrap();
