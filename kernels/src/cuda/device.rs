@@ -836,16 +836,8 @@ impl CudaDevice {
             first: self.index(&plan.first)?,
         };
         let n = int("gated_delta_chunks", "chunks", chunks)?;
-        let prep = LaunchConfig {
-            grid_dim: ((chunks * nv) as u32, 1, 1),
-            block_dim: (GD_CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let scan = LaunchConfig {
-            grid_dim: ((seqs * nv * dv.div_ceil(GD_COLS)) as u32, 1, 1),
-            block_dim: (GD_CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: (2 * dk * 4) as u32,
-        };
+        let prep = chunk_launch(chunks * nv);
+        let scan = chunk_scan_launch(seqs * nv * dv.div_ceil(GD_COLS), dk);
         let ChunkPieces {
             a,
             u,
@@ -1522,6 +1514,25 @@ pub fn check_register_columns(op: &str, dk: usize) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// The chunked gated-delta kernels' blocks (prep, the state's gradient
+/// scan, the chunks' gradients): `blocks` of `GD_CHUNK_THREADS`.
+pub(super) fn chunk_launch(blocks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (GD_CHUNK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The chunked forward's state scan: as [`chunk_launch`], with a row of q
+/// and of k (`dk` each) staged in shared memory.
+fn chunk_scan_launch(blocks: usize, dk: usize) -> LaunchConfig {
+    LaunchConfig {
+        shared_mem_bytes: (2 * dk * 4) as u32,
+        ..chunk_launch(blocks)
+    }
 }
 
 /// Decode and the recurrent prefill: a block per column tile of each of
@@ -2351,6 +2362,142 @@ mod tests {
         // Group 6: runs of 4 and 2 heads, two runs per KV head.
         assert_eq!(decode_launch(2, 12, 2, 24, 3).grid_dim.0, 2 * 2 * 2 * 3);
         assert_eq!(decode_launch(1, 8, 2, 256, 16).block_dim.0, 4 * 4 * 32);
+    }
+
+    /// Every kernel's largest launch: the block and the dynamic shared
+    /// memory its wrapper asks for at the widest shapes it admits (head_dim
+    /// `MAX_HEAD_DIM`, decode's `ATTN_DECODE_HEADS` heads a block, key
+    /// heads `GD_MAX_DK`; the gated-delta value heads, which no wrapper
+    /// bounds, at the same 128 as Qwen3.5's); the block sizes of the other
+    /// launches do not depend on shapes.
+    fn largest_launches() -> Vec<(&'static str, LaunchConfig)> {
+        use super::backward::{
+            attention_dkv_launch, attention_dq_launch, columns, per_item, recurrent_backward_launch,
+        };
+        let row = [
+            "rmsnorm_forward",
+            "gated_rmsnorm_forward",
+            "add_rmsnorm_forward",
+            "qk_norm_rope_forward",
+            "embedding_forward_f32",
+            "embedding_forward_bf16",
+            "l2norm_forward",
+            "logprob_gather_forward",
+            "argmax_forward",
+            "sample_rows",
+            "rmsnorm_backward",
+            "gated_rmsnorm_backward",
+            "l2norm_backward",
+            "embedding_backward",
+            "qk_norm_rope_backward",
+            "logprob_gather_backward",
+            "entropy_forward",
+            "entropy_backward",
+        ];
+        let elem = [
+            "f32_to_bf16_copy",
+            "gated_delta_gating_forward",
+            "conv1d_update",
+            "conv1d_forward",
+            "conv1d_state_advance",
+            "conv1d_varlen_forward",
+            "conv1d_varlen_state_advance",
+            "copy_within",
+            "gather_rows",
+            "scatter_rows",
+            "zero_range",
+            "copy_block",
+            "copy_into",
+            "silu_mul_forward",
+            "sigmoid_gate_forward",
+            "silu_forward",
+            "add_assign",
+            "paged_kv_write",
+            "silu_backward",
+            "silu_mul_backward",
+            "sigmoid_gate_backward",
+            "gated_delta_gating_backward",
+            "conv1d_backward_input",
+            "adamw_update",
+            "scale_f32",
+            "gated_delta_backward_reduce",
+        ];
+        let item = [
+            "gated_delta_gating_param_grad",
+            "conv1d_backward_weight",
+            "sum_squares_partial",
+        ];
+        let (hd, dk) = (MAX_HEAD_DIM, GD_MAX_DK);
+        let mut out: Vec<(&'static str, LaunchConfig)> = Vec::new();
+        let by_element = elems(1);
+        out.extend(row.iter().map(|&k| (k, rows(1))));
+        out.extend(elem.iter().map(|&k| (k, by_element)));
+        out.extend(item.iter().map(|&k| (k, per_item(1))));
+        out.extend([
+            ("rmsnorm_weight_grad", columns(1)),
+            ("gated_rmsnorm_weight_grad", columns(1)),
+            ("gated_delta_decode", recurrent_launch(1, dk, dk)),
+            ("gated_delta_prefill", recurrent_launch(1, dk, dk)),
+            ("gated_delta_chunk_prep", chunk_launch(1)),
+            ("gated_delta_chunk_scan", chunk_scan_launch(1, dk)),
+            ("gated_delta_chunk_dscan", chunk_launch(1)),
+            ("gated_delta_chunk_grads", chunk_launch(1)),
+            ("gated_delta_backward", recurrent_backward_launch(1, dk, dk)),
+            (
+                "paged_attention_decode",
+                decode_launch(1, ATTN_DECODE_HEADS, 1, hd, 1),
+            ),
+            ("attention_split_merge", split_merge_launch(1)),
+            ("varlen_attention_prefill", attention_prefill_launch(1, hd)),
+            ("paged_attention_prefill", attention_prefill_launch(1, hd)),
+            ("attention_backward_dq", attention_dq_launch(1, hd)),
+            ("attention_backward_dkv", attention_dkv_launch(1, hd)),
+            ("matmul_invariant", super::gemm::invariant_launch(1, 1)),
+        ]);
+        out
+    }
+
+    /// Every kernel's registers (as ptxas reports them for sm_90 and
+    /// sm_100), threads and shared memory fit the block its largest launch
+    /// asks for, so no launch fails for resources on a GPU
+    /// (`CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES`); the table lists each kernel
+    /// of every module once. Prints what ptxas reported.
+    #[test]
+    fn every_kernels_largest_launch_fits_its_registers_and_shared_memory() {
+        let launches = largest_launches();
+        let mut listed: Vec<&str> = launches.iter().map(|l| l.0).collect();
+        listed.sort();
+        let mut all: Vec<&str> = super::super::MODULES
+            .iter()
+            .flat_map(|m| m.kernels.iter().copied())
+            .collect();
+        all.sort();
+        assert_eq!(listed, all, "the table lists every kernel once");
+        if !super::super::tests::nvrtc_or_skip() {
+            return;
+        }
+        for arch in [90, 100] {
+            let mut refusals = Vec::new();
+            for m in super::super::MODULES {
+                let report = super::super::kernel_resources(m, arch).unwrap();
+                for &kernel in m.kernels {
+                    let r = report
+                        .iter()
+                        .find(|r| r.kernel == kernel)
+                        .unwrap_or_else(|| panic!("sm_{arch}: ptxas reported nothing of {kernel}"));
+                    let (_, cfg) = launches.iter().find(|l| l.0 == kernel).unwrap();
+                    let (x, y, z) = cfg.block_dim;
+                    let threads = x * y * z;
+                    eprintln!(
+                        "sm_{arch} {kernel:30} {:3} registers x {threads:4} threads, \
+                         {:5} + {:5} bytes shared, {} bytes spilled",
+                        r.registers, r.static_shared, cfg.shared_mem_bytes, r.spill_bytes
+                    );
+                    refusals.extend(r.launch_refusal(threads, cfg.shared_mem_bytes));
+                }
+            }
+            assert!(refusals.is_empty(), "sm_{arch}:\n{}", refusals.join("\n"));
+        }
     }
 
     /// Qwen3.5's key heads (128) fit the recurrence's registers; a wider

@@ -234,6 +234,12 @@ impl Drop for Program {
 /// Compiles `module` to CUBIN for compute capability `arch`, with no cache.
 /// A compile error carries NVRTC's log.
 pub fn compile_cubin(module: &Module, arch: u32) -> Result<Vec<u8>> {
+    compile(module, arch, &[]).map(|(cubin, _)| cubin)
+}
+
+/// Compiles `module` for `arch` with `extra` options after the usual ones:
+/// the CUBIN and NVRTC's log.
+fn compile(module: &Module, arch: u32, extra: &[&str]) -> Result<(Vec<u8>, String)> {
     use cudarc::nvrtc::sys;
     require_nvrtc()?;
     let err = |log: String| Error::Compile {
@@ -260,6 +266,7 @@ pub fn compile_cubin(module: &Module, arch: u32) -> Result<Vec<u8>> {
     let prog = Program(raw);
     let opts: Vec<CString> = nvrtc_options(arch)
         .into_iter()
+        .chain(extra.iter().map(|o| o.to_string()))
         .map(|o| CString::new(o).map_err(|e| err(e.to_string())))
         .collect::<Result<_>>()?;
     let ptrs: Vec<*const std::ffi::c_char> = opts.iter().map(|o| o.as_ptr()).collect();
@@ -277,7 +284,116 @@ pub fn compile_cubin(module: &Module, arch: u32) -> Result<Vec<u8>> {
     unsafe { sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr() as *mut std::ffi::c_char) }
         .result()
         .map_err(|e| err(format!("CUBIN: {e:?}")))?;
-    Ok(cubin)
+    Ok((cubin, program_log(&prog)))
+}
+
+/// Most registers a block holds (sm_90 and sm_100), the unit a warp's
+/// registers are allocated in, most threads a block, and the shared memory
+/// a block gets without opting in (`cuFuncSetAttribute`, which no launch
+/// here uses).
+const BLOCK_REGISTERS: u32 = 64 * 1024;
+const WARP_REGISTER_UNIT: u32 = 256;
+const BLOCK_THREADS: u32 = 1024;
+const BLOCK_SHARED: u32 = 48 * 1024;
+
+/// What ptxas gave one kernel for one architecture.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelResources {
+    pub kernel: String,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Shared memory declared in the kernel (the launch adds its dynamic
+    /// part).
+    pub static_shared: u32,
+    /// Bytes spilled to local memory (stores).
+    pub spill_bytes: u32,
+}
+
+impl KernelResources {
+    /// Why a block of `threads` threads with `dynamic_shared` bytes of
+    /// dynamic shared memory cannot launch this kernel, or None when it
+    /// can: the driver refuses such a launch
+    /// (`CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES`) only on a GPU, this says so
+    /// from the compiler's report alone.
+    pub fn launch_refusal(&self, threads: u32, dynamic_shared: u32) -> Option<String> {
+        let k = &self.kernel;
+        if threads == 0 || threads > BLOCK_THREADS {
+            return Some(format!(
+                "{k}: a block of {threads} threads (1 to {BLOCK_THREADS})"
+            ));
+        }
+        let per_warp = (self.registers * 32).div_ceil(WARP_REGISTER_UNIT) * WARP_REGISTER_UNIT;
+        let registers = threads.div_ceil(32) * per_warp;
+        if registers > BLOCK_REGISTERS {
+            return Some(format!(
+                "{k}: {threads} threads of {} registers need {registers} registers, \
+                 a block has {BLOCK_REGISTERS}",
+                self.registers
+            ));
+        }
+        let shared = self.static_shared + dynamic_shared;
+        if shared > BLOCK_SHARED {
+            return Some(format!(
+                "{k}: {} bytes of static and {dynamic_shared} of dynamic shared memory, \
+                 a block gets {BLOCK_SHARED}",
+                self.static_shared
+            ));
+        }
+        None
+    }
+}
+
+/// Every kernel of `module` compiled for `arch`, with the registers, shared
+/// memory and spills ptxas reports (`--ptxas-options=-v`; the CUBIN is the
+/// one [`compile_cubin`] makes).
+pub fn kernel_resources(module: &Module, arch: u32) -> Result<Vec<KernelResources>> {
+    let (_, log) = compile(module, arch, &["--ptxas-options=-v"])?;
+    parse_ptxas_report(&log).map_err(|why| Error::Compile {
+        module: module.name.to_string(),
+        log: format!("reading ptxas's report: {why}\n{log}"),
+    })
+}
+
+/// The kernels of a ptxas `-v` report: "Function properties for K", then
+/// "N bytes spill stores", then "Used R registers, ..., S bytes smem" (no
+/// smem part when the kernel declares none).
+fn parse_ptxas_report(log: &str) -> std::result::Result<Vec<KernelResources>, String> {
+    fn number_before(line: &str, unit: &str) -> Option<u32> {
+        let end = line.find(unit)?;
+        line[..end].split_whitespace().last()?.parse().ok()
+    }
+    let mut out = Vec::new();
+    let mut current: Option<(String, u32)> = None;
+    for line in log.lines() {
+        if let Some(rest) = line.split("Function properties for ").nth(1) {
+            current = Some((rest.trim().to_string(), 0));
+        } else if line.contains("bytes spill stores") {
+            let (name, spill) = current
+                .as_mut()
+                .ok_or(format!("spills before a kernel: {line}"))?;
+            *spill = number_before(line, " bytes spill stores")
+                .ok_or(format!("{name}: no spill count in {line}"))?;
+        } else if line.contains("Used ") && line.contains(" registers") {
+            let (kernel, spill_bytes) = current
+                .take()
+                .ok_or(format!("registers before a kernel: {line}"))?;
+            let registers = number_before(line, " registers")
+                .ok_or(format!("{kernel}: no register count in {line}"))?;
+            let static_shared = if line.contains(" bytes smem") {
+                number_before(line, " bytes smem")
+                    .ok_or(format!("{kernel}: no shared memory size in {line}"))?
+            } else {
+                0
+            };
+            out.push(KernelResources {
+                kernel,
+                registers,
+                static_shared,
+                spill_bytes,
+            });
+        }
+    }
+    Ok(out)
 }
 
 fn program_log(prog: &Program) -> String {
@@ -364,12 +480,12 @@ impl KernelCache {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// CI sets this (with NVRTC installed): a missing library is then a
     /// failure, not a skip.
-    fn nvrtc_or_skip() -> bool {
+    pub(crate) fn nvrtc_or_skip() -> bool {
         if nvrtc_available() {
             return true;
         }
@@ -415,6 +531,61 @@ mod tests {
         };
         let e = compile_cubin(&bad, 90).unwrap_err().to_string();
         assert!(e.contains("bad") && e.contains("undeclared"), "{e}");
+    }
+
+    /// ptxas's report as NVRTC 13.0 writes it: an entry with shared memory
+    /// and spills, one with none, and a device function's properties (no
+    /// "Used" line) between them.
+    #[test]
+    fn the_ptxas_report_gives_each_kernel_its_resources() {
+        let log = "ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'a' for 'sm_90'
+ptxas info    : Function properties for a
+ptxas         .     48 bytes stack frame, 44 bytes spill stores, 44 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 48 bytes cumulative stack size, 2176 bytes smem
+ptxas info    : Function properties for helper
+ptxas         .     8 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Compiling entry function 'b' for 'sm_90'
+ptxas info    : Function properties for b
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 16 registers, used 0 barriers
+";
+        let r = parse_ptxas_report(log).unwrap();
+        let k = |kernel: &str, registers, static_shared, spill_bytes| KernelResources {
+            kernel: kernel.into(),
+            registers,
+            static_shared,
+            spill_bytes,
+        };
+        assert_eq!(r, vec![k("a", 128, 2176, 44), k("b", 16, 0, 0)]);
+        assert!(parse_ptxas_report("ptxas info    : Used 16 registers\n").is_err());
+    }
+
+    /// A block fits when its warps' registers (allocated in 256s), its
+    /// threads and its shared memory fit.
+    #[test]
+    fn a_launch_is_refused_past_the_registers_threads_or_shared_memory() {
+        let k = |registers, static_shared| KernelResources {
+            kernel: "k".into(),
+            registers,
+            static_shared,
+            spill_bytes: 0,
+        };
+        assert_eq!(k(64, 0).launch_refusal(1024, 0), None);
+        // 65 registers round up to 72 a thread: 1024 threads need 73,728.
+        let e = k(65, 0).launch_refusal(1024, 0).unwrap();
+        assert!(e.contains("73728") && e.contains("65536"), "{e}");
+        assert_eq!(k(65, 0).launch_refusal(896, 0), None);
+        assert_eq!(k(128, 0).launch_refusal(512, 0), None);
+        assert!(k(168, 0).launch_refusal(512, 0).is_some());
+        assert!(k(16, 0)
+            .launch_refusal(1056, 0)
+            .unwrap()
+            .contains("1056 threads"));
+        assert!(k(16, 0).launch_refusal(0, 0).is_some());
+        assert_eq!(k(16, 40_000).launch_refusal(256, 9_152), None);
+        let e = k(16, 40_000).launch_refusal(256, 9_153).unwrap();
+        assert!(e.contains("40000") && e.contains("9153"), "{e}");
     }
 
     #[test]

@@ -10,8 +10,8 @@
 //! odd shapes, like the forwards'.
 
 use super::{
-    elems, int, rows, shape, ChunkPlan, CudaDevice, ATTN_BWD_ROWS, ATTN_KEY_TILE, ATTN_PAIR_WARPS,
-    ATTN_WARPS, GD_CHUNK, GD_CHUNK_THREADS, GD_COLS, NULL,
+    chunk_launch, elems, int, rows, shape, ChunkPlan, CudaDevice, ATTN_BWD_ROWS, ATTN_KEY_TILE,
+    ATTN_PAIR_WARPS, ATTN_WARPS, GD_CHUNK, GD_COLS, NULL,
 };
 use crate::cpu::adamw::AdamWStep;
 use crate::{Error, Result};
@@ -21,7 +21,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 const REDUCE_THREADS: u32 = 256;
 
 /// Column sums over rows: 32 columns per block, 8 row lanes.
-fn columns(c: usize) -> LaunchConfig {
+pub(super) fn columns(c: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (c.div_ceil(32) as u32, 1, 1),
         block_dim: (32, 8, 1),
@@ -30,12 +30,51 @@ fn columns(c: usize) -> LaunchConfig {
 }
 
 /// One block of `REDUCE_THREADS` per item.
-fn per_item(n: usize) -> LaunchConfig {
+pub(super) fn per_item(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n as u32, 1, 1),
         block_dim: (REDUCE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// The recurrent gated-delta backward: a block per value head, a thread
+/// per row of the wider side of its state, q, k and three value rows
+/// staged in shared memory.
+pub(super) fn recurrent_backward_launch(nv: usize, kd: usize, vd: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (nv as u32, 1, 1),
+        block_dim: (kd.max(vd).next_multiple_of(32).min(1024) as u32, 1, 1),
+        shared_mem_bytes: ((2 * kd + 3 * vd) * 4) as u32,
+    }
+}
+
+/// Attention's backward blocks, tiled as the prefill (attention.cu): the
+/// warps of `ATTN_PAIR_WARPS` slots, and the shared memory of the key
+/// tiles or of the warps' rows, whichever is larger.
+fn attention_backward_launch(blocks: usize, floats: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: ((ATTN_WARPS * ATTN_PAIR_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: (floats * 4) as u32,
+    }
+}
+
+/// dq's blocks: key tiles, each warp's `hd` floats, or its rows' three
+/// running values.
+pub(super) fn attention_dq_launch(blocks: usize, hd: usize) -> LaunchConfig {
+    let warps = ATTN_WARPS * ATTN_PAIR_WARPS;
+    let floats = (2 * ATTN_KEY_TILE * hd)
+        .max(warps * hd)
+        .max(3 * warps * ATTN_BWD_ROWS);
+    attention_backward_launch(blocks, floats)
+}
+
+/// dk/dv's blocks: key tiles with a column of padding, or each warp's two
+/// rows of `hd`.
+pub(super) fn attention_dkv_launch(blocks: usize, hd: usize) -> LaunchConfig {
+    let warps = ATTN_WARPS * ATTN_PAIR_WARPS;
+    attention_backward_launch(blocks, (2 * ATTN_KEY_TILE * (hd + 1)).max(2 * warps * hd))
 }
 
 impl CudaDevice {
@@ -607,11 +646,7 @@ impl CudaDevice {
             .iter()
             .map(|&x| int(op, "size", x))
             .collect::<Result<Vec<i32>>>()?;
-        let cfg = LaunchConfig {
-            grid_dim: (nv as u32, 1, 1),
-            block_dim: (kd.max(vd).next_multiple_of(32).min(1024) as u32, 1, 1),
-            shared_mem_bytes: ((2 * kd + 3 * vd) * 4) as u32,
-        };
+        let cfg = recurrent_backward_launch(nv, kd, vd);
         match dstate0 {
             Some(ds) => launch!(self, op, cfg; &mut dq_v, &mut dk_v, dv, dg, dbeta, ds,
                 &mut ckpt, &mut st, &mut ds_all, &mut res, dout, state0, q, k, v, g, beta,
@@ -715,11 +750,7 @@ impl CudaDevice {
         let mut ddelta = self.zeros::<f32>(t * nv * vd)?;
         let mut ds1 = self.zeros::<f32>(chunks * sn)?;
         let mut ds_all = self.zeros::<f32>(seqs * sn)?;
-        let dscan = LaunchConfig {
-            grid_dim: ((seqs * nv * vd.div_ceil(GD_COLS)) as u32, 1, 1),
-            block_dim: (GD_CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let dscan = chunk_launch(seqs * nv * vd.div_ceil(GD_COLS));
         launch!(self, "gated_delta_chunk_dscan", dscan; &mut ddelta, &mut ds1, &mut ds_all,
             &p.a, &p.w, &p.cum, q, k, dout, &*p.first, &*p.tok0, &*p.len,
             &ints[0], &ints[1], &ints[2], &ints[3], &ints[4]);
@@ -737,11 +768,7 @@ impl CudaDevice {
             self.zeros::<f32>(t * nv * kd)?,
         );
         let n = int(op, "chunks", chunks)?;
-        let grads = LaunchConfig {
-            grid_dim: ((chunks * nv) as u32, 1, 1),
-            block_dim: (GD_CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let grads = chunk_launch(chunks * nv);
         launch!(self, "gated_delta_chunk_grads", grads; &mut dq_v, &mut dk_v, dv, dg, dbeta,
             &mut delta, &mut dqg, &mut dkd, &mut drv, &mut drk, &ddelta, &starts, &ds1,
             &p.a, &kke, &p.u, &p.w, &p.cum, q, k, v, dout, beta, &*p.tok0, &*p.len,
@@ -805,25 +832,15 @@ impl CudaDevice {
             .iter()
             .map(|&x| int(op, "size", x))
             .collect::<Result<Vec<i32>>>()?;
-        // Rows (pairs, or keys) a block holds; its warps (attention.cu).
+        // Rows (pairs, or keys) a block holds (attention.cu).
         let rows = ATTN_PAIR_WARPS * ATTN_BWD_ROWS;
-        let warps = ATTN_WARPS * ATTN_PAIR_WARPS;
-        let cfg = |blocks: usize, floats: usize| LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: ((warps * 32) as u32, 1, 1),
-            shared_mem_bytes: (floats * 4) as u32,
-        };
         if nq > 0 {
-            let floats = (2 * ATTN_KEY_TILE * hd)
-                .max(warps * hd)
-                .max(3 * warps * ATTN_BWD_ROWS);
             let blocks = (nq * (n_heads / n_kv_heads)).div_ceil(rows) * n_kv_heads;
-            launch!(self, "attention_backward_dq", cfg(blocks, floats);
+            launch!(self, "attention_backward_dq", attention_dq_launch(blocks, hd);
                 dq, &mut lse, &mut dd, dout, q, k, v,
                 &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &scale);
         }
-        let floats = (2 * ATTN_KEY_TILE * (hd + 1)).max(2 * warps * hd);
-        launch!(self, "attention_backward_dkv", cfg(nk.div_ceil(rows) * n_kv_heads, floats);
+        launch!(self, "attention_backward_dkv", attention_dkv_launch(nk.div_ceil(rows) * n_kv_heads, hd);
             dk, dv, dout, q, k, v, &lse, &dd,
             &ints[0], &ints[1], &ints[2], &ints[3], &ints[4], &scale);
         Ok(())
@@ -894,14 +911,9 @@ impl CudaDevice {
         if n == 0 {
             return Ok(0.0);
         }
-        let cfg = elems(n).grid_dim.0.min(1024);
-        let mut partial = self.zeros::<f32>(cfg as usize)?;
+        let launch = per_item(elems(n).grid_dim.0.min(1024) as usize);
+        let mut partial = self.zeros::<f32>(launch.grid_dim.0 as usize)?;
         let nl = n as i64;
-        let launch = LaunchConfig {
-            grid_dim: (cfg, 1, 1),
-            block_dim: (REDUCE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
         launch!(self, "sum_squares_partial", launch; &mut partial, x, &nl);
         Ok(self.download(&partial)?.iter().map(|&p| p as f64).sum())
     }

@@ -41,6 +41,23 @@ pub enum MatMut<'a> {
     Bf16(&'a mut CudaSlice<u16>),
 }
 
+/// `matmul_invariant`'s output tile (matmul.cu): `INVARIANT_TILE` rows by
+/// as many output columns per block of 256 threads.
+const INVARIANT_TILE: usize = 64;
+
+/// `matmul_invariant`'s blocks for `n` rows and `oc` output columns.
+pub(super) fn invariant_launch(n: usize, oc: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            oc.div_ceil(INVARIANT_TILE) as u32,
+            n.div_ceil(INVARIANT_TILE) as u32,
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 impl Mat<'_> {
     fn len(&self) -> usize {
         match self {
@@ -345,16 +362,10 @@ impl CudaDevice {
         if n == 0 || oc == 0 {
             return Ok(());
         }
-        const TILE: usize = 64;
-        let grid_y = n.div_ceil(TILE);
-        if grid_y > 65_535 {
+        if n.div_ceil(INVARIANT_TILE) > 65_535 {
             return Err(Error::Shape(format!("{op}: {n} rows exceed one launch")));
         }
-        let cfg = LaunchConfig {
-            grid_dim: (oc.div_ceil(TILE) as u32, grid_y as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = invariant_launch(n, oc);
         let ints = [n, c, oc]
             .iter()
             .map(|&x| int(op, "size", x))
