@@ -2312,6 +2312,15 @@ mod tests {
         assert_eq!(ATTN_KEY_TILE % ATTN_WARPS, 0);
     }
 
+    /// The value of `#define NAME value` in a kernel source.
+    fn define(src: &str, name: &str) -> usize {
+        let line = src
+            .lines()
+            .find(|l| l.split_whitespace().take(2).eq(["#define", name]))
+            .unwrap_or_else(|| panic!("no #define {name}"));
+        line.split_whitespace().nth(2).unwrap().parse().unwrap()
+    }
+
     /// Decode's split count is the longest context's, and the host's
     /// constants are the kernels' own (`#define`s of attention.cu).
     #[test]
@@ -2321,13 +2330,6 @@ mod tests {
         assert_eq!(decode_splits(&[513, 3]), 2);
         assert_eq!(decode_splits(&[7, 32_768]), 64);
         let src = include_str!("attention.cu");
-        let define = |name: &str| -> usize {
-            let line = src
-                .lines()
-                .find(|l| l.split_whitespace().take(2).eq(["#define", name]))
-                .unwrap_or_else(|| panic!("no #define {name}"));
-            line.split_whitespace().nth(2).unwrap().parse().unwrap()
-        };
         for (name, host) in [
             ("ATTN_WARPS", ATTN_WARPS),
             ("ATTN_PAIR_WARPS", ATTN_PAIR_WARPS),
@@ -2337,9 +2339,39 @@ mod tests {
             ("ATTN_SPLIT", ATTN_SPLIT),
             ("ATTN_DECODE_HEADS", ATTN_DECODE_HEADS),
         ] {
-            assert_eq!(define(name), host, "{name}");
+            assert_eq!(define(src, name), host, "{name}");
         }
         assert_eq!(ATTN_SPLIT % ATTN_KEY_TILE, 0);
+    }
+
+    /// The gated-delta, product and sampling launches agree with what their
+    /// kernels assume: the same tiles and register rows, and blocks no
+    /// larger than the kernels' shared arrays (`red[256]` of the chunk
+    /// gradients, which sums over a power-of-two block; sample_rows'
+    /// `SAMPLE_THREADS` slots).
+    #[test]
+    fn the_other_launches_match_their_kernels_constants() {
+        let gd = include_str!("gated_delta.cu");
+        for (name, host) in [
+            ("GD_MAX_DK", GD_MAX_DK),
+            ("GD_REC_COLS", GD_REC_COLS),
+            ("GD_CHUNK", GD_CHUNK),
+            ("GD_COLS", GD_COLS),
+        ] {
+            assert_eq!(define(gd, name), host, "{name}");
+        }
+        assert!(gd.contains("__shared__ double red[256];"));
+        assert!(GD_CHUNK_THREADS <= 256 && GD_CHUNK_THREADS.is_power_of_two());
+        let mm = include_str!("matmul.cu");
+        let product = super::gemm::invariant_launch(65, 65);
+        assert_eq!(product.block_dim, (define(mm, "MM_THREADS") as u32, 1, 1));
+        let tile = define(mm, "MM_TILE") as u32;
+        assert_eq!(
+            (product.grid_dim.0, product.grid_dim.1),
+            (65u32.div_ceil(tile), 65u32.div_ceil(tile))
+        );
+        let sample = define(include_str!("logsoftmax.cu"), "SAMPLE_THREADS") as u32;
+        assert!(rows(1).block_dim.0 <= sample);
     }
 
     /// The attention launches' dynamic shared memory stays within the 48 KiB
