@@ -1218,6 +1218,12 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     if step == 0 && recipe.eval_every > 0 {
         spawn_eval(0, true, &mut side_pending);
     }
+    let saver = Saver {
+        run_dir: &run_dir,
+        recipe: &recipe,
+        model_dir: &model_dir,
+        shared: &shared,
+    };
     let result: Result<()> = (|| {
         while step < recipe.steps {
             // Wait for B complete groups.
@@ -1769,17 +1775,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             last = Some(rec);
 
             if (recipe.checkpoint_every > 0 && step % recipe.checkpoint_every == 0) || is_last {
-                checkpoint(
-                    &run_dir,
-                    &recipe,
-                    &model_dir,
-                    &mut trainer,
-                    &shared,
-                    step,
-                    consumed,
-                    elapsed(&t_start),
-                    &totals,
-                )?;
+                saver.save(&mut trainer, step, consumed, elapsed(&t_start), &totals)?;
             }
             if opts.cancel.load(Ordering::Acquire) {
                 cancelled = true;
@@ -1822,17 +1818,7 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     shared.wake.notify_waiters();
     let ended = result.and_then(|_| {
         if cancelled || stopped.is_some() {
-            checkpoint(
-                &run_dir,
-                &recipe,
-                &model_dir,
-                &mut trainer,
-                &shared,
-                step,
-                consumed,
-                elapsed(&t_start),
-                &totals,
-            )?;
+            saver.save(&mut trainer, step, consumed, elapsed(&t_start), &totals)?;
             if let Some(why) = &stopped {
                 record_failure(&run_dir, step, why)?;
             }
@@ -1860,76 +1846,91 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
     })
 }
 
-/// Writes `checkpoints/step-N` with the run state, and prunes old ones.
-#[allow(clippy::too_many_arguments)]
-fn checkpoint(
-    run_dir: &RunDir,
-    recipe: &Recipe,
-    model_dir: &Path,
-    trainer: &mut RankTrainer,
-    shared: &Shared,
-    step: u64,
-    consumed: u64,
-    elapsed_s: f64,
-    totals: &Totals,
-) -> Result<()> {
-    let dir = run_dir.checkpoint(step);
-    if dir.join("run_state.json").is_file() {
-        return Ok(());
-    }
-    trainer.sync_host()?;
-    let state = RunState {
-        step,
-        weight_version: trainer.store().weight_version(),
-        pool: shared
-            .pool
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .state
-            .clone(),
-        groups_consumed: consumed,
-        groups_started: shared.groups_started.load(Ordering::Acquire),
-        elapsed_s,
-        totals: totals.clone(),
-        failed: None,
-    };
-    let json = serde_json::to_vec_pretty(&state).map_err(|e| Error::Run(e.to_string()))?;
-    let t0 = Instant::now();
-    // Written under a hidden name, then renamed into place: a directory
-    // named step-N with a run state is always complete.
-    let partial = run_dir
-        .checkpoints()
-        .join(format!(".step-{step:06}.partial"));
-    {
-        let m = trainer.store().read();
-        let saved = save_checkpoint_with(
-            &partial,
-            &m,
+/// What a checkpoint is written from besides the trainer and the loop's
+/// counts: the run directory, the recipe saved with it, the model's own
+/// files, and the pool and dispatch state shared with the rollouts.
+struct Saver<'a> {
+    run_dir: &'a RunDir,
+    recipe: &'a Recipe,
+    model_dir: &'a Path,
+    shared: &'a Shared,
+}
+
+impl Saver<'_> {
+    /// Writes `checkpoints/step-N` with the run state (unless it is there
+    /// already), and prunes old ones.
+    fn save(
+        &self,
+        trainer: &mut RankTrainer,
+        step: u64,
+        consumed: u64,
+        elapsed_s: f64,
+        totals: &Totals,
+    ) -> Result<()> {
+        let Saver {
+            run_dir,
+            recipe,
             model_dir,
-            Some(&*trainer.optimizer()?),
-            &[
-                ("run_state.json", json),
-                ("recipe.toml", recipe.to_toml()?.into_bytes()),
-            ],
-        );
-        if let Err(e) = saved {
-            // A full disk: free what the partial write took at once.
-            let _ = std::fs::remove_dir_all(&partial);
-            return Err(e);
+            shared,
+        } = *self;
+        let dir = run_dir.checkpoint(step);
+        if dir.join("run_state.json").is_file() {
+            return Ok(());
         }
+        trainer.sync_host()?;
+        let state = RunState {
+            step,
+            weight_version: trainer.store().weight_version(),
+            pool: shared
+                .pool
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .state
+                .clone(),
+            groups_consumed: consumed,
+            groups_started: shared.groups_started.load(Ordering::Acquire),
+            elapsed_s,
+            totals: totals.clone(),
+            failed: None,
+        };
+        let json = serde_json::to_vec_pretty(&state).map_err(|e| Error::Run(e.to_string()))?;
+        let t0 = Instant::now();
+        // Written under a hidden name, then renamed into place: a directory
+        // named step-N with a run state is always complete.
+        let partial = run_dir
+            .checkpoints()
+            .join(format!(".step-{step:06}.partial"));
+        {
+            let m = trainer.store().read();
+            let saved = save_checkpoint_with(
+                &partial,
+                &m,
+                model_dir,
+                Some(&*trainer.optimizer()?),
+                &[
+                    ("run_state.json", json),
+                    ("recipe.toml", recipe.to_toml()?.into_bytes()),
+                ],
+            );
+            if let Err(e) = saved {
+                // A full disk: free what the partial write took at once.
+                let _ = std::fs::remove_dir_all(&partial);
+                return Err(e);
+            }
+        }
+        fault_point("checkpoint_write");
+        std::fs::rename(&partial, &dir).map_err(|e| Error::io(&dir, e))?;
+        tracing::info!(
+            step,
+            secs = t0.elapsed().as_secs_f64(),
+            "checkpoint {}",
+            dir.display()
+        );
+        run_dir.prune_checkpoints(match recipe.keep_checkpoints {
+            Keep::Count(n) => Some(n),
+            Keep::All(_) => None,
+        })
     }
-    fault_point("checkpoint_write");
-    std::fs::rename(&partial, &dir).map_err(|e| Error::io(&dir, e))?;
-    tracing::info!(
-        step,
-        secs = t0.elapsed().as_secs_f64(),
-        "checkpoint {}",
-        dir.display()
-    );
-    run_dir.prune_checkpoints(match recipe.keep_checkpoints {
-        Keep::Count(n) => Some(n),
-        Keep::All(_) => None,
-    })
 }
 
 /// Marks checkpoint `step` as where the run failed, for `why`: a resume
