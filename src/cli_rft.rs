@@ -35,10 +35,11 @@ pub struct RftArgs {
     /// Rollouts at once.
     #[arg(long, default_value_t = 4)]
     pub concurrency: usize,
-    /// SFT settings of each round as JSON (see SftSettings), e.g. '{"steps": 60, "lr": 5e-4}'.
+    /// SFT settings of each round as JSON (steps, batch_size, lr, warmup,
+    /// grad_clip, weight_decay, shuffle_seed), e.g. '{"steps": 60, "lr": 5e-4}'.
     #[arg(long)]
     pub sft: Option<String>,
-    /// Rollout settings: a JSON object or a JSON file (see RolloutConfig;
+    /// Rollout settings: a JSON object or a JSON file (the keys of a recipe's [rollout];
     /// `arcticd warm-start` writes its setting to rollout.json). Default
     /// the harness's defaults.
     #[arg(long)]

@@ -55,7 +55,9 @@ pub struct RunArgs {
     /// Command timeout in seconds.
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
-    /// Policy overrides as JSON (see `Policy`), e.g. '{"memory_bytes": 268435456}'.
+    /// Policy overrides as JSON, inline or a file (op_timeout_secs,
+    /// output_cap_bytes, max_file_bytes, memory_bytes, disk_bytes,
+    /// disk_inodes, cpus, pids_limit), e.g. '{"memory_bytes": 268435456}'.
     #[arg(long)]
     pub policy: Option<String>,
     /// The command and its arguments (no shell; use `sh -c '...'` for one).
@@ -108,7 +110,7 @@ pub async fn ensure_base_image(docker: bool, who: &str) -> Result<()> {
 
 async fn run(a: RunArgs) -> Result<()> {
     let mut policy = match &a.policy {
-        Some(json) => serde_json::from_str::<Policy>(json).context("parsing --policy")?,
+        Some(json) => crate::json_setting::<Policy>("--policy", json)?,
         None => Policy::default(),
     };
     policy.exec_timeout_secs = a.timeout;

@@ -155,7 +155,8 @@ pub struct AuditArgs {
     /// Agent attempts per task.
     #[arg(long, default_value_t = 1)]
     pub agent_attempts: usize,
-    /// Agent rollout settings: a JSON object or a JSON file (see RolloutConfig).
+    /// Agent rollout settings: a JSON object or a JSON file (the keys of a
+    /// recipe's [rollout]).
     #[arg(long)]
     pub agent_config: Option<String>,
     /// Ask the agent for extra tests for each loose task: accepted only when

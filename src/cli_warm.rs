@@ -14,11 +14,14 @@ pub struct WarmStartArgs {
     /// Output folder: base/, demos/, demos.jsonl and model/ (the checkpoint).
     #[arg(long)]
     pub out: PathBuf,
-    /// Warm-start settings as JSON (see WarmStartConfig), e.g. '{"steps": 80}'.
+    /// Warm-start settings as JSON, inline or a file: demos, demo_seed,
+    /// give_up_share, preset, init_seed, base_model, concurrency and sft
+    /// (the SFT run's settings), e.g. '{"demos": 64, "sft": {"steps": 80}}'.
     #[arg(long)]
     pub config: Option<String>,
-    /// Rollout settings as JSON (see RolloutConfig); default the demo's
-    /// short-prompt setting. Eval and RL must use the same.
+    /// Rollout settings as JSON, inline or a file (the keys of a recipe's
+    /// [rollout]); default the demo's short-prompt setting. Eval and RL
+    /// must use the same.
     #[arg(long)]
     pub rollout: Option<String>,
     /// Sandbox backend.
@@ -28,11 +31,11 @@ pub struct WarmStartArgs {
 
 pub fn warm_start(a: WarmStartArgs) -> Result<()> {
     let cfg: WarmStartConfig = match &a.config {
-        Some(j) => serde_json::from_str(j).context("parsing --config")?,
+        Some(j) => crate::json_setting("--config", j)?,
         None => WarmStartConfig::default(),
     };
     let rollout: RolloutConfig = match &a.rollout {
-        Some(j) => serde_json::from_str(j).context("parsing --rollout")?,
+        Some(j) => crate::json_setting("--rollout", j)?,
         None => warm_start::demo_rollout_config(),
     };
     // Before the base image is built or a demonstration runs.

@@ -139,13 +139,22 @@ pub(crate) fn json_setting<T: serde::de::DeserializeOwned>(
     value: &str,
 ) -> anyhow::Result<T> {
     use anyhow::Context;
+    // Serde's message with its Rust type names said plainly.
+    let parse = |text: &str, what: String| {
+        serde_json::from_str(text).map_err(|e| {
+            anyhow::anyhow!(
+                "{what}: {}",
+                arcticd_engine::error::plain_types(&e.to_string())
+            )
+        })
+    };
     if value.trim_start().starts_with('{') {
-        return serde_json::from_str(value).with_context(|| format!("parsing {flag}"));
+        return parse(value, format!("parsing {flag}"));
     }
     let text = std::fs::read_to_string(value).with_context(|| {
         format!("{flag} {value}: not a JSON object (starting with {{), nor a file to read")
     })?;
-    serde_json::from_str(&text).with_context(|| format!("{flag}: parsing the file {value}"))
+    parse(&text, format!("{flag}: parsing the file {value}"))
 }
 
 /// Refuses, before any work, an output file that could not be written
@@ -275,6 +284,14 @@ mod tests {
         assert!(
             format!("{e:#}").contains("--config /nonexistent/s.json"),
             "{e:#}"
+        );
+        let e = json_setting::<S>("--config", r#"{"max_turns": -1}"#).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("parsing --config")
+                && e.contains("a whole number from 0 to")
+                && !e.contains("u32"),
+            "{e}"
         );
         std::fs::write(&file, "max_turns = 7").unwrap();
         let e = json_setting::<S>("--rollout", file.to_str().unwrap()).unwrap_err();

@@ -87,9 +87,10 @@ pub fn demo_toy_config(count: usize, seed: u64) -> toy::ToyConfig {
     }
 }
 
-/// Settings of [`build_warm_start`].
+/// Settings of [`build_warm_start`]. An unknown key is an error (a typo
+/// would otherwise run the defaults for half an hour).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct WarmStartConfig {
     /// Model preset of the fresh model (`init-model`'s). Default "demo".
     pub preset: String,
