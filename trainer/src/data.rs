@@ -11,6 +11,7 @@
 use crate::step::SftExample;
 use crate::{Error, Result};
 use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::error::plain_types;
 use arcticd_engine::tokenizer::Tokenizer;
 use serde_json::Value;
 use std::path::Path;
@@ -97,13 +98,23 @@ fn parse_line(line: &str, vocab: usize, chat: Option<&ChatRender<'_>>) -> Result
                 .cloned()
                 .ok_or_else(|| Error::Input("neither \"tokens\" nor \"messages\"".into()))?,
         )
-        .map_err(|e| Error::Input(format!("\"tokens\" is a list of token ids from 0 ({e})")))?;
+        .map_err(|e| {
+            Error::Input(format!(
+                "\"tokens\" is a list of token ids from 0 ({})",
+                plain_types(&e.to_string())
+            ))
+        })?;
         let loss_mask: Vec<u8> = serde_json::from_value(
             v.get("loss_mask")
                 .cloned()
                 .ok_or_else(|| Error::Input("\"tokens\" without \"loss_mask\"".into()))?,
         )
-        .map_err(|e| Error::Input(format!("\"loss_mask\" is a list of 0s and 1s ({e})")))?;
+        .map_err(|e| {
+            Error::Input(format!(
+                "\"loss_mask\" is a list of 0s and 1s ({})",
+                plain_types(&e.to_string())
+            ))
+        })?;
         if let Some(&m) = loss_mask.iter().find(|&&m| m > 1) {
             return Err(Error::Input(format!("loss_mask value {m} is not 0 or 1")));
         }
@@ -126,10 +137,21 @@ fn parse_line(line: &str, vocab: usize, chat: Option<&ChatRender<'_>>) -> Result
             "token id {id} at position {t} is not below the vocabulary size {vocab}"
         )));
     }
+    // The first token is never a target: nothing comes before it.
+    if ex.tokens.len() < 2 {
+        return Err(Error::Input(format!(
+            "an example needs at least 2 tokens (the first is never a target), got {}",
+            ex.tokens.len()
+        )));
+    }
     if ex.loss_mask.iter().skip(1).all(|&m| m == 0) {
-        return Err(Error::Input(
-            "no target tokens (loss_mask is 0 after position 0)".into(),
-        ));
+        return Err(Error::Input(if chat_form {
+            "no assistant message: nothing to train on".into()
+        } else {
+            "no target tokens: loss_mask is 0 at every position after the first (the first \
+             token is never a target)"
+                .into()
+        }));
     }
     Ok(ex)
 }
@@ -259,6 +281,15 @@ mod tests {
             (
                 "{\"tokens\":[1,2],\"loss_mask\":[1,0]}",
                 ":1: no target tokens",
+            ),
+            (
+                "{\"tokens\":[1],\"loss_mask\":[1]}",
+                ":1: an example needs at least 2 tokens (the first is never a target), got 1",
+            ),
+            (
+                "{\"tokens\":[1,2],\"loss_mask\":[true,true]}",
+                ":1: \"loss_mask\" is a list of 0s and 1s (invalid type: boolean `true`, \
+                 expected a whole number from 0 to 255",
             ),
             ("{\"tokens\":[1,2]", ":1: invalid JSON"),
             (
