@@ -104,7 +104,8 @@ pub struct EvalArgs {
     #[arg(long, default_value_t = 1, value_parser = crate::at_least_one)]
     pub replicas: usize,
     /// Rollout settings: a JSON object, e.g. '{"max_turns": 20}', or a JSON
-    /// file (see RolloutConfig; `arcticd warm-start` writes rollout.json).
+    /// file (the keys of a recipe's [rollout]; `arcticd warm-start` writes
+    /// rollout.json).
     #[arg(long)]
     pub config: Option<String>,
 }
@@ -262,9 +263,19 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         let policy: Arc<dyn Policy> = engine.policy;
         Box::new(move |_: &tasks::Task| policy.clone())
     };
+    // What makes the attempts, as the records name it.
+    let absolute = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let policy = if let Some(p) = &a.script {
+        format!("script {}", absolute(p).display())
+    } else if let Some(endpoint) = &a.endpoint {
+        format!("model {} at {endpoint}", a.model)
+    } else {
+        format!("model {}", absolute(Path::new(&a.model)).display())
+    };
     let ecfg = EvalConfig {
         attempts: a.attempts,
         concurrency: a.concurrency,
+        policy: Some(policy),
     };
     let rt = arcticd_sandbox::runtime()?;
     let summary = rt.block_on(async {

@@ -115,6 +115,7 @@ async fn selected_pool(
     let cfg = EvalConfig {
         attempts: SELECT_ATTEMPTS,
         concurrency: 8,
+        policy: None,
     };
     let records = dir.join("warm-start-eval.jsonl");
     let summary = run_eval(&harness, &policy_for, backend, &all, &cfg, &records, None).await;

@@ -631,6 +631,24 @@ fn eval_command_is_resumable_and_traj_show_prints_it() -> Result<()> {
     let again: serde_json::Value = serde_json::from_str(&arcticd(&args)?)?;
     ensure!(again["attempts"] == 4 && again["pass_at_1"] == 0.5);
     ensure!(std::fs::read_to_string(&out)?.lines().count() == 4);
+    // Another policy (here another script file) on the same records is
+    // refused: its attempts would be counted as the first one's.
+    let records_before = std::fs::read_to_string(&out)?;
+    let other_script = dir.0.join("other-script.json");
+    std::fs::write(&other_script, script.to_string())?;
+    let mut other = args.map(str::to_string);
+    other[6] = p(&other_script);
+    let r = Command::new(env!("CARGO_BIN_EXE_arcticd"))
+        .args(&other)
+        .output()?;
+    let err = String::from_utf8_lossy(&r.stderr);
+    ensure!(
+        !r.status.success()
+            && err.contains("holds attempts of another policy")
+            && err.contains("other-script.json"),
+        "{err}"
+    );
+    ensure!(std::fs::read_to_string(&out)? == records_before);
     // Fewer attempts asked of the same file: the summary counts those
     // asked for, and says what it kept and left out.
     let mut fewer = args.map(str::to_string);

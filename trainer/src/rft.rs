@@ -250,6 +250,7 @@ async fn sample(
     let ecfg = EvalConfig {
         attempts: cfg.attempts,
         concurrency: cfg.concurrency,
+        policy: None,
     };
     let summary = match sampler {
         Sampler::Fixed(policy_for) => {

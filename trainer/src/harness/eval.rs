@@ -29,6 +29,11 @@ pub struct EvalConfig {
     pub attempts: usize,
     /// Rollouts at once. Default 2.
     pub concurrency: usize,
+    /// What makes the attempts (`arcticd eval`: the model folder, the
+    /// endpoint and model name, or the script file), written into every
+    /// record; a resume refuses a file with another's. Default None: not
+    /// recorded, not checked.
+    pub policy: Option<String>,
 }
 
 impl Default for EvalConfig {
@@ -36,6 +41,7 @@ impl Default for EvalConfig {
         EvalConfig {
             attempts: 4,
             concurrency: 2,
+            policy: None,
         }
     }
 }
@@ -71,6 +77,9 @@ pub struct AttemptRecord {
     pub wall_secs: f64,
     #[serde(default)]
     pub detail: String,
+    /// [`EvalConfig::policy`] of the run that made it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
 }
 
 impl From<&Trajectory> for AttemptRecord {
@@ -85,6 +94,7 @@ impl From<&Trajectory> for AttemptRecord {
             tokens: t.token_ids.len(),
             wall_secs: t.wall_secs,
             detail: t.detail.clone(),
+            policy: None,
         }
     }
 }
@@ -340,6 +350,21 @@ pub async fn run_eval(
     traj_out: Option<&Path>,
 ) -> Result<EvalSummary> {
     cfg.check()?;
+    if let Some(ours) = &cfg.policy {
+        let (records, _) = scan_records(out)?;
+        if let Some(theirs) = records
+            .iter()
+            .filter_map(|r| r.policy.as_deref())
+            .find(|p| p != ours)
+        {
+            return Err(Error::Input(format!(
+                "{} holds attempts of another policy ({theirs}; this run's is {ours}); its \
+                 attempts would be kept and counted as this one's: name another output file, \
+                 or remove it to evaluate anew (nothing was written to it)",
+                out.display()
+            )));
+        }
+    }
     let (records, mut out_file) = open_records(out)?;
     let done: HashSet<(String, usize)> = records
         .into_iter()
@@ -380,8 +405,11 @@ pub async fn run_eval(
     while let Some(traj) = stream.next().await {
         // One write per record, newline included, so that a crash leaves
         // at most one torn line, the last.
-        let mut line = serde_json::to_string(&AttemptRecord::from(&traj))
-            .map_err(|e| Error::Input(e.to_string()))?;
+        let record = AttemptRecord {
+            policy: cfg.policy.clone(),
+            ..AttemptRecord::from(&traj)
+        };
+        let mut line = serde_json::to_string(&record).map_err(|e| Error::Input(e.to_string()))?;
         line.push('\n');
         out_file
             .write_all(line.as_bytes())
@@ -435,6 +463,7 @@ mod tests {
             let cfg = EvalConfig {
                 attempts,
                 concurrency,
+                policy: None,
             };
             assert!(cfg.check().is_err(), "{attempts} {concurrency}");
         }
@@ -451,6 +480,7 @@ mod tests {
             tokens: 1,
             wall_secs: 0.0,
             detail: String::new(),
+            policy: None,
         }
     }
 
