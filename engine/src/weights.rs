@@ -168,6 +168,16 @@ impl SaveDType {
     }
 }
 
+/// Whether `path` reads as a whole safetensors file (its header parses and
+/// its data is all there), without reading the data: mapped, not loaded.
+pub fn check_safetensors(path: &Path) -> Result<()> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: read-only map, dropped before returning.
+    let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    SafeTensors::deserialize(&mmap).map_err(|e| werr(unreadable_safetensors(path, &e)))?;
+    Ok(())
+}
+
 /// Write named f32 tensors to a safetensors file, converting to `dtype`.
 /// Atomic: written to a temporary file beside `path`, then renamed, so a
 /// crash never leaves a half-written checkpoint under the real name.

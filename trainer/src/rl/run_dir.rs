@@ -215,12 +215,14 @@ impl RunDir {
             let p = dir.join("run_state.json");
             let text = std::fs::read(&p).map_err(io(&p))?;
             let why = match serde_json::from_slice::<RunState>(&text) {
-                Ok(s) => match arcticd_engine::weights::Checkpoint::open(&dir) {
-                    Ok(_) => return Ok(Some((dir, s))),
+                Ok(s) => match readable_weights(&dir) {
+                    Ok(()) => return Ok(Some((dir, s))),
                     // Damage, not a failure to read (a permission, a
                     // missing file: said, nothing removed).
-                    Err(e @ arcticd_engine::Error::Io { .. }) => return Err(e.into()),
-                    Err(e) => format!("its weights cannot be read: {e}"),
+                    Err(
+                        e @ (Error::Io { .. } | Error::Engine(arcticd_engine::Error::Io { .. })),
+                    ) => return Err(e),
+                    Err(e) => format!("its weights or optimizer state cannot be read: {e}"),
                 },
                 Err(e) => format!("its run state cannot be read: {e}"),
             };
@@ -356,6 +358,24 @@ pub fn write_jsonl<T: Serialize>(path: &Path, values: impl IntoIterator<Item = T
     arcticd_engine::weights::write_atomic(path, text.as_bytes()).map_err(Into::into)
 }
 
+/// Whether a checkpoint's weights and, where it has them, its optimizer
+/// state (`trainer_state.json`, `optimizer.safetensors`) read whole:
+/// headers and sizes, not the data.
+fn readable_weights(dir: &Path) -> Result<()> {
+    arcticd_engine::weights::Checkpoint::open(dir)?;
+    let state = dir.join("trainer_state.json");
+    if state.is_file() {
+        let text = std::fs::read(&state).map_err(io(&state))?;
+        serde_json::from_slice::<crate::checkpoint::TrainerState>(&text)
+            .map_err(|e| Error::Checkpoint(format!("{}: {e}", state.display())))?;
+    }
+    let moments = dir.join("optimizer.safetensors");
+    if moments.is_file() {
+        arcticd_engine::weights::check_safetensors(&moments)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -421,7 +441,7 @@ mod tests {
         r.lock().unwrap();
     }
 
-    /// A damaged newest checkpoint (run state or weights) is passed over
+    /// A damaged newest checkpoint (run state, weights or moments) is passed over
     /// and moved aside, whole; the one before it is resumed from.
     #[test]
     fn a_damaged_newest_checkpoint_is_moved_aside_and_the_one_before_used() {
@@ -455,9 +475,25 @@ mod tests {
         let bytes = std::fs::read(&w).unwrap();
         std::fs::write(&w, &bytes[..bytes.len() / 2]).unwrap();
         std::fs::write(r.checkpoint(2).join("run_state.json"), "{").unwrap();
+        // 4: truncated optimizer moments, as the loop writes them.
+        let p = r.checkpoint(4);
+        arcticd_engine::init::init_model(arcticd_engine::init::TINY, &p, 0).unwrap();
+        std::fs::write(
+            p.join("run_state.json"),
+            serde_json::to_vec(&state(4)).unwrap(),
+        )
+        .unwrap();
+        let moments = p.join("optimizer.safetensors");
+        std::fs::copy(p.join("model.safetensors"), &moments).unwrap();
+        let bytes = std::fs::read(&moments).unwrap();
+        std::fs::write(&moments, &bytes[..bytes.len() - 1]).unwrap();
         let (dir, s) = r.latest_checkpoint().unwrap().expect("step 1 is whole");
         assert_eq!((dir, s.step), (r.checkpoint(1), 1));
-        assert!(!r.checkpoint(2).exists() && !r.checkpoint(3).exists());
+        assert!(!r.checkpoint(2).exists() && !r.checkpoint(3).exists() && !p.exists());
+        assert!(r
+            .checkpoints()
+            .join("damaged-step-000004/optimizer.safetensors")
+            .is_file());
         let aside = |name: &str| r.checkpoints().join(name);
         assert_eq!(
             std::fs::read_to_string(aside("damaged-step-000002").join("run_state.json")).unwrap(),
