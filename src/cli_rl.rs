@@ -253,6 +253,9 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
     }
     let (mut recipe, out, resume) = if let Some(dir) = &a.resume {
         let path = dir.join("recipe.toml");
+        if dir.is_file() {
+            bail!("{} is a file, not a run directory", dir.display());
+        }
         if !dir.is_dir() {
             bail!("{}: no such run directory", dir.display());
         }
@@ -292,10 +295,20 @@ pub fn train(mut a: TrainArgs) -> Result<()> {
         recipe.device = d;
         recipe = recipe.checked()?;
     }
+    if recipe.model.is_none() {
+        bail!("the recipe names no model: set model = \"DIR\" in it, or --set model=DIR");
+    }
     let steps = recipe.steps;
     for a in recipe.ablations() {
         eprintln!("ABLATION ON (not the full recipe): {a}");
         tracing::warn!("ablation on: {a}");
+    }
+    if let Some(w) = recipe
+        .train_config()
+        .schedule
+        .unfinished_warmup(steps, recipe.lr)
+    {
+        tracing::warn!("{w}");
     }
     let latest = Arc::new(Mutex::new(String::new()));
     if let Some(port) = a.metrics_port {

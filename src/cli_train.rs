@@ -87,15 +87,15 @@ pub fn sft(args: SftArgs) -> Result<()> {
          written back unchanged)",
         args.lr
     );
-    if args.warmup > 0 && args.warmup >= args.steps as u64 {
-        eprintln!(
-            "arcticd sft: warning: --warmup {} is not shorter than --steps {}, so the learning \
-             rate never reaches --lr {} (the last step uses {:e})",
-            args.warmup,
-            args.steps,
-            args.lr,
-            args.lr * (args.steps - 1) as f64 / args.warmup as f64
-        );
+    let schedule = if args.warmup > 0 {
+        LrSchedule::LinearWarmup {
+            warmup: args.warmup,
+        }
+    } else {
+        LrSchedule::Constant
+    };
+    if let Some(w) = schedule.unfinished_warmup(args.steps as u64, args.lr) {
+        eprintln!("arcticd sft: warning: {w}");
     }
     arcticd_trainer::checkpoint::check_checkpoint_out(&args.out).context("--out")?;
     let model_config = ModelConfig::from_dir(&args.model)
@@ -148,13 +148,7 @@ pub fn sft(args: SftArgs) -> Result<()> {
             eps: args.eps,
             weight_decay: args.weight_decay,
         },
-        schedule: if args.warmup > 0 {
-            LrSchedule::LinearWarmup {
-                warmup: args.warmup,
-            }
-        } else {
-            LrSchedule::Constant
-        },
+        schedule,
         grad_clip: args.grad_clip,
         micro_batch_tokens: args.micro_batch_tokens,
         share_prefixes: args.share_prefixes,

@@ -221,7 +221,7 @@ fn bad_data_lines_are_named() {
     let err = String::from_utf8_lossy(&res.stderr);
     assert!(res.status.success(), "{err}");
     assert!(
-        err.contains("--warmup 4 is not shorter than --steps 2") && err.contains("2.5e-2"),
+        err.contains("warmup 4 is not shorter than steps 2") && err.contains("2.5e-2"),
         "{err}"
     );
     let _ = std::fs::remove_dir_all(dir.join("out"));

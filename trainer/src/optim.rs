@@ -117,6 +117,24 @@ impl LrSchedule {
     }
 }
 
+impl LrSchedule {
+    /// A warning when a run of `steps` steps at peak rate `lr` ends inside
+    /// the warmup, so that its rate never reaches `lr`; None otherwise.
+    pub fn unfinished_warmup(&self, steps: u64, lr: f64) -> Option<String> {
+        let warmup = match *self {
+            LrSchedule::Constant => return None,
+            LrSchedule::LinearWarmup { warmup } | LrSchedule::Cosine { warmup, .. } => warmup,
+        };
+        (steps > 0 && warmup >= steps).then(|| {
+            format!(
+                "warmup {warmup} is not shorter than steps {steps}, so the learning rate never \
+                 reaches lr {lr} (the last step uses {:e})",
+                lr * self.factor(steps - 1)
+            )
+        })
+    }
+}
+
 /// The factor `torch.nn.utils.clip_grad_norm_(params, max_norm)` scales
 /// every gradient by at global norm `norm`: `max_norm / (norm + 1e-6)`,
 /// None when that is not below 1 (no scaling).
@@ -229,6 +247,28 @@ impl AdamW {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A run that ends inside its warmup is warned of, with the last step's
+    /// rate; one that gets past it, or has none, is not.
+    #[test]
+    fn a_run_shorter_than_its_warmup_is_warned_of() {
+        let w = LrSchedule::LinearWarmup { warmup: 4 };
+        let msg = w.unfinished_warmup(2, 0.1).unwrap();
+        assert!(
+            msg.contains("warmup 4 is not shorter than steps 2") && msg.contains("2.5e-2"),
+            "{msg}"
+        );
+        assert!(w.unfinished_warmup(4, 0.1).is_some());
+        assert!(w.unfinished_warmup(5, 0.1).is_none());
+        let c = LrSchedule::Cosine {
+            warmup: 10,
+            total: 20,
+            floor: 0.0,
+        };
+        assert!(c.unfinished_warmup(3, 1e-3).is_some());
+        assert!(c.unfinished_warmup(11, 1e-3).is_none());
+        assert!(LrSchedule::Constant.unfinished_warmup(1, 1e-3).is_none());
+    }
 
     #[test]
     fn schedules() {
