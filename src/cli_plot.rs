@@ -89,6 +89,7 @@ pub fn plot_runs(runs: &[PathBuf], out: &Path, smooth: usize) -> Result<Vec<Path
             .collect::<Vec<_>>()
             .join(", ")
     );
+    crate::folder_out("--out", out)?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let mut written = Vec::new();
     for (figure, panels) in drawn {

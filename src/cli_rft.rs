@@ -50,6 +50,7 @@ pub struct RftArgs {
 }
 
 pub fn rft(a: RftArgs) -> Result<()> {
+    crate::folder_out("--out", &a.out)?;
     let mut cfg = RftConfig {
         attempts: a.attempts,
         rounds: a.rounds,

@@ -243,12 +243,34 @@ fn agent(a: &AuditArgs) -> Result<Option<Agent>> {
     }))
 }
 
+/// Whether `bytes` read as tasks in this crate's format (an earlier
+/// `--out` of select or audit; empty counts).
+fn is_task_file(bytes: &[u8]) -> bool {
+    let Ok(text) = std::str::from_utf8(bytes) else {
+        return false;
+    };
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .all(|l| serde_json::from_str::<Task>(l).is_ok())
+}
+
+/// Whether `bytes` are an audit's `--report` (a JSON object with its
+/// counts and results).
+fn is_audit_report(bytes: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(bytes).is_ok_and(|v| {
+        ["tasks", "loose", "tight", "results"]
+            .iter()
+            .all(|k| v.get(k).is_some())
+    })
+}
+
 fn select(a: SelectArgs) -> Result<()> {
     let format: Format = a.format.parse()?;
     crate::not_an_input(
         ("--out", &a.out),
         &[("--tasks", &a.tasks), ("--eval", &a.eval)],
     )?;
+    crate::replaces_only("--out", &a.out, "a task file", is_task_file)?;
     // A missing file would read as an evaluation that attempted nothing.
     if !a.eval.is_file() {
         bail!(
@@ -340,10 +362,12 @@ pub fn main(args: TasksArgs) -> Result<()> {
             if let Some(out) = &a.out {
                 crate::not_an_input(("--out", out), &inputs)?;
                 crate::can_write("--out", out)?;
+                crate::replaces_only("--out", out, "a task file", is_task_file)?;
             }
             if let Some(report) = &a.report {
                 crate::not_an_input(("--report", report), &inputs)?;
                 crate::can_write("--report", report)?;
+                crate::replaces_only("--report", report, "an audit report", is_audit_report)?;
                 if let Some(out) = &a.out {
                     if report == out {
                         bail!("--report and --out name the same file, {}", out.display());
@@ -458,4 +482,25 @@ async fn setup(
         .context("--test-timeout, --repeats, --concurrency")?;
     let backend = backend(a.backend).await?;
     Ok((backend, tasks, Policy::default(), cfg))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{is_audit_report, is_task_file};
+
+    /// An output replaces only an earlier output of its kind: an audit's
+    /// report, tasks (or an empty file), never notes or an evaluation's
+    /// records.
+    #[test]
+    fn outputs_replace_only_their_own_kind() {
+        let report = serde_json::to_vec(&super::audit::report(vec![])).unwrap();
+        assert!(is_audit_report(&report));
+        assert!(!is_audit_report(b"{\"tasks\": 3}"));
+        assert!(!is_audit_report(b"my notes"));
+        assert!(is_task_file(b""));
+        assert!(!is_task_file(b"my notes\n"));
+        let record = b"{\"task_id\":\"a\",\"attempt\":0,\"reward\":1.0,\"termination\":\"submitted\",\"masked\":false}\n";
+        assert!(!is_task_file(record));
+        assert!(!is_task_file(&report));
+    }
 }

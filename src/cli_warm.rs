@@ -30,6 +30,7 @@ pub struct WarmStartArgs {
 }
 
 pub fn warm_start(a: WarmStartArgs) -> Result<()> {
+    crate::folder_out("--out", &a.out)?;
     let cfg: WarmStartConfig = match &a.config {
         Some(j) => crate::json_setting("--config", j)?,
         None => WarmStartConfig::default(),

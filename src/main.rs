@@ -157,6 +157,40 @@ pub(crate) fn json_setting<T: serde::de::DeserializeOwned>(
     parse(&text, format!("{flag}: parsing the file {value}"))
 }
 
+/// Refuses, before any work, an output file that would replace something
+/// other than an earlier output of its kind: an existing `path` is
+/// replaced only when `is_ours` accepts its bytes (`what` names the kind).
+pub(crate) fn replaces_only(
+    flag: &str,
+    path: &Path,
+    what: &str,
+    is_ours: impl Fn(&[u8]) -> bool,
+) -> anyhow::Result<()> {
+    let Ok(bytes) = std::fs::read(path) else {
+        // Missing (a new file), or a folder or unreadable: `can_write`'s.
+        return Ok(());
+    };
+    if !is_ours(&bytes) {
+        anyhow::bail!(
+            "{flag} {}: the file exists and is not {what}, so it is not replaced; name a new \
+             file, or remove it",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Refuses, before any work, an output folder that is a file.
+pub(crate) fn folder_out(flag: &str, path: &Path) -> anyhow::Result<()> {
+    if path.exists() && !path.is_dir() {
+        anyhow::bail!(
+            "{flag} {} is a file; it names a folder (made when missing)",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
 /// Refuses, before any work, an output file that could not be written
 /// once the work is done: a folder, a path in a missing folder, or one in a
 /// folder this process may not write in (probed by making and removing an

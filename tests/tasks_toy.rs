@@ -320,9 +320,15 @@ fn tasks_command_line() -> Result<()> {
         .all(|t| t.repo.as_ref().is_some_and(|r| r.is_dir())));
     let r = select("2");
     ensure!(!r.status.success() && String::from_utf8_lossy(&r.stderr).contains("nothing written"));
-    // --out naming an input (the task file, the records) is refused, and
-    // the file is left as it was; a missing records file is named.
+    // An earlier selection is replaced.
+    let r = select("1");
+    ensure!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    // --out naming an input (the task file, the records) or an existing
+    // file that is not tasks is refused, and the file is left as it was;
+    // a missing records file is named.
     let before = std::fs::read(&file)?;
+    let notes = dir.0.join("notes.txt");
+    std::fs::write(&notes, "not tasks\n")?;
     for (out, eval_file, says) in [
         (&file, &eval, "is the file given to --tasks"),
         (&eval, &eval, "is the file given to --eval"),
@@ -331,6 +337,7 @@ fn tasks_command_line() -> Result<()> {
             &dir.0.join("no-such.jsonl"),
             "no-such.jsonl: no such file",
         ),
+        (&notes, &eval, "exists and is not a task file"),
     ] {
         let r = arcticd(&[
             "tasks",
@@ -346,6 +353,7 @@ fn tasks_command_line() -> Result<()> {
         ensure!(!r.status.success() && err.contains(says), "{says}: {err}");
     }
     ensure!(std::fs::read(&file)? == before, "the task file changed");
+    ensure!(std::fs::read_to_string(&notes)? == "not tasks\n");
     Ok(())
 }
 
