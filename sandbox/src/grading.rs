@@ -354,7 +354,7 @@ async fn grade_in(
     if !applied.applied {
         return Ok(GradeReport::early(
             GradeOutcome::PatchFailed,
-            format!("agent diff did not apply: {}", applied.output.trim()),
+            format!("the diff did not apply: {}", applied.output.trim()),
         ));
     }
     if !spec.test_patch.trim().is_empty() {

@@ -74,7 +74,8 @@ pub struct Verdict {
     pub instance_id: String,
     /// `valid` or `invalid`.
     pub verdict: &'static str,
-    /// Why invalid: `no_tests_parsed`, `gold_patch_does_not_apply`,
+    /// Why invalid: `test_timeout` and `test_memory` (a test run hit its
+    /// limit), `no_tests_parsed`, `gold_patch_does_not_apply`,
     /// `gold_fails`, `f2p_passes_before`, `p2p_fails_before`, `flaky`,
     /// `test_ids_differ`, `infra`, `environment` (the repository could not
     /// be prepared: image or its workdir missing, unreadable `repo`).
@@ -197,6 +198,20 @@ pub fn judge_runs(id: &str, task: &Task, before: &[GradeReport], after: &[GradeR
     {
         return Verdict::invalid(id, "gold_patch_does_not_apply", r.detail.clone());
     }
+    // A test run cut off by its limits parses to little or nothing: said
+    // as the limit, not as a log the parser could not read.
+    if let Some(r) = before
+        .iter()
+        .chain(after)
+        .find(|r| r.timed_out || r.memory_exceeded)
+    {
+        let reason = if r.timed_out {
+            "test_timeout"
+        } else {
+            "test_memory"
+        };
+        return Verdict::invalid(id, reason, r.detail.clone());
+    }
     for r in before.iter().chain(after) {
         if r.tests.is_empty() {
             return Verdict::invalid(id, "no_tests_parsed", r.detail.clone());
@@ -309,6 +324,37 @@ mod tests {
             let e = with(t).check().unwrap_err().to_string();
             assert!(e.contains("below 1e7"), "{t}: {e}");
         }
+    }
+
+    /// A test run that hit its time or memory limit is invalid for that
+    /// reason, not as a log that parsed to nothing.
+    #[test]
+    fn a_test_run_cut_off_by_its_limit_is_named() {
+        let task: Task = serde_json::from_value(serde_json::json!({
+            "instance_id": "t", "problem_statement": "", "patch": "", "test_patch": "",
+            "FAIL_TO_PASS": ["a"], "PASS_TO_PASS": [], "test_cmd": "sleep 9"
+        }))
+        .unwrap();
+        let run = |timed_out: bool, memory_exceeded: bool| GradeReport {
+            outcome: GradeOutcome::Unresolved,
+            reward: 0.0,
+            exit_code: None,
+            timed_out,
+            memory_exceeded,
+            failing: vec![],
+            tests: Default::default(),
+            detail: "cut off".into(),
+            log: String::new(),
+        };
+        let reason = |before: GradeReport, after: GradeReport| {
+            judge_runs("t", &task, &[before], &[after]).reason.unwrap()
+        };
+        assert_eq!(reason(run(true, false), run(false, false)), "test_timeout");
+        assert_eq!(reason(run(false, false), run(false, true)), "test_memory");
+        assert_eq!(
+            reason(run(false, false), run(false, false)),
+            "no_tests_parsed"
+        );
     }
 
     /// An unchanged folder gives the snapshot already made; a changed file
