@@ -53,7 +53,7 @@ pub struct RunArgs {
     #[arg(long, default_value = image::DEFAULT_TAG, value_parser = crate::non_blank)]
     pub image: String,
     /// Command timeout in seconds.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = 60.0, value_parser = crate::positive_number)]
     pub timeout: f64,
     /// Policy overrides as JSON, inline or a file (op_timeout_secs,
     /// output_cap_bytes, max_file_bytes, memory_bytes, disk_bytes,

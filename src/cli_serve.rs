@@ -47,10 +47,11 @@ pub struct ServeArgs {
     #[arg(long)]
     pub cache_fraction: Option<f64>,
     /// Most sequences running at once per replica.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::at_least_one)]
     pub max_num_seqs: usize,
-    /// Most tokens in one engine step.
-    #[arg(long, default_value_t = 1024)]
+    /// Most tokens in one engine step (at least --max-num-seqs + 64, the
+    /// prefix cache's unit).
+    #[arg(long, default_value_t = 1024, value_parser = crate::at_least_one)]
     pub max_batched_tokens: usize,
     /// Longest prompt plus completion [default: 32768, or the model's
     /// max_position_embeddings when lower; a larger value is refused].

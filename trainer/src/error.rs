@@ -13,6 +13,10 @@ pub enum Error {
     /// Bad batch or data: empty sequences, ids out of range, mismatched masks.
     #[error("bad input: {0}")]
     Input(String),
+    /// A policy server (an OpenAI-compatible endpoint) that could not be
+    /// reached, failed a request or answered something unreadable.
+    #[error("policy endpoint: {0}")]
+    Endpoint(String),
     /// Gradients and parameters that do not line up.
     #[error("shape mismatch: {0}")]
     Shape(String),

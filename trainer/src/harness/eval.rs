@@ -179,7 +179,7 @@ fn scan_records(path: &Path) -> Result<(Vec<AttemptRecord>, Tail)> {
     let not_ours = |line: usize, why: String| {
         Error::Input(format!(
             "{}:{line}: not an attempt record ({why}), so not an evaluation's records; \
-             nothing was written to it",
+             it is left as it was",
             path.display()
         ))
     };

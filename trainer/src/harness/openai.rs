@@ -95,16 +95,16 @@ impl OpenAiPolicy {
                 .client
                 .request(req)
                 .await
-                .map_err(|e| Error::Input(format!("POST {}: {e}", self.url())))?;
+                .map_err(|e| Error::Endpoint(format!("POST {}: {e}", self.url())))?;
             let status = resp.status();
             let body = resp
                 .into_body()
                 .collect()
                 .await
-                .map_err(|e| Error::Input(format!("reading the response: {e}")))?
+                .map_err(|e| Error::Endpoint(format!("reading the response: {e}")))?
                 .to_bytes();
             if !status.is_success() {
-                return Err(Error::Input(format!(
+                return Err(Error::Endpoint(format!(
                     "POST {}: HTTP {status}: {}",
                     self.url(),
                     String::from_utf8_lossy(&body)
@@ -114,7 +114,7 @@ impl OpenAiPolicy {
                 )));
             }
             serde_json::from_slice::<Value>(&body)
-                .map_err(|e| Error::Input(format!("response is not JSON: {e}")))
+                .map_err(|e| Error::Endpoint(format!("response is not JSON: {e}")))
         };
         match arcticd_sandbox::tokio::time::timeout(
             std::time::Duration::from_secs_f64(self.cfg.request_timeout_secs),
@@ -123,7 +123,7 @@ impl OpenAiPolicy {
         .await
         {
             Ok(r) => r,
-            Err(_) => Err(Error::Input(format!(
+            Err(_) => Err(Error::Endpoint(format!(
                 "POST {} timed out after {} s",
                 self.url(),
                 self.cfg.request_timeout_secs
@@ -154,7 +154,7 @@ impl Policy for OpenAiPolicy {
         let choice = v
             .get("choices")
             .and_then(|c| c.get(0))
-            .ok_or_else(|| Error::Input(format!("response has no choices: {v}")))?;
+            .ok_or_else(|| Error::Endpoint(format!("response has no choices: {v}")))?;
         let text = choice.get("text").and_then(Value::as_str).unwrap_or("");
         let finish_reason = match choice.get("finish_reason").and_then(Value::as_str) {
             Some("length") => FinishReason::Length,
