@@ -5,9 +5,11 @@
 
 use crate::cli_sandbox::BackendKind;
 use anyhow::{Context, Result};
+use arcticd_sandbox::Backend;
 use arcticd_trainer::harness::RolloutConfig;
-use arcticd_trainer::warm_start::{self, WarmStartConfig};
-use std::path::PathBuf;
+use arcticd_trainer::warm_start::{self, WarmStartConfig, WarmStartReport};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 #[derive(clap::Args)]
 pub struct WarmStartArgs {
@@ -47,10 +49,47 @@ pub fn warm_start(a: WarmStartArgs) -> Result<()> {
         let docker = matches!(a.backend, BackendKind::Docker);
         crate::cli_sandbox::ensure_base_image(docker, "warm-start").await?;
         let backend = crate::cli_tasks::backend(a.backend).await?;
-        let r =
-            warm_start::build_warm_start(&cfg, &rollout, backend.as_ref(), &a.out, None).await?;
+        let r = build_shown(&cfg, &rollout, backend.as_ref(), &a.out, "warm-start", "").await?;
         anyhow::Ok(r)
     })?;
     outln!("{}", serde_json::to_string_pretty(&report)?)?;
     Ok(())
+}
+
+/// [`warm_start::build_warm_start`] as a user watches it: a line saying
+/// what it will do (`who` starts it, `note` ends it), then the SFT's
+/// progress bar with its loss.
+pub(crate) async fn build_shown(
+    cfg: &WarmStartConfig,
+    rollout: &RolloutConfig,
+    backend: &dyn Backend,
+    out: &Path,
+    who: &str,
+    note: &str,
+) -> Result<WarmStartReport> {
+    eprintln!(
+        "{who}: {} teacher demonstrations through the sandbox (on {:.0}% of them the teacher \
+         gives up), then {} SFT steps{note}",
+        cfg.demos,
+        cfg.give_up_share * 100.0,
+        cfg.sft.steps
+    );
+    let bar = Arc::new(Mutex::new(crate::progress::Progress::new(
+        Some(cfg.sft.steps as u64),
+        "warm-start SFT",
+    )));
+    let shown = bar.clone();
+    let progress: warm_start::SftProgress = Arc::new(move |done, _, loss| {
+        if let Ok(mut p) = shown.lock() {
+            p.set_message(format!("loss {loss:.4}"));
+            p.set_position(done as u64);
+        }
+    });
+    let report = warm_start::build_warm_start(cfg, rollout, backend, out, Some(progress)).await?;
+    if let Ok(m) = Arc::try_unwrap(bar) {
+        m.into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .finish(String::new());
+    }
+    Ok(report)
 }

@@ -201,40 +201,17 @@ pub fn prepare(sets: &[String]) -> Result<Recipe> {
     if cached {
         eprintln!("demo: warm-started model {} (cached)", model.display());
     } else {
-        eprintln!(
-            "demo: building the warm-started model once: {} teacher demonstrations through \
-             the sandbox (on {:.0}% of them the teacher gives up), then {} SFT steps \
-             (about 9 minutes on 2 cores)",
-            cfg.demos,
-            cfg.give_up_share * 100.0,
-            cfg.sft.steps
-        );
         if warm.exists() {
             std::fs::remove_dir_all(&warm)?;
         }
-        let bar = std::sync::Arc::new(std::sync::Mutex::new(crate::progress::Progress::new(
-            Some(cfg.sft.steps as u64),
-            "warm-start SFT",
-        )));
-        let shown = bar.clone();
-        let progress: warm_start::SftProgress = std::sync::Arc::new(move |done, _, loss| {
-            if let Ok(mut p) = shown.lock() {
-                p.set_message(format!("loss {loss:.4}"));
-                p.set_position(done as u64);
-            }
-        });
-        let report = rt.block_on(warm_start::build_warm_start(
+        let report = rt.block_on(crate::cli_warm::build_shown(
             &cfg,
             &rollout,
             backend.as_ref(),
             &warm,
-            Some(progress),
+            "demo: building the warm-started model once",
+            " (about 9 minutes on 2 cores)",
         ))?;
-        if let Ok(m) = std::sync::Arc::try_unwrap(bar) {
-            m.into_inner()
-                .unwrap_or_else(|e| e.into_inner())
-                .finish(String::new());
-        }
         std::fs::write(&stamp, &key)?;
         eprintln!(
             "demo: warm start ready in {:.0} s ({} demonstrations kept, loss {:.3} -> {:.3})",
