@@ -48,10 +48,11 @@ struct ScoreInput {
 pub fn score(args: ScoreArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.input)
         .with_context(|| format!("reading {}", args.input.display()))?;
-    let input: ScoreInput = serde_json::from_str(&text).with_context(|| {
-        format!(
-            "{} must be {{\"sequences\": [[token ids], ...]}}",
-            args.input.display()
+    let input: ScoreInput = serde_json::from_str(&text).map_err(|e| {
+        anyhow::anyhow!(
+            "{} must be {{\"sequences\": [[token ids], ...]}}: {}",
+            args.input.display(),
+            arcticd_engine::error::plain_types(&e.to_string())
         )
     })?;
     let config = ModelConfig::from_dir(&args.model)

@@ -134,6 +134,10 @@ fn init_score_generate_and_bad_input() {
     assert_clean_error(&bad("empty.json", r#"{"sequences": [[]]}"#), "empty");
     assert_clean_error(&bad("shape.json", r#"{"seqs": [[1]]}"#), "sequences");
     assert_clean_error(&bad("neg.json", r#"{"sequences": [[-1]]}"#), "sequences");
+    assert_clean_error(
+        &bad("neg2.json", r#"{"sequences": [[1, -3]]}"#),
+        "expected a whole number from 0 to 4294967295",
+    );
     let inp = input.to_str().unwrap();
     assert_clean_error(
         &arcticd(&["score", "--model", m, "--input", inp, "--device", "gpu"]),

@@ -141,8 +141,12 @@ impl ModelConfig {
                 )))
             }
         };
-        let mut hf: HfTextConfig = serde_json::from_value(text.clone())
-            .map_err(|e| cfg_err(format!("text config: {e}")))?;
+        let mut hf: HfTextConfig = serde_json::from_value(text.clone()).map_err(|e| {
+            cfg_err(format!(
+                "text config: {}",
+                crate::error::plain_types(&e.to_string())
+            ))
+        })?;
         if model_type == "qwen3_5" {
             // The wrapper class reads tie_word_embeddings at the top level,
             // the text class inside text_config: tied if either says so.
@@ -418,6 +422,14 @@ mod tests {
         let mut bad = base();
         bad["num_key_value_heads"] = json!(3);
         assert!(ModelConfig::from_json(&bad).is_err());
+        // A wrong type is said plainly, not as a Rust type.
+        let mut bad = base();
+        bad["hidden_size"] = json!(-64);
+        let e = ModelConfig::from_json(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("expected a whole number from 0 to") && !e.contains("usize"),
+            "{e}"
+        );
     }
 
     /// Sizes whose products would overflow (and then match a checkpoint's
