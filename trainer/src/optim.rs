@@ -115,9 +115,7 @@ impl LrSchedule {
             }),
         }
     }
-}
 
-impl LrSchedule {
     /// A warning when a run of `steps` steps at peak rate `lr` ends inside
     /// the warmup, so that its rate never reaches `lr`; None otherwise.
     pub fn unfinished_warmup(&self, steps: u64, lr: f64) -> Option<String> {

@@ -214,9 +214,25 @@ fn scan_records(path: &Path) -> Result<(Vec<AttemptRecord>, Tail)> {
 
 /// Reads the attempts already in `path` and readies it for appending: a
 /// torn last line is cut off (with a warning) and a last record with no
-/// newline gets one, so the next record starts a line of its own.
-fn open_records(path: &Path) -> Result<(Vec<AttemptRecord>, std::fs::File)> {
+/// newline gets one, so the next record starts a line of its own. With a
+/// `policy`, a file holding another policy's attempts is refused before
+/// anything is written to it.
+fn open_records(path: &Path, policy: Option<&str>) -> Result<(Vec<AttemptRecord>, std::fs::File)> {
     let (records, tail) = scan_records(path)?;
+    if let Some(ours) = policy {
+        if let Some(theirs) = records
+            .iter()
+            .filter_map(|r| r.policy.as_deref())
+            .find(|p| *p != ours)
+        {
+            return Err(Error::Input(format!(
+                "{} holds attempts of another policy ({theirs}; this run's is {ours}); its \
+                 attempts would be kept and counted as this one's: name another output file, \
+                 or remove it to evaluate anew (nothing was written to it)",
+                path.display()
+            )));
+        }
+    }
     let mut f = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -350,22 +366,7 @@ pub async fn run_eval(
     traj_out: Option<&Path>,
 ) -> Result<EvalSummary> {
     cfg.check()?;
-    if let Some(ours) = &cfg.policy {
-        let (records, _) = scan_records(out)?;
-        if let Some(theirs) = records
-            .iter()
-            .filter_map(|r| r.policy.as_deref())
-            .find(|p| p != ours)
-        {
-            return Err(Error::Input(format!(
-                "{} holds attempts of another policy ({theirs}; this run's is {ours}); its \
-                 attempts would be kept and counted as this one's: name another output file, \
-                 or remove it to evaluate anew (nothing was written to it)",
-                out.display()
-            )));
-        }
-    }
-    let (records, mut out_file) = open_records(out)?;
+    let (records, mut out_file) = open_records(out, cfg.policy.as_deref())?;
     let done: HashSet<(String, usize)> = records
         .into_iter()
         .filter(|r| !r.masked)
@@ -549,7 +550,7 @@ mod tests {
 
     /// Appends one record the way `run_eval` does, after `open_records`.
     fn append(p: &Path, r: &AttemptRecord) -> Vec<AttemptRecord> {
-        let (before, mut f) = open_records(p).unwrap();
+        let (before, mut f) = open_records(p, None).unwrap();
         let mut line = serde_json::to_string(r).unwrap();
         line.push('\n');
         f.write_all(line.as_bytes()).unwrap();
@@ -599,7 +600,7 @@ mod tests {
             "{\"task_id\": \"a\"}\n",
         ] {
             std::fs::write(&p, text).unwrap();
-            let err = open_records(&p).unwrap_err().to_string();
+            let err = open_records(&p, None).unwrap_err().to_string();
             assert!(err.contains("not an attempt record"), "{text}: {err}");
             assert_eq!(std::fs::read_to_string(&p).unwrap(), text);
         }
