@@ -210,13 +210,21 @@ impl RunDir {
     /// `damaged-step-N` (kept: what is in them may still be wanted), each
     /// with a warning: the run redoes their updates, and a checkpoint left
     /// under a redone update's name would be taken for that update's.
+    /// When every checkpoint is damaged, nothing is moved and the resume is
+    /// refused: starting over would cut every logged update, which is the
+    /// person's call, not the resume's.
     pub fn latest_checkpoint(&self) -> Result<Option<(PathBuf, RunState)>> {
+        let mut damaged: Vec<(PathBuf, String)> = Vec::new();
+        let mut found = None;
         for (_, dir) in self.complete_checkpoints()?.into_iter().rev() {
             let p = dir.join("run_state.json");
             let text = std::fs::read(&p).map_err(io(&p))?;
             let why = match serde_json::from_slice::<RunState>(&text) {
                 Ok(s) => match readable_weights(&dir) {
-                    Ok(()) => return Ok(Some((dir, s))),
+                    Ok(()) => {
+                        found = Some((dir, s));
+                        break;
+                    }
                     // Damage, not a failure to read (a permission, a
                     // missing file: said, nothing removed).
                     Err(
@@ -226,6 +234,23 @@ impl RunDir {
                 },
                 Err(e) => format!("its run state cannot be read: {e}"),
             };
+            damaged.push((dir, why));
+        }
+        if found.is_none() && !damaged.is_empty() {
+            let list: Vec<String> = damaged
+                .iter()
+                .map(|(dir, why)| format!("{}: {why}", dir.display()))
+                .collect();
+            return Err(Error::Run(format!(
+                "{}: every checkpoint is damaged, so there is nothing to resume from ({}); \
+                 nothing was changed. To start this run over from its first update, move \
+                 its checkpoints folder aside and resume again (its logged updates are then \
+                 cut); or start a new run with another --out",
+                self.root.display(),
+                list.join("; ")
+            )));
+        }
+        for (dir, why) in damaged {
             let aside = self.aside(&dir);
             std::fs::rename(&dir, &aside).map_err(io(&dir))?;
             tracing::warn!(
@@ -234,7 +259,7 @@ impl RunDir {
                 aside.display()
             );
         }
-        Ok(None)
+        Ok(found)
     }
 
     /// A free name for the damaged checkpoint `dir` beside it:
@@ -511,5 +536,23 @@ mod tests {
         std::fs::write(p.join("run_state.json"), "{").unwrap();
         r.latest_checkpoint().unwrap();
         assert!(aside("damaged-step-000002.2/run_state.json").is_file());
+        // Step 1 damaged too, with step 2 again: every checkpoint is
+        // damaged; the resume is refused and nothing moves.
+        let p = r.checkpoint(2);
+        arcticd_engine::init::init_model(arcticd_engine::init::TINY, &p, 0).unwrap();
+        std::fs::write(p.join("run_state.json"), "{").unwrap();
+        let w = r.checkpoint(1).join("model.safetensors");
+        let bytes = std::fs::read(&w).unwrap();
+        std::fs::write(&w, &bytes[..bytes.len() / 2]).unwrap();
+        let e = r.latest_checkpoint().unwrap_err().to_string();
+        assert!(e.contains("every checkpoint is damaged"), "{e}");
+        assert!(
+            e.contains("step-000001") && e.contains("step-000002"),
+            "{e}"
+        );
+        assert!(r.checkpoint(1).is_dir() && r.checkpoint(2).is_dir());
+        assert!(!aside("damaged-step-000001").exists());
+        assert!(!aside("damaged-step-000002.3").exists());
+        assert_eq!(r.complete_checkpoints().unwrap().len(), 2);
     }
 }
