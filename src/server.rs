@@ -845,6 +845,19 @@ fn finish_str(r: &Option<FinishReason>) -> &'static str {
     }
 }
 
+/// A chat choice's `finish_reason` with tools on: "tool_calls" where it
+/// made calls and the model stopped by itself. A call cut off by
+/// `max_tokens` or the context stays "length", as OpenAI and vLLM report
+/// it, so that a client does not run a call the model never finished; an
+/// aborted one stays "abort".
+fn tool_finish(reason: &'static str, calls: usize) -> &'static str {
+    if calls > 0 && reason == "stop" {
+        "tool_calls"
+    } else {
+        reason
+    }
+}
+
 /// Cut `text` at the first stop string (they are not part of the output).
 fn cut_at_stop(text: &str, stop: &[String]) -> String {
     text[..stop_at(text, stop)].to_string()
@@ -1103,7 +1116,10 @@ fn completion_logprobs_full(s: &AppState, c: &Choice, offset: usize) -> Value {
 
 /// Legacy completions `logprobs` object: per token its text, log-prob and
 /// alternatives (`null` for a token that has none: a prompt's first) and
-/// its text offset (`offsets`, from [`Detok::offsets`]).
+/// its text offset (`offsets`, from [`Detok::offsets`]). As OpenAI's
+/// legacy API and vLLM do, a token's alternatives include the token itself,
+/// so there are up to `logprobs + 1` of them (`logprobs: 0` gives the token
+/// alone): harnesses read the chosen token's entry from there.
 fn completion_logprobs(
     s: &AppState,
     items: impl IntoIterator<Item = (u32, Option<f32>, Option<Vec<(u32, f32)>>)>,
@@ -1114,16 +1130,19 @@ fn completion_logprobs(
     let mut tops = Vec::new();
     for (t, lp, top) in items {
         let text = s.token_text(t);
+        tops.push(match (top, lp) {
+            (Some(top), Some(lp)) => {
+                let mut alts: Map<String, Value> = top
+                    .into_iter()
+                    .map(|(a, alp)| (s.token_text(a), json!(alp)))
+                    .collect();
+                alts.entry(text.clone()).or_insert(json!(lp));
+                Value::Object(alts)
+            }
+            _ => Value::Null,
+        });
         tokens.push(text);
         lps.push(json!(lp));
-        tops.push(match top {
-            Some(top) => Value::Object(
-                top.into_iter()
-                    .map(|(a, alp)| (s.token_text(a), json!(alp)))
-                    .collect(),
-            ),
-            None => Value::Null,
-        });
     }
     json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
 }
@@ -1350,7 +1369,7 @@ async fn chat_completions(
                     match tool_streams.get_mut(index).filter(|_| with_tools) {
                         Some(ts) => {
                             let delta = ts.finish();
-                            let finish = if ts.calls > 0 { "tool_calls" } else { reason };
+                            let finish = tool_finish(reason, ts.calls);
                             (index, delta, None, Some(finish))
                         }
                         None => (index, json!({}), None, Some(reason)),
@@ -1388,7 +1407,7 @@ async fn chat_completions(
             if calls.is_empty() {
                 json!({"role": "assistant", "content": content})
             } else {
-                finish = "tool_calls";
+                finish = tool_finish(finish, calls.len());
                 json!({
                     "role": "assistant",
                     "content": if content.is_empty() { Value::Null } else { json!(content) },
@@ -1558,7 +1577,7 @@ fn chat_logprobs_full(s: &AppState, c: &Choice) -> Value {
 fn chat_logprobs(s: &AppState, items: &[TokenLp]) -> Value {
     let entry = |id: u32, lp: f32| {
         let t = s.token_text(id);
-        json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+        json!({"token": t, "logprob": lp, "bytes": s.inner.tokenizer.token_bytes(id)})
     };
     Value::Array(
         items
@@ -2060,7 +2079,11 @@ mod tests {
             let l = lps[i].as_f64().unwrap();
             assert!(l <= 0.0, "{lp}");
             let alts = tops[i].as_object().unwrap();
-            assert!(!alts.is_empty() && alts.len() <= 2, "{lp}");
+            // The two most likely, and the token itself where it is not
+            // one of them.
+            assert!(!alts.is_empty() && alts.len() <= 3, "{lp}");
+            let own = tokens[i].as_str().unwrap();
+            assert!(alts.contains_key(own), "{own:?} not in {alts:?}");
             // The most likely token's log-prob is at least this one's.
             let best = alts
                 .values()
@@ -2516,7 +2539,11 @@ mod tests {
         .await;
         assert_eq!(st, StatusCode::OK, "{v}");
         let c = &v["choices"][0];
-        assert_eq!(c["finish_reason"], "tool_calls");
+        // Cut off by max_tokens (the random model does not close its
+        // call in 8 tokens): "length", not a finished call.
+        let cut = v["usage"]["completion_tokens"] == 8;
+        let want = if cut { "length" } else { "tool_calls" };
+        assert_eq!(c["finish_reason"], want, "{v}");
         let call = &c["message"]["tool_calls"][0];
         assert_eq!(call["function"]["name"], "get_weather");
         let args: Value =
@@ -2571,7 +2598,15 @@ mod tests {
         assert_eq!(calls[0]["index"], 0);
         assert_eq!(calls[0]["function"], want[0]["function"]);
         let finish = chunks.last().unwrap()["choices"][0]["finish_reason"].clone();
-        assert_eq!(finish, "tool_calls");
+        assert_eq!(finish, whole["choices"][0]["finish_reason"], "{sse}");
+    }
+
+    #[test]
+    fn a_tool_call_is_finished_only_when_the_model_stopped() {
+        assert_eq!(tool_finish("stop", 1), "tool_calls");
+        assert_eq!(tool_finish("stop", 0), "stop");
+        assert_eq!(tool_finish("length", 2), "length");
+        assert_eq!(tool_finish("abort", 1), "abort");
     }
 
     async fn wait_idle(s: &AppState) -> bool {

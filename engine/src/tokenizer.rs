@@ -249,6 +249,33 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes one token id stands for (OpenAI's `bytes` of a log-prob
+    /// entry). A token that is part of a character's UTF-8 bytes decodes to
+    /// U+FFFD, but its bytes are its own, so a client can join them back
+    /// into the character. With a byte-level decoder a vocabulary entry's
+    /// stored form maps back through the byte-level alphabet; an added
+    /// token, another decoder, or an id the tokenizer does not have gives
+    /// the bytes of its decoded text.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let byte_level = matches!(
+            self.inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
+        let added = self.inner.get_added_tokens_decoder().contains_key(&id);
+        if byte_level && !added {
+            if let Some(bytes) = self
+                .inner
+                .id_to_token(id)
+                .and_then(|t| t.chars().map(byte_of_char).collect::<Option<Vec<u8>>>())
+            {
+                return bytes;
+            }
+        }
+        self.decode_generated(&[id], false)
+            .unwrap_or_default()
+            .into_bytes()
+    }
+
     /// Number of token ids, added tokens included. A model's embedding may
     /// be larger (Qwen3.5 pads to 248,320); ids past this never decode.
     pub fn vocab_size(&self) -> usize {
@@ -265,6 +292,19 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// The byte a character of the byte-level alphabet stands for (GPT-2's
+/// table: printable Latin-1 bytes are themselves, the other 68 bytes are
+/// U+0100 onwards in byte order); `None` for a character outside it.
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let code = c as u32;
+    if code < 256 && printable(code as u8) {
+        return Some(code as u8);
+    }
+    let n = code.checked_sub(256)? as usize;
+    (0..=255u8).filter(|&b| !printable(b)).nth(n)
 }
 
 /// What [`write_tokenizer_files`] produced.
@@ -1065,6 +1105,31 @@ mod tests {
             tok.decode_generated(&[5, padded, 6], false).unwrap(),
             tok.decode(&[5, 6], false).unwrap()
         );
+    }
+
+    /// A character cut into two tokens: each decodes to U+FFFD, but its
+    /// bytes are its own, and together they are the character's.
+    #[test]
+    fn token_bytes_are_the_tokens_own_bytes() {
+        let tok = Tokenizer::from_inner(train_bpe(300).unwrap());
+        // Every byte of the alphabet maps back to itself.
+        let mut seen = std::collections::HashSet::new();
+        for c in (0..512u32).filter_map(char::from_u32) {
+            if let Some(b) = byte_of_char(c) {
+                assert!(seen.insert(b), "byte {b} twice");
+            }
+        }
+        assert_eq!(seen.len(), 256);
+        for word in ["é", "ü", "😀", "a b"] {
+            let ids = tok.encode(word).unwrap();
+            let joined: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id)).collect();
+            assert_eq!(joined, word.as_bytes(), "{word:?}: {ids:?}");
+        }
+        // An added token: its text.
+        let im_end = tok.token_to_id("<|im_end|>").unwrap();
+        assert_eq!(tok.token_bytes(im_end), b"<|im_end|>");
+        // Past the tokenizer: nothing.
+        assert!(tok.token_bytes(tok.vocab_size() as u32 + 3).is_empty());
     }
 
     #[test]

@@ -90,7 +90,10 @@ def main():
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )
     c = r.choices[0]
-    assert c.finish_reason == "tool_calls", c.finish_reason
+    # A call cut off by max_tokens is "length", as OpenAI reports it (the
+    # test's random model does not close its call in 16 tokens).
+    want = "length" if r.usage.completion_tokens == 16 else "tool_calls"
+    assert c.finish_reason == want, (c.finish_reason, r.usage)
     call = c.message.tool_calls[0]
     assert call.type == "function" and call.function.name == "get_weather", call
     assert isinstance(json.loads(call.function.arguments), dict)
@@ -117,7 +120,7 @@ def main():
                 slot["arguments"] += tc.function.arguments or ""
             if ch.finish_reason:
                 finish = ch.finish_reason
-    assert finish == "tool_calls", finish
+    assert finish == c.finish_reason, (finish, c.finish_reason)
     assert got[0]["name"] == "get_weather", got
     assert json.loads(got[0]["arguments"]) == json.loads(call.function.arguments), (got, call)
 
@@ -155,6 +158,8 @@ def main():
     assert len(elp.tokens) == len(elp.text_offset) == len(elp.top_logprobs) == len(ids)
     assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None, elp
     assert all(x <= 0 for x in elp.token_logprobs[1:]), elp
+    # As OpenAI documents: each token's alternatives include the token.
+    assert all(t in top for t, top in zip(elp.tokens[1:], elp.top_logprobs[1:])), elp
     assert elp.token_logprobs[-5:] == c.logprobs.token_logprobs, (elp, c.logprobs)
     assert e.text.startswith("The quick brown fox"), e.text
     summary["echo_prompt_logprobs"] = len(elp.token_logprobs)
