@@ -111,7 +111,7 @@ pub fn sft(args: SftArgs) -> Result<()> {
         }),
         _ => None,
     };
-    let data = read_sft_jsonl(&args.data, vocab, chat.as_ref())?;
+    let data = read_sft_jsonl(&args.data, vocab, chat.as_ref(), model_config.max_positions)?;
     if args.batch_size > data.len() {
         eprintln!(
             "arcticd sft: warning: --batch-size {} is more than the {} examples of {}, so every \

@@ -23,11 +23,16 @@ pub struct ChatRender<'a> {
 }
 
 /// Read and check every line of an SFT JSONL file (blank lines are skipped;
-/// a leading UTF-8 byte-order mark is not part of the first line).
+/// a leading UTF-8 byte-order mark is not part of the first line). An
+/// example longer than `max_positions` (the model's
+/// `max_position_embeddings`) is refused, as `serve` refuses such a
+/// prompt: its positions are ones the model was never trained for, and its
+/// cost grows with the square of its length.
 pub fn read_sft_jsonl(
     path: &Path,
     vocab: usize,
     chat: Option<&ChatRender<'_>>,
+    max_positions: Option<usize>,
 ) -> Result<Vec<SftExample>> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
     let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
@@ -41,6 +46,13 @@ pub fn read_sft_jsonl(
             Error::Input(m) => at(m),
             other => at(other.to_string()),
         })?;
+        if let Some(max) = max_positions.filter(|&m| ex.tokens.len() > m) {
+            return Err(at(format!(
+                "the example is {} tokens, past the {max} positions the model was trained \
+                 for (max_position_embeddings in its config.json); shorten or split it",
+                ex.tokens.len()
+            )));
+        }
         out.push(ex);
     }
     if out.is_empty() {
@@ -254,12 +266,22 @@ mod tests {
     #[test]
     fn reads_tokens_lines_and_names_bad_lines() {
         let (p, _g) = write("{\"tokens\":[1,2,3],\"loss_mask\":[0,1,1]}\n\n{\"tokens\":[4,5],\"loss_mask\":[1,1]}\n");
-        let d = read_sft_jsonl(&p, 10, None).unwrap();
+        let d = read_sft_jsonl(&p, 10, None, None).unwrap();
         assert_eq!(d.len(), 2);
+        // Past the model's positions: refused, naming the line and both
+        // lengths; at the limit: read.
+        let e = read_sft_jsonl(&p, 10, None, Some(2))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(":1: the example is 3 tokens, past the 2 positions"),
+            "{e}"
+        );
+        assert_eq!(read_sft_jsonl(&p, 10, None, Some(3)).unwrap().len(), 2);
         // A leading byte-order mark is not part of the first line.
         let (bom, _g2) = write("\u{feff}{\"tokens\":[1,2,3],\"loss_mask\":[0,1,1]}\n");
         assert_eq!(
-            read_sft_jsonl(&bom, 10, None).unwrap()[0].tokens,
+            read_sft_jsonl(&bom, 10, None, None).unwrap()[0].tokens,
             vec![1, 2, 3]
         );
         assert_eq!(
@@ -305,7 +327,7 @@ mod tests {
             let (p, _g) = write(&format!(
                 "{{\"tokens\":[1,2],\"loss_mask\":[0,1]}}\n{bad}\n"
             ));
-            let e = read_sft_jsonl(&p, 10, None).unwrap_err().to_string();
+            let e = read_sft_jsonl(&p, 10, None, None).unwrap_err().to_string();
             let want = want.replace(":1:", ":2:");
             assert!(e.contains(&want), "{e} lacks {want}");
         }
