@@ -2,7 +2,7 @@
 //! stop`, service managers, cluster schedulers): the first asks the run to
 //! stop at its next safe point and save what it has, then end with the
 //! signal's status ([`status`]); a second ends the process at once with
-//! status 130, since the orderly stop can take
+//! its own status (130 for SIGINT, 143 for SIGTERM), since the orderly stop can take
 //! minutes (rollouts in flight, a large checkpoint). `train` and `sft`
 //! share it.
 //!
@@ -105,9 +105,9 @@ async fn listen(mut int: Signal, mut term: Signal) {
                     "arcticd {}: {sig} again: stopped at once; {}",
                     says.command, says.kept
                 );
-                std::process::exit(130);
+                std::process::exit(status);
             }
-            None => std::process::exit(130),
+            None => std::process::exit(status),
         }
     }
 }
