@@ -468,23 +468,6 @@ fn gpu_weight_bytes(_model: &Qwen3_5, _weights: WeightDType, device: Device) -> 
     }
 }
 
-/// Resident and peak resident memory of this process in bytes, from
-/// /proc/self/status (`None` where there is no such file).
-fn memory_now() -> Option<(u64, u64)> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let field = |key: &str| -> Option<u64> {
-        let line = status.lines().find(|l| l.starts_with(key))?;
-        let kb: u64 = line[key.len()..]
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()
-            .ok()?;
-        Some(kb << 10)
-    };
-    Some((field("VmRSS:")?, field("VmHWM:")?))
-}
-
 /// Greedy decoding through the engine (the serving path: packed weights,
 /// paged caches, the scheduler) with `batch` sequences at once; prints one
 /// JSON line per batch size with generated tokens/s (prefill of the
@@ -527,7 +510,7 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
     };
     let vocab = store.read().config.vocab_size as u32;
     let weight_mib = weight_bytes >> 20;
-    let loaded = memory_now();
+    let loaded = arcticd_trainer::memory::process_resident();
     let max_batch = *args.batch.iter().max().unwrap_or(&1);
     let eng = engine::start(
         store,
@@ -594,7 +577,7 @@ pub fn bench_decode(args: BenchDecodeArgs) -> Result<()> {
     run(1, args.new_tokens)?;
     for &batch in &args.batch {
         let (prefill_seconds, seconds) = run(batch, args.new_tokens)?;
-        let (rss, peak) = memory_now().unwrap_or((0, 0));
+        let (rss, peak) = arcticd_trainer::memory::process_resident().unwrap_or((0, 0));
         let tokens_per_s = (batch * args.new_tokens) as f64 / seconds;
         let mut out = serde_json::json!({
             "engine": "arcticd",

@@ -9,12 +9,13 @@
 //!
 //! | file | fields |
 //! |---|---|
-//! | `reward.png` | `reward_mean` and `pass_rate` (thin raw, thick moving mean over `--smooth` steps), `recheck_reward` and `eval_pass_at_1` as markers where present, the latter with a bar of one standard error (`eval_std_error`) either side |
+//! | `reward.png` | `reward_mean` and `pass_rate` (thin raw, thick moving mean over `--smooth` steps), `recheck_reward` and the held-out pass@1 as markers where present, the latter with a bar of one standard error either side (from the run's `eval.jsonl`, which holds every evaluation, else `eval_pass_at_1` / `eval_std_error`) |
 //! | `mismatch.png` | `mismatch_same_version_mean` / `_max` and `probe_mismatch_max` (linear axis: expected exactly 0), `lag_divergence_mean` (log axis when all positive) |
 //! | `update.png` | `grad_norm` (log axis when all positive), `tail_masked` (tokens left out as sampled below `min_token_prob`), `kl_behaviour` / `kl_reference` (log axis when all positive) |
 //! | `staleness.png` | `staleness_mean`, `staleness_max`, `stale_dropped` |
 //! | `time.png` | `time_wait_s`, `time_train_s`, `time_update_s` |
 //! | `replica_load.png` | `replica_load` (one value per replica): each replica, their mean, and max / mean |
+//! | `memory.png` | `rss_mib` and `rss_peak_mib`: the process's resident memory after each update (a rising line is a buffer that grows) |
 //!
 //! Text is drawn with a font compiled into the binary (Hack Regular, MIT and
 //! Bitstream Vera licenses, from the `epaint_default_fonts` crate, which
@@ -106,6 +107,10 @@ struct Run {
     file: PathBuf,
     dir: PathBuf,
     rows: Vec<Map<String, Value>>,
+    /// `eval.jsonl`'s records where the run has one: every held-out
+    /// evaluation, where `metrics.jsonl` keeps only the last of those that
+    /// finished during an update.
+    evals: Option<Vec<Map<String, Value>>>,
 }
 
 impl Run {
@@ -143,6 +148,7 @@ impl Run {
             file,
             dir: dir.to_path_buf(),
             rows,
+            evals: load_evals(&dir.join("eval.jsonl")),
         })
     }
 
@@ -151,6 +157,17 @@ impl Run {
     /// later row than the weights it scored: it is drawn at the update
     /// those weights came from (`eval_at_step`, `recheck_at_step`).
     fn scalar(&self, field: &str) -> Vec<(f64, f64)> {
+        let from_evals = match field {
+            "eval_pass_at_1" => Some("pass_at_1"),
+            "eval_std_error" => Some("std_error"),
+            _ => None,
+        };
+        if let (Some(key), Some(evals)) = (from_evals, &self.evals) {
+            return evals
+                .iter()
+                .filter_map(|e| Some((number(e.get("step")?)?, number(e.get(key)?)?)))
+                .collect();
+        }
         let at = match field {
             "eval_pass_at_1" | "eval_std_error" => Some("eval_at_step"),
             "recheck_reward" => Some("recheck_at_step"),
@@ -183,6 +200,23 @@ impl Run {
                 (!values.is_empty()).then(|| (step_of(i, row), values))
             })
             .collect()
+    }
+}
+
+/// A run's `eval.jsonl` records, or `None` where it has none, or none that
+/// reads (then the evaluations come from `metrics.jsonl`, said on stderr).
+fn load_evals(path: &Path) -> Option<Vec<Map<String, Value>>> {
+    let text = std::fs::read_to_string(path).ok()?;
+    match parse_metrics(&text) {
+        Ok(rows) if !rows.is_empty() => Some(rows),
+        Ok(_) => None,
+        Err(e) => {
+            eprintln!(
+                "note: {}:{e}; held-out evaluations are drawn from metrics.jsonl",
+                path.display()
+            );
+            None
+        }
     }
 }
 
@@ -496,6 +530,20 @@ fn figures(smooth: usize) -> Vec<Figure> {
                     series: vec![series("replica_tokens", "max / mean", Kind::Imbalance)],
                 },
             ],
+        },
+        Figure {
+            file: "memory.png",
+            title: "memory",
+            panels: vec![Panel {
+                title: "resident memory after each update (thick), its peak so far (thin)"
+                    .to_string(),
+                y_label: "MiB",
+                scale: Scale::Linear,
+                series: vec![
+                    series("rss_mib", "resident", Kind::Line),
+                    series("rss_peak_mib", "peak", Kind::Thin),
+                ],
+            }],
         },
     ]
 }
@@ -999,7 +1047,32 @@ mod tests {
             file: PathBuf::from("metrics.jsonl"),
             dir: PathBuf::from("r"),
             rows: parse_metrics(lines).unwrap(),
+            evals: None,
         }
+    }
+
+    /// Evaluations that finished during one update (the update-0 one and
+    /// a later one, as a short run's last update waits for both) keep only
+    /// the last in metrics.jsonl; eval.jsonl has each, and is what is drawn.
+    #[test]
+    fn evaluations_come_from_eval_jsonl_where_the_run_has_one() {
+        let mut r = run("{\"step\":1,\"pass_rate\":0.5}\n{\"step\":2,\"pass_rate\":0.5,\"eval_pass_at_1\":0.4,\"eval_std_error\":0.1,\"eval_at_step\":2}\n");
+        r.evals = Some(
+            parse_metrics("{\"step\":0,\"pass_at_1\":0.1,\"std_error\":0.05}\n{\"step\":2,\"pass_at_1\":0.4,\"std_error\":0.1}\n")
+                .unwrap(),
+        );
+        let p = pass_panel(&[r]).unwrap();
+        let evals = p.drawn.iter().find(|d| d.kind == Kind::Circles).unwrap();
+        assert_eq!(evals.lines, vec![vec![(0.0, 0.1), (2.0, 0.4)]]);
+        assert_eq!(evals.bars.len(), 2, "{:?}", evals.bars);
+        // A file that does not read falls back to metrics.jsonl.
+        let dir = std::env::temp_dir().join(format!("arcticd-plot-evals-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bad = dir.join("eval.jsonl");
+        std::fs::write(&bad, "not json\n{}\n").unwrap();
+        assert!(load_evals(&bad).is_none());
+        assert!(load_evals(&dir.join("none.jsonl")).is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

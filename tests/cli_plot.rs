@@ -8,12 +8,13 @@ use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const FIGURES: [&str; 5] = [
+const FIGURES: [&str; 6] = [
     "reward.png",
     "mismatch.png",
     "staleness.png",
     "time.png",
     "replica_load.png",
+    "memory.png",
 ];
 const SIZE: (u32, u32) = (1200, 900);
 
@@ -65,6 +66,8 @@ fn write_run(dir: &Path, seed: u64, steps: u64, replicas: usize, torn: bool) {
             "time_wait_s": 0.5 + 0.3 * n(6).abs(),
             "time_train_s": 2.0 + 0.2 * n(7),
             "time_update_s": 0.1 + 0.02 * n(8).abs(),
+            "rss_mib": 300.0 + 40.0 * t + 5.0 * n(9),
+            "rss_peak_mib": 360.0 + 40.0 * t,
             "replica_load": (0..replicas)
                 .map(|r| 100.0 + 20.0 * noise(seed * 100 + r as u64, step))
                 .collect::<Vec<_>>(),

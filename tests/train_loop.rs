@@ -193,6 +193,17 @@ fn trained_tokens_are_honest_about_their_weights() {
     // The identity probe after every update: a live replica's tokens
     // scored by the trainer's forward on a frozen copy of the same weights.
     let metrics = read_jsonl(&run.join("metrics.jsonl"));
+    // Every update logs the process's resident memory, and its peak never
+    // falls (a long run's growing buffer shows as a rising line).
+    let mut peak = 0.0;
+    for m in &metrics {
+        let (rss, p) = (m["rss_mib"].as_f64(), m["rss_peak_mib"].as_f64());
+        let (Some(rss), Some(p)) = (rss, p) else {
+            panic!("no resident memory logged: {m}");
+        };
+        assert!(rss > 1.0 && p >= rss && p >= peak, "{m}");
+        peak = p;
+    }
     let probed: Vec<&Value> = metrics
         .iter()
         .filter(|m| m["probe_tokens"].as_u64().is_some_and(|n| n > 0))

@@ -20,6 +20,25 @@ use arcticd_engine::model::{logit_rows_per_chunk, planned_floats, planned_layer_
 use arcticd_engine::Qwen3_5;
 use std::fmt;
 
+/// Resident and peak resident memory of this process in bytes, from
+/// `/proc/self/status` (`None` where there is no such file): what the plan
+/// is checked against, and what a long run logs each update so that a
+/// buffer that grows shows as a rising line.
+pub fn process_resident() -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |key: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        let kb: u64 = line[key.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kb << 10)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
 /// What the trainer's micro-batches look like, for the plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanShape {

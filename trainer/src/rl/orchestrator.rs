@@ -1559,6 +1559,12 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             put("time_train_s", json!(train_total - time_update_s));
             put("time_update_s", json!(time_update_s));
             put("rollouts_per_s", json!(rollouts_per_s));
+            // Pitfall of long runs: a buffer that grows until the process
+            // runs out of memory. Logged so the plot shows it rising.
+            let mib = |b: u64| (b as f64 / (1u64 << 20) as f64 * 10.0).round() / 10.0;
+            let resident = crate::memory::process_resident();
+            put("rss_mib", json!(resident.map(|r| mib(r.0))));
+            put("rss_peak_mib", json!(resident.map(|r| mib(r.1))));
             // Grades since the previous update: reused from the grade cache,
             // or run in a sandbox (evaluations included).
             let grades_now = rollouts.harness.grade_cache_counts();
