@@ -25,7 +25,7 @@ fn assistant_turns_are_the_targets() {
         {"role": "assistant", "content": "you are welcome"},
     ]});
     std::fs::write(&data, format!("{line}\n")).unwrap();
-    let ex = read_sft_jsonl(&data, rep.vocab_size, Some(&chat)).unwrap();
+    let ex = read_sft_jsonl(&data, rep.vocab_size, Some(&chat), None).unwrap();
     let ex = &ex[0];
     assert_eq!(ex.tokens.len(), ex.loss_mask.len());
     // Target runs, decoded.
@@ -59,7 +59,7 @@ fn assistant_turns_are_the_targets() {
         "description": "adds", "parameters": {"type": "object", "properties": {}}}}]);
     let with_tools = serde_json::json!({"messages": line["messages"], "tools": tools});
     std::fs::write(&data, format!("{with_tools}\n")).unwrap();
-    let ex_tools = &read_sft_jsonl(&data, rep.vocab_size, Some(&chat)).unwrap()[0];
+    let ex_tools = &read_sft_jsonl(&data, rep.vocab_size, Some(&chat), None).unwrap()[0];
     let all_tools = template
         .render(
             line["messages"].as_array().unwrap(),

@@ -54,7 +54,7 @@ fn sft_steps_match_pytorch_adamw() {
     let base = fixtures().join(exp["base_checkpoint"].as_str().unwrap());
     let model = Qwen3_5::load(&base).unwrap();
     let vocab = model.config.vocab_size;
-    let data = read_sft_jsonl(&fixtures().join("sft_adamw/data.jsonl"), vocab, None).unwrap();
+    let data = read_sft_jsonl(&fixtures().join("sft_adamw/data.jsonl"), vocab, None, None).unwrap();
     // A small token budget forces several micro-batches per step.
     let mut tr = Trainer::new(store_of(model), config(args, 24)).unwrap();
     let steps = args["steps"].as_u64().unwrap() as usize;
@@ -122,7 +122,7 @@ struct OneStep {
 fn one_step_checkpointed(tag: &str) -> OneStep {
     let exp = expected();
     let base = fixtures().join("gqa_untied");
-    let data = read_sft_jsonl(&fixtures().join("sft_adamw/data.jsonl"), 128, None).unwrap();
+    let data = read_sft_jsonl(&fixtures().join("sft_adamw/data.jsonl"), 128, None, None).unwrap();
     let cfg = config(&exp["args"], 1 << 20);
     let mut a = Trainer::new(store_of(Qwen3_5::load(&base).unwrap()), cfg.clone()).unwrap();
     a.sft_step(&batch_for_step(&data, 0, 2)).unwrap();
