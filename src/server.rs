@@ -34,7 +34,7 @@
 //! A client that disconnects drops its event receiver, and the engine frees
 //! the request's sequences before its next step.
 
-use arcticd_engine::chat::ChatTemplate;
+use arcticd_engine::chat::{openai_message, openai_messages, ChatTemplate};
 use arcticd_engine::engine::{apply_event, Choice, Event, FinishReason, Request};
 use arcticd_engine::router::Router;
 use arcticd_engine::sampler::{SamplingParams, MAX_TOP_LOGPROBS};
@@ -694,7 +694,7 @@ impl AppState {
             self.inner.template.as_ref().ok_or_else(|| {
                 AppError::bad("this model has no chat template; use /v1/completions")
             })?;
-        let messages: Vec<Value> = messages.iter().map(normalize_message).collect();
+        let messages = openai_messages(messages)?;
         Ok(template.render_with(&messages, tools, add_generation_prompt, kwargs)?)
     }
 
@@ -768,32 +768,6 @@ impl AppState {
     }
 }
 
-/// OpenAI messages to what the template expects: tool-call arguments given
-/// as JSON strings become objects.
-fn normalize_message(m: &Value) -> Value {
-    let mut m = m.clone();
-    // OpenAI's newer name for the system role.
-    if m.get("role").and_then(Value::as_str) == Some("developer") {
-        m["role"] = Value::from("system");
-    }
-    if let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) {
-        for call in calls {
-            let target = match call.get_mut("function") {
-                Some(f) => f,
-                None => call,
-            };
-            if let Some(args) = target.get_mut("arguments") {
-                if let Some(s) = args.as_str() {
-                    if let Ok(v) = serde_json::from_str::<Value>(s) {
-                        *args = v;
-                    }
-                }
-            }
-        }
-    }
-    m
-}
-
 /// The texts a message brings into the prompt, in the template's order,
 /// trimmed as the template trims them: its reasoning (which the template
 /// may leave out for earlier turns) and its content (a string, or the text
@@ -817,8 +791,9 @@ fn content_texts(m: &Value) -> Vec<(Cow<'_, str>, bool)> {
     }
     // Then its tool calls' string arguments, which the template writes as
     // they are (other values go through `tojson`, which escapes `<`), in
-    // the arguments' order as the template receives them (`normalize_message`).
-    let normalized = normalize_message(m);
+    // the arguments' order as the template receives them (`openai_message`).
+    // (A message that does not normalize was refused when it was rendered.)
+    let normalized = openai_message(m).unwrap_or_else(|_| m.clone());
     for call in normalized
         .get("tool_calls")
         .and_then(Value::as_array)
@@ -1405,6 +1380,9 @@ async fn chat_completions(
         } else {
             let (content, calls) = parse_lenient(&format!("{forced}{text}"));
             if calls.is_empty() {
+                // No call came of a forced opening: the content is what the
+                // model wrote, not the opening the server put in its prompt.
+                let content = if forced.is_empty() { content } else { text };
                 json!({"role": "assistant", "content": content})
             } else {
                 finish = tool_finish(finish, calls.len());
@@ -1452,6 +1430,10 @@ struct ToolStream {
     inside: bool,
     /// Calls sent so far (the next call's index).
     calls: usize,
+    /// The forced opening that `pending` still starts with: where it turns
+    /// out to open no call, it is left out of the content (the server put
+    /// it in the prompt; the model did not write it).
+    forced: Option<String>,
 }
 
 const TOOL_OPEN: &str = "<tool_call>";
@@ -1464,9 +1446,23 @@ impl ToolStream {
             pending: String::new(),
             inside: false,
             calls: 0,
+            forced: None,
         };
         ts.feed(forced);
+        ts.forced = (!forced.is_empty()).then(|| forced.to_string());
         ts
+    }
+
+    /// A block that opened no call, as content: without the forced opening
+    /// where the block is the one that starts with it.
+    fn unforced(&mut self, block: String) -> String {
+        match self.forced.take() {
+            Some(f) => block
+                .strip_prefix(f.as_str())
+                .map(str::to_string)
+                .unwrap_or(block),
+            None => block,
+        }
     }
 
     /// Adds `text`; the delta for what can be sent now.
@@ -1481,7 +1477,12 @@ impl ToolStream {
         let (content, calls) = if self.inside {
             parse_lenient(&rest)
         } else {
-            (rest, Vec::new())
+            (String::new(), Vec::new())
+        };
+        let content = if calls.is_empty() {
+            self.unforced(rest)
+        } else {
+            content
         };
         self.inside = false;
         self.delta(content, calls)
@@ -1514,11 +1515,13 @@ impl ToolStream {
             let block: String = self.pending.drain(..at + TOOL_CLOSE.len()).collect();
             let (text, found) = parse_lenient(&block);
             if found.is_empty() {
+                let block = self.unforced(block);
                 content.push_str(&block);
             } else {
                 content.push_str(&text);
                 calls.extend(found);
             }
+            self.forced = None;
             self.inside = false;
         }
         (content, calls)
@@ -2196,6 +2199,37 @@ mod tests {
         }
     }
 
+    /// Messages the template cannot take are refused naming the field, not
+    /// with the template's internals ("cannot convert value into pairs").
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_messages_are_refused_naming_the_field() {
+        let app = app(state());
+        let call_with = |args: Value| {
+            json!({"model": "tiny", "max_tokens": 2, "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c",
+                    "type": "function", "function": {"name": "f", "arguments": args}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "ok"}]})
+        };
+        for (body, says) in [
+            (
+                call_with(json!("{not json")),
+                "messages[1]: tool_calls[0].function.arguments is not JSON",
+            ),
+            (
+                json!({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}),
+                "messages[0]: role \"wizard\" is not one of",
+            ),
+        ] {
+            let (st, v) = call_json(&app, "/v1/chat/completions", body).await;
+            assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+            let m = v["error"]["message"].as_str().unwrap();
+            assert!(m.contains(says) && !m.contains("chat_template"), "{m}");
+        }
+        let (st, v) = call_json(&app, "/v1/chat/completions", call_with(json!("{\"x\": 1}"))).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+    }
+
     /// A wrong method and a body past the size limit get OpenAI's JSON
     /// error shape like every other bad request (405 came empty and 413 as
     /// plain text).
@@ -2848,5 +2882,14 @@ mod tests {
             "{\"city\":\"Oslo\"}"
         );
         assert_eq!(ts.finish(), json!({}));
+        // A forced opening that opens no call: the content is what the
+        // model wrote, without the opening the server put in the prompt,
+        // whether the block closes or the stream ends inside it.
+        let mut ts = ToolStream::new("<tool_call>\n<function=");
+        assert_eq!(ts.push("junk"), json!({}));
+        assert_eq!(ts.finish(), json!({"content": "junk"}));
+        let mut ts = ToolStream::new("<tool_call>\n<function=");
+        let d = ts.push("junk</tool_call> then");
+        assert_eq!(d, json!({"content": "junk</tool_call> then"}));
     }
 }

@@ -883,9 +883,119 @@ fn json_string(out: &mut String, s: &str, style: &JsonStyle) {
     out.push('"');
 }
 
+/// The roles a chat message may have: OpenAI's (`developer` is read as
+/// `system`).
+pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// An OpenAI chat message as the template expects it, for every path that
+/// takes messages from outside (`serve`, `sft` data): `developer` becomes
+/// `system`, and tool-call arguments given as a JSON string (OpenAI's wire
+/// form) become the object they encode. A message that is no object, a
+/// role outside [`ROLES`], or arguments that are no JSON object are an
+/// input error naming the field within the message (the template would
+/// otherwise fail on them with its own internals, "cannot convert value
+/// into pairs").
+pub fn openai_messages(msgs: &[serde_json::Value]) -> Result<Vec<serde_json::Value>> {
+    msgs.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            openai_message(m).map_err(|e| match e {
+                Error::Input(why) => Error::Input(format!("messages[{i}]: {why}")),
+                other => other,
+            })
+        })
+        .collect()
+}
+
+/// One message of [`openai_messages`]; its errors name the field within
+/// the message.
+pub fn openai_message(m: &serde_json::Value) -> Result<serde_json::Value> {
+    use serde_json::Value as Json;
+    let mut m = m.clone();
+    let obj = m
+        .as_object_mut()
+        .ok_or_else(|| Error::Input("a message is a JSON object".into()))?;
+    match obj.get("role") {
+        Some(Json::String(r)) if r == "developer" => {
+            obj.insert("role".into(), Json::from("system"));
+        }
+        Some(Json::String(r)) if ROLES.contains(&r.as_str()) => {}
+        Some(Json::String(r)) => {
+            return Err(Error::Input(format!(
+                "role {r:?} is not one of {}",
+                ROLES.join(", ")
+            )))
+        }
+        Some(_) => return Err(Error::Input("role is not a string".into())),
+        None => return Err(Error::Input("a message needs a \"role\"".into())),
+    }
+    if let Some(calls) = obj.get_mut("tool_calls").and_then(Json::as_array_mut) {
+        for (j, call) in calls.iter_mut().enumerate() {
+            let (target, path) = match call.get("function").is_some() {
+                true => (&mut call["function"], format!("tool_calls[{j}].function")),
+                false => (call, format!("tool_calls[{j}]")),
+            };
+            let Some(args) = target.get_mut("arguments") else {
+                continue;
+            };
+            let parsed = match args {
+                Json::Object(_) => continue,
+                Json::String(s) => serde_json::from_str::<Json>(s)
+                    .map_err(|e| Error::Input(format!("{path}.arguments is not JSON ({e})")))?,
+                _ => {
+                    return Err(Error::Input(format!(
+                        "{path}.arguments is not a JSON object or its string"
+                    )))
+                }
+            };
+            if !parsed.is_object() {
+                return Err(Error::Input(format!(
+                    "{path}.arguments is not a JSON object"
+                )));
+            }
+            *args = parsed;
+        }
+    }
+    Ok(m)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn messages_are_normalized_or_refused_naming_the_field() {
+        use serde_json::json;
+        let call = |args: serde_json::Value| {
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}]})
+        };
+        let m = openai_message(&call(json!("{\"city\": \"P\"}"))).unwrap();
+        assert_eq!(
+            m["tool_calls"][0]["function"]["arguments"],
+            json!({"city": "P"})
+        );
+        let same = openai_message(&call(json!({"city": "P"}))).unwrap();
+        assert_eq!(same, m);
+        let dev = openai_message(&json!({"role": "developer", "content": "x"})).unwrap();
+        assert_eq!(dev["role"], "system");
+        let err = |m: serde_json::Value| openai_message(&m).unwrap_err().to_string();
+        assert!(
+            err(call(json!("{not json"))).contains("tool_calls[0].function.arguments is not JSON")
+        );
+        assert!(err(call(json!("[1]"))).contains("arguments is not a JSON object"));
+        assert!(err(call(json!(3))).contains("arguments is not a JSON object"));
+        assert!(err(json!({"role": "wizard", "content": "x"}))
+            .contains("role \"wizard\" is not one of"));
+        assert!(err(json!({"content": "x"})).contains("needs a \"role\""));
+        assert!(err(json!("hi")).contains("is a JSON object"));
+        let list = [json!({"role": "user", "content": "x"}), call(json!("{"))];
+        let e = openai_messages(&list).unwrap_err().to_string();
+        assert!(
+            e.contains("messages[1]: tool_calls[0].function.arguments"),
+            "{e}"
+        );
+    }
     use serde_json::json;
 
     fn qwen() -> ChatTemplate {

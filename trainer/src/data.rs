@@ -184,6 +184,12 @@ fn render_messages(
     tools: Option<&[Value]>,
     chat: &ChatRender<'_>,
 ) -> Result<SftExample> {
+    // As `serve` reads them: OpenAI's string arguments, `developer`.
+    let msgs = arcticd_engine::chat::openai_messages(msgs).map_err(|e| match e {
+        arcticd_engine::Error::Input(why) => Error::Input(why),
+        other => other.into(),
+    })?;
+    let msgs = msgs.as_slice();
     let n_assistant = msgs
         .iter()
         .filter(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))

@@ -75,5 +75,30 @@ fn assistant_turns_are_the_targets() {
     let targets =
         |e: &arcticd_trainer::step::SftExample| e.loss_mask.iter().filter(|m| **m == 1).count();
     assert_eq!(targets(ex_tools), targets(ex));
+    // A tool call as OpenAI's wire form writes it (arguments a JSON
+    // string) is read as `serve` reads it: the same tokens as the object.
+    let call = |args: serde_json::Value| {
+        serde_json::json!({"messages": [
+            {"role": "user", "content": "add 1 and 2"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",
+                "function": {"name": "add", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "3"},
+            {"role": "assistant", "content": "3"}], "tools": tools})
+    };
+    let read = |line: serde_json::Value| {
+        std::fs::write(&data, format!("{line}\n")).unwrap();
+        read_sft_jsonl(&data, rep.vocab_size, Some(&chat), None)
+    };
+    let as_string = read(call(serde_json::json!("{\"a\": 1, \"b\": 2}"))).unwrap();
+    let as_object = read(call(serde_json::json!({"a": 1, "b": 2}))).unwrap();
+    assert_eq!(as_string[0].tokens, as_object[0].tokens);
+    // Arguments that are no JSON object: the field is named.
+    let e = read(call(serde_json::json!("{not json")))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(":1: messages[1]: tool_calls[0].function.arguments is not JSON"),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
