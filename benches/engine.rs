@@ -1,13 +1,15 @@
 //! Criterion benchmarks of the engine on the `small` preset: decode
 //! throughput (generated tokens/s) at 1, 8 and 32 concurrent sequences, and
 //! time to first token of a 1,024-token prompt cold and on a prefix-cache
-//! hit.
+//! hit, and 16 requests through a cache that holds only four of them whole,
+//! at once against one by one (preemption's cost: at once should not lose).
 //! `tests/ref/bench_engine.py` compares the same workload with transformers.
 
 use arcticd_engine::engine::{self, Choice, EngineConfig, EngineHandle, Request};
 use arcticd_engine::sampler::SamplingParams;
 use arcticd_engine::{ParamStore, Qwen3_5};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 const NEW_TOKENS: usize = 32;
@@ -120,5 +122,66 @@ fn bench_ttft(c: &mut Criterion) {
     eng.shutdown();
 }
 
-criterion_group!(benches, bench_decode, bench_ttft);
+/// 16 requests of 64 prompt and 64 new tokens, with state slots for all of
+/// them but blocks for four whole: submitted at once (the scheduler admits,
+/// grows and preempts) against one by one (never preempted), the baseline.
+fn bench_tight_cache(c: &mut Criterion) {
+    const REQUESTS: usize = 16;
+    let store = small_store();
+    let layout = arcticd_engine::kv_cache::CacheLayout::new(&store.read().config);
+    let config = EngineConfig {
+        max_model_len: 4096,
+        max_num_seqs: REQUESTS,
+        prefix_snapshots: 2,
+        enable_prefix_cache: false,
+        block_size: 16,
+        cache_memory: layout.slot_bytes() * (REQUESTS + 2) + layout.block_bytes(16) * 4 * 8,
+        ..Default::default()
+    };
+    let eng = engine::start(store, None, config).unwrap();
+    let mut g = c.benchmark_group("engine_tight_cache_small_16x128");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements((REQUESTS * 64) as u64));
+    let mut salt = 5000;
+    let mut batch = || {
+        salt += 1;
+        (0..REQUESTS)
+            .map(|i| request(prompt(64, salt * 100 + i as u32), 64))
+            .collect::<Vec<_>>()
+    };
+    let preemptions = || eng.metrics().preemptions.load(Ordering::Relaxed);
+    let (mut runs, before) = (0u64, preemptions());
+    g.bench_function("one_by_one", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                for r in batch() {
+                    total += run(&eng, vec![r]);
+                }
+            }
+            total
+        })
+    });
+    let alone = preemptions() - before;
+    let before = preemptions();
+    g.bench_function("at_once", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                runs += 1;
+                total += run(&eng, batch());
+            }
+            total
+        })
+    });
+    g.finish();
+    let at_once = preemptions() - before;
+    eprintln!(
+        "engine_tight_cache: preemptions one by one {alone}, at once {:.2} per request",
+        at_once as f64 / (runs.max(1) * REQUESTS as u64) as f64
+    );
+    eng.shutdown();
+}
+
+criterion_group!(benches, bench_decode, bench_ttft, bench_tight_cache);
 criterion_main!(benches);

@@ -45,6 +45,11 @@ impl BlockPool {
         self.num_blocks() - self.num_free()
     }
 
+    /// References held on a block (0 when it is free).
+    pub fn references(&self, id: BlockId) -> u32 {
+        self.refcount[id as usize]
+    }
+
     /// Take a free block with one reference, or `None` when the pool is
     /// exhausted. O(1).
     pub fn allocate(&mut self) -> Option<BlockId> {

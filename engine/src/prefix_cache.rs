@@ -21,7 +21,7 @@
 //! that sequence lets go. Follows vLLM's hash-chained block cache, plus the
 //! state snapshots a hybrid model needs.
 
-use crate::block_pool::BlockId;
+use crate::block_pool::{BlockId, BlockPool};
 use crate::kv_cache::{PagedKvCache, SlotId};
 use std::collections::HashMap;
 
@@ -213,6 +213,17 @@ impl PrefixCache {
             cache.free_slot(e.slot);
         }
         true
+    }
+
+    /// Blocks that evicting every entry not in `protect` would free: those
+    /// no running sequence shares.
+    pub fn releasable_blocks(&self, pool: &BlockPool, protect: &[PrefixKey]) -> usize {
+        self.entries
+            .iter()
+            .filter(|(k, _)| !protect.contains(k))
+            .flat_map(|(_, e)| &e.blocks)
+            .filter(|&&b| pool.references(b) == 1)
+            .count()
     }
 
     /// Evict entries until `cache` has `blocks` free blocks or nothing is
