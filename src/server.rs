@@ -938,22 +938,26 @@ async fn completions(
     let id = s.request_id("cmpl");
     let created = unix_now();
     let with_usage = req.sampling.usage_in_stream()?;
+    let n = params.n;
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     if stream {
-        if requests.len() != 1 {
-            return Err(AppError::bad("streaming takes one prompt").param("prompt"));
-        }
-        if echo {
-            return Err(
-                AppError::bad("echo is not supported with stream; ask without stream")
-                    .param("echo"),
-            );
-        }
-        let request = requests
-            .into_iter()
-            .next()
-            .ok_or_else(|| AppError::bad("no prompt"))?;
-        let prompt_tokens = request.prompt.len();
-        let (_, sub) = s.inner.router.submit(request)?;
+        // With echo each choice's first chunk is its prompt (with the
+        // prompt's log-probs when asked); the generated tokens' offsets
+        // count from its end.
+        let echoed = match echo {
+            true => Some(
+                futures_util::future::try_join_all(
+                    prompts.iter().map(|p| echoed_prompt(&s, p, logprobs)),
+                )
+                .await?,
+            ),
+            false => None,
+        };
+        // Every prompt's choices in one stream, at `prompt * n + choice`.
+        let events = match echo_only {
+            true => None,
+            false => Some(merged_events(&s, requests, n)?),
+        };
         let model = s.inner.model_name.clone();
         let usage_chunk = with_usage.then(|| {
             let (id, model) = (id.clone(), model.clone());
@@ -968,12 +972,37 @@ async fn completions(
                 "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish}],
             })
         };
+        let mut head: Vec<Value> = Vec::new();
+        for (pi, e) in echoed.iter().flatten().enumerate() {
+            for ci in 0..n {
+                head.push(chunk(pi * n + ci, e.text.clone(), e.logprobs.clone(), None));
+            }
+        }
+        let Some(events) = events else {
+            // Only the prompts back: each choice ends where it began.
+            head.extend(
+                (0..prompts.len() * n).map(|i| chunk(i, String::new(), None, Some("length"))),
+            );
+            head.extend(usage_chunk.map(|u| u(0)));
+            let mut sse: Vec<SseEvent> = head
+                .iter()
+                .map(|c| SseEvent::default().data(c.to_string()))
+                .collect();
+            sse.push(SseEvent::default().data("[DONE]"));
+            let all = futures_util::stream::iter(sse.into_iter().map(Ok::<_, Infallible>));
+            return Ok(Sse::new(all).into_response());
+        };
+        let shift: Vec<usize> = echoed.iter().flatten().map(|e| e.chars).collect();
         let st = s.clone();
         let want_lp = logprobs.is_some();
-        let stream = stream_events(
+        let all_params = SamplingParams {
+            n: prompts.len() * n,
+            ..params
+        };
+        let generated = stream_events(
             s.clone(),
-            sub.events,
-            params,
+            events,
+            all_params,
             usage_chunk,
             move |ev| match ev {
                 StreamItem::Text {
@@ -983,6 +1012,8 @@ async fn completions(
                     offsets,
                 } => {
                     let lp = want_lp.then(|| {
+                        let from = shift.get(index / n).copied().unwrap_or(0);
+                        let offsets: Vec<usize> = offsets.iter().map(|o| o + from).collect();
                         let items = tokens
                             .into_iter()
                             .map(|(t, lp, top)| (t, Some(lp), Some(top)));
@@ -995,59 +1026,53 @@ async fn completions(
                 }
             },
         );
-        return Ok(Sse::new(stream)
+        let head = head
+            .into_iter()
+            .map(|c| Ok(SseEvent::default().data(c.to_string())));
+        return Ok(Sse::new(futures_util::stream::iter(head).chain(generated))
             .keep_alive(KeepAlive::default())
             .into_response());
     }
 
-    let mut all_choices = Vec::new();
-    let mut prompt_tokens = 0;
-    let mut completion_tokens = 0;
-    let n = params.n;
-    for (pi, (r, prompt)) in requests.into_iter().zip(&prompts).enumerate() {
-        prompt_tokens += prompt.len();
-        // With echo and logprobs the prompt's tokens come first, scored by
-        // the model (the first has no log-prob: nothing comes before it).
-        let prompt_lp = match (echo, logprobs) {
-            (true, Some(k)) => {
-                let scores = s.inner.router.score_prompt(prompt.clone(), k).await?;
-                let first = (prompt[0], None, None);
-                let rest = prompt[1..].iter().zip(scores.tokens).map(|(&t, sc)| {
-                    debug_assert_eq!(t, sc.token);
-                    (t, Some(sc.logprob), Some(sc.top))
-                });
-                Some(completion_logprobs(
-                    &s,
-                    std::iter::once(first).chain(rest),
-                    &Detok::offsets(&s, prompt, 0),
-                ))
-            }
-            _ => None,
-        };
-        let choices = match echo_only {
-            true => vec![
-                Choice {
-                    finish_reason: Some(FinishReason::Length),
-                    ..Choice::default()
+    // Every prompt at once, so the engine batches them.
+    let answers = futures_util::future::try_join_all(requests.into_iter().zip(&prompts).map(
+        |(r, prompt)| {
+            let s = &s;
+            async move {
+                let echoed = match echo {
+                    true => Some(echoed_prompt(s, prompt, logprobs).await?),
+                    false => None,
                 };
-                n
-            ],
-            false => s.run(r).await?,
-        };
+                let choices = match echo_only {
+                    true => vec![
+                        Choice {
+                            finish_reason: Some(FinishReason::Length),
+                            ..Choice::default()
+                        };
+                        n
+                    ],
+                    false => s.run(r).await?,
+                };
+                Ok::<_, AppError>((echoed, choices))
+            }
+        },
+    ))
+    .await?;
+    let mut all_choices = Vec::new();
+    let mut completion_tokens = 0;
+    for (pi, ((echoed, choices), prompt)) in answers.into_iter().zip(&prompts).enumerate() {
         for (ci, c) in choices.into_iter().enumerate() {
             completion_tokens += c.tokens.len();
             let mut text = cut_at_stop(&s.decode(&c.tokens)?, &params.stop);
             // With echo the text starts with the prompt, and the generated
             // tokens' offsets count from its end.
-            let mut offset = 0;
-            if echo {
-                let shown = s.decode(prompt)?;
-                offset = shown.chars().count();
-                text = shown + &text;
+            let offset = echoed.as_ref().map_or(0, |e| e.chars);
+            if let Some(e) = &echoed {
+                text = e.text.clone() + &text;
             }
             let lp = logprobs.map(|_| {
                 let generated = completion_logprobs_full(&s, &c, offset);
-                match &prompt_lp {
+                match echoed.as_ref().and_then(|e| e.logprobs.as_ref()) {
                     Some(p) => joined_logprobs(p, &generated),
                     None => generated,
                 }
@@ -1079,6 +1104,86 @@ async fn completions(
 
 /// Legacy completions `logprobs` object for generated tokens, their text
 /// offsets counted from `offset` (characters) in the returned text.
+/// A prompt as `echo` gives it back: its text, its length in characters
+/// (where the generated tokens' offsets start) and, with `logprobs`, its
+/// tokens scored by the model (the first has no log-prob: nothing comes
+/// before it).
+struct Echoed {
+    text: String,
+    chars: usize,
+    logprobs: Option<Value>,
+}
+
+async fn echoed_prompt(s: &AppState, prompt: &[u32], logprobs: Option<usize>) -> AppResult<Echoed> {
+    let text = s.decode(prompt)?;
+    let logprobs = match logprobs {
+        Some(k) => {
+            let scores = s.inner.router.score_prompt(prompt.to_vec(), k).await?;
+            let first = (prompt[0], None, None);
+            let rest = prompt[1..].iter().zip(scores.tokens).map(|(&t, sc)| {
+                debug_assert_eq!(t, sc.token);
+                (t, Some(sc.logprob), Some(sc.top))
+            });
+            Some(completion_logprobs(
+                s,
+                std::iter::once(first).chain(rest),
+                &Detok::offsets(s, prompt, 0),
+            ))
+        }
+        None => None,
+    };
+    Ok(Echoed {
+        chars: text.chars().count(),
+        text,
+        logprobs,
+    })
+}
+
+/// Submit every request and merge their events into one receiver, each
+/// choice renumbered `request * n + choice`. A request whose engine stops
+/// before all its choices finish ends the merged stream with an error.
+/// When the merged receiver is dropped (the client left), each forwarder
+/// stops and drops its request's receiver, which aborts the request.
+fn merged_events(
+    s: &AppState,
+    requests: Vec<Request>,
+    n: usize,
+) -> AppResult<UnboundedReceiver<Event>> {
+    let subs = requests
+        .into_iter()
+        .map(|r| s.inner.router.submit(r).map(|(_, sub)| sub))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    for (pi, mut sub) in subs.into_iter().enumerate() {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let mut open = n;
+            while open > 0 {
+                let ev = match sub.events.recv().await {
+                    Some(Event::Token(mut t)) => {
+                        t.index += pi * n;
+                        Event::Token(t)
+                    }
+                    Some(Event::Finished { index, reason }) => {
+                        open -= 1;
+                        Event::Finished {
+                            index: index + pi * n,
+                            reason,
+                        }
+                    }
+                    Some(failed @ Event::Error(_)) => failed,
+                    None => Event::Error(arcticd_engine::Failure::msg("the engine stopped")),
+                };
+                let last = matches!(ev, Event::Error(_));
+                if tx.send(ev).is_err() || last {
+                    return;
+                }
+            }
+        });
+    }
+    Ok(rx)
+}
+
 fn completion_logprobs_full(s: &AppState, c: &Choice, offset: usize) -> Value {
     let items = c
         .tokens
@@ -2047,6 +2152,107 @@ mod tests {
     /// the prompt's tokens come first, scored by the model (the first with
     /// no log-prob), as an evaluation harness reads them; `max_tokens: 0`
     /// gives only those.
+    /// SSE `data:` payloads before `[DONE]`, which must end the body.
+    fn sse_chunks(body: &str) -> Vec<Value> {
+        let datas: Vec<&str> = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        assert_eq!(datas.last(), Some(&"[DONE]"), "{body}");
+        datas[..datas.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect()
+    }
+
+    /// A list of prompts and `echo`, streamed: every choice's chunks, joined,
+    /// are the same text and log-probs as the whole answer's choice at the
+    /// same index (prompt * n + choice).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn streamed_completions_take_prompt_lists_and_echo() {
+        let app = app(state());
+        let keys = ["tokens", "token_logprobs", "top_logprobs", "text_offset"];
+        for max_tokens in [5, 0] {
+            let ask = json!({"model": "tiny", "prompt": ["héllo thère", "abc def"], "n": 2,
+                             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
+                             "echo": true, "logprobs": 2,
+                             "stream_options": {"include_usage": true}});
+            let mut whole = ask.clone();
+            whole.as_object_mut().unwrap().remove("stream_options");
+            let (st, v) = call_json(&app, "/v1/completions", whole).await;
+            assert_eq!(st, StatusCode::OK, "{v}");
+            let mut streamed = ask.clone();
+            streamed["stream"] = json!(true);
+            let (st, body) = call(&app, "POST", "/v1/completions", &streamed.to_string()).await;
+            assert_eq!(st, StatusCode::OK, "{body}");
+            let chunks = sse_chunks(&body);
+            let usage = &chunks.last().unwrap()["usage"];
+            assert_eq!(usage, &v["usage"], "max_tokens {max_tokens}");
+            let choices = v["choices"].as_array().unwrap();
+            assert_eq!(choices.len(), 4);
+            for (i, c) in choices.iter().enumerate() {
+                assert_eq!(c["index"], i);
+                let mine: Vec<&Value> = chunks
+                    .iter()
+                    .flat_map(|k| k["choices"].as_array().unwrap())
+                    .filter(|x| x["index"] == i)
+                    .collect();
+                let text: String = mine.iter().filter_map(|x| x["text"].as_str()).collect();
+                assert_eq!(text, c["text"].as_str().unwrap(), "choice {i}");
+                let finish: Vec<&Value> = mine
+                    .iter()
+                    .map(|x| &x["finish_reason"])
+                    .filter(|f| !f.is_null())
+                    .collect();
+                assert_eq!(finish, [&c["finish_reason"]], "choice {i}");
+                for key in keys {
+                    let joined: Vec<&Value> = mine
+                        .iter()
+                        .filter_map(|x| x["logprobs"][key].as_array())
+                        .flatten()
+                        .collect();
+                    let want: Vec<&Value> = c["logprobs"][key].as_array().unwrap().iter().collect();
+                    assert_eq!(joined, want, "choice {i}: {key}");
+                }
+            }
+            // Each prompt's text comes first, whole, in one chunk.
+            let first = &chunks[0]["choices"][0];
+            assert_eq!(
+                (&first["index"], &first["text"]),
+                (&json!(0), &json!("héllo thère"))
+            );
+        }
+    }
+
+    /// The prompts of one request run together: the engine batches them, so
+    /// four prompts take about as many steps as one, not four times as many.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_list_of_prompts_is_batched() {
+        let state = state();
+        let steps = || {
+            state.inner.router.replicas()[0]
+                .metrics()
+                .steps
+                .load(Ordering::Relaxed)
+        };
+        let app = app(state.clone());
+        let ask = |prompts: Value| json!({"prompt": prompts, "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+        let before = steps();
+        let (st, v) = call_json(&app, "/v1/completions", ask(json!([[11, 12, 13]]))).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let one = steps() - before;
+        let before = steps();
+        let four = json!([[11, 12, 13], [21, 22], [31, 32, 33, 34], [41]]);
+        let (st, v) = call_json(&app, "/v1/completions", ask(four)).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 48, "{v}");
+        let all = steps() - before;
+        assert!(
+            all < 2 * one,
+            "four prompts took {all} engine steps, one took {one}"
+        );
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn echoed_completions_score_the_prompt_and_offset_every_token() {
         // Offsets count characters, as a client's strings do: "é" is one.
@@ -2172,12 +2378,7 @@ mod tests {
         zero["echo"] = json!(false);
         let (st, z) = call_json(&app, "/v1/completions", zero).await;
         assert_eq!(st, StatusCode::BAD_REQUEST, "{z}");
-
-        let mut streamed = ask;
-        streamed["stream"] = json!(true);
-        let (st, v) = call_json(&app, "/v1/completions", streamed).await;
-        assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
-        assert_eq!(v["error"]["param"], "echo", "{v}");
+        // Streamed, echo gives the same (streamed_completions_take_prompt_lists_and_echo).
     }
 
     /// A wrong prompt or stop type is said in the API's terms, not by the

@@ -164,6 +164,20 @@ def main():
     assert e.text.startswith("The quick brown fox"), e.text
     summary["echo_prompt_logprobs"] = len(elp.token_logprobs)
 
+    # A list of prompts, streamed with echo: each choice's chunks join into
+    # the text the whole answer gives at the same index.
+    two = ["The quick brown fox", "Once upon a time"]
+    ask = dict(model=m, prompt=two, n=2, max_tokens=4, echo=True, temperature=0,
+               extra_body={"ignore_eos": True})
+    whole = {c.index: c.text for c in client.completions.create(**ask).choices}
+    joined = {}
+    for chunk in client.completions.create(stream=True, **ask):
+        for c in chunk.choices:
+            joined[c.index] = joined.get(c.index, "") + c.text
+    assert joined == whole and len(whole) == 4, (joined, whole)
+    assert whole[2].startswith("Once upon a time"), whole
+    summary["streamed_prompt_list_choices"] = len(joined)
+
     def ask_one(i):
         msgs = [{"role": "user", "content": f"Request number {i}: count to {i % 7 + 2}."}]
         out = client.chat.completions.create(
