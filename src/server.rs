@@ -369,6 +369,7 @@ async fn metrics(State(s): State<AppState>) -> Response {
     let mut hit = 0;
     let mut generated = 0;
     let mut preemptions = 0;
+    let mut recomputed = 0;
     let mut per_replica = String::new();
     for (i, r) in s.inner.router.replicas().iter().enumerate() {
         let m = r.metrics();
@@ -380,6 +381,7 @@ async fn metrics(State(s): State<AppState>) -> Response {
         hit += m.prefix_hit_tokens.load(Ordering::Relaxed);
         generated += m.generated_tokens.load(Ordering::Relaxed);
         preemptions += m.preemptions.load(Ordering::Relaxed);
+        recomputed += m.recomputed_tokens.load(Ordering::Relaxed);
         per_replica.push_str(&format!(
             "arcticd_replica_load{{replica=\"{i}\"}} {}\n",
             r.load()
@@ -402,6 +404,8 @@ async fn metrics(State(s): State<AppState>) -> Response {
          # HELP arcticd_generation_tokens_per_second Generated tokens per second since start.\n\
          # TYPE arcticd_generation_tokens_per_second gauge\narcticd_generation_tokens_per_second {}\n\
          # TYPE arcticd_preemptions_total counter\narcticd_preemptions_total {preemptions}\n\
+         # HELP arcticd_recomputed_tokens_total Tokens prefilled again after preemption.\n\
+         # TYPE arcticd_recomputed_tokens_total counter\narcticd_recomputed_tokens_total {recomputed}\n\
          # HELP arcticd_replica_load Outstanding tokens per replica.\n\
          # TYPE arcticd_replica_load gauge\n{per_replica}",
         ratio(used, total),
@@ -2074,6 +2078,8 @@ mod tests {
             "arcticd_cache_usage",
             "arcticd_prefix_cache_hit_rate",
             "arcticd_generation_tokens_per_second",
+            "arcticd_preemptions_total",
+            "arcticd_recomputed_tokens_total",
         ] {
             assert!(body.contains(name), "{name} missing from {body}");
         }

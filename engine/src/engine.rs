@@ -305,6 +305,8 @@ pub struct EngineMetrics {
     pub generated_tokens: AtomicU64,
     pub steps: AtomicU64,
     pub preemptions: AtomicU64,
+    /// Tokens prefilled again after preemption.
+    pub recomputed_tokens: AtomicU64,
     /// Outstanding work: for every unfinished request, n * (prompt tokens +
     /// max_tokens). Added on submit, removed when the request ends.
     pub load: AtomicU64,
@@ -988,7 +990,9 @@ impl EngineLoop {
         m.waiting.store(s.waiting.len() as u64, Ordering::Relaxed);
         m.blocks_used
             .store(s.cache.pool().num_used() as u64, Ordering::Relaxed);
-        m.prompt_tokens.store(s.admitted_tokens, Ordering::Relaxed);
+        m.prompt_tokens.store(s.prompt_tokens, Ordering::Relaxed);
+        m.recomputed_tokens
+            .store(s.recomputed_tokens, Ordering::Relaxed);
         m.prefix_hit_tokens
             .store(s.prefix_hit_tokens, Ordering::Relaxed);
         m.preemptions.store(s.preemptions, Ordering::Relaxed);

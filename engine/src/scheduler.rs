@@ -58,6 +58,8 @@ pub struct Sequence {
     pub sampler: Sampler,
     /// Tokens generated so far.
     pub generated: usize,
+    /// Times this sequence was preempted (its prompt was admitted once).
+    pub preempted: u32,
     /// The request's other choices (index, sampler), forked from this
     /// sequence once its prompt is in the cache, so `n` choices prefill
     /// their shared prompt once.
@@ -79,6 +81,7 @@ impl Sequence {
             prefix_keys: Vec::new(),
             sampler,
             generated: 0,
+            preempted: 0,
             forks: Vec::new(),
         }
     }
@@ -125,9 +128,13 @@ pub struct Scheduler {
     pub limits: Limits,
     /// Sequences preempted so far.
     pub preemptions: u64,
-    /// Prompt tokens admitted and the part of them served by the prefix cache.
-    pub admitted_tokens: u64,
+    /// Prompt tokens admitted (once per sequence) and the part of them
+    /// served by the prefix cache.
+    pub prompt_tokens: u64,
     pub prefix_hit_tokens: u64,
+    /// Tokens prefilled again when preempted sequences came back (less what
+    /// the prefix cache served): what preemption cost.
+    pub recomputed_tokens: u64,
 }
 
 impl Scheduler {
@@ -139,8 +146,9 @@ impl Scheduler {
             running: Vec::new(),
             limits,
             preemptions: 0,
-            admitted_tokens: 0,
+            prompt_tokens: 0,
             prefix_hit_tokens: 0,
+            recomputed_tokens: 0,
         }
     }
 
@@ -309,8 +317,12 @@ impl Scheduler {
         seq.slot = Some(slot);
         seq.computed = start;
         seq.prefix_keys = keys;
-        self.admitted_tokens += target as u64;
-        self.prefix_hit_tokens += start as u64;
+        if seq.preempted == 0 {
+            self.prompt_tokens += target as u64;
+            self.prefix_hit_tokens += start as u64;
+        } else {
+            self.recomputed_tokens += (target - start) as u64;
+        }
         self.running.push(seq);
         Some(first)
     }
@@ -392,6 +404,7 @@ impl Scheduler {
         let mut seq = self.running.remove(i);
         self.release(&mut seq);
         seq.prefill_target = seq.tokens.len();
+        seq.preempted += 1;
         self.preemptions += 1;
         self.waiting.push_front(seq);
     }
@@ -544,16 +557,14 @@ mod tests {
         while !s.is_idle() {
             steps += 1;
             assert!(steps < 10_000, "no progress");
-            let (preempted, admitted) = (s.preemptions, s.admitted_tokens);
+            let admitted = |s: &Scheduler| s.prompt_tokens + s.recomputed_tokens;
+            let (preempted, before) = (s.preemptions, admitted(s));
             let plan = s.schedule();
             // A step that preempts admits nothing: the room it made is for
             // the sequences still running (else the preempted one comes
             // straight back and is preempted again).
             if s.preemptions > preempted {
-                assert_eq!(
-                    s.admitted_tokens, admitted,
-                    "admitted in a step that preempted"
-                );
+                assert_eq!(admitted(s), before, "admitted in a step that preempted");
             }
             for item in &plan {
                 let seq = &s.running[item.seq];
@@ -663,7 +674,11 @@ mod tests {
             add(&mut s, id.into(), (0..20).map(|t| t + 100 * id).collect());
         }
         drive(&mut s, 40);
-        let recomputed = s.admitted_tokens as usize - prompts;
+        assert_eq!(
+            s.prompt_tokens as usize, prompts,
+            "each prompt counted once"
+        );
+        let recomputed = s.recomputed_tokens as usize;
         eprintln!(
             "preemptions {}, tokens recomputed {recomputed} (prompts {prompts})",
             s.preemptions
