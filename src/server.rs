@@ -2253,6 +2253,7 @@ mod tests {
         assert_eq!(st, StatusCode::OK, "{v}");
         assert_eq!(v["usage"]["completion_tokens"], 48, "{v}");
         let all = steps() - before;
+        eprintln!("engine steps: one prompt {one}, four prompts {all}");
         assert!(
             all < 2 * one,
             "four prompts took {all} engine steps, one took {one}"
