@@ -77,9 +77,6 @@ pub struct PrefixCache {
     unit: usize,
     entries: HashMap<PrefixKey, Entry>,
     tick: u64,
-    /// Prompt tokens looked up, and how many of them hit.
-    pub queried_tokens: u64,
-    pub hit_tokens: u64,
 }
 
 impl PrefixCache {
@@ -88,8 +85,6 @@ impl PrefixCache {
             unit,
             entries: HashMap::new(),
             tick: 0,
-            queried_tokens: 0,
-            hit_tokens: 0,
         }
     }
 
@@ -106,10 +101,10 @@ impl PrefixCache {
     }
 
     /// The longest cached prefix of `tokens` no longer than `max_len`,
-    /// touching its entries. Counts toward the hit rate.
+    /// touching its entries. (The scheduler counts the hit rate, once per
+    /// admitted sequence: a lookup may be retried.)
     pub fn lookup(&mut self, tokens: &[u32], max_len: usize) -> Option<PrefixHit> {
         self.tick += 1;
-        self.queried_tokens += tokens.len() as u64;
         let mut parent = None;
         let mut keys = Vec::new();
         let mut blocks = Vec::new();
@@ -132,7 +127,6 @@ impl PrefixCache {
             len += self.unit;
         }
         let slot = slot?;
-        self.hit_tokens += len as u64;
         Some(PrefixHit {
             len,
             blocks,
