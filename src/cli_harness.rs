@@ -50,6 +50,8 @@ pub enum TrajCommand {
 
 #[derive(clap::Args)]
 pub struct TrajShowArgs {
+    /// A trajectories file (JSONL): a run's `trajectories/step-NNNNNN.jsonl`
+    /// or `dropped.jsonl`, or the file `arcticd eval --traj` wrote.
     pub file: PathBuf,
     /// Only this task's trajectories.
     #[arg(long)]

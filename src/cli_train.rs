@@ -321,9 +321,10 @@ pub enum PlacementArg {
 }
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("shape").required(true).args(["model", "preset"])))]
 pub struct PlanArgs {
     /// Model folder (its config.json is all that is read).
-    #[arg(long, required_unless_present = "preset", conflicts_with = "preset")]
+    #[arg(long)]
     pub model: Option<PathBuf>,
     /// A built-in shape instead: tiny, small, demo, qwen3.5-0.8b, qwen3.5-4b.
     #[arg(long)]

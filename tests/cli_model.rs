@@ -374,6 +374,8 @@ fn plan_sizes_a_real_shape_and_refuses_what_does_not_fit() {
     // What to change is said in this command's flags, not recipe keys.
     assert_clean_error(&out, "--recompute-layers");
     assert_clean_error(&arcticd(&["plan", "--preset", "qwen9"]), "unknown preset");
+    // Without a shape, both ways to give one are named.
+    assert_clean_error(&arcticd(&["plan"]), "--preset");
     assert_clean_error(
         &arcticd(&["plan", "--preset", "tiny", "--placement", "gpu"]),
         "--memory-gb",
