@@ -18,7 +18,9 @@
 //! `tool_call` module, beside the strict check) turns each into an OpenAI `tool_calls`
 //! entry with JSON arguments, and text outside calls stays `content`. A
 //! forced `tool_choice` opens the call in the prompt, so the model writes
-//! its arguments. This parser is lenient (an unclosed call at the end of the
+//! its arguments; with `"required"` the prompt stops at `<function` and the
+//! engine's guide ([`arcticd_engine::guide`]) lets the model write only a
+//! declared tool's name. This parser is lenient (an unclosed call at the end of the
 //! text still counts); the training gate's strict grammar is elsewhere.
 //! Streamed with tools, text goes out as content as it comes, and each call
 //! as one `tool_calls` delta when its `</tool_call>` arrives (`ToolStream`).
@@ -684,6 +686,7 @@ impl AppState {
             ignore_eos: f.ignore_eos.unwrap_or(false),
             n: f.n.unwrap_or(1),
             top_logprobs,
+            prefix_choices: Vec::new(),
         }
     }
 
@@ -1266,8 +1269,12 @@ enum ToolMode {
     Off,
     /// The model may call tools.
     Auto,
-    /// A call is forced; the prompt ends with this opening.
-    Forced(String),
+    /// A call is forced: the prompt ends with `opening`, and the text
+    /// generated after it must begin with one of `choices` (none: free).
+    Forced {
+        opening: String,
+        choices: Vec<String>,
+    },
 }
 
 fn tool_mode(tools: &Option<Vec<Value>>, choice: &Option<Value>) -> AppResult<ToolMode> {
@@ -1297,7 +1304,13 @@ fn tool_mode(tools: &Option<Vec<Value>>, choice: &Option<Value>) -> AppResult<To
             } else {
                 ToolMode::Off
             }),
-            "required" if has_tools => Ok(ToolMode::Forced("<tool_call>\n<function=".into())),
+            // The opening stops before the `=`, which the tokenizer joins
+            // with the name (`=get`) in the text the model learned from;
+            // the guide then admits only a declared name.
+            "required" if has_tools => Ok(ToolMode::Forced {
+                opening: "<tool_call>\n<function".into(),
+                choices: names.iter().map(|n| format!("={n}>")).collect(),
+            }),
             "required" => {
                 Err(AppError::bad("tool_choice \"required\" needs tools").param("tool_choice"))
             }
@@ -1320,9 +1333,10 @@ fn tool_mode(tools: &Option<Vec<Value>>, choice: &Option<Value>) -> AppResult<To
                 ))
                 .param("tool_choice"));
             }
-            Ok(ToolMode::Forced(format!(
-                "<tool_call>\n<function={name}>\n"
-            )))
+            Ok(ToolMode::Forced {
+                opening: format!("<tool_call>\n<function={name}>\n"),
+                choices: Vec::new(),
+            })
         }
         Some(_) => {
             Err(AppError::bad("tool_choice must be a string or an object").param("tool_choice"))
@@ -1381,9 +1395,9 @@ async fn chat_completions(
         return Err(AppError::bad("top_logprobs needs logprobs: true").param("top_logprobs"));
     }
     let mut text = s.render_chat(&req.messages, req.tools.as_deref(), true, &kwargs)?;
-    let forced = match &mode {
-        ToolMode::Forced(p) => p.clone(),
-        _ => String::new(),
+    let (forced, choices) = match &mode {
+        ToolMode::Forced { opening, choices } => (opening.clone(), choices.clone()),
+        _ => (String::new(), Vec::new()),
     };
     text.push_str(&forced);
     let prompt = s.encode_chat(&text, &req.messages)?;
@@ -1406,7 +1420,8 @@ async fn chat_completions(
         0
     };
     let default_max = s.inner.default_max_tokens.min(room);
-    let params = s.sampling(&mut req.sampling, default_max, top);
+    let mut params = s.sampling(&mut req.sampling, default_max, top);
+    params.prefix_choices = choices;
     let request = Request {
         prompt: prompt.clone(),
         params: params.clone(),
@@ -2803,6 +2818,39 @@ mod tests {
         )
         .await;
         assert_eq!(st, StatusCode::OK, "{v}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_required_tool_call_names_a_declared_tool() {
+        let app = app(state());
+        let tool = |name: &str| {
+            json!({"type": "function", "function": {"name": name,
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})
+        };
+        let names = ["get_weather", "get_time"];
+        let (st, v) = call_json(
+            &app,
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "weather in Paris?"}],
+                   "tools": [tool(names[0]), tool(names[1])], "tool_choice": "required",
+                   "n": 8, "temperature": 1.0, "seed": 3, "max_tokens": 32,
+                   "return_token_ids": true}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let tok = Tokenizer::from_dir(model_dir()).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            // The random model writes one of the names, in any
+            // tokenization, and is free after it.
+            let ids: Vec<u32> = serde_json::from_value(c["token_ids"].clone()).unwrap();
+            let text = tok.decode(&ids, false).unwrap();
+            assert!(
+                names.iter().any(|n| text.starts_with(&format!("={n}>"))),
+                "{text:?}"
+            );
+            let call = &c["message"]["tool_calls"][0]["function"];
+            assert!(names.iter().any(|n| call["name"] == *n), "{c}");
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

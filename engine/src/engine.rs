@@ -35,6 +35,7 @@
 //! Not for: HTTP or text (the server), routing across replicas (`router.rs`).
 
 use crate::error::Failure;
+use crate::guide::TokenBytes;
 use crate::kv_cache::{fit_slots, CacheLayout, PagedKvCache, Placement};
 use crate::model::{LinearPacks, PagedPast, PrefillForm, Qwen3_5, SeqCache, SeqInput, WeightDType};
 use crate::params::ParamStore;
@@ -329,6 +330,9 @@ pub struct EngineInfo {
     pub max_num_seqs: usize,
     /// Prefix-cache state snapshots kept, fitted the same way.
     pub prefix_snapshots: usize,
+    /// The engine has the model's tokenizer, so it can guide a request's
+    /// text ([`SamplingParams::prefix_choices`]).
+    pub guides_text: bool,
 }
 
 impl EngineInfo {
@@ -444,6 +448,11 @@ impl EngineHandle {
             return Err(Error::Input(format!(
                 "stop token id {bad} is not below the vocabulary size {vocab}, so it could never stop"
             )));
+        }
+        if !request.params.prefix_choices.is_empty() && !self.shared.info.guides_text {
+            return Err(Error::Input(
+                "prefix choices need the model's tokenizer, and this engine has none".into(),
+            ));
         }
         self.check_prompt(&request.prompt, request.params.max_tokens)
     }
@@ -787,6 +796,7 @@ pub fn start(
             capacity_tokens: cache.capacity_tokens(),
             max_num_seqs: fit.running,
             prefix_snapshots: fit.snapshots,
+            guides_text: tokenizer.is_some(),
         },
         next_id: AtomicU64::new(0),
         stopped: AtomicBool::new(false),
@@ -806,6 +816,7 @@ pub fn start(
     let mut engine = EngineLoop {
         store,
         tokenizer,
+        token_table: None,
         eos,
         scheduler,
         pending: HashMap::new(),
@@ -829,6 +840,9 @@ pub fn start(
 struct EngineLoop {
     store: Arc<ParamStore>,
     tokenizer: Option<Arc<Tokenizer>>,
+    /// Each token's bytes, built from the tokenizer when a guided request
+    /// first samples.
+    token_table: Option<Arc<TokenBytes>>,
     eos: Vec<u32>,
     scheduler: Scheduler,
     pending: HashMap<u64, Pending>,
@@ -1108,6 +1122,15 @@ impl EngineLoop {
                 }
             }
         }
+        let guided = targets
+            .iter()
+            .any(|&(_, i)| self.scheduler.running[i].sampler.is_guided());
+        if guided && self.token_table.is_none() {
+            if let Some(t) = &self.tokenizer {
+                self.token_table = Some(Arc::new(TokenBytes::new(t, vocab)));
+            }
+        }
+        let table = self.token_table.as_deref();
         // Each target is a different sequence with its own sampler, so the
         // rows may be sampled in parallel; what each draws does not depend
         // on the others.
@@ -1140,7 +1163,7 @@ impl EngineLoop {
                                 })
                             }
                             (_, Some(j)) if !on_device => {
-                                s.sample(&logits[j * vocab..(j + 1) * vocab])
+                                s.sample_with(&logits[j * vocab..(j + 1) * vocab], table)
                             }
                             _ => Err(Error::Invariant(format!(
                                 "sampled row {r}: no pick for its draw, or no logits"

@@ -6,6 +6,7 @@ pub mod chat;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod guide;
 pub mod init;
 pub mod kv_cache;
 pub mod model;

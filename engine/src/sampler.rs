@@ -12,6 +12,7 @@
 //! Reproducibility: each sequence owns a seeded RNG; a request's `seed`
 //! fixes its tokens (choice `i` of `n` uses `seed + i`).
 
+use crate::guide::{Guide, TokenBytes};
 use crate::{Error, Result};
 pub use arcticd_kernels::cpu::logsoftmax::argmax;
 use arcticd_kernels::cpu::logsoftmax::{greedy_pick, log_softmax_forward};
@@ -47,6 +48,10 @@ pub struct SamplingParams {
     pub n: usize,
     /// Alternatives (id, log-prob) returned per generated token. Default 0.
     pub top_logprobs: usize,
+    /// The generated text must begin with one of these strings (guided
+    /// decoding, [`crate::guide`]); empty leaves sampling free. Needs the
+    /// engine's tokenizer. Default empty.
+    pub prefix_choices: Vec<String>,
 }
 
 impl Default for SamplingParams {
@@ -62,6 +67,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             n: 1,
             top_logprobs: 0,
+            prefix_choices: Vec::new(),
         }
     }
 }
@@ -102,6 +108,9 @@ impl SamplingParams {
         }
         if self.stop.iter().any(|s| s.is_empty()) {
             return bad("stop strings must not be empty".into());
+        }
+        if self.prefix_choices.iter().any(|s| s.is_empty()) {
+            return bad("prefix choices must not be empty".into());
         }
         Ok(())
     }
@@ -166,6 +175,10 @@ pub struct Sampler {
     /// A draw was handed to a device ([`device_draw`](Self::device_draw))
     /// and its pick not yet taken.
     drawn_on_device: bool,
+    /// The choices the text must begin with, while it must.
+    guide: Option<Guide>,
+    /// The tokens the guide allows next, reused.
+    allowed: Vec<bool>,
 }
 
 /// How a device draws a sampler's next token where the logits are:
@@ -188,18 +201,27 @@ impl Sampler {
             logp: Vec::new(),
             order: Vec::new(),
             drawn_on_device: false,
+            guide: Guide::new(&params.prefix_choices),
+            allowed: Vec::new(),
         }
+    }
+
+    /// Whether the next token is restricted by the request's
+    /// [`prefix_choices`](SamplingParams::prefix_choices): it must then be
+    /// sampled on the host with the token table
+    /// ([`sample_with`](Self::sample_with)).
+    pub fn is_guided(&self) -> bool {
+        self.guide.as_ref().is_some_and(Guide::active)
     }
 
     pub fn params(&self) -> &SamplingParams {
         &self.params
     }
 
-    /// Draw a token from one row of logits.
     /// Whether [`sample`](Self::sample) is a greedy pick with nothing
     /// else to compute (about a microsecond for a 4k vocabulary).
     pub fn is_cheap(&self) -> bool {
-        self.params.is_greedy() && self.params.top_logprobs == 0
+        self.params.is_greedy() && self.params.top_logprobs == 0 && !self.is_guided()
     }
 
     /// The next token's draw for a device that holds the logits, so only
@@ -211,7 +233,7 @@ impl Sampler {
     pub fn device_draw(&mut self, vocab: usize) -> Option<DeviceDraw> {
         let p = &self.params;
         let truncating = (p.top_k != 0 && p.top_k < vocab) || p.top_p < 1.0;
-        if p.top_logprobs > 0 || truncating {
+        if p.top_logprobs > 0 || truncating || self.is_guided() {
             return None;
         }
         if p.is_greedy() {
@@ -230,11 +252,31 @@ impl Sampler {
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> Result<Sampled> {
+        self.sample_with(logits, None)
+    }
+
+    /// Draw a token from one row of logits, among those a guided
+    /// sequence's choices allow (`table` holds each token's bytes; a
+    /// guided sampler needs it). The guide is a sampling device like
+    /// top-k: the token's reported log-prob and its alternatives are the
+    /// model's, unrestricted, as the trainer recomputes them.
+    pub fn sample_with(&mut self, logits: &[f32], table: Option<&TokenBytes>) -> Result<Sampled> {
         let v = logits.len();
         if v == 0 {
             return Err(Error::Input("sampling from an empty vocabulary".into()));
         }
         let greedy = self.params.is_greedy();
+        let guided = match self.guide.as_mut().filter(|g| g.active()) {
+            Some(guide) => {
+                let table = table.ok_or_else(|| {
+                    Error::Invariant("a guided sequence was sampled without the token table".into())
+                })?;
+                guide.mask(table, &mut self.allowed)?;
+                self.allowed.resize(v, false);
+                Some(table)
+            }
+            None => None,
+        };
         if self.is_cheap() {
             // Only the chosen token's log-prob is needed: the same
             // `x - logsumexp(x)` as the full log-softmax's entry.
@@ -253,11 +295,15 @@ impl Sampler {
             let scaled: Vec<f32> = logits.iter().map(|&x| x * inv_t).collect();
             log_softmax_forward(&mut self.logp, &scaled, 1, v)?;
         }
-        let token = if greedy {
-            argmax(logits) as u32
-        } else {
-            self.draw()
+        let token = match (guided, greedy) {
+            (None, true) => argmax(logits) as u32,
+            (None, false) => self.draw(),
+            (Some(_), true) => self.best_allowed(logits),
+            (Some(_), false) => self.draw_allowed(logits),
         };
+        if let (Some(table), Some(guide)) = (guided, self.guide.as_mut()) {
+            guide.advance(table.get(token as usize));
+        }
         let top = if self.params.top_logprobs > 0 {
             top_k_of(&self.logp, self.params.top_logprobs)
         } else {
@@ -268,6 +314,49 @@ impl Sampler {
             logprob: self.logp[token as usize],
             top,
         })
+    }
+
+    /// The first largest logit among the allowed tokens (the mask holds
+    /// at least one).
+    fn best_allowed(&self, logits: &[f32]) -> u32 {
+        let mut best: Option<usize> = None;
+        for (i, &x) in logits.iter().enumerate() {
+            if self.allowed[i] && best.is_none_or(|b| x > logits[b]) {
+                best = Some(i);
+            }
+        }
+        best.unwrap_or(0) as u32
+    }
+
+    /// A draw, with the request's truncation, from `self.logp`
+    /// renormalized over the allowed tokens; `self.logp` is left as it
+    /// was.
+    fn draw_allowed(&mut self, logits: &[f32]) -> u32 {
+        let best = self.best_allowed(logits);
+        let max = self.logp[best as usize];
+        let sum: f64 = self
+            .logp
+            .iter()
+            .zip(&self.allowed)
+            .filter(|(_, &a)| a)
+            .map(|(&lp, _)| ((lp - max) as f64).exp())
+            .sum();
+        let shift = max + sum.ln() as f32;
+        let unrestricted = std::mem::take(&mut self.logp);
+        self.logp = unrestricted
+            .iter()
+            .zip(&self.allowed)
+            .map(|(&lp, &a)| if a { lp - shift } else { f32::NEG_INFINITY })
+            .collect();
+        let token = self.draw();
+        self.logp = unrestricted;
+        // A draw lands on an allowed token (the others have no mass); the
+        // best one stands in should rounding ever say otherwise.
+        if self.allowed[token as usize] {
+            token
+        } else {
+            best
+        }
     }
 
     /// Sample from `self.logp` after top-k and top-p truncation.
@@ -524,5 +613,79 @@ mod tests {
             assert!(p.validate().is_err());
         }
         assert!(SamplingParams::default().validate().is_ok());
+    }
+
+    /// Tokens 0..5 are "a", "b", "ab", "c", "" (an id with no text).
+    fn table() -> TokenBytes {
+        TokenBytes::from_tokens([&b"a"[..], b"b", b"ab", b"c", b""])
+    }
+
+    fn guided(t: f32, choices: &[&str]) -> Sampler {
+        let mut p = params(t);
+        p.prefix_choices = choices.iter().map(|c| c.to_string()).collect();
+        p.top_logprobs = 2;
+        Sampler::new(&p, 0)
+    }
+
+    #[test]
+    fn a_guided_greedy_pick_is_the_best_allowed_token_then_free() {
+        let logits = [0.0, 1.0, 0.5, 3.0, 9.0];
+        let mut s = guided(0.0, &["ab"]);
+        let table = table();
+        assert!(s.is_guided() && !s.is_cheap());
+        assert_eq!(
+            s.device_draw(5),
+            None,
+            "a guided row is sampled on the host"
+        );
+        let first = s.sample_with(&logits, Some(&table)).unwrap();
+        assert_eq!(
+            first.token, 2,
+            "\"ab\" beats \"a\"; \"c\" and the empty id are masked"
+        );
+        // The reported log-prob and alternatives are the model's.
+        let mut free = Sampler::new(&SamplingParams::greedy(4), 0);
+        let mut lp = vec![0.0; 5];
+        log_softmax_forward(&mut lp, &logits, 1, 5).unwrap();
+        assert_eq!(first.logprob, lp[2]);
+        assert_eq!(first.top[0].0, 4);
+        assert!(!s.is_guided(), "the choice is written");
+        assert_eq!(s.sample_with(&logits, Some(&table)).unwrap().token, 4);
+        assert_eq!(free.sample(&logits).unwrap().token, 4);
+    }
+
+    #[test]
+    fn a_guided_draw_lands_only_on_allowed_tokens_in_their_proportions() {
+        let logits = [1.0, 0.0, 1.0f32.ln() + 1.0, 5.0, 5.0];
+        let table = table();
+        let mut counts = [0usize; 5];
+        for seed in 0..2000 {
+            let mut p = params(1.0);
+            p.seed = Some(seed);
+            p.prefix_choices = vec!["ab".into(), "b".into()];
+            let mut s = Sampler::new(&p, 0);
+            let out = s.sample_with(&logits, Some(&table)).unwrap();
+            counts[out.token as usize] += 1;
+        }
+        assert_eq!(counts[3] + counts[4], 0, "{counts:?}");
+        // Allowed: "a" (e^1), "b" (e^0), "ab" (e^1): shares 0.42, 0.16, 0.42.
+        let share = |n: usize| n as f64 / 2000.0;
+        assert!((share(counts[0]) - 0.4223).abs() < 0.04, "{counts:?}");
+        assert!((share(counts[1]) - 0.1554).abs() < 0.04, "{counts:?}");
+        assert!((share(counts[2]) - 0.4223).abs() < 0.04, "{counts:?}");
+    }
+
+    #[test]
+    fn a_guided_sampler_needs_the_table_and_a_reachable_choice() {
+        let logits = [0.0; 5];
+        let err = guided(0.0, &["ab"]).sample(&logits).unwrap_err();
+        assert!(err.to_string().contains("token table"), "{err}");
+        let err = guided(0.0, &["z"])
+            .sample_with(&logits, Some(&table()))
+            .unwrap_err();
+        assert!(err.to_string().contains("no token"), "{err}");
+        let mut p = params(1.0);
+        p.prefix_choices = vec![String::new()];
+        assert!(p.validate().is_err());
     }
 }

@@ -83,6 +83,11 @@ pub struct Tokenizer {
     /// `known[id]`: the id is a vocabulary entry or an added token. Looked
     /// up once at load, so the checks on every decoded id allocate nothing.
     known: Vec<bool>,
+    /// `added[id]`: the id is an added token (its bytes are its text).
+    added: Vec<bool>,
+    /// The decoder is byte-level: a vocabulary entry maps back to bytes
+    /// through the byte-level alphabet.
+    byte_level: bool,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -127,18 +132,30 @@ impl Tokenizer {
             }
             known[i] = true;
         }
-        let specials = inner
-            .get_added_tokens_decoder()
+        let added_tokens = inner.get_added_tokens_decoder();
+        let mut added = vec![false; known.len()];
+        for &id in added_tokens.keys() {
+            if let Some(a) = added.get_mut(id as usize) {
+                *a = true;
+            }
+        }
+        let specials = added_tokens
             .into_values()
             .filter(|t| t.special)
             .map(|t| t.content)
             .collect();
+        let byte_level = matches!(
+            inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
         Self {
             inner,
             plain: std::sync::OnceLock::new(),
             specials,
             eos_token_ids,
             known,
+            added,
+            byte_level,
         }
     }
 
@@ -257,12 +274,8 @@ impl Tokenizer {
     /// token, another decoder, or an id the tokenizer does not have gives
     /// the bytes of its decoded text.
     pub fn token_bytes(&self, id: u32) -> Vec<u8> {
-        let byte_level = matches!(
-            self.inner.get_decoder(),
-            Some(tokenizers::DecoderWrapper::ByteLevel(_))
-        );
-        let added = self.inner.get_added_tokens_decoder().contains_key(&id);
-        if byte_level && !added {
+        let added = self.added.get(id as usize).copied().unwrap_or(false);
+        if self.byte_level && !added {
             if let Some(bytes) = self
                 .inner
                 .id_to_token(id)

@@ -210,3 +210,48 @@ fn init_model_tokenizer_round_trips_code_and_chat() {
     assert_eq!(tok.decode(&ids, false).unwrap(), text);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The guide for `tool_choice: "required"` admits, token by token, the
+/// ids the real tokenizer gives a rendered call's name, so the model may
+/// write the name as it learned it (`=get` is one token there).
+#[test]
+fn the_tool_name_guide_admits_the_real_tokenization_of_a_call() {
+    use arcticd_engine::guide::{Guide, TokenBytes};
+    let Some(tok) = real_qwen35_tokenizer() else {
+        return;
+    };
+    let started = std::time::Instant::now();
+    let table = TokenBytes::new(&tok, 248_320);
+    let built = started.elapsed();
+    let opening = "<tool_call>\n<function";
+    let text = format!(
+        "{opening}=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    );
+    let ids = tok.encode(&text).unwrap();
+    let head = tok.encode(opening).unwrap();
+    assert_eq!(ids[..head.len()], head[..], "the opening keeps its tokens");
+    let choices = ["=get_time>".to_string(), "=get_weather>".to_string()];
+    let mut guide = Guide::new(&choices).unwrap();
+    let mut allowed = Vec::new();
+    let mut steps = 0;
+    for &id in &ids[head.len()..] {
+        if !guide.active() {
+            break;
+        }
+        guide.mask(&table, &mut allowed).unwrap();
+        assert!(
+            allowed[id as usize],
+            "{:?} refused",
+            tok.decode(&[id], false)
+        );
+        guide.advance(table.get(id as usize));
+        steps += 1;
+    }
+    assert!(!guide.active(), "the name was written in {steps} tokens");
+    // Far from every token: the first step admits a few hundred at most.
+    let first = Guide::new(&choices).unwrap();
+    first.mask(&table, &mut allowed).unwrap();
+    let n = allowed.iter().filter(|&&a| a).count();
+    assert!((1..1000).contains(&n), "{n} tokens may start a name");
+    eprintln!("token table of 248,320 ids built in {built:.2?}; the name took {steps} tokens; {n} may open it");
+}

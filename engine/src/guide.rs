@@ -1,0 +1,217 @@
+//! Guided decoding of a short choice: a sequence's generated text must
+//! begin with one of a few given strings ([`SamplingParams::prefix_choices`]
+//! (crate::sampler::SamplingParams::prefix_choices)). The server uses it
+//! for `tool_choice: "required"`: the prompt opens a call, and the model
+//! may write only the name of a declared tool.
+//!
+//! The check is on text, not on one tokenization of each choice: a token
+//! is allowed when the text generated so far followed by its bytes is
+//! still a prefix of some choice, or already runs past one whole choice.
+//! So the model may reach a choice by any of its tokenizations (`=get`
+//! as one token, or `=` then `get`), and a token that completes a choice
+//! and goes on (`>\n`) is allowed too. Once the text holds a whole choice
+//! the guide is done and sampling is free again.
+
+use crate::tokenizer::Tokenizer;
+use crate::{Error, Result};
+
+/// The bytes each token id decodes to, for a model's whole vocabulary
+/// (ids the tokenizer does not have are empty), packed in one buffer.
+#[derive(Debug)]
+pub struct TokenBytes {
+    bytes: Vec<u8>,
+    /// Token `i`'s bytes are `bytes[ends[i - 1]..ends[i]]` (from 0 for
+    /// the first).
+    ends: Vec<u32>,
+}
+
+impl TokenBytes {
+    /// The table of `vocab` ids (the model's, which may be larger than the
+    /// tokenizer's).
+    pub fn new(tokenizer: &Tokenizer, vocab: usize) -> Self {
+        let known = tokenizer.vocab_size();
+        Self::from_tokens((0..vocab).map(|id| {
+            if id < known {
+                tokenizer.token_bytes(id as u32)
+            } else {
+                Vec::new()
+            }
+        }))
+    }
+
+    /// The table of these tokens' bytes, id by id.
+    pub fn from_tokens<B: AsRef<[u8]>>(tokens: impl IntoIterator<Item = B>) -> Self {
+        let mut bytes = Vec::new();
+        let mut ends = Vec::new();
+        for t in tokens {
+            bytes.extend_from_slice(t.as_ref());
+            ends.push(bytes.len() as u32);
+        }
+        TokenBytes { bytes, ends }
+    }
+
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// Token `id`'s bytes (empty for an id past the table).
+    pub fn get(&self, id: usize) -> &[u8] {
+        match self.ends.get(id) {
+            Some(&end) => {
+                let start = if id == 0 { 0 } else { self.ends[id - 1] };
+                &self.bytes[start as usize..end as usize]
+            }
+            None => &[],
+        }
+    }
+}
+
+/// One sequence's progress through its choices.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Guide {
+    choices: Vec<Vec<u8>>,
+    /// What the sequence generated while the guide was on.
+    text: Vec<u8>,
+    done: bool,
+}
+
+impl Guide {
+    /// A guide over `choices`; `None` when there are none (free sampling).
+    pub fn new(choices: &[String]) -> Option<Self> {
+        (!choices.is_empty()).then(|| Guide {
+            choices: choices.iter().map(|c| c.as_bytes().to_vec()).collect(),
+            text: Vec::new(),
+            done: false,
+        })
+    }
+
+    /// Whether the next token is still restricted.
+    pub fn active(&self) -> bool {
+        !self.done
+    }
+
+    /// Whether a token of these bytes may come next. A token of no bytes
+    /// (an id the tokenizer lacks) never may: it would not move the text.
+    pub fn allows(&self, token: &[u8]) -> bool {
+        if self.done {
+            return true;
+        }
+        if token.is_empty() {
+            return false;
+        }
+        let n = self.text.len();
+        self.choices.iter().any(|c| {
+            c.len() > n && c[..n] == self.text[..] && {
+                let rest = &c[n..];
+                rest.starts_with(token) || token.starts_with(rest)
+            }
+        })
+    }
+
+    /// Record the token sampled next (one [`allows`](Self::allows)
+    /// permitted).
+    pub fn advance(&mut self, token: &[u8]) {
+        if self.done {
+            return;
+        }
+        self.text.extend_from_slice(token);
+        let text = &self.text;
+        self.done = self.choices.iter().any(|c| text.starts_with(c));
+    }
+
+    /// Which of `table`'s tokens may come next, as a mask over the
+    /// vocabulary; an error when none may (the choices cannot be written
+    /// with this vocabulary).
+    pub fn mask(&self, table: &TokenBytes, allowed: &mut Vec<bool>) -> Result<()> {
+        allowed.clear();
+        allowed.extend((0..table.len()).map(|id| self.allows(table.get(id))));
+        if allowed.iter().any(|&a| a) {
+            Ok(())
+        } else {
+            Err(Error::Input(format!(
+                "no token of the vocabulary continues {:?} towards any of the {} choices",
+                String::from_utf8_lossy(&self.text),
+                self.choices.len()
+            )))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn guide(choices: &[&str]) -> Guide {
+        Guide::new(&choices.iter().map(|c| c.to_string()).collect::<Vec<_>>()).unwrap()
+    }
+
+    #[test]
+    fn no_choices_is_no_guide() {
+        assert_eq!(Guide::new(&[]), None);
+    }
+
+    #[test]
+    fn any_tokenization_of_a_choice_is_allowed_and_nothing_else() {
+        let mut g = guide(&["=get_weather>", "=get_time>"]);
+        for ok in ["=", "=get", "=get_weather>", "=get_time>\n"] {
+            assert!(g.allows(ok.as_bytes()), "{ok:?}");
+        }
+        for bad in ["", "get", "=set", "=get_date>", " =get"] {
+            assert!(!g.allows(bad.as_bytes()), "{bad:?}");
+        }
+        g.advance(b"=get_");
+        assert!(g.active());
+        assert!(g.allows(b"weather"));
+        assert!(g.allows(b"t"));
+        assert!(!g.allows(b"date"));
+        g.advance(b"time");
+        assert!(g.active(), "the closing '>' is still to come");
+        assert!(g.allows(b">\n"), "a token may complete a choice and go on");
+        assert!(!g.allows(b"s>"));
+        g.advance(b">\n");
+        assert!(!g.active());
+        assert!(g.allows(b"anything"));
+    }
+
+    #[test]
+    fn a_choice_that_prefixes_another_ends_the_guide_when_written() {
+        let mut g = guide(&["ab", "abc"]);
+        g.advance(b"ab");
+        assert!(!g.active());
+    }
+
+    #[test]
+    fn the_mask_covers_the_vocabulary_and_refuses_an_impossible_choice() {
+        let tok = Tokenizer::from_inner(crate::tokenizer::train_bpe(300).unwrap());
+        let vocab = tok.vocab_size() + 5;
+        let table = TokenBytes::new(&tok, vocab);
+        assert_eq!(table.len(), vocab);
+        assert!(table.get(vocab - 1).is_empty(), "ids past the tokenizer");
+        let g = guide(&["=read_file>"]);
+        let mut allowed = Vec::new();
+        g.mask(&table, &mut allowed).unwrap();
+        assert_eq!(allowed.len(), vocab);
+        for (id, &a) in allowed.iter().enumerate() {
+            assert_eq!(a, g.allows(table.get(id)), "id {id}");
+        }
+        let eq = tok.encode("=").unwrap();
+        assert!(eq.iter().all(|&t| allowed[t as usize]));
+        assert!(allowed.iter().filter(|&&a| a).count() < vocab / 2);
+    }
+
+    #[test]
+    fn a_choice_no_token_can_write_is_an_error() {
+        let table = TokenBytes::from_tokens([&b"a"[..], b"b", b""]);
+        assert_eq!(table.get(1), b"b");
+        assert_eq!(table.get(7), b"");
+        let mut allowed = Vec::new();
+        guide(&["ab"]).mask(&table, &mut allowed).unwrap();
+        assert_eq!(allowed, [true, false, false]);
+        let err = guide(&["ca"]).mask(&table, &mut allowed).unwrap_err();
+        assert!(err.to_string().contains("no token"), "{err}");
+    }
+}
