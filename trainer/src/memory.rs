@@ -39,6 +39,38 @@ pub fn process_resident() -> Option<(u64, u64)> {
     Some((field("VmRSS:")?, field("VmHWM:")?))
 }
 
+/// The C allocator's view of the heap, in bytes: what live allocations
+/// hold, and what it keeps free inside its arenas (glibc's `mallinfo2`;
+/// `None` with another C library, or a glibc older than 2.33). Logged
+/// beside the resident set: a resident set that rises while the live
+/// bytes stay level is memory freed but not returned (fragmentation), a
+/// rise in the live bytes is something kept.
+pub fn heap_usage() -> Option<(u64, u64)> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        type Mallinfo2 = unsafe extern "C" fn() -> libc::mallinfo2;
+        // Looked up, not linked: a binary built here still starts on a
+        // glibc that lacks it.
+        static FN: std::sync::OnceLock<Option<Mallinfo2>> = std::sync::OnceLock::new();
+        let f = FN.get_or_init(|| {
+            // SAFETY: dlsym with a NUL-terminated name; a non-null result
+            // is glibc's `mallinfo2`, whose signature is the one above.
+            let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"mallinfo2".as_ptr()) };
+            (!p.is_null())
+                .then(|| unsafe { std::mem::transmute::<*mut libc::c_void, Mallinfo2>(p) })
+        });
+        // SAFETY: mallinfo2 takes no arguments and only reads the
+        // allocator's statistics under its locks.
+        let info = unsafe { (*f)?() };
+        let live = info.uordblks as u64 + info.hblkhd as u64;
+        Some((live, info.fordblks as u64))
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        None
+    }
+}
+
 /// What the trainer's micro-batches look like, for the plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanShape {
@@ -254,6 +286,21 @@ impl fmt::Display for MemoryPlan {
 mod tests {
     use super::*;
     use arcticd_engine::init::{init_model, TINY};
+
+    #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn heap_usage_counts_a_live_allocation() {
+        let (before, _) = heap_usage().expect("glibc has mallinfo2");
+        let block: Vec<u8> = vec![1; 64 << 20];
+        let (during, _) = heap_usage().unwrap();
+        assert!(
+            during >= before + (64 << 20) - (1 << 20),
+            "{before} -> {during}"
+        );
+        drop(std::hint::black_box(block));
+        let (after, _) = heap_usage().unwrap();
+        assert!(after + (32 << 20) < during, "{during} -> {after}");
+    }
 
     fn tiny_config() -> ModelConfig {
         let dir = std::env::temp_dir().join(format!("arcticd-memplan-{}", std::process::id()));

@@ -1565,6 +1565,11 @@ pub fn run(recipe: Recipe, mut opts: RunOptions) -> Result<RunSummary> {
             let resident = crate::memory::process_resident();
             put("rss_mib", json!(resident.map(|r| mib(r.0))));
             put("rss_peak_mib", json!(resident.map(|r| mib(r.1))));
+            // Beside it, what live allocations hold and what the allocator
+            // keeps free: which of the two a rise in the resident set is.
+            let heap = crate::memory::heap_usage();
+            put("heap_live_mib", json!(heap.map(|h| mib(h.0))));
+            put("heap_free_mib", json!(heap.map(|h| mib(h.1))));
             // Grades since the previous update: reused from the grade cache,
             // or run in a sandbox (evaluations included).
             let grades_now = rollouts.harness.grade_cache_counts();
