@@ -535,8 +535,12 @@ struct SamplingFields {
     prompt_logprobs: Option<usize>,
     guided_json: Option<Value>,
     guided_regex: Option<Value>,
-    guided_choice: Option<Value>,
     guided_grammar: Option<Value>,
+    /// vLLM's guided decoding that this server does: the text is one of
+    /// these strings (`guided_choice`, or `structured_outputs.choice` of
+    /// newer vLLM; its other forms are refused).
+    guided_choice: Option<Value>,
+    structured_outputs: Option<Map<String, Value>>,
     /// Return the prompt's and each choice's token ids, and the weight
     /// version that produced each generated token.
     return_token_ids: Option<bool>,
@@ -551,6 +555,40 @@ struct StreamOptions {
 }
 
 impl SamplingFields {
+    /// The strings one of which the text must be (`guided_choice` or
+    /// `structured_outputs.choice`), if the request gives them.
+    fn guided_choices(&self) -> AppResult<Option<Vec<String>>> {
+        let given = self.guided_choice.as_ref().filter(|v| !v.is_null());
+        let nested = self
+            .structured_outputs
+            .as_ref()
+            .and_then(|o| o.get("choice"))
+            .filter(|v| !v.is_null());
+        let (param, v) = match (given, nested) {
+            (Some(_), Some(_)) => {
+                return Err(AppError::bad(
+                    "give the choices once: guided_choice or structured_outputs.choice",
+                )
+                .param("guided_choice"))
+            }
+            (Some(v), None) => ("guided_choice", v),
+            (None, Some(v)) => ("structured_outputs", v),
+            (None, None) => return Ok(None),
+        };
+        let choices: Option<Vec<String>> = v.as_array().and_then(|a| {
+            a.iter()
+                .map(|c| c.as_str().filter(|c| !c.is_empty()).map(str::to_string))
+                .collect()
+        });
+        match choices {
+            Some(c) if !c.is_empty() => Ok(Some(c)),
+            _ => Err(AppError::bad(format!(
+                "{param} must be a non-empty list of non-empty strings, got {v}"
+            ))
+            .param(param)),
+        }
+    }
+
     /// Refuses an OpenAI parameter this server does not implement when it
     /// asks for anything but the default: an answer that ignored it would
     /// look like one that honoured it.
@@ -603,13 +641,24 @@ impl SamplingFields {
         for (param, v) in [
             ("guided_json", &self.guided_json),
             ("guided_regex", &self.guided_regex),
-            ("guided_choice", &self.guided_choice),
             ("guided_grammar", &self.guided_grammar),
         ] {
             if v.as_ref().is_some_and(|v| !v.is_null()) {
-                return unsupported(param, "no guided decoding");
+                return unsupported(param, "guided decoding of a choice only: guided_choice");
             }
         }
+        if let Some((k, _)) = self
+            .structured_outputs
+            .iter()
+            .flatten()
+            .find(|(k, v)| *k != "choice" && !v.is_null() && **v != json!(false))
+        {
+            return Err(AppError::bad(format!(
+                "structured_outputs.{k} is not supported by this server (only choice)"
+            ))
+            .param("structured_outputs"));
+        }
+        self.guided_choices()?;
         if self
             .stream_options
             .as_ref()
@@ -668,6 +717,8 @@ impl AppState {
         top_logprobs: usize,
     ) -> SamplingParams {
         let d = SamplingParams::default();
+        // Checked by `check_supported`, which every route calls first.
+        let choices = f.guided_choices().ok().flatten();
         SamplingParams {
             temperature: f.temperature.unwrap_or(d.temperature),
             top_p: f.top_p.unwrap_or(d.top_p),
@@ -686,7 +737,8 @@ impl AppState {
             ignore_eos: f.ignore_eos.unwrap_or(false),
             n: f.n.unwrap_or(1),
             top_logprobs,
-            prefix_choices: Vec::new(),
+            exact_choice: choices.is_some(),
+            prefix_choices: choices.unwrap_or_default(),
         }
     }
 
@@ -1421,7 +1473,15 @@ async fn chat_completions(
     };
     let default_max = s.inner.default_max_tokens.min(room);
     let mut params = s.sampling(&mut req.sampling, default_max, top);
-    params.prefix_choices = choices;
+    if matches!(mode, ToolMode::Forced { .. }) && params.exact_choice {
+        return Err(AppError::bad(
+            "guided_choice cannot be combined with a forced tool_choice: the text is a call",
+        )
+        .param("guided_choice"));
+    }
+    if !choices.is_empty() {
+        params.prefix_choices = choices;
+    }
     let request = Request {
         prompt: prompt.clone(),
         params: params.clone(),
@@ -2524,6 +2584,43 @@ mod tests {
                 json!({"prompt": "hi", "guided_json": {"type": "object"}}).to_string(),
                 StatusCode::BAD_REQUEST,
             ),
+            // Guided decoding of a choice only, and well-formed.
+            (
+                "/v1/completions",
+                json!({"prompt": "hi", "structured_outputs": {"json": {"type": "object"}}})
+                    .to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/completions",
+                json!({"prompt": "hi", "guided_choice": []}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/completions",
+                json!({"prompt": "hi", "guided_choice": "yes"}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/completions",
+                json!({"prompt": "hi", "guided_choice": ["a", "ab"]}).to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/completions",
+                json!({"prompt": "hi", "guided_choice": ["a"],
+                       "structured_outputs": {"choice": ["b"]}})
+                .to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["a"],
+                       "tools": [{"type": "function", "function": {"name": "f"}}],
+                       "tool_choice": "required"})
+                .to_string(),
+                StatusCode::BAD_REQUEST,
+            ),
             // More choices than one request may hold.
             (
                 "/v1/completions",
@@ -2818,6 +2915,50 @@ mod tests {
         )
         .await;
         assert_eq!(st, StatusCode::OK, "{v}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_guided_choice_is_written_whole_and_stops() {
+        let app = app(state());
+        let choices = ["positive", "negative", "neutral"];
+        let (st, v) = call_json(
+            &app,
+            "/v1/completions",
+            json!({"prompt": "The review is", "guided_choice": choices, "n": 6,
+                   "temperature": 1.0, "seed": 5, "max_tokens": 32, "logprobs": 1}),
+        )
+        .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        for c in v["choices"].as_array().unwrap() {
+            assert!(choices.iter().any(|w| c["text"] == *w), "{c}");
+            assert_eq!(c["finish_reason"], "stop", "{c}");
+            // The reported log-probs are the model's own, so negative.
+            let lps = c["logprobs"]["token_logprobs"].as_array().unwrap();
+            assert!(lps.iter().all(|l| l.as_f64().unwrap() <= 0.0), "{c}");
+        }
+        // Newer vLLM's form, on chat; streamed as the same text.
+        let body = json!({"messages": [{"role": "user", "content": "How was it?"}],
+            "structured_outputs": {"choice": choices}, "temperature": 0, "max_tokens": 32});
+        let (st, v) = call_json(&app, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let content = &v["choices"][0]["message"]["content"];
+        assert!(choices.iter().any(|w| content == *w), "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        let mut streamed = body;
+        streamed["stream"] = json!(true);
+        let (_, sse) = call(&app, "POST", "/v1/chat/completions", &streamed.to_string()).await;
+        let text: String = sse
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| {
+                let c: Value = serde_json::from_str(d).unwrap();
+                c["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_string)
+            })
+            .collect();
+        assert_eq!(text, content.as_str().unwrap(), "{sse}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1279,7 +1279,9 @@ impl EngineLoop {
         let seq = &self.scheduler.running[i];
         let params = seq.sampler.params();
         let last = *seq.tokens.last()?;
-        if params.stop_token_ids.contains(&last) || (!params.ignore_eos && self.eos.contains(&last))
+        if params.stop_token_ids.contains(&last)
+            || (!params.ignore_eos && self.eos.contains(&last))
+            || seq.sampler.choice_written()
         {
             return Some(FinishReason::Stop { stop_string: None });
         }

@@ -1,16 +1,19 @@
 //! Guided decoding of a short choice: a sequence's generated text must
 //! begin with one of a few given strings ([`SamplingParams::prefix_choices`]
-//! (crate::sampler::SamplingParams::prefix_choices)). The server uses it
-//! for `tool_choice: "required"`: the prompt opens a call, and the model
-//! may write only the name of a declared tool.
+//! (crate::sampler::SamplingParams::prefix_choices)), or, with
+//! [`exact_choice`](crate::sampler::SamplingParams::exact_choice), be one
+//! of them and end there. The server uses the first for `tool_choice:
+//! "required"` (the prompt opens a call, and the model may write only the
+//! name of a declared tool), the second for vLLM's `guided_choice`.
 //!
 //! The check is on text, not on one tokenization of each choice: a token
 //! is allowed when the text generated so far followed by its bytes is
-//! still a prefix of some choice, or already runs past one whole choice.
-//! So the model may reach a choice by any of its tokenizations (`=get`
-//! as one token, or `=` then `get`), and a token that completes a choice
-//! and goes on (`>\n`) is allowed too. Once the text holds a whole choice
-//! the guide is done and sampling is free again.
+//! still a prefix of some choice, or (for a prefix) already runs past one
+//! whole choice. So the model may reach a choice by any of its
+//! tokenizations (`=get` as one token, or `=` then `get`), and for a
+//! prefix a token that completes a choice and goes on (`>\n`) is allowed
+//! too. Once the text holds a whole choice the guide is done: sampling is
+//! free again, or, for an exact choice, the sequence stops there.
 
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -74,19 +77,35 @@ impl TokenBytes {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Guide {
     choices: Vec<Vec<u8>>,
+    /// The text is one whole choice and nothing after it.
+    exact: bool,
     /// What the sequence generated while the guide was on.
     text: Vec<u8>,
     done: bool,
 }
 
 impl Guide {
-    /// A guide over `choices`; `None` when there are none (free sampling).
+    /// A guide over `choices` the text must begin with; `None` when there
+    /// are none (free sampling).
     pub fn new(choices: &[String]) -> Option<Self> {
+        Self::with(choices, false)
+    }
+
+    /// A guide over `choices` the text must be one of (`exact`) or begin
+    /// with.
+    pub fn with(choices: &[String], exact: bool) -> Option<Self> {
         (!choices.is_empty()).then(|| Guide {
             choices: choices.iter().map(|c| c.as_bytes().to_vec()).collect(),
+            exact,
             text: Vec::new(),
             done: false,
         })
+    }
+
+    /// Whether the text has become one whole choice of an exact guide,
+    /// so the sequence ends.
+    pub fn finished(&self) -> bool {
+        self.exact && self.done
     }
 
     /// Whether the next token is still restricted.
@@ -94,7 +113,8 @@ impl Guide {
         !self.done
     }
 
-    /// Whether a token of these bytes may come next. A token of no bytes
+    /// Whether a token of these bytes may come next (once the guide is
+    /// done, any). A token of no bytes
     /// (an id the tokenizer lacks) never may: it would not move the text.
     pub fn allows(&self, token: &[u8]) -> bool {
         if self.done {
@@ -107,7 +127,7 @@ impl Guide {
         self.choices.iter().any(|c| {
             c.len() > n && c[..n] == self.text[..] && {
                 let rest = &c[n..];
-                rest.starts_with(token) || token.starts_with(rest)
+                rest.starts_with(token) || (!self.exact && token.starts_with(rest))
             }
         })
     }
@@ -213,5 +233,19 @@ mod tests {
         assert_eq!(allowed, [true, false, false]);
         let err = guide(&["ca"]).mask(&table, &mut allowed).unwrap_err();
         assert!(err.to_string().contains("no token"), "{err}");
+    }
+
+    #[test]
+    fn an_exact_choice_admits_no_token_past_it_and_finishes_there() {
+        let choices = ["yes".to_string(), "no".to_string()];
+        let mut g = Guide::with(&choices, true).unwrap();
+        assert!(g.allows(b"y") && g.allows(b"no"));
+        assert!(!g.allows(b"no."), "nothing may follow a choice");
+        g.advance(b"ye");
+        assert!(g.allows(b"s") && !g.allows(b"s!") && !g.finished());
+        g.advance(b"s");
+        assert!(g.finished());
+        let prefix = Guide::new(&choices).unwrap();
+        assert!(prefix.allows(b"no.") && !prefix.finished());
     }
 }

@@ -52,6 +52,9 @@ pub struct SamplingParams {
     /// decoding, [`crate::guide`]); empty leaves sampling free. Needs the
     /// engine's tokenizer. Default empty.
     pub prefix_choices: Vec<String>,
+    /// With `prefix_choices`: the text must be one whole choice, and the
+    /// sequence stops once it is (vLLM's `guided_choice`). Default false.
+    pub exact_choice: bool,
 }
 
 impl Default for SamplingParams {
@@ -68,6 +71,7 @@ impl Default for SamplingParams {
             n: 1,
             top_logprobs: 0,
             prefix_choices: Vec::new(),
+            exact_choice: false,
         }
     }
 }
@@ -111,6 +115,23 @@ impl SamplingParams {
         }
         if self.prefix_choices.iter().any(|s| s.is_empty()) {
             return bad("prefix choices must not be empty".into());
+        }
+        if self.exact_choice {
+            if self.prefix_choices.is_empty() {
+                return bad("an exact choice needs the choices".into());
+            }
+            for a in &self.prefix_choices {
+                if let Some(b) = self
+                    .prefix_choices
+                    .iter()
+                    .find(|b| b.len() > a.len() && b.starts_with(a.as_str()))
+                {
+                    return bad(format!(
+                        "choice {a:?} begins choice {b:?}, so {b:?} could never be written \
+                         (the text ends at the first whole choice)"
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -201,7 +222,7 @@ impl Sampler {
             logp: Vec::new(),
             order: Vec::new(),
             drawn_on_device: false,
-            guide: Guide::new(&params.prefix_choices),
+            guide: Guide::with(&params.prefix_choices, params.exact_choice),
             allowed: Vec::new(),
         }
     }
@@ -212,6 +233,12 @@ impl Sampler {
     /// ([`sample_with`](Self::sample_with)).
     pub fn is_guided(&self) -> bool {
         self.guide.as_ref().is_some_and(Guide::active)
+    }
+
+    /// Whether the text is now one whole choice of an exact guide
+    /// ([`SamplingParams::exact_choice`]): the sequence ends.
+    pub fn choice_written(&self) -> bool {
+        self.guide.as_ref().is_some_and(Guide::finished)
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -687,5 +714,26 @@ mod tests {
         let mut p = params(1.0);
         p.prefix_choices = vec![String::new()];
         assert!(p.validate().is_err());
+    }
+
+    #[test]
+    fn an_exact_choice_is_validated_and_written_whole() {
+        let mut p = params(0.0);
+        p.exact_choice = true;
+        assert!(p.validate().is_err(), "no choices");
+        p.prefix_choices = vec!["a".into(), "ab".into()];
+        let err = p.validate().unwrap_err().to_string();
+        assert!(err.contains("could never be written"), "{err}");
+        p.prefix_choices = vec!["ab".into(), "b".into()];
+        p.validate().unwrap();
+        let mut s = Sampler::new(&p, 0);
+        let table = table();
+        // "c" and then "a" lead in the logits; the guide writes "ab" as
+        // "a" then "b" or "ab" at once, whichever is best allowed.
+        let logits = [2.0, 0.0, 1.0, 9.0, 0.0];
+        assert_eq!(s.sample_with(&logits, Some(&table)).unwrap().token, 0);
+        assert!(!s.choice_written());
+        assert_eq!(s.sample_with(&logits, Some(&table)).unwrap().token, 1);
+        assert!(s.choice_written() && !s.is_guided());
     }
 }
