@@ -178,6 +178,25 @@ def main():
     assert whole[2].startswith("Once upon a time"), whole
     summary["streamed_prompt_list_choices"] = len(joined)
 
+    # vLLM's guided choice through extra_body, and a required tool call
+    # that can only name a declared tool.
+    labels = ["positive", "negative"]
+    g = client.chat.completions.create(
+        model=m, messages=user, max_tokens=16, n=3, temperature=1.0, seed=1,
+        extra_body={"guided_choice": labels},
+    )
+    assert all(c.message.content in labels and c.finish_reason == "stop" for c in g.choices), g
+    summary["guided_choice"] = [c.message.content for c in g.choices]
+    named = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("get_weather", "get_time")]
+    req = client.chat.completions.create(
+        model=m, messages=user, tools=named, tool_choice="required", max_tokens=24,
+        temperature=1.0, seed=2,
+    )
+    call_names = [tc.function.name for tc in req.choices[0].message.tool_calls or []]
+    assert call_names and call_names[0] in ("get_weather", "get_time"), req
+    summary["required_tool"] = call_names[0]
+
     def ask_one(i):
         msgs = [{"role": "user", "content": f"Request number {i}: count to {i % 7 + 2}."}]
         out = client.chat.completions.create(
