@@ -240,27 +240,7 @@ impl Scheduler {
     /// length of its first segment.
     fn admit_front(&mut self, budget: usize) -> Option<usize> {
         let unit = self.limits.unit;
-        if self.waiting.is_empty() {
-            return None;
-        }
-        // A slot first: evicting snapshots for it cannot invalidate a hit
-        // found afterwards.
-        let slot = loop {
-            if let Some(s) = self.cache.allocate_slot() {
-                break s;
-            }
-            let evicted = match &mut self.prefix {
-                Some(p) => p.evict_one(&mut self.cache, &[]),
-                None => false,
-            };
-            if !evicted {
-                return None;
-            }
-        };
-        let Some(seq) = self.waiting.front_mut() else {
-            self.cache.free_slot(slot);
-            return None;
-        };
+        let seq = self.waiting.front_mut()?;
         let target = seq.prefill_target;
         let hit = match &mut self.prefix {
             Some(p) if target > 1 => p.lookup(&seq.tokens[..target], target - 1),
@@ -281,19 +261,37 @@ impl Scheduler {
         };
         let want = need - hit_blocks + reserve;
         let free = self.cache.pool().num_free();
-        // Evict cached prefixes only when that makes it fit.
-        let fits = first <= budget
-            && match &mut self.prefix {
-                _ if free >= want => true,
-                Some(p) if free + p.releasable_blocks(self.cache.pool(), &keys) >= want => {
-                    while self.cache.pool().num_free() < want && p.evict_one(&mut self.cache, &keys)
-                    {
-                    }
-                    self.cache.pool().num_free() >= want
-                }
-                _ => false,
+        let releasable = match &self.prefix {
+            Some(p) if free < want => p.releasable_blocks(self.cache.pool(), &keys),
+            _ => 0,
+        };
+        // Nothing is evicted unless the sequence then fits: its blocks, and
+        // a state slot, which an unprotected snapshot may have to give up
+        // (the hit's own are kept, so the hit stays valid).
+        if first > budget || free + releasable < want {
+            return None;
+        }
+        let slot = loop {
+            if let Some(s) = self.cache.allocate_slot() {
+                break s;
+            }
+            let Some(p) = &mut self.prefix else {
+                return None;
             };
-        if !fits {
+            if p.evict_one(&mut self.cache, &keys) {
+                continue;
+            }
+            // Every snapshot that could give up its slot is the hit's own:
+            // give one up and look again (a shorter hit, or none).
+            if !keys.is_empty() && p.evict_one(&mut self.cache, &[]) {
+                return self.admit_front(budget);
+            }
+            return None;
+        };
+        if let Some(p) = &mut self.prefix {
+            while self.cache.pool().num_free() < want && p.evict_one(&mut self.cache, &keys) {}
+        }
+        if self.cache.pool().num_free() < want {
             self.cache.free_slot(slot);
             return None;
         }
@@ -557,50 +555,55 @@ mod tests {
         while !s.is_idle() {
             steps += 1;
             assert!(steps < 10_000, "no progress");
-            let admitted = |s: &Scheduler| s.prompt_tokens + s.recomputed_tokens;
-            let (preempted, before) = (s.preemptions, admitted(s));
-            let plan = s.schedule();
-            // A step that preempts admits nothing: the room it made is for
-            // the sequences still running (else the preempted one comes
-            // straight back and is preempted again).
-            if s.preemptions > preempted {
-                assert_eq!(admitted(s), before, "admitted in a step that preempted");
-            }
-            for item in &plan {
-                let seq = &s.running[item.seq];
-                // Blocks cover what the step writes; segments respect units.
-                assert!(seq.block_table.len() * 4 >= seq.computed + item.n);
-                if seq.computed < seq.prefill_target {
-                    assert!(seq.computed / 8 == (seq.computed + item.n - 1) / 8);
-                }
-            }
-            s.after_step(&plan);
-            let mut sampled: Vec<usize> = Vec::new();
-            for item in &plan {
-                if s.running[item.seq].computed == s.running[item.seq].tokens.len() {
-                    sampled.push(item.seq);
-                    if !s.running[item.seq].forks.is_empty() {
-                        sampled.extend(s.fork(item.seq));
-                    }
-                }
-            }
-            let mut done = Vec::new();
-            for i in sampled {
-                let seq = &mut s.running[i];
-                if seq.computed == seq.tokens.len() {
-                    seq.tokens.push(1);
-                    seq.generated += 1;
-                    if seq.generated >= gen {
-                        done.push(i);
-                    }
-                }
-            }
-            done.sort_unstable_by(|a, b| b.cmp(a));
-            for i in done {
-                s.finish(i);
-            }
+            step(s, gen);
         }
         steps
+    }
+
+    /// One step of [`drive`].
+    fn step(s: &mut Scheduler, gen: usize) {
+        let admitted = |s: &Scheduler| s.prompt_tokens + s.recomputed_tokens;
+        let (preempted, before) = (s.preemptions, admitted(s));
+        let plan = s.schedule();
+        // A step that preempts admits nothing: the room it made is for
+        // the sequences still running (else the preempted one comes
+        // straight back and is preempted again).
+        if s.preemptions > preempted {
+            assert_eq!(admitted(s), before, "admitted in a step that preempted");
+        }
+        for item in &plan {
+            let seq = &s.running[item.seq];
+            // Blocks cover what the step writes; segments respect units.
+            assert!(seq.block_table.len() * 4 >= seq.computed + item.n);
+            if seq.computed < seq.prefill_target {
+                assert!(seq.computed / 8 == (seq.computed + item.n - 1) / 8);
+            }
+        }
+        s.after_step(&plan);
+        let mut sampled: Vec<usize> = Vec::new();
+        for item in &plan {
+            if s.running[item.seq].computed == s.running[item.seq].tokens.len() {
+                sampled.push(item.seq);
+                if !s.running[item.seq].forks.is_empty() {
+                    sampled.extend(s.fork(item.seq));
+                }
+            }
+        }
+        let mut done = Vec::new();
+        for i in sampled {
+            let seq = &mut s.running[i];
+            if seq.computed == seq.tokens.len() {
+                seq.tokens.push(1);
+                seq.generated += 1;
+                if seq.generated >= gen {
+                    done.push(i);
+                }
+            }
+        }
+        done.sort_unstable_by(|a, b| b.cmp(a));
+        for i in done {
+            s.finish(i);
+        }
     }
 
     fn add(s: &mut Scheduler, id: u64, prompt: Vec<u32>) {
@@ -687,6 +690,62 @@ mod tests {
         // what fits whole keeps that to about one preemption per sequence.
         assert!(s.preemptions <= 16, "{} preemptions", s.preemptions);
         assert!(recomputed <= 16 * 60, "{recomputed} tokens recomputed");
+        check_nothing_leaked(&s);
+    }
+
+    /// Fill every state slot: one long sequence running, the rest cached
+    /// prefixes of other prompts.
+    fn slots_full_of_snapshots() -> Scheduler {
+        let mut s = scheduler_with(40, 2, true);
+        for id in 0..6u32 {
+            add(&mut s, id.into(), (0..17).map(|t| t + 1000 * id).collect());
+        }
+        drive(&mut s, 2);
+        add(&mut s, 99, (0..60).map(|t| t + 50_000).collect());
+        while s.running.first().is_none_or(|q| q.computed < 60) {
+            step(&mut s, 1000);
+        }
+        assert_eq!(s.cache.num_free_slots(), 0, "the slots are full");
+        s
+    }
+
+    #[test]
+    fn an_admission_that_cannot_fit_evicts_no_cached_prefix() {
+        let mut s = slots_full_of_snapshots();
+        let cached = s.prefix.as_ref().map_or(0, |p| p.len());
+        assert!(cached > 0);
+        // 26 blocks of prompt: more than the pool has free with every
+        // unprotected snapshot given up.
+        add(&mut s, 100, (0..104).map(|t| t + 70_000).collect());
+        for _ in 0..3 {
+            step(&mut s, 1000);
+            assert_eq!(s.running.len(), 1, "it does not fit");
+            assert_eq!(s.prefix.as_ref().map_or(0, |p| p.len()), cached);
+        }
+    }
+
+    #[test]
+    fn a_hit_whose_snapshots_hold_every_free_slot_is_still_admitted() {
+        let mut s = scheduler_with(40, 2, true);
+        // One prompt's units fill the snapshot slots...
+        let prompt: Vec<u32> = (0..41).collect();
+        add(&mut s, 1, prompt.clone());
+        drive(&mut s, 2);
+        // ...another sequence takes the last slot...
+        add(&mut s, 2, vec![7, 7, 7, 7, 7]);
+        step(&mut s, 30);
+        assert_eq!(s.cache.num_free_slots(), 0, "the slots are full");
+        let protected = s.prefix.as_ref().map_or(0, |p| p.len());
+        // ...and the first prompt comes back: it must get a slot, from a
+        // snapshot of its own hit.
+        add(&mut s, 3, prompt);
+        for _ in 0..3 {
+            step(&mut s, 30);
+        }
+        assert!(s.running.iter().any(|q| q.request == 3), "admitted");
+        assert!(s.prefix_hit_tokens > 0);
+        assert!(s.prefix.as_ref().map_or(0, |p| p.len()) < protected);
+        drive(&mut s, 30);
         check_nothing_leaked(&s);
     }
 }
