@@ -15,7 +15,7 @@
 //! | `staleness.png` | `staleness_mean`, `staleness_max`, `stale_dropped` |
 //! | `time.png` | `time_wait_s`, `time_train_s`, `time_update_s` |
 //! | `replica_load.png` | `replica_load` (one value per replica): each replica, their mean, and max / mean |
-//! | `memory.png` | `rss_mib` and `rss_peak_mib`: the process's resident memory after each update (a rising line is a buffer that grows), and `heap_live_mib`, what live allocations hold (resident rising while it stays level is freed memory the allocator kept) |
+//! | `memory.png` | `rss_mib` and `rss_peak_mib`: the process's resident memory after each update (a rising line is a buffer that grows), and below it `heap_live_mib` and `heap_free_mib`, what live allocations hold and what the allocator keeps free (resident rising while the live line stays level is freed memory the allocator kept, not a leak) |
 //!
 //! Text is drawn with a font compiled into the binary (Hack Regular, MIT and
 //! Bitstream Vera licenses, from the `epaint_default_fonts` crate, which
@@ -534,18 +534,28 @@ fn figures(smooth: usize) -> Vec<Figure> {
         Figure {
             file: "memory.png",
             title: "memory",
-            panels: vec![Panel {
-                title: "resident memory, and the heap's live bytes, after each update (thick); \
-                        resident peak so far (thin)"
-                    .to_string(),
-                y_label: "MiB",
-                scale: Scale::Linear,
-                series: vec![
-                    series("rss_mib", "resident", Kind::Line),
-                    series("rss_peak_mib", "peak", Kind::Thin),
-                    series("heap_live_mib", "heap live", Kind::Line),
-                ],
-            }],
+            panels: vec![
+                Panel {
+                    title: "resident memory after each update (thick), its peak so far (thin)"
+                        .to_string(),
+                    y_label: "MiB",
+                    scale: Scale::Linear,
+                    series: vec![
+                        series("rss_mib", "resident", Kind::Line),
+                        series("rss_peak_mib", "peak", Kind::Thin),
+                    ],
+                },
+                Panel {
+                    title: "heap: held by live allocations (thick), free in the allocator (thin)"
+                        .to_string(),
+                    y_label: "MiB",
+                    scale: Scale::Linear,
+                    series: vec![
+                        series("heap_live_mib", "live", Kind::Line),
+                        series("heap_free_mib", "free", Kind::Thin),
+                    ],
+                },
+            ],
         },
     ]
 }
