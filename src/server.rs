@@ -2998,15 +2998,30 @@ mod tests {
     async fn streamed_forced_tool_call_comes_as_a_tool_calls_delta() {
         let app = app(state());
         let tools = json!([{"type": "function", "function": {"name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+            {"type": "function", "function": {"name": "get_time"}}]);
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        // A named function, and "required", whose opening stops before the
+        // name the guide lets the model write.
+        for (choice, max_tokens) in [(named, 8), (json!("required"), 24)] {
+            streamed_call_matches_the_whole_answer(&app, &tools, choice, max_tokens).await;
+        }
+    }
+
+    async fn streamed_call_matches_the_whole_answer(
+        app: &axum::Router,
+        tools: &Value,
+        tool_choice: Value,
+        max_tokens: usize,
+    ) {
         let body = json!({"messages": [{"role": "user", "content": "weather in Paris?"}],
-            "tools": tools, "max_tokens": 8, "temperature": 0,
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
-        let (_, whole) = call_json(&app, "/v1/chat/completions", body.clone()).await;
+            "tools": tools, "max_tokens": max_tokens, "temperature": 0,
+            "tool_choice": tool_choice});
+        let (_, whole) = call_json(app, "/v1/chat/completions", body.clone()).await;
         let mut streamed_body = body;
         streamed_body["stream"] = json!(true);
         let (st, sse) = call(
-            &app,
+            app,
             "POST",
             "/v1/chat/completions",
             &streamed_body.to_string(),
