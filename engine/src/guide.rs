@@ -117,19 +117,26 @@ impl Guide {
     /// done, any). A token of no bytes
     /// (an id the tokenizer lacks) never may: it would not move the text.
     pub fn allows(&self, token: &[u8]) -> bool {
-        if self.done {
-            return true;
-        }
-        if token.is_empty() {
-            return false;
-        }
+        self.done || Self::continues(&self.rests(), token, self.exact)
+    }
+
+    /// What each choice the text is still a prefix of has left to write.
+    fn rests(&self) -> Vec<&[u8]> {
         let n = self.text.len();
-        self.choices.iter().any(|c| {
-            c.len() > n && c[..n] == self.text[..] && {
-                let rest = &c[n..];
-                rest.starts_with(token) || (!self.exact && token.starts_with(rest))
-            }
-        })
+        self.choices
+            .iter()
+            .filter(|c| c.len() > n && c[..n] == self.text[..])
+            .map(|c| &c[n..])
+            .collect()
+    }
+
+    /// Whether `token` writes on towards one of `rests` (or, unless
+    /// `exact`, completes one and goes on).
+    fn continues(rests: &[&[u8]], token: &[u8], exact: bool) -> bool {
+        !token.is_empty()
+            && rests
+                .iter()
+                .any(|r| r.starts_with(token) || (!exact && token.starts_with(r)))
     }
 
     /// Record the token sampled next (one [`allows`](Self::allows)
@@ -148,7 +155,13 @@ impl Guide {
     /// with this vocabulary).
     pub fn mask(&self, table: &TokenBytes, allowed: &mut Vec<bool>) -> Result<()> {
         allowed.clear();
-        allowed.extend((0..table.len()).map(|id| self.allows(table.get(id))));
+        if self.done {
+            allowed.resize(table.len(), true);
+            return Ok(());
+        }
+        let rests = self.rests();
+        allowed
+            .extend((0..table.len()).map(|id| Self::continues(&rests, table.get(id), self.exact)));
         if allowed.iter().any(|&a| a) {
             Ok(())
         } else {
