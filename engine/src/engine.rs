@@ -35,7 +35,6 @@
 //! Not for: HTTP or text (the server), routing across replicas (`router.rs`).
 
 use crate::error::Failure;
-use crate::guide::TokenBytes;
 use crate::kv_cache::{fit_slots, CacheLayout, PagedKvCache, Placement};
 use crate::model::{LinearPacks, PagedPast, PrefillForm, Qwen3_5, SeqCache, SeqInput, WeightDType};
 use crate::params::ParamStore;
@@ -816,7 +815,6 @@ pub fn start(
     let mut engine = EngineLoop {
         store,
         tokenizer,
-        token_table: None,
         eos,
         scheduler,
         pending: HashMap::new(),
@@ -840,9 +838,6 @@ pub fn start(
 struct EngineLoop {
     store: Arc<ParamStore>,
     tokenizer: Option<Arc<Tokenizer>>,
-    /// Each token's bytes, built from the tokenizer when a guided request
-    /// first samples.
-    token_table: Option<Arc<TokenBytes>>,
     eos: Vec<u32>,
     scheduler: Scheduler,
     pending: HashMap<u64, Pending>,
@@ -1125,12 +1120,11 @@ impl EngineLoop {
         let guided = targets
             .iter()
             .any(|&(_, i)| self.scheduler.running[i].sampler.is_guided());
-        if guided && self.token_table.is_none() {
-            if let Some(t) = &self.tokenizer {
-                self.token_table = Some(Arc::new(TokenBytes::new(t, vocab)));
-            }
-        }
-        let table = self.token_table.as_deref();
+        let table = match &self.tokenizer {
+            Some(t) if guided => Some(t.token_table()),
+            _ => None,
+        };
+        let table = table.as_deref();
         // Each target is a different sequence with its own sampler, so the
         // rows may be sampled in parallel; what each draws does not depend
         // on the others.

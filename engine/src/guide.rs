@@ -18,8 +18,9 @@
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 
-/// The bytes each token id decodes to, for a model's whole vocabulary
-/// (ids the tokenizer does not have are empty), packed in one buffer.
+/// The bytes each token id of a tokenizer decodes to, packed in one
+/// buffer ([`Tokenizer::token_table`] builds it once and shares it; ids
+/// past it, which a model's padded vocabulary may have, are empty).
 #[derive(Debug)]
 pub struct TokenBytes {
     bytes: Vec<u8>,
@@ -29,17 +30,9 @@ pub struct TokenBytes {
 }
 
 impl TokenBytes {
-    /// The table of `vocab` ids (the model's, which may be larger than the
-    /// tokenizer's).
-    pub fn new(tokenizer: &Tokenizer, vocab: usize) -> Self {
-        let known = tokenizer.vocab_size();
-        Self::from_tokens((0..vocab).map(|id| {
-            if id < known {
-                tokenizer.token_bytes(id as u32)
-            } else {
-                Vec::new()
-            }
-        }))
+    /// The table of the tokenizer's ids.
+    pub fn new(tokenizer: &Tokenizer) -> Self {
+        Self::from_tokens((0..tokenizer.vocab_size()).map(|id| tokenizer.token_bytes(id as u32)))
     }
 
     /// The table of these tokens' bytes, id by id.
@@ -220,10 +213,10 @@ mod tests {
     #[test]
     fn the_mask_covers_the_vocabulary_and_refuses_an_impossible_choice() {
         let tok = Tokenizer::from_inner(crate::tokenizer::train_bpe(300).unwrap());
-        let vocab = tok.vocab_size() + 5;
-        let table = TokenBytes::new(&tok, vocab);
+        let vocab = tok.vocab_size();
+        let table = TokenBytes::new(&tok);
         assert_eq!(table.len(), vocab);
-        assert!(table.get(vocab - 1).is_empty(), "ids past the tokenizer");
+        assert!(table.get(vocab + 4).is_empty(), "ids past the tokenizer");
         let g = guide(&["=read_file>"]);
         let mut allowed = Vec::new();
         g.mask(&table, &mut allowed).unwrap();

@@ -88,6 +88,8 @@ pub struct Tokenizer {
     /// The decoder is byte-level: a vocabulary entry maps back to bytes
     /// through the byte-level alphabet.
     byte_level: bool,
+    /// Every id's bytes, for guided sampling; built on first use.
+    table: std::sync::OnceLock<std::sync::Arc<crate::guide::TokenBytes>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -156,6 +158,7 @@ impl Tokenizer {
             known,
             added,
             byte_level,
+            table: std::sync::OnceLock::new(),
         }
     }
 
@@ -287,6 +290,15 @@ impl Tokenizer {
         self.decode_generated(&[id], false)
             .unwrap_or_default()
             .into_bytes()
+    }
+
+    /// Every id's bytes ([`token_bytes`](Self::token_bytes)), built on the
+    /// first call (about half a second for Qwen3.5's vocabulary) and shared
+    /// by every engine that holds this tokenizer.
+    pub fn token_table(&self) -> std::sync::Arc<crate::guide::TokenBytes> {
+        self.table
+            .get_or_init(|| std::sync::Arc::new(crate::guide::TokenBytes::new(self)))
+            .clone()
     }
 
     /// Number of token ids, added tokens included. A model's embedding may
