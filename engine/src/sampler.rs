@@ -278,6 +278,8 @@ impl Sampler {
         std::mem::take(&mut self.drawn_on_device)
     }
 
+    /// Draw a token from one row of logits (a sampler with no guide;
+    /// [`sample_with`](Self::sample_with) otherwise).
     pub fn sample(&mut self, logits: &[f32]) -> Result<Sampled> {
         self.sample_with(logits, None)
     }
