@@ -290,16 +290,15 @@ mod tests {
     #[test]
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     fn heap_usage_counts_a_live_allocation() {
+        // 1 GiB reserved, not touched (no resident memory), against a
+        // margin of 256 MiB for what the tests beside this one allocate.
         let (before, _) = heap_usage().expect("glibc has mallinfo2");
-        let block: Vec<u8> = vec![1; 64 << 20];
+        let block: Vec<u8> = std::hint::black_box(Vec::with_capacity(1 << 30));
         let (during, _) = heap_usage().unwrap();
-        assert!(
-            during >= before + (64 << 20) - (1 << 20),
-            "{before} -> {during}"
-        );
-        drop(std::hint::black_box(block));
+        assert!(during >= before + (3 << 28), "{before} -> {during}");
+        drop(block);
         let (after, _) = heap_usage().unwrap();
-        assert!(after + (32 << 20) < during, "{during} -> {after}");
+        assert!(after + (3 << 28) <= during, "{during} -> {after}");
     }
 
     fn tiny_config() -> ModelConfig {
